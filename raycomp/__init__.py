@@ -1,0 +1,29 @@
+"""raycomp: adaptive gradient compression for data-parallel PyTorch training.
+
+This package is the part that runs inside every training worker; it never needs Ray.
+"""
+
+from raycomp.compressors import COMPRESSORS, Compressor, make_compressor
+from raycomp.hook import CompressionState, compression_hook
+from raycomp.payload import Payload
+from raycomp.plan import DENSE, CompressorSpec, Plan
+from raycomp.reducer import CompressedReducer
+from raycomp.stats import LayerStats
+from raycomp.wire import WireLedger
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COMPRESSORS",
+    "DENSE",
+    "CompressedReducer",
+    "CompressionState",
+    "Compressor",
+    "CompressorSpec",
+    "LayerStats",
+    "Payload",
+    "Plan",
+    "WireLedger",
+    "compression_hook",
+    "make_compressor",
+]

@@ -1,0 +1,64 @@
+"""Packing small integer codes (1, 2, 4 or 8 bits each) densely into bytes.
+
+Code ``i`` of a byte occupies bits ``[i*b, (i+1)*b)`` counting from the least
+significant bit. 1-bit packing uses the multiply bit-gather trick on 64-bit words (eight
+0/1 bytes -> one byte in one multiply), which is several times faster than shifting.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALLOWED_BITS = (1, 2, 4, 8)
+_GATHER_1BIT = 0x0102040810204080  # byte i of a 0/1 word lands on bit 56 + i
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a 1-D uint8 (or bool) tensor of codes ``< 2**bits`` into bytes."""
+    if bits not in ALLOWED_BITS:
+        raise ValueError(f"bits: must be one of {ALLOWED_BITS}, got {bits!r}")
+    codes = codes.reshape(-1)
+    if codes.dtype == torch.bool:
+        codes = codes.view(torch.uint8)
+    if bits == 8:
+        return codes.to(torch.uint8)
+    n = codes.numel()
+    if bits == 1:
+        padded = _pad_to(codes, 8)
+        if padded.storage_offset() % 8:  # a view as int64 needs an 8-byte-aligned start
+            padded = padded.clone()
+        words = padded.view(torch.int64)
+        return ((words * _GATHER_1BIT) >> 56).to(torch.uint8)
+    per_byte = 8 // bits
+    grid = _pad_to(codes, per_byte).view(-1, per_byte)
+    out = grid[:, 0].clone()
+    for i in range(1, per_byte):
+        out |= grid[:, i] << (i * bits)
+    assert out.numel() == packed_nbytes(n, bits)
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` codes as uint8."""
+    if bits not in ALLOWED_BITS:
+        raise ValueError(f"bits: must be one of {ALLOWED_BITS}, got {bits!r}")
+    if bits == 8:
+        return packed[:n]
+    per_byte = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    codes = (packed.unsqueeze(1) >> shifts) & mask
+    return codes.reshape(-1)[:n]
+
+
+def _pad_to(codes: torch.Tensor, multiple: int) -> torch.Tensor:
+    # a view-friendly contiguous uint8 tensor whose length is a multiple of `multiple`
+    codes = codes.to(torch.uint8).contiguous()
+    extra = (-codes.numel()) % multiple
+    if extra:
+        codes = torch.cat([codes, codes.new_zeros(extra)])
+    return codes

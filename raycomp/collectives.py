@@ -1,0 +1,285 @@
+"""How payloads travel: one function per transport, each batching all layers it is given.
+
+Every function takes the layers of one bucket that share a transport and returns, per
+layer, a :class:`Reduced`: the mean over ranks, what *this* rank contributed (for error
+feedback) and the bytes this rank put on the wire for it.
+
+Wire bytes are what this rank *transmits* under the bandwidth-optimal algorithm of each
+collective (what a NIC counter sees, framing aside), with ``W`` ranks:
+
+* all-reduce of ``B`` bytes (ring: reduce-scatter + all-gather): ``2 (W - 1) / W * B``
+* all-gather of ``B`` bytes from each rank: ``(W - 1) * B``
+* all-to-all: the bytes addressed to the other ``W - 1`` ranks
+
+The dense-equivalent of a layer is the all-reduce of its uncompressed gradient. Bytes of
+size headers and padding are charged to the pseudo-layer :data:`OVERHEAD`.
+
+No collective is ever given an empty tensor (gloo rejects them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from raycomp.compressors import Compressor
+from raycomp.compressors.powersgd import PowerSGD
+from raycomp.compressors.sparse import scatter_dense
+from raycomp.payload import Payload, pack, unpack_like
+
+OVERHEAD = "(overhead)"
+
+
+@dataclass
+class Reduced:
+    mean: torch.Tensor  # the mean over ranks of what was sent, shaped like the input
+    sent: torch.Tensor  # this rank's own contribution, decompressed
+    wire_bytes: float  # bytes this rank transmitted for this layer
+
+
+@dataclass
+class Group:
+    """A process group with its size and this rank's index (``None`` = default group)."""
+
+    handle: dist.ProcessGroup | None = None
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.handle) if dist.is_initialized() else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.handle) if dist.is_initialized() else 0
+
+    def allreduce_bytes(self, nbytes: int) -> float:
+        w = self.size
+        return 2 * (w - 1) / w * nbytes
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size > 1 and tensor.numel():
+            dist.all_reduce(tensor, group=self.handle)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if self.size == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(out, tensor, group=self.handle)
+        return out
+
+
+def dense_allreduce(tensors: Sequence[torch.Tensor], group: Group) -> list[Reduced]:
+    """Plain all-reduce mean; divides before summing, as DDP does, so results match it."""
+    out: list[Reduced | None] = [None] * len(tensors)
+    for dtype in {t.dtype for t in tensors}:
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = torch.cat([tensors[i].reshape(-1) for i in members]).div_(group.size)
+        group.all_reduce_(flat)
+        for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):
+            t = tensors[i]
+            out[i] = Reduced(mean, t, group.allreduce_bytes(t.numel() * t.element_size()))
+    return out  # type: ignore[return-value]
+
+
+def summable_allreduce(
+    tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor], group: Group
+) -> list[Reduced]:
+    """Payloads that add up element-wise (casts, shared-index Random-K): one all-reduce.
+
+    Inputs are divided by the world size before compression so the sum is the mean and a
+    half-precision sum cannot overflow (as torch's ``fp16_compress_hook``).
+    """
+    w = group.size
+    payloads = [c.compress(t / w) for t, c in zip(tensors, compressors, strict=True)]
+    sent = [c.decompress(p) * w for p, c in zip(payloads, compressors, strict=True)]
+    wire_tensors = [t for p in payloads for t in p.tensors.values()]
+    for dtype in {t.dtype for t in wire_tensors}:
+        members = [t for t in wire_tensors if t.dtype == dtype]
+        flat = group.all_reduce_(torch.cat([t.reshape(-1) for t in members]))
+        for t, total in zip(members, _split(flat, members), strict=True):
+            t.copy_(total)  # payload tensors now hold the sums
+    return [
+        Reduced(c.decompress(p), s, group.allreduce_bytes(p.nbytes))
+        for p, c, s in zip(payloads, compressors, sent, strict=True)
+    ]
+
+
+def sparse_allgather(
+    tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor], group: Group
+) -> tuple[list[Reduced], float]:
+    """Sparse (values, indices) payloads: all-gather, then sum by scatter-add.
+
+    If any payload can vary in size, every rank first all-gathers the element counts of
+    its payload tensors, so all ranks know every peer's layout and the padded length.
+    Returns the per-layer results and the overhead bytes (counts, padding).
+    """
+    w = group.size
+    payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]
+    sent = [c.decompress(p) for p, c in zip(payloads, compressors, strict=True)]
+    overhead = 0.0
+    if any(c.variable_size for c in compressors):
+        counts = torch.tensor(
+            [t.numel() for p in payloads for t in p.tensors.values()], dtype=torch.int64
+        )
+        peer_counts = [c.tolist() for c in group.all_gather(counts)]
+        overhead += (w - 1) * counts.numel() * counts.element_size()
+        layouts = [_layout_with_counts(payloads, pc) for pc in peer_counts]
+    else:
+        layouts = [payloads] * w
+    sizes = [sum(p.nbytes for p in layout) for layout in layouts]
+    padded = max(1, max(sizes))  # never an empty buffer
+    buffer = torch.zeros(padded, dtype=torch.uint8, device=tensors[0].device)
+    own = pack(payloads)
+    buffer[: own.numel()] = own
+    gathered = group.all_gather(buffer)
+    overhead += (w - 1) * (padded - own.numel())
+    per_rank = [
+        unpack_like(buf[:size], layout)
+        for buf, size, layout in zip(gathered, sizes, layouts, strict=True)
+    ]
+    results = []
+    for i, payload in enumerate(payloads):
+        merged = payload.with_tensors(
+            {
+                name: torch.cat([rank_payloads[i].tensors[name] for rank_payloads in per_rank])
+                for name in payload.tensors
+            }
+        )
+        mean = scatter_dense(merged).div_(w)
+        results.append(Reduced(mean, sent[i], (w - 1) * payload.nbytes))
+    return results, overhead
+
+
+def _layout_with_counts(templates: Sequence[Payload], counts: Sequence[int]) -> list[Payload]:
+    it = iter(counts)
+    return [
+        p.with_tensors({n: t.new_empty(next(it)) for n, t in p.tensors.items()}) for p in templates
+    ]
+
+
+class ScalableAllreduce:
+    """Compressed all-reduce whose bytes per rank do not grow with the number of ranks.
+
+    Each layer is cut into ``W`` chunks; chunk ``j`` of every rank goes to rank ``j``
+    (one all-to-all for all layers), which decompresses and averages it, recompresses the
+    average with its own ("server-side") error feedback, and all-gathers it back. This is
+    the scheme of 1-bit Adam (Tang et al., ICML 2021) and Bagua's ByteGrad. Requires
+    fixed-size payloads and at least ``W`` elements per layer. The server residuals are
+    state (one chunk per layer on each rank).
+    """
+
+    def __init__(self, error_feedback: bool = True) -> None:
+        self.error_feedback = error_feedback
+        self.server_residuals: dict[str, torch.Tensor] = {}
+
+    def __call__(
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        compressors: Sequence[Compressor],
+        group: Group,
+    ) -> tuple[list[Reduced], float]:
+        w, me = group.size, group.rank
+        chunked = [_chunks(t.reshape(-1), w) for t in tensors]
+        # payloads[i][j]: layer i, chunk j, compressed here
+        payloads = [[c.compress(ch) for ch in chunks] for c, chunks in zip(compressors, chunked, strict=True)]
+        sent = [
+            torch.cat([c.decompress(p).reshape(-1) for p in row]).reshape(t.shape)
+            for row, c, t in zip(payloads, compressors, tensors, strict=True)
+        ]
+        to_rank = [pack([row[j] for row in payloads]) for j in range(w)]
+        split_bytes = [b.numel() for b in to_rank]
+        mine = [row[me] for row in payloads]
+        received = torch.empty(split_bytes[me] * w, dtype=torch.uint8, device=tensors[0].device)
+        if w > 1:
+            dist.all_to_all_single(
+                received,
+                torch.cat(to_rank),
+                output_split_sizes=[split_bytes[me]] * w,
+                input_split_sizes=split_bytes,
+                group=group.handle,
+            )
+        else:
+            received = to_rank[0]
+        from_ranks = [unpack_like(buf, mine) for buf in received.split(split_bytes[me])]
+
+        recompressed = []
+        for i, (name, comp) in enumerate(zip(names, compressors, strict=True)):
+            average = sum(comp.decompress(r[i]).float() for r in from_ranks) / w
+            if self.error_feedback and comp.lossy:
+                residual = self.server_residuals.get(name)
+                if residual is not None and residual.shape == average.shape:
+                    average = average + residual
+                payload = comp.compress(average)
+                self.server_residuals[name] = average - comp.decompress(payload).float()
+            else:
+                payload = comp.compress(average)
+            recompressed.append(payload)
+
+        padded = max(split_bytes)
+        buffer = torch.zeros(padded, dtype=torch.uint8, device=received.device)
+        own = pack(recompressed)
+        buffer[: own.numel()] = own
+        gathered = group.all_gather(buffer) if w > 1 else [buffer]
+        by_chunk = [
+            unpack_like(buf[: split_bytes[j]], [row[j] for row in payloads])
+            for j, buf in enumerate(gathered)
+        ]
+        results = []
+        for i, (comp, t) in enumerate(zip(compressors, tensors, strict=True)):
+            mean = torch.cat([comp.decompress(by_chunk[j][i]).reshape(-1) for j in range(w)])
+            sent_to_others = sum(payloads[i][j].nbytes for j in range(w) if j != me)
+            wire = sent_to_others + (w - 1) * recompressed[i].nbytes
+            results.append(Reduced(mean.reshape(t.shape).to(t.dtype), sent[i], wire))
+        overhead = (w - 1) * (padded - own.numel())
+        return results, overhead
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.server_residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.server_residuals = {k: v.clone() for k, v in state.items()}
+
+
+def lowrank_allreduce(
+    tensors: Sequence[torch.Tensor], compressors: Sequence[PowerSGD], group: Group
+) -> list[Reduced]:
+    """PowerSGD's two rounds for all layers at once: all-reduce every P, orthogonalise,
+    all-reduce every Q (two collectives per bucket, like torch's ``powerSGD_hook``)."""
+    w = group.size
+    matrices = [
+        t.detach().float().reshape(c.matrix_shape(t.shape))
+        for t, c in zip(tensors, compressors, strict=True)
+    ]
+    ps = [c.project(m) for c, m in zip(compressors, matrices, strict=True)]
+    p_flat = group.all_reduce_(torch.cat([p.reshape(-1) for p in ps])).div_(w)
+    p_hats = [
+        c.orthogonalize(p.reshape(ref.shape).clone())
+        for c, p, ref in zip(compressors, _split(p_flat, ps), ps, strict=True)
+    ]
+    qs = [c.back_project(m, p) for c, m, p in zip(compressors, matrices, p_hats, strict=True)]
+    sent = [(p @ q.T).reshape(t.shape).to(t.dtype) for p, q, t in zip(p_hats, qs, tensors, strict=True)]
+    q_flat = group.all_reduce_(torch.cat([q.reshape(-1) for q in qs])).div_(w)
+    results = []
+    for c, p, q, s, t in zip(compressors, p_hats, _split(q_flat, qs), sent, tensors, strict=True):
+        c.remember(q)
+        wire = group.allreduce_bytes((p.numel() + q.numel()) * 4)
+        results.append(Reduced((p @ q.T).reshape(t.shape).to(t.dtype), s, wire))
+    return results
+
+
+def _chunks(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """``parts`` contiguous near-equal pieces (sizes differ by at most one)."""
+    base, extra = divmod(flat.numel(), parts)
+    return list(flat.split([base + (1 if j < extra else 0) for j in range(parts)]))
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out

@@ -1,0 +1,148 @@
+"""The compressor interface and the checks every compressor shares.
+
+A compressor turns a floating-point tensor into a :class:`~raycomp.payload.Payload`
+and back. It also declares its *transport*: how payloads from several ranks can be
+combined, which decides the collective that carries them (see ``raycomp.collectives``).
+Compressors are per layer and may hold state (warm-start factors, random draws); that
+state round-trips through ``state_dict()`` / ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from raycomp.payload import Payload
+
+
+class Transport(str, enum.Enum):
+    """How payloads of one layer from all ranks are combined into the mean gradient."""
+
+    DENSE = "dense"  # the tensor itself, all-reduced
+    ALLREDUCE = "allreduce"  # payloads are summable element-wise (casts, shared-index Random-K)
+    ALLGATHER = "allgather"  # sparse payloads, possibly of different sizes on each rank
+    SCALABLE = "scalable"  # fixed-size quantized chunks: all-to-all, reduce, recompress, all-gather
+    LOWRANK = "lowrank"  # PowerSGD: all-reduce P, orthogonalise, all-reduce Q
+
+
+class Compressor(ABC):
+    """Base class: validates input, flattens it, and defines the state protocol."""
+
+    name: ClassVar[str]
+    transport: ClassVar[Transport]
+    #: E[decompress(compress(x))] == x for every x.
+    unbiased: ClassVar[bool] = False
+    #: Every rank must draw the same random numbers (seed shared, not per rank).
+    shared_randomness: ClassVar[bool] = False
+    #: The payload size depends on the values, not only on the number of elements.
+    variable_size: ClassVar[bool] = False
+    #: The payload keeps some elements exactly and drops the rest (DGC masks those).
+    sparse: ClassVar[bool] = False
+    #: Lossless (or cast-only) compressors need no error feedback.
+    lossy: ClassVar[bool] = True
+
+    def compress(self, tensor: torch.Tensor) -> Payload:
+        check_float_tensor(tensor)
+        return self._compress(tensor.detach().reshape(-1), tensor.shape, tensor.dtype)
+
+    @abstractmethod
+    def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
+        """Compress ``flat`` (1-D, contiguous, original dtype) of original ``shape``."""
+
+    @abstractmethod
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        """Rebuild a tensor of ``payload.shape`` and ``payload.dtype``."""
+
+    def accepts(self, shape: torch.Size) -> bool:
+        """Whether compressing a tensor of this shape is meaningful (else it goes dense)."""
+        return math.prod(shape) > 0
+
+    def params(self) -> dict[str, Any]:
+        """Constructor arguments, so a compressor can be rebuilt from a plan."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"compressor {self.name!r} holds no state, got keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+
+def check_float_tensor(tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise ValueError(
+            f"tensor: dtype {tensor.dtype} is not supported; allowed: floating-point dtypes "
+            "(float32, float16, bfloat16, float64)"
+        )
+
+
+def check_ratio(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{field}: expected a number in (0, 1], got {value!r}")
+    if not (0.0 < float(value) <= 1.0) or math.isnan(float(value)):
+        raise ValueError(f"{field}: must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def check_int(field: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field}: expected an integer >= {low}, got {value!r}")
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{field}: must be {allowed}, got {value!r}")
+    return value
+
+
+def check_positive(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{field}: expected a positive number, got {value!r}")
+    if math.isinf(float(value)):
+        raise ValueError(f"{field}: must be finite, got {value!r}")
+    return float(value)
+
+
+def mix_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any parts (stable across processes, unlike ``hash``)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class SeededDraws:
+    """Random numbers owned by a compressor: never the global RNG.
+
+    Every call to :meth:`generator` returns a generator seeded from ``(seed, draw)``
+    and advances ``draw``; two compressors with the same seed and draw count produce the
+    same numbers on any device, which is what makes shared-index Random-K summable.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = check_int("seed", seed, 0)
+        self.draws = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        gen.manual_seed(mix_seed(self.seed, self.draws))
+        self.draws += 1
+        return gen
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "draws": self.draws}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
+        self.draws = int(state["draws"])

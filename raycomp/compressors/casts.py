@@ -1,0 +1,38 @@
+"""Half-precision casts: fp16 and bf16 payloads, summed directly by all-reduce.
+
+Like torch's ``fp16_compress_hook`` / ``bf16_compress_hook``; the collective divides by the
+world size *before* the cast so that the fp16 sum cannot overflow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raycomp.compressors.base import Compressor, Transport
+from raycomp.payload import Payload
+
+
+class _Cast(Compressor):
+    transport = Transport.ALLREDUCE
+    lossy = False  # rounding only; error feedback would chase noise
+    wire_dtype: torch.dtype
+
+    def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
+        return Payload({"values": flat.to(self.wire_dtype)}, shape, dtype)
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors["values"].to(payload.dtype).reshape(payload.shape)
+
+
+class Fp16(_Cast):
+    """IEEE half precision (2 bytes per element)."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class Bf16(_Cast):
+    """bfloat16 (2 bytes per element, fp32's exponent range)."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16

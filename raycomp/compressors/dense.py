@@ -1,0 +1,23 @@
+"""No compression: the gradient travels as it is (plain all-reduce)."""
+
+from __future__ import annotations
+
+import torch
+
+from raycomp.compressors.base import Compressor, Transport
+from raycomp.payload import Payload
+
+
+class Dense(Compressor):
+    """The identity; the plan's way to say "all-reduce this layer uncompressed"."""
+
+    name = "none"
+    transport = Transport.DENSE
+    unbiased = True
+    lossy = False
+
+    def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
+        return Payload({"values": flat}, shape, dtype)
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors["values"].reshape(payload.shape)

@@ -1,0 +1,37 @@
+"""Fixed-threshold sparsification."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raycomp.compressors.base import Compressor, Transport, check_positive
+from raycomp.compressors.sparse import scatter_dense, sparse_payload
+from raycomp.payload import Payload
+
+
+class Threshold(Compressor):
+    """Send every element with ``|x| >= threshold``; the rest waits in error feedback.
+
+    Strom, "Scalable Distributed DNN Training Using Commodity GPU Cloud Computing",
+    Interspeech 2015. Payload size varies with the data: values + int32 indices.
+    """
+
+    name = "threshold"
+    transport = Transport.ALLGATHER
+    sparse = True
+    variable_size = True
+
+    def __init__(self, threshold: float = 1e-3) -> None:
+        self.threshold = check_positive("threshold", threshold)
+
+    def params(self) -> dict[str, Any]:
+        return {"threshold": self.threshold}
+
+    def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
+        indices = torch.nonzero(flat.abs() >= self.threshold).squeeze(1)
+        return sparse_payload(flat, indices, shape, dtype)
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return scatter_dense(payload)

@@ -1,0 +1,134 @@
+"""The DDP communication hook, and the same reduction for a plain list of gradients.
+
+Usage, like torch's ``powerSGD_hook``::
+
+    state = raycomp.CompressionState(ddp_model, plan=raycomp.Plan.uniform("topk", ratio=0.01))
+    ddp_model.register_comm_hook(state, raycomp.compression_hook)
+    ...
+    state.set_plan(new_plan)        # takes effect at the next step, on this rank
+
+Without DDP (e.g. a custom data-parallel loop)::
+
+    state = raycomp.CompressionState(model, plan=...)
+    loss.backward()
+    state.allreduce_gradients()     # replaces each .grad by the compressed mean
+
+The hook runs each bucket's reduction on one background thread (in bucket order, which
+is the same on every rank) and returns a future, so backward keeps computing the next
+buckets while this one communicates. Gradient accumulation with ``no_sync()`` needs
+nothing special: DDP calls the hook only on the synchronising step, with the
+accumulated gradients.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raycomp.memory import Memory
+from raycomp.plan import Plan
+from raycomp.reducer import CompressedReducer
+
+
+class CompressionState(CompressedReducer):
+    """A :class:`CompressedReducer` that knows the model's parameter names.
+
+    Args:
+        model: the model (DDP-wrapped or not); parameter names come from
+            ``named_parameters()`` with DDP's ``module.`` prefix removed.
+        async_comm: run bucket reductions on a background thread (DDP hook only).
+        Other arguments: see :class:`CompressedReducer`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: Plan | None = None,
+        *,
+        process_group: Any = None,
+        memory: str | Memory = "residual",
+        min_compress_numel: int = 1024,
+        seed: int = 0,
+        stats_every: int = 0,
+        async_comm: bool = True,
+    ) -> None:
+        super().__init__(
+            plan,
+            process_group=process_group,
+            memory=memory,
+            min_compress_numel=min_compress_numel,
+            seed=seed,
+            stats_every=stats_every,
+        )
+        module = getattr(model, "module", model)
+        self.parameters = [p for p in module.parameters() if p.requires_grad]
+        self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raycomp-comm")
+            if async_comm
+            else None
+        )
+
+    def name_of(self, parameter: torch.Tensor) -> str:
+        try:
+            return self._names[id(parameter)]
+        except KeyError:
+            raise ValueError(
+                "a gradient bucket holds a parameter that is not in the model given to "
+                "CompressionState; build the state from the same model that DDP wraps"
+            ) from None
+
+    def allreduce_gradients(self) -> None:
+        """Replace every parameter's ``.grad`` by its compressed mean across ranks."""
+        params = [p for p in self.parameters if p.grad is not None]
+        means = self.reduce([self.name_of(p) for p in params], [p.grad for p in params])
+        for p, mean in zip(params, means, strict=True):
+            p.grad.copy_(mean)
+        self.end_step()
+
+    def submit(self, work: Callable[[], torch.Tensor | None]) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(work())
+            except BaseException as error:  # noqa: BLE001 - DDP re-raises it in backward
+                future.set_exception(error)
+
+        if self._executor is None:
+            run()
+        else:
+            self._executor.submit(run)
+        return future
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("CompressionState holds threads and a process group; save state_dict() instead")
+
+
+def compression_hook(
+    state: CompressionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the bucket's compressed mean, per parameter as the plan says."""
+    names = [state.name_of(p) for p in bucket.parameters()]
+    grads = bucket.gradients()
+    buffer = bucket.buffer()
+    last = bucket.is_last()
+
+    def reduce_bucket() -> torch.Tensor:
+        means = state.reduce(names, grads)
+        out = torch.cat([m.reshape(-1) for m in means]) if means else buffer
+        if out.numel() != buffer.numel():
+            raise RuntimeError(f"bucket buffer has {buffer.numel()} elements, gradients {out.numel()}")
+        if last:
+            state.end_step()
+        return out.to(buffer.dtype).view(buffer.shape)
+
+    return state.submit(reduce_bucket)

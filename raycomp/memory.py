@@ -1,0 +1,141 @@
+"""Error feedback: what compression left out is kept per layer and sent later.
+
+Two memories share one protocol, used by ``raycomp.reducer`` for every layer and step::
+
+    compensated = memory.compensate(name, grad)      # before compression
+    ...compress / communicate...                      # 'sent' = this rank's contribution
+    memory.update(name, compensated, sent, sparse)   # after
+
+* :class:`ResidualMemory` — error feedback (Seide et al., "1-Bit Stochastic Gradient
+  Descent", Interspeech 2014; Karimireddy et al., ICML 2019): ``e <- (g + e) - sent``,
+  so mass is conserved exactly: ``sent + e_new == g + e_old``.
+* :class:`DGCMemory` — Deep Gradient Compression's momentum correction, momentum-factor
+  masking and local gradient clipping (Lin et al., ICLR 2018, Algorithm 1 and Sec. 3.2).
+  It accumulates the *velocity*, so the optimizer itself must run without momentum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+
+
+class Memory(Protocol):
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor: ...
+
+    def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor, sparse: bool) -> None: ...
+
+    def residual(self, name: str) -> torch.Tensor | None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class NoMemory:
+    """No error feedback: what compression drops is lost."""
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+    def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor, sparse: bool) -> None:
+        pass
+
+    def residual(self, name: str) -> torch.Tensor | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class ResidualMemory:
+    """Error feedback with one residual tensor per layer (absent while it is zero)."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        residual = self.residuals.get(name)
+        return grad if residual is None else grad + residual.to(grad.dtype)
+
+    def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor, sparse: bool) -> None:
+        if sent is compensated:  # sent in full (dense): nothing left over
+            self.residuals.pop(name, None)
+            return
+        # the residual is kept in fp32 even for half-precision gradients: it accumulates
+        self.residuals[name] = compensated.float() - sent.float()
+
+    def residual(self, name: str) -> torch.Tensor | None:
+        return self.residuals.get(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+
+class DGCMemory:
+    """DGC's local accumulation with momentum correction (Lin et al., ICLR 2018).
+
+    Per layer::
+
+        g <- clip(g, clip_norm / sqrt(world_size))   (local clipping, optional, per layer)
+        u <- m * u + g                               (momentum correction)
+        v <- v + u                                    (accumulated velocity; compressed)
+        after sending: v <- v - sent;  u[sent positions] <- 0   (momentum-factor masking)
+
+    Layers sent in full (dense) keep their momentum: ``v`` empties, ``u`` is not masked,
+    which is plain momentum SGD. Clipping is per layer because a comm hook sees one bucket
+    at a time, not the whole model's norm.
+    """
+
+    def __init__(self, momentum: float = 0.9, clip_norm: float | None = None, world_size: int = 1) -> None:
+        if not (0.0 <= momentum < 1.0):
+            raise ValueError(f"momentum: must be in [0, 1), got {momentum!r}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm: must be positive or null, got {clip_norm!r}")
+        self.momentum = float(momentum)
+        self.clip_norm = clip_norm
+        self.world_size = world_size
+        self.velocity: dict[str, torch.Tensor] = {}  # u
+        self.accumulated: dict[str, torch.Tensor] = {}  # v
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        g = grad.float()
+        if self.clip_norm is not None:
+            limit = self.clip_norm / math.sqrt(self.world_size)
+            norm = torch.linalg.vector_norm(g)
+            if norm > limit:
+                g = g * (limit / norm)
+        u = self.velocity.get(name)
+        u = g.clone() if u is None else u.mul_(self.momentum).add_(g)
+        self.velocity[name] = u
+        v = self.accumulated.get(name)
+        return (u.clone() if v is None else v + u).to(grad.dtype)
+
+    def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor, sparse: bool) -> None:
+        if sent is compensated:
+            self.accumulated.pop(name, None)
+            return
+        self.accumulated[name] = compensated.float() - sent.float()
+        if sparse:
+            self.velocity[name].masked_fill_(sent != 0, 0.0)
+
+    def residual(self, name: str) -> torch.Tensor | None:
+        return self.accumulated.get(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "velocity": {k: v.clone() for k, v in self.velocity.items()},
+            "accumulated": {k: v.clone() for k, v in self.accumulated.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.velocity = {k: v.clone() for k, v in state["velocity"].items()}
+        self.accumulated = {k: v.clone() for k, v in state["accumulated"].items()}

@@ -1,0 +1,147 @@
+"""The messages between workers and the controller: the Plan (controller -> every rank).
+
+A :class:`Plan` says, for every layer, which compressor (and with which parameters) its
+gradient uses, or that the whole model falls back to dense all-reduce. Plans are
+immutable, versioned, and serialise to JSON; :meth:`Plan.digest` is what ranks compare to
+prove they hold the same plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from raycomp.compressors import compressor_class, compressor_parameters, make_compressor
+from raycomp.compressors.base import Compressor, mix_seed
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    """A compressor by registry name and parameters; validated when created."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        make_compressor(self.name, **dict(self.params))  # raises ValueError naming the field
+
+    @classmethod
+    def of(cls, name: str, **params: Any) -> CompressorSpec:
+        return cls(name, tuple(sorted(params.items())))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CompressorSpec:
+        if not isinstance(data, Mapping) or "name" not in data:
+            raise ValueError(f"compressor: expected a mapping with a 'name', got {data!r}")
+        params = {k: v for k, v in data.items() if k != "name"}
+        return cls.of(data["name"], **params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **dict(self.params)}
+
+    @property
+    def is_dense(self) -> bool:
+        return self.name == "none"
+
+    def build(self, layer: str, rank: int, base_seed: int = 0) -> Compressor:
+        """A fresh compressor for ``layer`` on ``rank``.
+
+        Compressors that draw random numbers get a seed derived from the layer name, and
+        from the rank unless all ranks must draw the same numbers (Random-K, PowerSGD).
+        """
+        params = dict(self.params)
+        if "seed" in compressor_parameters(self.name) and "seed" not in params:
+            cls = compressor_class(self.name)
+            owner = "shared" if cls.shared_randomness else rank
+            params["seed"] = mix_seed(base_seed, layer, owner)
+        return make_compressor(self.name, **params)
+
+    def __str__(self) -> str:
+        args = ",".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.name}({args})" if args else self.name
+
+
+DENSE = CompressorSpec("none")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which compressor each layer uses; ``dense=True`` overrides everything (fallback).
+
+    Attributes:
+        version: increases with every decision the controller publishes.
+        default: spec for layers without an entry in ``layers``.
+        layers: per-layer overrides, by parameter name.
+        dense: fall back to plain all-reduce for every layer.
+        reason: why this plan was chosen (shown in logs, metrics and summaries).
+    """
+
+    version: int = 0
+    default: CompressorSpec = DENSE
+    layers: tuple[tuple[str, CompressorSpec], ...] = ()
+    dense: bool = False
+    reason: str = ""
+    _by_layer: dict[str, CompressorSpec] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise ValueError(f"plan.version: expected an integer >= 0, got {self.version!r}")
+        object.__setattr__(self, "_by_layer", dict(self.layers))
+
+    @classmethod
+    def uniform(cls, name: str, *, version: int = 0, reason: str = "", **params: Any) -> Plan:
+        """Every layer with the same compressor."""
+        return cls(version=version, default=CompressorSpec.of(name, **params), reason=reason)
+
+    @classmethod
+    def per_layer(
+        cls, layers: Mapping[str, CompressorSpec], *, default: CompressorSpec = DENSE,
+        version: int = 0, reason: str = "",
+    ) -> Plan:
+        return cls(version, default, tuple(sorted(layers.items())), reason=reason)
+
+    def spec_for(self, layer: str) -> CompressorSpec:
+        if self.dense:
+            return DENSE
+        return self._by_layer.get(layer, self.default)
+
+    def with_version(self, version: int) -> Plan:
+        return replace(self, version=version)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "default": self.default.to_dict(),
+            "layers": {name: spec.to_dict() for name, spec in self.layers},
+            "dense": self.dense,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        unknown = set(data) - {"version", "default", "layers", "dense", "reason"}
+        if unknown:
+            raise ValueError(f"plan: unknown key {sorted(unknown)[0]!r}")
+        layers = {k: CompressorSpec.from_dict(v) for k, v in dict(data.get("layers", {})).items()}
+        return cls(
+            version=data.get("version", 0),
+            default=CompressorSpec.from_dict(data.get("default", {"name": "none"})),
+            layers=tuple(sorted(layers.items())),
+            dense=bool(data.get("dense", False)),
+            reason=str(data.get("reason", "")),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def digest(self) -> int:
+        """63-bit fingerprint of the plan's content and version (equal on agreeing ranks)."""
+        raw = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
+        return int.from_bytes(raw, "little") & ((1 << 63) - 1)

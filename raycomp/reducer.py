@@ -1,0 +1,224 @@
+"""The compressed mean of gradients across ranks, layer by layer, under a Plan.
+
+For every layer of a reduction call the reducer
+
+1. looks up the layer's compressor in the current plan (tiny, 1-D-only-when-dense, or
+   incompressible layers go dense — the same decision on every rank, since it depends only
+   on the plan, the name, the shape and the world size);
+2. adds the error-feedback memory to the gradient;
+3. hands all layers of one transport to that transport's collective in one batch;
+4. keeps what was not sent in memory, counts wire bytes, and on statistics steps
+   measures per-layer statistics.
+
+A plan set with :meth:`set_plan` is installed when the next step begins, never in the
+middle of a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from raycomp import collectives
+from raycomp.collectives import Group, Reduced
+from raycomp.compressors import Compressor, Transport
+from raycomp.memory import DGCMemory, Memory, NoMemory, ResidualMemory
+from raycomp.plan import CompressorSpec, Plan
+from raycomp.stats import LayerStats, layer_stats
+from raycomp.wire import WireLedger
+
+MEMORIES = ("residual", "dgc", "none")
+
+
+def make_memory(kind: str, world_size: int, **options: Any) -> Memory:
+    if kind == "residual":
+        return ResidualMemory()
+    if kind == "dgc":
+        return DGCMemory(world_size=world_size, **options)
+    if kind == "none":
+        return NoMemory()
+    raise ValueError(f"memory: unknown kind {kind!r}; allowed: {', '.join(MEMORIES)}")
+
+
+class CompressedReducer:
+    """Compressed all-reduce mean of named gradients, with state that checkpoints.
+
+    Args:
+        plan: initial plan (default: everything dense).
+        process_group: the group to reduce over (default group if None).
+        memory: ``"residual"`` (error feedback), ``"dgc"`` (momentum correction; run the
+            optimizer without momentum) or ``"none"``; or a Memory object.
+        min_compress_numel: layers with fewer elements always go dense (latency dominates).
+        seed: base seed for compressors' random draws.
+        stats_every: measure :class:`LayerStats` every this many steps (0: never).
+    """
+
+    def __init__(
+        self,
+        plan: Plan | None = None,
+        *,
+        process_group: Any = None,
+        memory: str | Memory = "residual",
+        min_compress_numel: int = 1024,
+        seed: int = 0,
+        stats_every: int = 0,
+    ) -> None:
+        if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 0:
+            raise ValueError(f"min_compress_numel: expected an integer >= 0, got {min_compress_numel!r}")
+        if isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 0:
+            raise ValueError(f"stats_every: expected an integer >= 0, got {stats_every!r}")
+        self.group = Group(process_group)
+        self.memory = make_memory(memory, self.group.size) if isinstance(memory, str) else memory
+        self.min_compress_numel = min_compress_numel
+        self.seed = seed
+        self.stats_every = stats_every
+        self.scalable = collectives.ScalableAllreduce()
+        self.ledger = WireLedger()
+        self.step = 0
+        self._plan = plan or Plan()
+        self._pending: Plan | None = None
+        self._in_step = False
+        self._compressors: dict[str, tuple[CompressorSpec, Compressor]] = {}
+        self.stats: list[LayerStats] = []  # of the latest statistics step
+        self.nonfinite_layers: list[str] = []  # of the current step
+
+    # --- plan and step boundaries -----------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    def set_plan(self, plan: Plan) -> None:
+        """Install ``plan`` at the start of the next step (immediately if between steps)."""
+        if self._in_step:
+            self._pending = plan
+        else:
+            self._plan = plan
+
+    def begin_step(self) -> None:
+        if self._in_step:
+            return
+        if self._pending is not None:
+            self._plan, self._pending = self._pending, None
+        self._in_step = True
+        self.nonfinite_layers = []
+        if self.collecting_stats:
+            self.stats = []
+
+    def end_step(self) -> None:
+        self._in_step = False
+        self.step += 1
+        if self._pending is not None:
+            self._plan, self._pending = self._pending, None
+
+    @property
+    def collecting_stats(self) -> bool:
+        return self.stats_every > 0 and self.step % self.stats_every == 0
+
+    # --- the reduction ------------------------------------------------------------------
+    def compressor_for(self, layer: str) -> Compressor:
+        spec = self._plan.spec_for(layer)
+        cached = self._compressors.get(layer)
+        if cached is None or cached[0] != spec:
+            cached = (spec, spec.build(layer, self.group.rank, self.seed))
+            self._compressors[layer] = cached
+        return cached[1]
+
+    def transport_for(self, layer: str, shape: torch.Size) -> Transport:
+        compressor = self.compressor_for(layer)
+        numel = shape.numel()
+        if numel < max(1, self.min_compress_numel) or not compressor.accepts(shape):
+            return Transport.DENSE
+        if compressor.transport is Transport.SCALABLE and numel < self.group.size:
+            return Transport.DENSE
+        return compressor.transport
+
+    def reduce(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean over ranks of each gradient, compressed as the plan says."""
+        self.begin_step()
+        routes: dict[Transport, list[int]] = {}
+        compensated: list[torch.Tensor] = []
+        finite: list[bool] = []
+        for i, (name, grad) in enumerate(zip(names, grads, strict=True)):
+            if not grad.is_floating_point():
+                raise ValueError(f"gradient {name!r}: dtype {grad.dtype} is not floating point")
+            routes.setdefault(self.transport_for(name, grad.shape), []).append(i)
+            ok = bool(torch.isfinite(grad).all())
+            finite.append(ok)
+            if not ok:
+                self.nonfinite_layers.append(name)
+            # a non-finite gradient must not poison the memory: it travels as it is
+            compensated.append(self.memory.compensate(name, grad) if ok else grad)
+
+        reduced: list[Reduced | None] = [None] * len(grads)
+        for transport, members in routes.items():
+            for i, result in zip(members, self._run(transport, members, names, compensated), strict=True):
+                reduced[i] = result
+
+        for i, name in enumerate(names):
+            result = reduced[i]
+            assert result is not None
+            compressor = self.compressor_for(name)
+            dense = self.group.allreduce_bytes(grads[i].numel() * grads[i].element_size())
+            self.ledger.add(name, result.wire_bytes, dense)
+            if finite[i]:
+                lossy = result.sent is not compensated[i] and compressor.lossy
+                sent = result.sent if lossy else compensated[i]
+                self.memory.update(name, compensated[i], sent, compressor.sparse)
+            if self.collecting_stats:
+                kind = compressor.name if result.sent is not compensated[i] else "none"
+                self.stats.append(
+                    layer_stats(name, kind, grads[i], compensated[i], result.sent,
+                                self.memory.residual(name), result.wire_bytes, dense)
+                )
+        return [r.mean for r in reduced]  # type: ignore[union-attr]
+
+    def _run(
+        self, transport: Transport, members: list[int], names: Sequence[str], tensors: list[torch.Tensor]
+    ) -> list[Reduced]:
+        group_tensors = [tensors[i] for i in members]
+        if transport is Transport.DENSE:
+            return collectives.dense_allreduce(group_tensors, self.group)
+        compressors = [self.compressor_for(names[i]) for i in members]
+        if transport is Transport.ALLREDUCE:
+            return collectives.summable_allreduce(group_tensors, compressors, self.group)
+        if transport is Transport.LOWRANK:
+            return collectives.lowrank_allreduce(group_tensors, compressors, self.group)  # type: ignore[arg-type]
+        if transport is Transport.ALLGATHER:
+            results, overhead = collectives.sparse_allgather(group_tensors, compressors, self.group)
+        else:
+            group_names = [names[i] for i in members]
+            results, overhead = self.scalable(group_names, group_tensors, compressors, self.group)
+        self.ledger.add(collectives.OVERHEAD, overhead)
+        return results
+
+    # --- checkpointing -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-for-bit: step, plan, memory, compressor state."""
+        return {
+            "step": self.step,
+            "plan": self._plan.to_dict(),
+            "pending_plan": None if self._pending is None else self._pending.to_dict(),
+            "memory": self.memory.state_dict(),
+            "server_residuals": self.scalable.state_dict(),
+            "compressors": {
+                name: {"spec": spec.to_dict(), "state": comp.state_dict()}
+                for name, (spec, comp) in self._compressors.items()
+            },
+            "ledger": self.ledger.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self._plan = Plan.from_dict(state["plan"])
+        self._pending = None if state["pending_plan"] is None else Plan.from_dict(state["pending_plan"])
+        self.memory.load_state_dict(state["memory"])
+        self.scalable.load_state_dict(state["server_residuals"])
+        self._compressors = {}
+        for name, entry in state["compressors"].items():
+            spec = CompressorSpec.from_dict(entry["spec"])
+            compressor = spec.build(name, self.group.rank, self.seed)
+            compressor.load_state_dict(entry["state"])
+            self._compressors[name] = (spec, compressor)
+        self.ledger.load_state_dict(state["ledger"])

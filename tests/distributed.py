@@ -1,0 +1,74 @@
+"""Run a function on W real gloo processes and collect what each rank returns.
+
+Functions must live at module level (they are pickled by reference into spawned
+processes). Any exception on any rank fails the caller with that rank's traceback; a
+rank that does not finish within ``timeout`` fails it too (no silent hang).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, args, queue, pg_timeout_s):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        # plain pickle bytes: torch would otherwise share memory with a process about to exit
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120, pg_timeout_s: float = 60
+) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, pg_timeout_s))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("distributed run failed on " + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
