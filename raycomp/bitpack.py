@@ -48,7 +48,6 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise ValueError(f"bits: must be one of {ALLOWED_BITS}, got {bits!r}")
     if bits == 8:
         return packed[:n]
-    per_byte = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
     codes = (packed.unsqueeze(1) >> shifts) & mask

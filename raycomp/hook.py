@@ -20,7 +20,7 @@ nothing special: DDP calls the hook only on the synchronising step, with the
 accumulated gradients.
 """
 
-from __future__ import annotations
+# no "from __future__ import annotations": DDP checks the hook's annotations at run time
 
 import concurrent.futures
 from collections.abc import Callable

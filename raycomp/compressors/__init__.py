@@ -38,7 +38,12 @@ COMPRESSORS: dict[str, type[Compressor]] = {
 
 def compressor_parameters(name: str) -> list[str]:
     """The parameters a compressor accepts (constructor keywords)."""
-    return [p for p in inspect.signature(compressor_class(name).__init__).parameters if p != "self"]
+    signature = inspect.signature(compressor_class(name).__init__)
+    # classes without their own __init__ show object's (self, /, *args, **kwargs): no keywords
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [
+        p.name for p in signature.parameters.values() if p.name != "self" and p.kind not in variadic
+    ]
 
 
 def compressor_class(name: str) -> type[Compressor]:

@@ -39,7 +39,8 @@ class MinMaxInt8(Compressor):
         low, high = torch.aminmax(chunks, dim=1)
         step = (high - low) / 255
         step = torch.where(step > 0, step, 1.0)
-        codes = ((chunks - low[:, None]) / step[:, None]).round_().clamp_(0, 255).to(torch.uint8)
+        # one temporary, then in place: this runs over every gradient element
+        codes = (chunks - low[:, None]).div_(step[:, None]).round_().clamp_(0, 255).to(torch.uint8)
         bounds = torch.stack([low, high], dim=1)
         return Payload({"codes": codes.reshape(-1)[:n], "bounds": bounds}, shape, dtype)
 

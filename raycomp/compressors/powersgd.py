@@ -68,21 +68,27 @@ class PowerSGD(Compressor):
     def project(self, matrix: torch.Tensor) -> torch.Tensor:
         rows, cols = matrix.shape
         r = min(self.rank, rows, cols)
-        if (
-            self._q is None
-            or not self.warm_start
-            or self._q.shape != (cols, r)
-            # a zero column stays zero forever (M @ 0 = 0), e.g. after an all-zero gradient
-            or not bool(self._q.any(dim=0).all())
-        ):
+        if self._q is None or not self.warm_start or self._q.shape != (cols, r):
             gen = self._draws.generator(matrix.device)
             self._q = torch.randn(cols, r, generator=gen, device=matrix.device)
+        else:
+            # a zero column would stay zero forever (M @ 0 = 0), e.g. after an all-zero
+            # gradient: redraw such columns, keep the others warm
+            dead = ~self._q.any(dim=0)
+            if bool(dead.any()):
+                gen = self._draws.generator(matrix.device)
+                fresh = torch.randn(cols, r, generator=gen, device=matrix.device)
+                self._q = torch.where(dead, fresh, self._q)
         return matrix @ self._q
 
     def orthogonalize(self, p: torch.Tensor) -> torch.Tensor:
         """Modified Gram-Schmidt on the columns, in place; near-zero columns become zero."""
         for i in range(p.shape[1]):
             column = p[:, i]
+            if i:  # project out earlier columns again: for a (nearly) dependent column one pass
+                # leaves rounding noise along them, which normalising would blow up to O(1)
+                done = p[:, :i]
+                column.sub_(done @ (done.T @ column))
             norm = torch.linalg.vector_norm(column)
             if norm > self.epsilon:
                 column.div_(norm)
@@ -94,7 +100,8 @@ class PowerSGD(Compressor):
         return p
 
     def back_project(self, matrix: torch.Tensor, p_hat: torch.Tensor) -> torch.Tensor:
-        return matrix.T @ p_hat
+        # (P^T M)^T reads M row-major, several times faster than M^T @ P on CPU
+        return (p_hat.T @ matrix).T
 
     def remember(self, q: torch.Tensor) -> None:
         self._q = q.clone() if self.warm_start else None

@@ -40,8 +40,21 @@ class RandomK(Compressor):
         return {"ratio": self.ratio, "scale": self.scale, "seed": self._draws.seed}
 
     def _indices(self, numel: int, device: torch.device) -> torch.Tensor:
+        k = sparse_k(numel, self.ratio)
         gen = self._draws.generator(device)
-        return torch.randperm(numel, generator=gen, device=device)[: sparse_k(numel, self.ratio)]
+        if 4 * k > numel:
+            return torch.randperm(numel, generator=gen, device=device)[:k]
+        # k << N: a full randperm(N) would cost O(N). Draw with replacement and keep the
+        # first k distinct values in draw order, which is a uniform k-subset (sequential
+        # sampling without replacement). 2k draws miss k distinct ones with negligible
+        # probability for k <= N/4; then fall back to randperm (still deterministic).
+        draws = torch.randint(0, numel, (2 * k,), generator=gen, device=device)
+        distinct, inverse = torch.unique(draws, return_inverse=True)
+        if distinct.numel() < k:
+            return torch.randperm(numel, generator=gen, device=device)[:k]
+        order = torch.arange(draws.numel(), device=device)
+        first = torch.full_like(distinct, draws.numel()).scatter_reduce_(0, inverse, order, "amin")
+        return distinct[first.argsort()[:k]]
 
     def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
         indices = self._indices(flat.numel(), flat.device)

@@ -23,10 +23,10 @@ class ScaledSign(Compressor):
     transport = Transport.SCALABLE
 
     def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
-        scale = flat.float().abs().mean().reshape(1)
+        scale = (torch.linalg.vector_norm(flat.float(), ord=1) / flat.numel()).reshape(1)
         return Payload({"bits": pack_bits(flat >= 0, 1), "scale": scale}, shape, dtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         bits = unpack_bits(payload.tensors["bits"], 1, payload.numel)
-        values = (bits.float() * 2 - 1) * payload.tensors["scale"]
-        return values.to(payload.dtype).reshape(payload.shape)
+        scale = payload.tensors["scale"].to(payload.dtype)
+        return torch.where(bits.bool(), scale, -scale).reshape(payload.shape)

@@ -1,0 +1,1 @@
+"""Benchmark and job entry points (``python -m jobs.bench ...``)."""

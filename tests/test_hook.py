@@ -1,0 +1,255 @@
+"""The DDP comm hook on real gloo processes, and the same reduction without DDP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from raycomp import CompressedReducer, CompressionState, Plan, compression_hook
+from tests.distributed import run_distributed
+
+
+def _model(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every rank
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10)).to(dtype)
+
+
+def _batch(rank: int, step: int = 0, n: int = 16, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(n, 32, generator=gen).to(dtype), torch.randint(0, 10, (n,), generator=gen)
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _backward(model, rank, step=0, dtype=torch.float32):
+    x, y = _batch(rank, step, dtype=dtype)
+    nn.functional.cross_entropy(model(x).float(), y).backward()
+
+
+# small bucket cap: several buckets, so the hook's per-bucket path and step boundary run
+DDP_KW = {"bucket_cap_mb": 0.01}
+
+
+def _dense_vs_plain_ddp(rank: int, world_size: int):
+    plain = DDP(_model(), **DDP_KW)
+    hooked = DDP(_model(), **DDP_KW)
+    state = CompressionState(hooked, Plan(), min_compress_numel=0)
+    hooked.register_comm_hook(state, compression_hook)
+    out = []
+    for step in range(3):  # buckets are rebuilt after the first iteration
+        for m in (plain, hooked):
+            m.zero_grad()
+            _backward(m, rank, step)
+        out.append((_grads(plain), _grads(hooked)))
+    state.close()
+    return out, state.step
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dense_plan_equals_plain_ddp_bit_for_bit(world_size):
+    for out, steps in run_distributed(_dense_vs_plain_ddp, world_size):
+        assert steps == 3
+        for plain, hooked in out:
+            for a, b in zip(plain, hooked, strict=True):
+                assert torch.equal(a, b)
+
+
+def _hook_vs_plain_list(rank: int, world_size: int, plan: dict):
+    plan = Plan.from_dict(plan)
+    ddp = DDP(_model(), **DDP_KW)
+    state = CompressionState(ddp, plan, min_compress_numel=64)
+    ddp.register_comm_hook(state, compression_hook)
+    local = _model()
+    reference = CompressionState(local, plan, min_compress_numel=64, async_comm=False)
+    out = []
+    for step in range(3):
+        ddp.zero_grad()
+        local.zero_grad()
+        _backward(ddp, rank, step)
+        _backward(local, rank, step)
+        reference.allreduce_gradients()
+        out.append((_grads(ddp), _grads(local)))
+    state.close()
+    return out, state.ledger.wire_total, reference.ledger.wire_total
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [Plan.uniform("topk", ratio=0.05), Plan.uniform("powersgd", rank=2), Plan.uniform("randomk", ratio=0.1)],
+    ids=["topk", "powersgd", "randomk"],
+)
+def test_hook_matches_the_plain_gradient_list_api(plan):
+    # same model, data and plan: DDP + hook (bucketed, async) == reduction of .grad lists
+    for out, hook_bytes, list_bytes in run_distributed(_hook_vs_plain_list, 2, plan.to_dict()):
+        assert hook_bytes == pytest.approx(list_bytes)
+        for hooked, listed in out:
+            for a, b in zip(hooked, listed, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _no_sync_accumulation(rank: int, world_size: int):
+    plan = Plan.uniform("topk", ratio=0.05)
+    ddp = DDP(_model(), **DDP_KW)
+    state = CompressionState(ddp, plan, min_compress_numel=64)
+    ddp.register_comm_hook(state, compression_hook)
+    with ddp.no_sync():
+        _backward(ddp, rank, step=0)
+    after_no_sync = state.step
+    _backward(ddp, rank, step=1)
+    # reference: the same two micro-batches accumulated locally, then one reduction
+    local = _model()
+    reference = CompressionState(local, plan, min_compress_numel=64, async_comm=False)
+    _backward(local, rank, step=0)
+    _backward(local, rank, step=1)
+    reference.allreduce_gradients()
+    state.close()
+    return after_no_sync, state.step, _grads(ddp), _grads(local)
+
+
+def test_gradient_accumulation_under_no_sync():
+    for after_no_sync, steps, hooked, reference in run_distributed(_no_sync_accumulation, 2):
+        assert after_no_sync == 0 and steps == 1  # no communication inside no_sync
+        for a, b in zip(hooked, reference, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _bf16(rank: int, world_size: int):
+    results = {}
+    # 1) fp32 model under bf16 autocast: gradients are fp32
+    for name in ("topk", "int8", "powersgd"):
+        ddp = DDP(_model(), **DDP_KW)
+        state = CompressionState(ddp, Plan.uniform(name), min_compress_numel=64)
+        ddp.register_comm_hook(state, compression_hook)
+        for step in range(2):
+            ddp.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                x, y = _batch(rank, step)
+                loss = nn.functional.cross_entropy(model_out := ddp(x), y)
+            loss.backward()
+        state.close()
+        results[f"autocast/{name}"] = (model_out.dtype, _grads(ddp))
+    # 2) a bf16 model: gradients (and the hook's output) are bf16
+    for name in ("topk", "sign"):
+        ddp = DDP(_model(torch.bfloat16), **DDP_KW)
+        state = CompressionState(ddp, Plan.uniform(name), min_compress_numel=64)
+        ddp.register_comm_hook(state, compression_hook)
+        _backward(ddp, rank, dtype=torch.bfloat16)
+        state.close()
+        results[f"bf16/{name}"] = (None, _grads(ddp))
+    return results
+
+
+def test_bf16_autocast_and_bf16_models():
+    per_rank = run_distributed(_bf16, 2)
+    for key, (out_dtype, grads) in per_rank[0].items():
+        if key.startswith("autocast/"):
+            assert out_dtype == torch.bfloat16
+            assert all(g.dtype == torch.float32 for g in grads)
+        else:
+            assert all(g.dtype == torch.bfloat16 for g in grads)
+        assert all(torch.isfinite(g).all() for g in grads), key
+        assert any(g.abs().sum() > 0 for g in grads), key
+        for g0, g1 in zip(grads, per_rank[1][key][1], strict=True):
+            assert torch.equal(g0, g1), key  # ranks agree exactly
+
+
+def _plan_swap(rank: int, world_size: int):
+    ddp = DDP(_model(), **DDP_KW)
+    state = CompressionState(ddp, Plan(), min_compress_numel=64)
+    ddp.register_comm_hook(state, compression_hook)
+    wire_after_step = []
+    for step in range(4):
+        if step == 2:
+            state.set_plan(Plan.uniform("topk", ratio=0.01, version=1))
+        ddp.zero_grad()
+        _backward(ddp, rank, step)
+        wire_after_step.append(state.ledger.wire_total)
+    state.close()
+    return wire_after_step, state.plan.version
+
+
+def test_plan_swapped_between_steps_applies_from_the_next_step():
+    wire, version = run_distributed(_plan_swap, 2)[0]
+    per_step = [wire[0]] + [b - a for a, b in zip(wire, wire[1:], strict=False)]
+    assert version == 1
+    assert per_step[0] == per_step[1]  # dense
+    assert per_step[2] == per_step[3] < per_step[1] / 5  # compressed from step 2 on
+
+
+def test_plan_set_during_a_step_waits_for_the_next_step():
+    reducer = CompressedReducer(Plan(), min_compress_numel=0)
+    grads = [torch.randn(100, 10)]
+    reducer.begin_step()
+    reducer.set_plan(Plan.uniform("topk", ratio=0.1, version=7))
+    assert reducer.plan.version == 0
+    reducer.reduce(["w"], grads)
+    assert reducer.compressor_for("w").name == "none"
+    reducer.end_step()
+    assert reducer.plan.version == 7
+
+
+def _resume(rank: int, world_size: int, plan: dict):
+    """Train 4 steps; separately train 2, save, restore into fresh objects, train 2."""
+    plan = Plan.from_dict(plan)
+
+    def fresh():
+        ddp = DDP(_model(), **DDP_KW)
+        state = CompressionState(ddp, plan, min_compress_numel=64)
+        ddp.register_comm_hook(state, compression_hook)
+        return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+
+    def steps(ddp, opt, start, stop):
+        for step in range(start, stop):
+            opt.zero_grad()
+            _backward(ddp, rank, step)
+            opt.step()
+
+    ddp, state, opt = fresh()
+    steps(ddp, opt, 0, 4)
+    straight = [p.detach().clone() for p in ddp.parameters()]
+    state.close()
+
+    ddp, state, opt = fresh()
+    steps(ddp, opt, 0, 2)
+    saved = (ddp.state_dict(), opt.state_dict(), state.state_dict())
+    state.close()
+    ddp, state, opt = fresh()
+    ddp.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    state.load_state_dict(saved[2])
+    steps(ddp, opt, 2, 4)
+    state.close()
+    return straight, [p.detach() for p in ddp.parameters()], state.step
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [Plan.uniform("powersgd", rank=2), Plan.uniform("dgc_topk", ratio=0.05), Plan.uniform("sign")],
+    ids=["powersgd", "dgc_topk", "sign"],
+)
+def test_state_dict_resume_is_bit_exact(plan):
+    for straight, resumed, step in run_distributed(_resume, 2, plan.to_dict()):
+        assert step == 4
+        for a, b in zip(straight, resumed, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_bad_input_is_rejected_with_the_field_named():
+    with pytest.raises(ValueError, match=r"compressor: unknown name 'nope'; allowed: .*topk"):
+        Plan.uniform("nope")
+    with pytest.raises(ValueError, match=r"ratio: must be in \(0, 1\], got 2"):
+        Plan.uniform("topk", ratio=2)
+    with pytest.raises(ValueError, match=r"rank: must be >= 1, got 0"):
+        Plan.uniform("powersgd", rank=0)
+    with pytest.raises(ValueError, match=r"memory: unknown kind 'ef'; allowed: residual, dgc, none"):
+        CompressedReducer(memory="ef")
+    with pytest.raises(ValueError, match=r"min_compress_numel: expected an integer >= 0"):
+        CompressedReducer(min_compress_numel=-1)
+    with pytest.raises(ValueError, match=r"gradient 'w': dtype torch.int64 is not floating point"):
+        CompressedReducer().reduce(["w"], [torch.arange(10)])
+    with pytest.raises(ValueError, match=r"plan: unknown key 'layer'"):
+        Plan.from_dict({"layer": {}})
