@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raycomp.data import windows
+
 
 def mlp(inputs: int = 64, hidden: int = 512, classes: int = 10) -> nn.Module:
     """Two hidden layers; for digits (64 inputs) about 300k parameters."""
@@ -35,3 +37,59 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 10
     )
     model.train()
     return correct / len(y)
+
+
+class CharTransformer(nn.Module):
+    """A pre-norm causal decoder: token + learned position embeddings, then self-attention."""
+
+    def __init__(self, vocab_size: int, block: int, d_model: int, heads: int, layers: int,
+                 dropout: float) -> None:
+        super().__init__()
+        self.block = block
+        self.tokens = nn.Embedding(vocab_size, d_model)
+        self.positions = nn.Embedding(block, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout, activation="gelu", batch_first=True,
+            norm_first=True,  # pre-norm trains stably at a high learning rate without warm-up
+        )
+        # nested tensors only help with padding masks, and they warn with norm_first
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        if t > self.block:
+            raise ValueError(f"sequence of {t} tokens is longer than block={self.block}")
+        h = self.tokens(x) + self.positions(torch.arange(t, device=x.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device)
+        return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True)))
+
+
+def char_transformer(vocab_size: int, block: int = 64, d_model: int = 128, heads: int = 4,
+                     layers: int = 2, dropout: float = 0.0) -> nn.Module:
+    """Char-level LM returning logits (B, T, vocab); defaults are about 400k parameters."""
+    return CharTransformer(vocab_size, block, d_model, heads, layers, dropout)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats over every position."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@torch.no_grad()
+def evaluate_lm(model: nn.Module, tokens: torch.Tensor, block: int, batches: int = 8,
+                batch_size: int = 32) -> float:
+    """Mean cross-entropy on ``batches * batch_size`` windows evenly spaced over ``tokens``.
+
+    Fixed offsets (no RNG) make evaluations comparable across runs and ranks.
+    """
+    offsets = torch.linspace(0, len(tokens) - block - 1, batches * batch_size).long()
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for chunk in offsets.split(batch_size):
+        x, y = windows(tokens, chunk, block)
+        total += float(lm_loss(model(x), y)) * len(chunk)
+    model.train(was_training)
+    return total / len(offsets)

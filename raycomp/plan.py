@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -145,3 +146,81 @@ class Plan:
         """63-bit fingerprint of the plan's content and version (equal on agreeing ranks)."""
         raw = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
         return int.from_bytes(raw, "little") & ((1 << 63) - 1)
+
+
+# --- worker -> controller -------------------------------------------------------------
+_STATS_FLOATS = (
+    "loss", "step_seconds", "compute_seconds", "comm_seconds", "samples_per_second",
+    "wire_bytes", "dense_bytes",
+)
+_LAYER_FLOATS = ("grad_norm", "compression_error", "residual_norm", "wire_bytes", "dense_bytes")
+MAX_LAYERS = 10_000
+MAX_EVENTS = 100
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """What one rank reports every ``controller.interval_steps`` steps (fire-and-forget).
+
+    Timing and loss are means over the interval; byte counts are the rank's running totals.
+    ``layers`` holds :class:`~raycomp.stats.LayerStats` dicts of the latest statistics step.
+    """
+
+    run_id: str
+    rank: int
+    step: int
+    epoch: int
+    plan_version: int
+    loss: float
+    step_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    samples_per_second: float
+    wire_bytes: float
+    dense_bytes: float
+    fallback_active: bool = False
+    layers: tuple[dict[str, Any], ...] = ()
+    events: tuple[dict[str, Any], ...] = ()
+    eval_metric: float | None = None  # accuracy, or loss for the LM; at epoch ends
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["layers"] = [dict(layer) for layer in self.layers]
+        out["events"] = [dict(e) for e in self.events]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> GradStats:
+        """Strict parsing of an untrusted report: raises ValueError saying what is wrong."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"stats: expected a mapping, got {type(data).__name__}")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"stats: unknown field {sorted(unknown)[0]!r}")
+        if not isinstance(data.get("run_id"), str) or not data["run_id"]:
+            raise ValueError("stats.run_id: expected a non-empty string")
+        for key in ("rank", "step", "epoch", "plan_version"):
+            value = data.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"stats.{key}: expected an integer >= 0, got {value!r}")
+        for key in _STATS_FLOATS:
+            _finite(f"stats.{key}", data.get(key))
+        if data.get("eval_metric") is not None:
+            _finite("stats.eval_metric", data["eval_metric"])
+        layers = data.get("layers", ())
+        if not isinstance(layers, (list, tuple)) or len(layers) > MAX_LAYERS:
+            raise ValueError(f"stats.layers: expected a list of at most {MAX_LAYERS} layers")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Mapping) or not isinstance(layer.get("layer"), str):
+                raise ValueError(f"stats.layers[{i}]: expected a mapping with a 'layer' name")
+            for key in _LAYER_FLOATS:
+                _finite(f"stats.layers[{i}].{key}", layer.get(key))
+        events = data.get("events", ())
+        if not isinstance(events, (list, tuple)) or len(events) > MAX_EVENTS:
+            raise ValueError(f"stats.events: expected a list of at most {MAX_EVENTS} events")
+        return cls(**{**data, "layers": tuple(layers), "events": tuple(events)})
+
+
+def _finite(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key}: expected a finite number, got {value!r}")

@@ -1,0 +1,1 @@
+"""The controller: one Ray actor that turns workers' statistics into compression plans."""

@@ -1,0 +1,45 @@
+"""The policy interface: from a run's aggregated statistics to per-layer compressors."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from controllers.state import RunState
+from raycomp.plan import CompressorSpec, Plan
+
+
+class Policy(ABC):
+    """Decides a plan from a :class:`RunState`; holds only its own small state.
+
+    ``decide`` is called after every merged boundary step once warm-up is over, and
+    returns a plan without a version (the service numbers plans and drops repeats), or
+    ``None`` to keep the current plan.
+    """
+
+    name: str
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+
+    @abstractmethod
+    def decide(self, run: RunState) -> Plan | None: ...
+
+    def details(self) -> dict[str, Any]:
+        """Per-policy facts for summary.json (what it decided and why)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default
+        return None
+
+
+def spec(config: dict[str, Any]) -> CompressorSpec:
+    """A spec from a ``{name: ..., **params}`` mapping (as in the job config)."""
+    return CompressorSpec.from_dict(config)
+
+
+def compressible_layers(run: RunState, min_numel: int) -> list[str]:
+    return [name for name, h in run.layers.items() if h.numel >= min_numel]

@@ -1,0 +1,30 @@
+"""A piecewise plan by step, e.g. DGC's exponentially shrinking density during warm-up.
+
+Lin et al., "Deep Gradient Compression", ICLR 2018, Sec. 3.3 (warm-up training: density
+75%, 25%, 6.25%, 1.5625%, 0.4% over the first epochs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controllers.policies.base import Policy, spec
+from controllers.state import RunState
+from raycomp.plan import Plan
+
+
+class SchedulePolicy(Policy):
+    name = "schedule"
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self.stages = sorted(options["stages"], key=lambda s: s["start_step"])
+
+    def decide(self, run: RunState) -> Plan:
+        # the plan applies from the step after this boundary
+        next_step = run.step + 1
+        current = self.stages[0]
+        for stage in self.stages:
+            if stage["start_step"] <= next_step:
+                current = stage
+        return Plan(default=spec(current["compressor"]), reason=f"schedule stage from step {current['start_step']}")

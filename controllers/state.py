@@ -1,0 +1,200 @@
+"""What the controller knows about one run, aggregated over ranks, with bounded memory.
+
+Reports of one boundary step are merged once every rank has sent its own (or when a
+newer step completes first: a lost report never blocks decisions). Histories are
+bounded deques, so a run of any length uses constant memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from raycomp.plan import GradStats, Plan
+
+HISTORY = 256  # boundary steps kept per series
+PENDING_STEPS = 8  # incomplete boundary steps kept while waiting for slow ranks
+MAX_EVENTS = 1000
+
+
+@dataclass
+class LayerHistory:
+    numel: int
+    grad_norm: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    compression_error: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    residual_norm: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    compressor: str = "none"
+    #: Top-K relative error at candidate ratios (``str(ratio)`` -> error), latest step
+    topk_errors: dict[str, float] = field(default_factory=dict)
+    wire_bytes: float = 0.0
+    dense_bytes: float = 0.0
+
+
+@dataclass
+class Timing:
+    step: int
+    step_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    samples_per_second: float
+    wire_bytes: float  # all ranks, running total
+    dense_bytes: float
+
+
+class RunState:
+    def __init__(self, run_id: str, world_size: int, layers: dict[str, int], policy: str,
+                 options: dict[str, Any], warmup_steps: int = 0, interval_steps: int = 1) -> None:
+        self.run_id = run_id
+        self.world_size = world_size
+        self.policy = policy
+        self.options = options
+        self.warmup_steps = warmup_steps
+        self.interval_steps = interval_steps
+        self.layers = {name: LayerHistory(numel) for name, numel in layers.items()}
+        self.step = -1  # latest merged boundary step
+        self.epoch = 0
+        self.losses: deque[tuple[int, float]] = deque(maxlen=HISTORY)
+        self.timings: deque[Timing] = deque(maxlen=HISTORY)
+        self.eval_metric: float | None = None
+        self.fallback_active = False
+        self.plan = Plan(reason="warm-up: dense")
+        self.plan_switches = 0
+        self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        self.fallback_events = 0
+        self.reports = 0
+        self.finished: float | None = None  # wall time when the run finished
+        self.status = "running"
+        self.per_rank_bytes: dict[int, tuple[float, float]] = {}
+        self._pending: dict[int, dict[int, GradStats]] = {}
+
+    # --- ingest ---------------------------------------------------------------------
+    def add(self, stats: GradStats) -> bool:
+        """Keep a report; returns True when a boundary step became complete and merged."""
+        if stats.rank >= self.world_size:
+            raise ValueError(f"stats.rank: {stats.rank} >= world size {self.world_size}")
+        self.reports += 1
+        self.per_rank_bytes[stats.rank] = (stats.wire_bytes, stats.dense_bytes)
+        for event in stats.events:
+            if stats.rank == 0:  # the guard is identical on every rank: count it once
+                self.events.append({**event, "rank": stats.rank})
+                if event.get("kind") == "fallback":
+                    self.fallback_events += 1
+        if stats.step <= self.step:
+            return False  # late report of an already merged step
+        pending = self._pending.setdefault(stats.step, {})
+        pending[stats.rank] = stats
+        if len(pending) < self.world_size:
+            if len(self._pending) > PENDING_STEPS:  # a rank went quiet: merge what we have
+                oldest = min(self._pending)
+                self._merge(oldest, self._pending.pop(oldest))
+                return True
+            return False
+        self._merge(stats.step, self._pending.pop(stats.step))
+        for older in [s for s in self._pending if s < stats.step]:
+            del self._pending[older]
+        return True
+
+    def _merge(self, step: int, reports: dict[int, GradStats]) -> None:
+        all_reports = list(reports.values())
+        mean = statistics.fmean
+        self.step = step
+        self.epoch = max(r.epoch for r in all_reports)
+        self.losses.append((step, mean(r.loss for r in all_reports)))
+        self.fallback_active = any(r.fallback_active for r in all_reports)
+        metrics = [r.eval_metric for r in all_reports if r.eval_metric is not None]
+        if metrics:
+            self.eval_metric = mean(metrics)
+        wire = sum(w for w, _ in self.per_rank_bytes.values())
+        dense = sum(d for _, d in self.per_rank_bytes.values())
+        self.timings.append(Timing(
+            step,
+            mean(r.step_seconds for r in all_reports),
+            mean(r.compute_seconds for r in all_reports),
+            mean(r.comm_seconds for r in all_reports),
+            sum(r.samples_per_second for r in all_reports),
+            wire, dense,
+        ))
+        by_layer: dict[str, list[dict[str, Any]]] = {}
+        for report in all_reports:
+            for layer in report.layers:
+                by_layer.setdefault(layer["layer"], []).append(layer)
+        for name, entries in by_layer.items():
+            history = self.layers.get(name)
+            if history is None:
+                continue  # a layer the run did not register: ignore, never grow unbounded
+            history.grad_norm.append((step, mean(e["grad_norm"] for e in entries)))
+            history.compression_error.append((step, mean(e["compression_error"] for e in entries)))
+            history.residual_norm.append((step, mean(e["residual_norm"] for e in entries)))
+            history.compressor = entries[0].get("compressor", history.compressor)
+            history.wire_bytes = sum(e["wire_bytes"] for e in entries)
+            history.dense_bytes = sum(e["dense_bytes"] for e in entries)
+            profiles = [e.get("topk_errors") or {} for e in entries]
+            keys = set.intersection(*(set(p) for p in profiles)) if profiles else set()
+            history.topk_errors = {k: mean(p[k] for p in profiles) for k in sorted(keys)}
+
+    # --- views for policies -------------------------------------------------------------
+    @property
+    def wire_bytes(self) -> float:
+        return sum(w for w, _ in self.per_rank_bytes.values())
+
+    @property
+    def dense_bytes(self) -> float:
+        return sum(d for _, d in self.per_rank_bytes.values())
+
+    def install(self, plan: Plan) -> Plan:
+        """Publish ``plan`` (next version) if it differs from the current one."""
+        same = (plan.default, plan.layers, plan.dense) == (self.plan.default, self.plan.layers, self.plan.dense)
+        if same:
+            return self.plan
+        self.plan = plan.with_version(self.plan.version + 1)
+        self.plan_switches += 1
+        self.events.append({"step": self.step, "kind": "plan", "reason": plan.reason,
+                            "detail": f"version {self.plan.version}"})
+        return self.plan
+
+    # --- snapshots ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id, "world_size": self.world_size, "policy": self.policy,
+            "options": self.options, "warmup_steps": self.warmup_steps,
+            "interval_steps": self.interval_steps, "step": self.step, "epoch": self.epoch,
+            "layers": {
+                name: {
+                    "numel": h.numel, "grad_norm": list(h.grad_norm),
+                    "compression_error": list(h.compression_error),
+                    "residual_norm": list(h.residual_norm), "compressor": h.compressor,
+                    "topk_errors": h.topk_errors, "wire_bytes": h.wire_bytes, "dense_bytes": h.dense_bytes,
+                }
+                for name, h in self.layers.items()
+            },
+            "losses": list(self.losses), "timings": [vars(t) for t in self.timings],
+            "eval_metric": self.eval_metric, "fallback_active": self.fallback_active,
+            "plan": self.plan.to_dict(), "plan_switches": self.plan_switches,
+            "events": list(self.events), "fallback_events": self.fallback_events,
+            "reports": self.reports, "status": self.status,
+            "per_rank_bytes": {str(k): list(v) for k, v in self.per_rank_bytes.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunState:
+        run = cls(data["run_id"], data["world_size"], {n: v["numel"] for n, v in data["layers"].items()},
+                  data["policy"], data["options"], data["warmup_steps"], data["interval_steps"])
+        run.step, run.epoch = data["step"], data["epoch"]
+        for name, v in data["layers"].items():
+            h = run.layers[name]
+            h.grad_norm.extend(tuple(x) for x in v["grad_norm"])
+            h.compression_error.extend(tuple(x) for x in v["compression_error"])
+            h.residual_norm.extend(tuple(x) for x in v["residual_norm"])
+            h.compressor, h.topk_errors = v["compressor"], v["topk_errors"]
+            h.wire_bytes, h.dense_bytes = v["wire_bytes"], v["dense_bytes"]
+        run.losses.extend(tuple(x) for x in data["losses"])
+        run.timings.extend(Timing(**t) for t in data["timings"])
+        run.eval_metric, run.fallback_active = data["eval_metric"], data["fallback_active"]
+        run.plan = Plan.from_dict(data["plan"])
+        run.plan_switches, run.fallback_events = data["plan_switches"], data["fallback_events"]
+        run.events.extend(data["events"])
+        run.reports, run.status = data["reports"], data["status"]
+        run.per_rank_bytes = {int(k): (v[0], v[1]) for k, v in data["per_rank_bytes"].items()}
+        return run

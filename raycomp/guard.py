@@ -1,0 +1,110 @@
+"""The worker-side guard: fall back to dense all-reduce when training goes wrong.
+
+Every rank runs the same :class:`Guard` on the same inputs — the per-step control vector
+that all ranks all-gather (non-finite flag, loss, worst compression error) — so every
+rank takes the same decision in the same step without asking the controller:
+
+* a non-finite gradient, a loss above ``loss_spike_factor`` x the median of the last
+  ``loss_window`` losses, or a relative compression error above ``max_compression_error``
+  switches to dense from the next step (a non-finite step is also skipped: the optimizer
+  must not apply it);
+* after ``stable_steps`` clean steps compression resumes (hysteresis).
+
+Every switch is an event with its step and reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+REASONS = ("nonfinite_gradient", "loss_spike", "compression_error")
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    step: int
+    kind: str  # "fallback" | "recovered"
+    reason: str
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    skip_update: bool  # do not apply this step's gradients
+    changed: bool  # fallback started or ended at this step
+
+
+class Guard:
+    def __init__(
+        self,
+        enabled: bool = True,
+        loss_spike_factor: float = 3.0,
+        loss_window: int = 20,
+        max_compression_error: float = 0.999,
+        stable_steps: int = 50,
+    ) -> None:
+        self.enabled = enabled
+        self.loss_spike_factor = loss_spike_factor
+        self.max_compression_error = max_compression_error
+        self.stable_steps = stable_steps
+        self.losses: deque[float] = deque(maxlen=loss_window)
+        self.active = False
+        self.reason = ""
+        self.clean_steps = 0
+        self.events: list[GuardEvent] = []
+
+    def observe(self, step: int, nonfinite: bool, loss: float, max_error: float | None) -> Verdict:
+        if not self.enabled:
+            return Verdict(skip_update=nonfinite, changed=False)
+        trigger = self._trigger(nonfinite, loss, max_error)
+        if trigger is not None:
+            reason, detail = trigger
+            changed = not self.active
+            if changed:
+                self.active, self.reason = True, reason
+                self.events.append(GuardEvent(step, "fallback", reason, detail))
+            self.clean_steps = 0
+            return Verdict(skip_update=nonfinite, changed=changed)
+        self.losses.append(loss)
+        if self.active:
+            self.clean_steps += 1
+            if self.clean_steps >= self.stable_steps:
+                self.active = False
+                detail = f"{self.clean_steps} clean steps"
+                self.events.append(GuardEvent(step, "recovered", self.reason, detail))
+                return Verdict(skip_update=False, changed=True)
+        return Verdict(skip_update=False, changed=False)
+
+    def _trigger(self, nonfinite: bool, loss: float, max_error: float | None) -> tuple[str, str] | None:
+        if nonfinite or loss != loss or loss in (float("inf"), float("-inf")):
+            return "nonfinite_gradient", "NaN/Inf in gradients or loss"
+        if len(self.losses) >= 3:
+            median = statistics.median(self.losses)
+            if median > 0 and loss > self.loss_spike_factor * median:
+                return "loss_spike", f"loss {loss:.4g} > {self.loss_spike_factor} x median {median:.4g}"
+        if max_error is not None and max_error > self.max_compression_error:
+            return "compression_error", f"relative error {max_error:.4g} > {self.max_compression_error}"
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "losses": list(self.losses),
+            "active": self.active,
+            "reason": self.reason,
+            "clean_steps": self.clean_steps,
+            "events": [e.to_dict() for e in self.events],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses.clear()
+        self.losses.extend(state["losses"])
+        self.active = state["active"]
+        self.reason = state["reason"]
+        self.clean_steps = state["clean_steps"]
+        self.events = [GuardEvent(**e) for e in state["events"]]
