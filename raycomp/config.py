@@ -9,6 +9,7 @@ is data, never code.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -63,9 +64,12 @@ class WorkloadSection(_Strict):
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     weight_decay: Annotated[float, Field(ge=0, lt=1)] = 0.0
     lr_schedule: Literal["constant", "cosine"] = "cosine"
+    optimizer: Literal["sgd", "adamw"] = "sgd"
     max_chars: Annotated[int | None, Field(ge=10_000)] = None  # kjv: truncate the corpus
     block: Annotated[int, Field(ge=8, le=1024)] = 64  # kjv: context length
     eval_batches: Annotated[int, Field(ge=1)] = 20  # kjv: test windows (batches)
+    model_width: Annotated[int, Field(ge=8, le=4096)] | None = None  # hidden size override
+    data_dir: str | None = None  # fashion_mnist: IDX files (default: the Debian package's)
 
 
 class ScalingSection(_Strict):
@@ -293,28 +297,20 @@ def check_resources(config: JobConfig) -> None:
     """Things outside the config that must exist before any cluster resource is taken."""
     from raycomp import data
 
-    if config.workload.name == "fashion_mnist" and not (data.FASHION_MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
+    fashion_dir = Path(config.workload.data_dir or data.FASHION_MNIST_DIR)
+    if config.workload.name == "fashion_mnist" and not (fashion_dir / "train-images-idx3-ubyte.gz").is_file():
         raise ConfigError(
-            f"workload.name: fashion_mnist needs the Debian package 'dataset-fashion-mnist' "
-            f"(no data in {data.FASHION_MNIST_DIR})"
+            f"workload.data_dir: no Fashion-MNIST in {str(fashion_dir)!r}; install the Debian "
+            "package 'dataset-fashion-mnist' or point workload.data_dir at the IDX files"
         )
-    if config.workload.name == "kjv":
-        import shutil
-
-        if shutil.which("bible") is None and not data_cache_has_kjv():
-            raise ConfigError(
-                "workload.name: kjv needs the Debian packages 'bible-kjv bible-kjv-text' "
-                "(program 'bible' not found)"
-            )
+    if config.workload.name == "kjv" and shutil.which("bible") is None and not data.kjv_cache_file().is_file():
+        raise ConfigError(
+            "workload.name: kjv needs the Debian packages 'bible-kjv bible-kjv-text' "
+            "(program 'bible' not found)"
+        )
     if config.compression.memory == "dgc" and config.workload.momentum > 0:
         raise ConfigError(
             "compression.memory: 'dgc' applies momentum itself; set workload.momentum=0 "
             f"(got {config.workload.momentum})"
         )
 
-
-def data_cache_has_kjv() -> bool:
-    import os
-
-    cache = Path(os.environ.get("RAYCOMP_CACHE_DIR", Path.home() / ".cache" / "raycomp"))
-    return (cache / "kjv.txt").is_file()

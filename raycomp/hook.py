@@ -54,6 +54,7 @@ class CompressionState(CompressedReducer):
         min_compress_numel: int = 1024,
         seed: int = 0,
         stats_every: int = 0,
+        profile_ratios: tuple[float, ...] = (),
         async_comm: bool = True,
     ) -> None:
         super().__init__(
@@ -63,6 +64,7 @@ class CompressionState(CompressedReducer):
             min_compress_numel=min_compress_numel,
             seed=seed,
             stats_every=stats_every,
+            profile_ratios=profile_ratios,
         )
         module = getattr(model, "module", model)
         self.parameters = [p for p in module.parameters() if p.requires_grad]

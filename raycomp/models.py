@@ -68,7 +68,7 @@ class CharTransformer(nn.Module):
 
 def char_transformer(vocab_size: int, block: int = 64, d_model: int = 128, heads: int = 4,
                      layers: int = 2, dropout: float = 0.0) -> nn.Module:
-    """Char-level LM returning logits (B, T, vocab); defaults are about 400k parameters."""
+    """Char-level LM returning logits (B, T, vocab); defaults are about 420k parameters."""
     return CharTransformer(vocab_size, block, d_model, heads, layers, dropout)
 
 

@@ -16,6 +16,7 @@ middle of a step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,8 @@ class CompressedReducer:
         min_compress_numel: layers with fewer elements always go dense (latency dominates).
         seed: base seed for compressors' random draws.
         stats_every: measure :class:`LayerStats` every this many steps (0: never).
+        profile_ratios: on statistics steps also measure each layer's Top-K error at these
+            ratios (for error-budget policies).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class CompressedReducer:
         min_compress_numel: int = 1024,
         seed: int = 0,
         stats_every: int = 0,
+        profile_ratios: tuple[float, ...] = (),
     ) -> None:
         if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 0:
             raise ValueError(f"min_compress_numel: expected an integer >= 0, got {min_compress_numel!r}")
@@ -74,6 +78,7 @@ class CompressedReducer:
         self.min_compress_numel = min_compress_numel
         self.seed = seed
         self.stats_every = stats_every
+        self.profile_ratios = tuple(profile_ratios)
         self.scalable = collectives.ScalableAllreduce()
         self.ledger = WireLedger()
         self.step = 0
@@ -82,6 +87,8 @@ class CompressedReducer:
         self._in_step = False
         self._compressors: dict[str, tuple[CompressorSpec, Compressor]] = {}
         self.stats: list[LayerStats] = []  # of the latest statistics step
+        self.stats_step = -1  # the step those statistics were measured at
+        self.comm_seconds = 0.0  # running total of time spent in reductions
         self.nonfinite_layers: list[str] = []  # of the current step
 
     # --- plan and step boundaries -----------------------------------------------------
@@ -105,6 +112,7 @@ class CompressedReducer:
         self.nonfinite_layers = []
         if self.collecting_stats:
             self.stats = []
+            self.stats_step = self.step
 
     def end_step(self) -> None:
         self._in_step = False
@@ -114,7 +122,8 @@ class CompressedReducer:
 
     @property
     def collecting_stats(self) -> bool:
-        return self.stats_every > 0 and self.step % self.stats_every == 0
+        # the step just before each multiple: statistics are fresh at a control boundary
+        return self.stats_every > 0 and (self.step + 1) % self.stats_every == 0
 
     # --- the reduction ------------------------------------------------------------------
     def compressor_for(self, layer: str) -> Compressor:
@@ -136,6 +145,7 @@ class CompressedReducer:
 
     def reduce(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The mean over ranks of each gradient, compressed as the plan says."""
+        started = time.perf_counter()
         self.begin_step()
         routes: dict[Transport, list[int]] = {}
         compensated: list[torch.Tensor] = []
@@ -170,8 +180,10 @@ class CompressedReducer:
                 kind = compressor.name if result.sent is not compensated[i] else "none"
                 self.stats.append(
                     layer_stats(name, kind, grads[i], compensated[i], result.sent,
-                                self.memory.residual(name), result.wire_bytes, dense)
+                                self.memory.residual(name), result.wire_bytes, dense,
+                                self.profile_ratios)
                 )
+        self.comm_seconds += time.perf_counter() - started
         return [r.mean for r in reduced]  # type: ignore[union-attr]
 
     def _run(

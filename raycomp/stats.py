@@ -7,9 +7,12 @@ error-compensated gradient) and the error-feedback residual norm.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 
 import torch
+
+PROFILE_SAMPLES = 65_536
 
 
 @dataclass
@@ -22,6 +25,8 @@ class LayerStats:
     residual_norm: float
     wire_bytes: float
     dense_bytes: float
+    #: relative error Top-K would have at candidate ratios (str(ratio) -> error)
+    topk_errors: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -36,6 +41,7 @@ def layer_stats(
     residual: torch.Tensor | None,
     wire_bytes: float,
     dense_bytes: float,
+    profile_ratios: tuple[float, ...] = (),
 ) -> LayerStats:
     norm = torch.linalg.vector_norm
     compensated_norm = float(norm(compensated.float()))
@@ -51,4 +57,27 @@ def layer_stats(
         residual_norm=0.0 if residual is None else float(norm(residual)),
         wire_bytes=wire_bytes,
         dense_bytes=dense_bytes,
+        topk_errors=topk_error_profile(compensated, profile_ratios) if profile_ratios else {},
     )
+
+
+def topk_error_profile(x: torch.Tensor, ratios: tuple[float, ...]) -> dict[str, float]:
+    """Relative error ``||x - topk_r(x)|| / ||x||`` for each ratio, from one sort.
+
+    Large tensors are measured on an evenly strided sample of ``PROFILE_SAMPLES``
+    elements (deterministic, identical for the same tensor), which estimates the energy
+    fraction in the tail well for the ratios policies use (>= 1e-3 of the sample).
+    """
+    flat = x.detach().reshape(-1).float()
+    if flat.numel() > PROFILE_SAMPLES:
+        flat = flat[:: flat.numel() // PROFILE_SAMPLES][:PROFILE_SAMPLES]
+    energy = flat.square().sort(descending=True).values.cumsum(0)
+    total = float(energy[-1]) if energy.numel() else 0.0
+    out = {}
+    for ratio in ratios:
+        if total <= 0:
+            out[str(ratio)] = 0.0
+            continue
+        k = max(1, min(energy.numel(), math.ceil(ratio * energy.numel())))
+        out[str(ratio)] = math.sqrt(max(0.0, 1.0 - float(energy[k - 1]) / total))
+    return out

@@ -1,0 +1,116 @@
+"""Compress just enough that communication hides behind computation.
+
+A measurement-driven rule in the spirit of bandwidth-aware compression (e.g. Xu et al.,
+"GRACE: A Compressed Communication Framework for Distributed Machine Learning",
+ICDCS 2021; Agarwal et al., "On the Utility of Gradient Compression in Distributed
+Training Systems", MLSys 2022: compression pays only where communication is exposed)::
+
+    at every boundary step, from the last two Timing entries (running byte totals):
+        steps = their step difference (interval_steps if not positive)
+        wire  = delta wire_bytes  / (world_size * steps)    bytes per rank per step
+        dense = delta dense_bytes / (world_size * steps)    dense-equivalent, ditto
+        bw    = wire / comm_seconds;  t_c = compute_seconds
+        for r in ratios, largest first:            (1.0 = dense all-reduce, `none`)
+            t(r) = dense * f(r) / bw,  f(1) = 1,  f(r) = W * r for Top-K
+            if t(r) <= target_overlap * t_c: choose r; stop
+        otherwise choose the smallest ratio
+        hysteresis: switch only when two consecutive choices differ from the current r
+
+``f(r) = W r``: Top-K is all-gathered, ``(W - 1) * 8 r N`` bytes per rank, against
+``2 (W - 1) / W * 4 N`` for the dense ring all-reduce (see ``raycomp/collectives.py``);
+with two ranks this is ``2 r`` (values + indices). Layers below ``min_compress_numel``
+are not listed and stay dense.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from controllers.policies.base import Policy, compressible_layers
+from controllers.state import RunState
+from raycomp.plan import CompressorSpec, Plan
+
+MIN_COMPRESS_NUMEL = 1024
+HISTORY = 32
+PATIENCE = 2  # consecutive differing choices before a switch
+
+
+class BandwidthPolicy(Policy):
+    name = "bandwidth"
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self.ratios = sorted({float(r) for r in options["ratios"]}, reverse=True)
+        self.target = float(options["target_overlap"])
+        self.min_numel = int(options.get("min_compress_numel", MIN_COMPRESS_NUMEL))
+        self.current: float | None = None
+        self.strikes = 0
+        self.switches = 0
+        self.estimate: dict[str, Any] = {}  # bandwidth (bytes/s, None: unlimited), ...
+        self.history: deque[list[Any]] = deque(maxlen=HISTORY)  # [step, choice, current]
+
+    def decide(self, run: RunState) -> Plan | None:
+        estimate = self._estimate(run)
+        if estimate is not None:
+            self.estimate = estimate
+            choice = self._choose(run.world_size, **estimate)
+            if self.current is None or choice == self.current:
+                self.current, self.strikes = choice, 0
+            else:
+                self.strikes += 1
+                if self.strikes >= PATIENCE:
+                    self.current, self.strikes = choice, 0
+                    self.switches += 1
+            self.history.append([run.step, choice, self.current])
+        if self.current is None:
+            return None  # nothing measured yet: keep the current plan
+        reason = f"bandwidth: ratio {self.current:g}"
+        if self.current >= 1.0:
+            return Plan(reason=reason)
+        topk = CompressorSpec.of("topk", ratio=self.current)
+        return Plan.per_layer({n: topk for n in compressible_layers(run, self.min_numel)}, reason=reason)
+
+    @staticmethod
+    def _estimate(run: RunState) -> dict[str, Any] | None:
+        if len(run.timings) < 2:
+            return None
+        t0, t1 = run.timings[-2], run.timings[-1]
+        steps = t1.step - t0.step if t1.step > t0.step else run.interval_steps
+        per = max(1, run.world_size) * max(1, steps)
+        wire = (t1.wire_bytes - t0.wire_bytes) / per
+        dense = (t1.dense_bytes - t0.dense_bytes) / per
+        bandwidth: float | None = None  # None: unlimited
+        if dense <= 0 or t1.comm_seconds <= 0:
+            pass  # nothing to send, or sending took no time
+        elif wire <= 0:
+            return None  # dense traffic but no wire bytes counted: no estimate
+        else:
+            bandwidth = wire / t1.comm_seconds
+        return {"bandwidth": bandwidth, "compute_seconds": max(0.0, t1.compute_seconds),
+                "dense_bytes_per_step": max(0.0, dense)}
+
+    def _choose(self, world_size: int, bandwidth: float | None, compute_seconds: float,
+                dense_bytes_per_step: float) -> float:
+        for r in self.ratios:
+            factor = 1.0 if r >= 1.0 else max(2, world_size) * r
+            seconds = 0.0 if bandwidth is None else dense_bytes_per_step * factor / bandwidth
+            if seconds <= self.target * compute_seconds:
+                return r
+        return self.ratios[-1]
+
+    def details(self) -> dict[str, Any]:
+        return {"ratio": self.current, "switches": self.switches,
+                "target_overlap": self.target, **self.estimate, "history": list(self.history)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"current": self.current, "strikes": self.strikes, "switches": self.switches,
+                "estimate": dict(self.estimate), "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return  # nothing saved yet: start fresh
+        self.current, self.strikes = state["current"], int(state["strikes"])
+        self.switches = int(state["switches"])
+        self.estimate = dict(state["estimate"])
+        self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)

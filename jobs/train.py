@@ -1,0 +1,250 @@
+"""Train with adaptive gradient compression as a Ray Train job.
+
+    python -m jobs.train --config jobs/configs/fashion_mnist.yaml [--output DIR] [key=value ...]
+    ray job submit --working-dir . -- python -m jobs.train --config jobs/configs/digits.yaml
+
+Runs on the cluster in ``RAY_ADDRESS`` if set, else on an embedded local Ray. The config
+is validated (and the data checked) before Ray is touched: a bad config exits with code 2
+and one line naming the key. The run writes ``summary.json``, ``plot.png``, per-rank step
+logs and checkpoints into its output directory, printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from raycomp.config import ConfigError, JobConfig, check_resources, load_config
+
+log = logging.getLogger("raycomp.train")
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (default: built-in defaults)")
+    parser.add_argument("--output", help="output directory (default: <run.storage_path>/<run id>)")
+    parser.add_argument("--run-id", help="run id (default: <run.name>-<time>-<random>)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. compression.policy=static workload.epochs=2")
+    return parser.parse_args(argv)
+
+
+def prepare(argv: list[str] | None = None) -> tuple[JobConfig, str, Path]:
+    """Everything that can fail on bad input, before any cluster resource is taken."""
+    args = parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    check_resources(config)
+    run_id = args.run_id or f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    if not all(c.isalnum() or c in "-_." for c in run_id):
+        raise ConfigError(f"--run-id: only letters, digits, '-', '_' and '.' are allowed, got {run_id!r}")
+    storage = Path(config.run.storage_path).expanduser().resolve()
+    output = Path(args.output).expanduser().resolve() if args.output else storage / run_id
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"--output: {str(output)!r} exists and is not a directory")
+    return config, run_id, output
+
+
+# --- the worker loop -------------------------------------------------------------------
+def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
+    import ray
+    import ray.train
+
+    from jobs.workloads import build, optimizer_for
+    from raycomp.config import JobConfig
+    from raycomp.plan import Plan
+    from raycomp.session import Session
+
+    config = JobConfig.model_validate(loop_config["config"])
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch_threads = max(1, int(config.scaling.cpus_per_worker))
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    workload = build(config.workload, rank, world, config.run.seed)
+    total_steps = workload.steps_per_epoch * config.workload.epochs
+    optimizer, scheduler = optimizer_for(config.workload, workload.model, total_steps)
+    controller = None
+    try:
+        controller = ray.get_actor(config.controller.name, namespace=config.controller.namespace)
+    except ValueError:
+        logging.getLogger("raycomp.train").warning("no controller actor: training on the warm-up plan")
+    session = Session(workload.model, optimizer, scheduler, config=config, run_id=loop_config["run_id"],
+                      output_dir=loop_config["output_dir"], controller=controller,
+                      initial_plan=Plan.from_dict(loop_config["initial_plan"]),
+                      steps_per_epoch=workload.steps_per_epoch)
+    model = session.model
+    metric = None
+    for epoch in session.epochs():
+        for x, y in workload.batches(epoch, session.step_in_epoch):
+            loss = session.poison(workload.loss(model(x), y))
+            loss.backward()
+            session.step(loss, samples=len(y))
+        metric = workload.evaluate(getattr(model, "module", model))
+        session.end_epoch({f"eval_{workload.metric}": metric}, eval_metric=metric)
+    totals = session.totals()
+    session.close()
+    return {**totals, "epochs": config.workload.epochs, "world_size": world,
+            f"final_eval_{workload.metric}": metric}
+
+
+# --- the driver ------------------------------------------------------------------------
+def run(config: JobConfig, run_id: str, output: Path) -> dict[str, Any]:
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from controllers.service import get_or_create
+    from jobs.workloads import layer_sizes
+
+    output.mkdir(parents=True, exist_ok=True)
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
+                 if not os.environ.get("RAY_ADDRESS") else None)
+    snapshot_dir = config.controller.snapshot_dir or str(output.parent / "_controller")
+    controller = get_or_create(config.controller.name, config.controller.namespace, snapshot_dir,
+                               config.controller.max_restarts, config.controller.finished_run_grace_s)
+    compression = config.compression
+    initial_plan = ray.get(controller.register_run.remote(
+        run_id, config.scaling.num_workers, layer_sizes(config.workload, config.run.seed),
+        compression.policy, compression.policy_options(), compression.warmup_steps,
+        config.controller.interval_steps, compression.min_compress_numel,
+    ))
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"config": config.model_dump(mode="json"), "run_id": run_id,
+                           "output_dir": str(output), "initial_plan": initial_plan},
+        scaling_config=ScalingConfig(num_workers=config.scaling.num_workers, use_gpu=config.scaling.use_gpu,
+                                     resources_per_worker={"CPU": config.scaling.cpus_per_worker}),
+        run_config=RunConfig(name=output.name, storage_path=str(output.parent),
+                             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures)),
+    )
+    started = time.time()
+    status, error, result = "succeeded", None, None
+    try:
+        result = trainer.fit()
+    except Exception as failure:  # noqa: BLE001 - recorded in summary.json, exit code 1
+        status, error = "failed", f"{type(failure).__name__}: {failure}"
+    wall = time.time() - started
+    controller_summary: dict[str, Any] = {}
+    try:
+        controller_summary = ray.get(controller.finish_run.remote(run_id, status), timeout=30)
+    except Exception as failure:  # noqa: BLE001 - the summary says so
+        controller_summary = {"error": f"controller unreachable at the end: {failure}"}
+    worker = (result.return_value if result is not None else None) or {}
+    summary = build_summary(config, run_id, status, error, worker, controller_summary, wall, output)
+    write_outputs(summary, output)
+    return summary
+
+
+def build_summary(config: JobConfig, run_id: str, status: str, error: str | None, worker: dict[str, Any],
+                  controller: dict[str, Any], wall: float, output: Path) -> dict[str, Any]:
+    wire, dense = worker.get("wire_bytes_total", 0.0), worker.get("dense_bytes_total", 0.0)
+    steps = worker.get("steps", 0)
+    summary = {
+        "run_id": run_id,
+        "status": status,
+        "error": error,
+        "steps": steps,
+        "epochs": worker.get("epochs", 0),
+        "world_size": worker.get("world_size", config.scaling.num_workers),
+        "workload": config.workload.name,
+        "wire_bytes_total": wire,
+        "dense_bytes_total": dense,
+        "compression_ratio": dense / wire if wire else None,
+        "plan_switches": worker.get("plan_switches", 0),
+        "fallback_events": worker.get("fallback_events", []),
+        "skipped_steps": worker.get("skipped_steps", 0),
+        "wall_seconds": wall,
+        "steps_per_second": steps / wall if wall > 0 else 0.0,
+        "controller_outages": worker.get("controller_outages", 0),
+        "replayed_steps": worker.get("replayed_steps", 0),
+        "restored_from_step": worker.get("restored_from_step"),
+        "final_plan": worker.get("final_plan"),
+        "policy": {"name": config.compression.policy, **controller},
+        "output_dir": str(output),
+        "config": config.model_dump(mode="json"),
+    }
+    for key in ("final_eval_accuracy", "final_eval_loss"):
+        if key in worker:
+            summary[key] = worker[key]
+    warnings = []
+    if worker.get("controller_outages"):
+        warnings.append(f"controller unreachable {worker['controller_outages']} times; "
+                        "training continued on the last plan")
+    if "error" in controller:
+        warnings.append(controller["error"])
+    summary["warnings"] = warnings
+    return summary
+
+
+def write_outputs(summary: dict[str, Any], output: Path) -> None:
+    tmp = output / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, output / "summary.json")
+    try:
+        plot(output)
+    except Exception as failure:  # noqa: BLE001 - a missing plot must not lose the summary
+        log.warning("plot failed: %s", failure)
+
+
+def plot(output: Path) -> None:
+    """Loss and per-step compression ratio of rank 0 over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in (output / "steps" / "rank0.jsonl").read_text().splitlines()]
+    if not records:
+        return
+    steps = [r["step"] for r in records]
+    ratios, previous = [], (0.0, 0.0)
+    for r in records:
+        wire, dense = r["wire_bytes"] - previous[0], r["dense_bytes"] - previous[1]
+        ratios.append(dense / wire if wire > 0 else float("nan"))
+        previous = (r["wire_bytes"], r["dense_bytes"])
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    top.plot(steps, [r["loss"] for r in records], lw=0.8)
+    top.set_ylabel("training loss (rank 0)")
+    bottom.plot(steps, ratios, lw=0.8, color="tab:green")
+    bottom.set_yscale("log")
+    bottom.set_ylabel("compression ratio (dense / wire)")
+    bottom.set_xlabel("step")
+    for r in records:
+        if r["fallback"]:
+            bottom.axvspan(r["step"] - 0.5, r["step"] + 0.5, color="tab:red", alpha=0.15, lw=0)
+    fig.suptitle(output.name)
+    fig.tight_layout()
+    fig.savefig(output / "plot.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config, run_id, output = prepare(argv)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    summary = run(config, run_id, output)
+    ratio = summary["compression_ratio"]
+    metric = summary.get("final_eval_accuracy", summary.get("final_eval_loss"))
+    print(f"run {run_id}: {summary['status']}, {summary['steps']} steps, eval {metric}, "
+          f"compression ratio {ratio:.1f}x" if ratio else f"run {run_id}: {summary['status']}")
+    print(f"output: {output}")
+    return 0 if summary["status"] == "succeeded" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The three shipped workloads, each: model, data order by (seed, epoch, step), evaluation.
+
+Data order depends only on ``(seed, epoch, step)`` — never on how many times a worker
+restarted — so a run resumed from a checkpoint sees exactly the batches it would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raycomp import data, models
+from raycomp.config import WorkloadSection
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Workload:
+    model: nn.Module
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    steps_per_epoch: int
+    batches: Callable[[int, int], Iterator[Batch]]  # (epoch, first step) -> this rank's batches
+    evaluate: Callable[[nn.Module], float]
+    metric: str  # "accuracy" (higher is better) or "loss" (lower is better)
+
+
+def build(config: WorkloadSection, rank: int, world_size: int, seed: int) -> Workload:
+    torch.manual_seed(seed)  # identical initial weights on every rank
+    if config.name == "kjv":
+        return _kjv(config, rank, world_size, seed)
+    if config.name == "digits":
+        train, test = data.digits(seed=seed)
+        model = models.mlp(hidden=config.model_width or 512)
+    else:
+        train, test = data.fashion_mnist(config.data_dir or data.FASHION_MNIST_DIR)
+        model = models.fashion_cnn()
+    return _classification(config, model, train, test, rank, world_size, seed)
+
+
+def _classification(config: WorkloadSection, model: nn.Module, train: data.Split, test: data.Split,
+                    rank: int, world_size: int, seed: int) -> Workload:
+    global_batch = config.batch_size * world_size
+    steps = len(train) // global_batch
+    if config.steps_per_epoch:
+        steps = min(steps, config.steps_per_epoch)
+    if steps < 1:
+        raise ValueError(f"workload.batch_size: {config.batch_size} x {world_size} workers exceeds "
+                         f"the {len(train)} training examples")
+
+    def batches(epoch: int, start: int) -> Iterator[Batch]:
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        for step in range(start, steps):
+            # rank r takes slice r of global batch `step`: the union is independent of rank
+            idx = order[step * global_batch:(step + 1) * global_batch][rank::world_size]
+            yield train.x[idx], train.y[idx]
+
+    return Workload(model, nn.functional.cross_entropy, steps, batches,
+                    lambda m: models.accuracy(m, test.x, test.y), "accuracy")
+
+
+def _kjv(config: WorkloadSection, rank: int, world_size: int, seed: int) -> Workload:
+    corpus = data.kjv_corpus(max_chars=config.max_chars)
+    model = models.char_transformer(corpus.vocab_size, block=config.block, d_model=config.model_width or 128)
+    steps = config.steps_per_epoch or 200
+
+    def batches(epoch: int, start: int) -> Iterator[Batch]:
+        return corpus.epoch_batches("train", epoch, rank, world_size, config.batch_size,
+                                    config.block, steps, seed=seed, start=start)
+
+    return Workload(model, models.lm_loss, steps, batches,
+                    lambda m: models.evaluate_lm(m, corpus.test, config.block, batches=config.eval_batches),
+                    "loss")
+
+
+def optimizer_for(config: WorkloadSection, model: nn.Module, total_steps: int):
+    if config.optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                                       weight_decay=config.weight_decay)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                              weight_decay=config.weight_decay)
+    if config.lr_schedule == "cosine":
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, total_steps))
+    else:
+        scheduler = None
+    return opt, scheduler
+
+
+def layer_sizes(config: WorkloadSection, seed: int) -> dict[str, int]:
+    """Parameter name -> element count, as the controller needs them (built on the driver)."""
+    model = build(config, 0, 1, seed).model
+    return {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}

@@ -1,0 +1,169 @@
+"""The shipped workloads on their real data: Debian KJV text, Fashion-MNIST, sklearn digits."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from raycomp.data import KJV_PACKAGES, digits, fashion_mnist, kjv_corpus, kjv_text, read_idx
+from raycomp.models import char_transformer, evaluate_lm, lm_loss
+
+GENESIS = "In the beginning God created the heaven and the earth."
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A private cache dir so tests neither read nor write ~/.cache."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def small(cache):
+    return kjv_corpus(cache, max_chars=200_000)
+
+
+def test_kjv_text_is_the_whole_bible_as_clean_verses(cache):
+    text = kjv_text(cache)
+    assert len(text) > 4_000_000
+    assert text.startswith(GENESIS + "\nAnd the earth was without form")
+    assert text.endswith("The grace of our Lord Jesus Christ be with you all. Amen.\n")
+    assert "Genesis" not in text[:1000]  # no chapter headings ...
+    assert not any(line[:1].isdigit() for line in text.splitlines())  # ... nor verse numbers
+    assert text.count("\n\n") == 1188  # 1,189 chapters, a blank line between each
+
+
+def test_kjv_text_is_cached_in_the_given_dir(tmp_path):
+    start = time.perf_counter()
+    first = kjv_text(tmp_path)
+    assert (tmp_path / "kjv.txt").read_text() == first
+    assert [p.name for p in tmp_path.iterdir()] == ["kjv.txt"]  # no temp file left behind
+    (tmp_path / "kjv.txt").write_text("edited")
+    assert kjv_text(tmp_path) == "edited"  # read from the cache, not dumped again
+    assert time.perf_counter() - start < 5
+
+
+def test_kjv_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYCOMP_CACHE_DIR", str(tmp_path / "env"))
+    assert kjv_text().startswith(GENESIS)
+    assert (tmp_path / "env" / "kjv.txt").exists()
+
+
+def test_missing_bible_program_names_the_debian_packages(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with pytest.raises(FileNotFoundError, match=KJV_PACKAGES):
+        kjv_text(tmp_path)
+    assert not (tmp_path / "kjv.txt").exists()
+
+
+def test_corpus_vocab_round_trip_and_contiguous_split(cache, small):
+    full = kjv_corpus(cache)
+    assert full.vocab == "".join(sorted(set(kjv_text(cache))))
+    assert full.vocab_size == 63
+    assert len(full.test) == int(0.05 * (len(full.train) + len(full.test)))
+    assert full.decode(full.train[:len(GENESIS)]) == GENESIS
+    assert small.decode(torch.cat([small.train, small.test])) == kjv_text(cache)[:200_000]
+    tokens = small.encode("Let there be light.\n")
+    assert tokens.dtype == torch.int64
+    assert small.decode(tokens) == "Let there be light.\n"
+
+
+def test_batches_are_next_char_windows_fixed_by_seed_epoch_step_and_rank(small):
+    args = dict(split="train", epoch=3, step=7, world_size=2, batch_size=4, block=16, seed=1)
+    x, y = small.batch_at(rank=0, **args)
+    assert x.shape == y.shape == (4, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(x, small.batch_at(rank=0, **args)[0])
+    x1, _ = small.batch_at(rank=1, **args)
+    assert not torch.equal(x, x1)
+    assert not torch.equal(x, small.batch_at(rank=0, **{**args, "step": 8})[0])
+    assert not torch.equal(x, small.batch_at(rank=0, **{**args, "epoch": 4})[0])
+    assert not torch.equal(x, small.batch_at(rank=0, **{**args, "seed": 2})[0])
+    # together the ranks draw what one process with the global batch draws
+    solo, _ = small.batch_at(rank=0, **{**args, "world_size": 1, "batch_size": 8})
+    assert torch.equal(torch.cat([x, x1]), solo)
+    # resuming at step 5 replays exactly the tail of the epoch
+    full = list(small.epoch_batches("train", 0, 1, 2, 4, 16, steps=8, seed=1))
+    resumed = list(small.epoch_batches("train", 0, 1, 2, 4, 16, steps=8, seed=1, start=5))
+    assert len(full) == 8
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full[5:], resumed, strict=True))
+
+
+def test_sample_uses_only_the_given_generator(small):
+    torch.manual_seed(0)
+    a = small.sample("test", 4, 32, torch.Generator().manual_seed(5))
+    torch.manual_seed(1)  # the global RNG must not matter
+    b = small.sample("test", 4, 32, torch.Generator().manual_seed(5))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="split"):
+        small.sample("valid", 4, 32, torch.Generator())
+
+
+def test_char_transformer_is_causal():
+    torch.manual_seed(0)
+    model = char_transformer(10, block=16, d_model=32, heads=2).eval()
+    x = torch.randint(10, (2, 16))
+    changed = x.clone()
+    changed[:, 10:] = (x[:, 10:] + 1) % 10
+    with torch.no_grad():
+        a, b = model(x), model(changed)
+    assert a.shape == (2, 16, 10)
+    assert torch.allclose(a[:, :10], b[:, :10], atol=1e-5)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_char_transformer_learns_the_kjv(small):
+    torch.manual_seed(0)
+    vocab = small.vocab_size
+    counts = torch.bincount(small.train, minlength=vocab).double() / len(small.train)
+    unigram = float(-(counts[counts > 0] * counts[counts > 0].log()).sum())
+    model = char_transformer(vocab, block=64, d_model=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    before = evaluate_lm(model, small.test, 64)
+    for x, y in small.epoch_batches("train", 0, 0, 1, batch_size=32, block=64, steps=150):
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        opt.step()
+    after = evaluate_lm(model, small.test, 64)
+    print(f"test loss {before:.3f} -> {after:.3f} nats; ln(vocab) {math.log(vocab):.3f}, "
+          f"unigram entropy {unigram:.3f}")
+    assert model.training  # evaluate_lm restores the mode
+    assert before > 0.95 * math.log(vocab)
+    assert after < 0.8 * math.log(vocab)
+    assert after < unigram - 0.4  # it uses context, not just character frequencies
+
+
+def test_fashion_mnist_shapes_and_labels():
+    train, test = fashion_mnist()
+    assert train.x.shape == (60000, 1, 28, 28) and test.x.shape == (10000, 1, 28, 28)
+    assert train.y.dtype == torch.int64
+    assert set(train.y.unique().tolist()) == set(range(10)) == set(test.y.unique().tolist())
+    assert abs(float(train.x.mean())) < 0.05 and abs(float(train.x.std()) - 1) < 0.05
+
+
+def test_digits_shapes():
+    train, test = digits()
+    assert train.x.shape == (1438, 64) and test.x.shape == (359, 64)
+    assert float(train.x.max()) <= 1.0
+    assert len(train.shard(1, 2)) == 719
+
+
+def test_read_idx_rejects_truncated_and_foreign_files(tmp_path):
+    good = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    header = bytes([0, 0, 8, 2]) + np.array([3, 4], dtype=">u4").tobytes()
+    path = tmp_path / "ok-idx2-ubyte.gz"
+    path.write_bytes(gzip.compress(header + good.tobytes()))
+    assert np.array_equal(read_idx(path), good)
+    truncated = tmp_path / "short-idx2-ubyte"
+    truncated.write_bytes(header + good.tobytes()[:-1])
+    with pytest.raises(ValueError, match="header says"):
+        read_idx(truncated)
+    foreign = tmp_path / "float-idx2-ubyte"
+    foreign.write_bytes(bytes([0, 0, 0x0D, 2]) + header[4:])
+    with pytest.raises(ValueError, match="not an unsigned-byte IDX"):
+        read_idx(foreign)
