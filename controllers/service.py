@@ -10,6 +10,7 @@ id; finished runs are dropped after a grace period, so memory stays bounded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -79,7 +80,7 @@ class Controller:
             return False
         try:
             merged = run.add(stats)
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
             self._reject("malformed", error)
             return False
         if merged:
@@ -208,20 +209,45 @@ def _approx_size(obj: Any, limit: int = MAX_REPORT_BYTES) -> int:
 
 
 class ControllerService:
-    """The Ray actor wrapper (async: calls never block each other for long)."""
+    """The Ray actor wrapper (async: calls never block each other for long).
+
+    :meth:`plan` is a long poll: it answers as soon as a plan newer than the caller's
+    exists, or after ``wait_s`` with ``None``. Rank 0 never waits on it (it checks the
+    reference with ``ray.wait(timeout=0)`` at each boundary), so a decision reaches the
+    workers at the first boundary after it is made.
+    """
 
     def __init__(self, snapshot_dir: str | None = None, finished_run_grace_s: float = 300.0) -> None:
         logging.basicConfig(level=logging.INFO)
         self.controller = Controller(snapshot_dir, finished_run_grace_s)
+        self._new_plan = asyncio.Event()  # set (and replaced) whenever any run's plan changes
+
+    def _notify(self) -> None:
+        self._new_plan.set()
+        self._new_plan = asyncio.Event()
 
     async def register_run(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.controller.register_run(*args, **kwargs)
 
     async def ingest(self, report: Any) -> bool:
-        return self.controller.ingest(report)
+        run = self.controller.runs.get(report.get("run_id")) if isinstance(report, dict) else None
+        before = run.plan.version if run else None
+        accepted = self.controller.ingest(report)
+        if run is not None and run.plan.version != before:
+            self._notify()
+        return accepted
 
-    async def plan(self, run_id: str, known_version: int = -1) -> dict[str, Any] | None:
-        return self.controller.plan(run_id, known_version)
+    async def plan(self, run_id: str, known_version: int = -1, wait_s: float = 0.0) -> dict[str, Any] | None:
+        deadline = time.monotonic() + min(max(wait_s, 0.0), 60.0)
+        while True:
+            answer = self.controller.plan(run_id, known_version)
+            remaining = deadline - time.monotonic()
+            if answer is not None or remaining <= 0:
+                return answer
+            try:
+                await asyncio.wait_for(self._new_plan.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
 
     async def finish_run(self, run_id: str, status: str) -> dict[str, Any]:
         return self.controller.finish_run(run_id, status)

@@ -215,6 +215,13 @@ class GradStats:
                 raise ValueError(f"stats.layers[{i}]: expected a mapping with a 'layer' name")
             for key in _LAYER_FLOATS:
                 _finite(f"stats.layers[{i}].{key}", layer.get(key))
+            profile = layer.get("topk_errors", {})
+            if not isinstance(profile, Mapping) or len(profile) > 64:
+                raise ValueError(f"stats.layers[{i}].topk_errors: expected a mapping of at most 64 ratios")
+            for ratio, error in profile.items():
+                if not isinstance(ratio, str):
+                    raise ValueError(f"stats.layers[{i}].topk_errors: keys must be strings, got {ratio!r}")
+                _finite(f"stats.layers[{i}].topk_errors[{ratio!r}]", error)
         events = data.get("events", ())
         if not isinstance(events, (list, tuple)) or len(events) > MAX_EVENTS:
             raise ValueError(f"stats.events: expected a list of at most {MAX_EVENTS} events")

@@ -78,7 +78,8 @@ class Session:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         compression = config.compression
-        profile = tuple(compression.error_budget.ratios) if compression.policy == "error_budget" else ()
+        budget = compression.error_budget
+        profile = tuple(sorted({*budget.ratios, budget.reference_ratio})) if compression.policy == "error_budget" else ()
         self.controller_plan = initial_plan or Plan(reason="warm-up: dense")
         self.state = CompressionState(
             self.model, self.controller_plan, memory=compression.memory,
@@ -293,7 +294,8 @@ class Session:
                 self._outage(error)
             self._poll = None
         try:
-            self._poll = self.controller.plan.remote(self.run_id, self.controller_plan.version)
+            # a long poll: answers as soon as a newer plan exists; checked, never awaited
+            self._poll = self.controller.plan.remote(self.run_id, self.controller_plan.version, 30.0)
         except Exception as error:  # noqa: BLE001
             self._outage(error)
         return plan

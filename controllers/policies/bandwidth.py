@@ -31,7 +31,6 @@ from controllers.policies.base import Policy, compressible_layers
 from controllers.state import RunState
 from raycomp.plan import CompressorSpec, Plan
 
-MIN_COMPRESS_NUMEL = 1024
 HISTORY = 32
 PATIENCE = 2  # consecutive differing choices before a switch
 
@@ -43,7 +42,6 @@ class BandwidthPolicy(Policy):
         super().__init__(options)
         self.ratios = sorted({float(r) for r in options["ratios"]}, reverse=True)
         self.target = float(options["target_overlap"])
-        self.min_numel = int(options.get("min_compress_numel", MIN_COMPRESS_NUMEL))
         self.current: float | None = None
         self.strikes = 0
         self.switches = 0

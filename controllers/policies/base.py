@@ -8,6 +8,8 @@ from typing import Any
 from controllers.state import RunState
 from raycomp.plan import CompressorSpec, Plan
 
+MIN_COMPRESS_NUMEL = 1024  # the reducer's default
+
 
 class Policy(ABC):
     """Decides a plan from a :class:`RunState`; holds only its own small state.
@@ -21,6 +23,8 @@ class Policy(ABC):
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
+        # layers smaller than this stay dense on the workers; the service passes the job's value
+        self.min_numel = int(options.get("min_compress_numel", MIN_COMPRESS_NUMEL))
 
     @abstractmethod
     def decide(self, run: RunState) -> Plan | None: ...

@@ -25,7 +25,6 @@ from controllers.policies.base import Policy, compressible_layers, spec
 from controllers.state import RunState
 from raycomp.plan import Plan
 
-MIN_COMPRESS_NUMEL = 1024
 LOW, HIGH = "low", "high"
 
 
@@ -37,7 +36,6 @@ class CriticalPolicy(Policy):
         self.low, self.high = spec(options["low"]), spec(options["high"])
         self.threshold = float(options["threshold"])
         self.window = int(options["window_steps"])
-        self.min_numel = int(options.get("min_compress_numel", MIN_COMPRESS_NUMEL))
         self.last_step: int | None = None  # step of the latest detection
         self.prev_norms: dict[str, float] = {}
         self.regimes: dict[str, str] = {}

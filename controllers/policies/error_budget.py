@@ -31,7 +31,6 @@ from controllers.state import RunState
 from raycomp.compressors.sparse import sparse_k
 from raycomp.plan import CompressorSpec, Plan
 
-MIN_COMPRESS_NUMEL = 1024
 BINS = 400
 
 
@@ -109,7 +108,6 @@ class ErrorBudgetPolicy(Policy):
         self.slack = float(options["slack"])
         self.every = int(options["every_steps"])
         self.bins = int(options.get("bins", BINS))
-        self.min_numel = int(options.get("min_compress_numel", MIN_COMPRESS_NUMEL))
         self.last_step: int | None = None
         self.measured = 0  # layers with a profile at the latest solve
         self.chosen: dict[str, float] = {}
