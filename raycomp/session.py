@@ -359,6 +359,9 @@ class Session:
         with tempfile.TemporaryDirectory(prefix="raycomp-ckpt-") as tmp:
             self._save(Path(tmp))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        # Ray Train registers a reported checkpoint asynchronously; a worker dying before
+        # that loses it and a restart would begin from scratch. Wait until it is registered.
+        ray.train.get_all_reported_checkpoints()
 
     def _save(self, directory: Path) -> None:
         own = {
