@@ -48,7 +48,7 @@ class Controller:
     # --- runs -----------------------------------------------------------------------------
     def register_run(self, run_id: str, world_size: int, layers: dict[str, int], policy: str,
                      options: dict[str, Any], warmup_steps: int, interval_steps: int,
-                     min_compress_numel: int) -> dict[str, Any]:
+                     min_compress_numel: int, eval_kind: str = "accuracy") -> dict[str, Any]:
         """Start steering ``run_id`` (idempotent: a resumed run keeps its state)."""
         if run_id in self.runs:
             run = self.runs[run_id]
@@ -56,7 +56,7 @@ class Controller:
             return run.plan.to_dict()
         options = {**options, "min_compress_numel": min_compress_numel}
         self.policies[run_id] = make_policy(policy, options)
-        run = RunState(run_id, world_size, layers, policy, options, warmup_steps, interval_steps)
+        run = RunState(run_id, world_size, layers, policy, options, warmup_steps, interval_steps, eval_kind)
         self.runs[run_id] = run
         if warmup_steps == 0:  # no warm-up: the first plan is the policy's, known before step 0
             self._decide(run)
@@ -217,9 +217,15 @@ class ControllerService:
     workers at the first boundary after it is made.
     """
 
-    def __init__(self, snapshot_dir: str | None = None, finished_run_grace_s: float = 300.0) -> None:
+    def __init__(self, snapshot_dir: str | None = None, finished_run_grace_s: float = 300.0,
+                 metrics: dict[str, Any] | None = None) -> None:
         logging.basicConfig(level=logging.INFO)
         self.controller = Controller(snapshot_dir, finished_run_grace_s)
+        self.exporter = None
+        if metrics is not None:
+            from controllers.exporter import Exporter
+
+            self.exporter = Exporter(self.controller, metrics["host"], metrics["port"], metrics.get("sd_file"))
         self._new_plan = asyncio.Event()  # set (and replaced) whenever any run's plan changes
 
     def _notify(self) -> None:
@@ -261,9 +267,12 @@ class ControllerService:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def metrics_url(self) -> str | None:
+        return None if self.exporter is None else self.exporter.url
+
 
 def get_or_create(name: str, namespace: str, snapshot_dir: str | None, max_restarts: int = -1,
-                  finished_run_grace_s: float = 300.0) -> Any:
+                  finished_run_grace_s: float = 300.0, metrics: dict[str, Any] | None = None) -> Any:
     """The named controller actor, created detached (outlives any one driver) if absent."""
     import ray
 
@@ -271,4 +280,4 @@ def get_or_create(name: str, namespace: str, snapshot_dir: str | None, max_resta
         name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=max_restarts, max_concurrency=64,
     )
-    return actor.remote(snapshot_dir, finished_run_grace_s)
+    return actor.remote(snapshot_dir, finished_run_grace_s, metrics)

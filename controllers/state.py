@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from raycomp.metrics import STEP_BUCKETS
 from raycomp.plan import GradStats, Plan
 
 HISTORY = 256  # boundary steps kept per series
@@ -43,9 +44,29 @@ class Timing:
     dense_bytes: float
 
 
+@dataclass
+class Histogram:
+    """Cumulative counts over :data:`STEP_BUCKETS` (Prometheus semantics), bounded size."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(STEP_BUCKETS):
+            if value <= bound:
+                self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+
+TIMED = ("step_seconds", "compute_seconds", "comm_seconds")
+
+
 class RunState:
     def __init__(self, run_id: str, world_size: int, layers: dict[str, int], policy: str,
-                 options: dict[str, Any], warmup_steps: int = 0, interval_steps: int = 1) -> None:
+                 options: dict[str, Any], warmup_steps: int = 0, interval_steps: int = 1,
+                 eval_kind: str = "accuracy") -> None:
         self.run_id = run_id
         self.world_size = world_size
         self.policy = policy
@@ -67,6 +88,10 @@ class RunState:
         self.finished: float | None = None  # wall time when the run finished
         self.status = "running"
         self.per_rank_bytes: dict[int, tuple[float, float]] = {}
+        self.per_rank_outages: dict[int, int] = {}
+        self.eval_kind = eval_kind
+        self.fallback_by_reason: dict[str, int] = {}
+        self.histograms = {name: Histogram() for name in TIMED}
         self._pending: dict[int, dict[int, GradStats]] = {}
 
     # --- ingest ---------------------------------------------------------------------
@@ -76,11 +101,16 @@ class RunState:
             raise ValueError(f"stats.rank: {stats.rank} >= world size {self.world_size}")
         self.reports += 1
         self.per_rank_bytes[stats.rank] = (stats.wire_bytes, stats.dense_bytes)
+        self.per_rank_outages[stats.rank] = stats.outages
+        for name in TIMED:
+            self.histograms[name].observe(getattr(stats, name))
         for event in stats.events:
             if stats.rank == 0:  # the guard is identical on every rank: count it once
                 self.events.append({**event, "rank": stats.rank})
                 if event.get("kind") == "fallback":
                     self.fallback_events += 1
+                    reason = str(event.get("reason", "unknown"))[:64]
+                    self.fallback_by_reason[reason] = self.fallback_by_reason.get(reason, 0) + 1
         if stats.step <= self.step:
             return False  # late report of an already merged step
         pending = self._pending.setdefault(stats.step, {})
@@ -175,12 +205,16 @@ class RunState:
             "events": list(self.events), "fallback_events": self.fallback_events,
             "reports": self.reports, "status": self.status,
             "per_rank_bytes": {str(k): list(v) for k, v in self.per_rank_bytes.items()},
+            "per_rank_outages": {str(k): v for k, v in self.per_rank_outages.items()},
+            "eval_kind": self.eval_kind, "fallback_by_reason": self.fallback_by_reason,
+            "histograms": {k: vars(h) for k, h in self.histograms.items()},
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunState:
         run = cls(data["run_id"], data["world_size"], {n: v["numel"] for n, v in data["layers"].items()},
-                  data["policy"], data["options"], data["warmup_steps"], data["interval_steps"])
+                  data["policy"], data["options"], data["warmup_steps"], data["interval_steps"],
+                  data["eval_kind"])
         run.step, run.epoch = data["step"], data["epoch"]
         for name, v in data["layers"].items():
             h = run.layers[name]
@@ -197,4 +231,7 @@ class RunState:
         run.events.extend(data["events"])
         run.reports, run.status = data["reports"], data["status"]
         run.per_rank_bytes = {int(k): (v[0], v[1]) for k, v in data["per_rank_bytes"].items()}
+        run.per_rank_outages = {int(k): v for k, v in data["per_rank_outages"].items()}
+        run.fallback_by_reason = dict(data["fallback_by_reason"])
+        run.histograms = {k: Histogram(**h) for k, h in data["histograms"].items()}
         return run

@@ -50,6 +50,13 @@ def prepare(argv: list[str] | None = None) -> tuple[JobConfig, str, Path]:
     output = Path(args.output).expanduser().resolve() if args.output else storage / run_id
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output: {str(output)!r} exists and is not a directory")
+    c = config.controller
+    if c.metrics_enabled and c.metrics_port and not os.environ.get("RAY_ADDRESS"):
+        from controllers.exporter import port_holder
+
+        if port_holder(c.metrics_host, c.metrics_port):
+            raise ConfigError(f"controller.metrics_port: {c.metrics_port} on {c.metrics_host} is in use by "
+                              "another program; choose a free port (0 picks one)")
     return config, run_id, output
 
 
@@ -108,17 +115,21 @@ def run(config: JobConfig, run_id: str, output: Path) -> dict[str, Any]:
 
     output.mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True,
+        # "local": a fresh embedded cluster, never one that `ray start` left on this machine
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
                  if not os.environ.get("RAY_ADDRESS") else None)
     snapshot_dir = config.controller.snapshot_dir or str(output.parent / "_controller")
-    controller = get_or_create(config.controller.name, config.controller.namespace, snapshot_dir,
-                               config.controller.max_restarts, config.controller.finished_run_grace_s)
+    c = config.controller
+    metrics = {"host": c.metrics_host, "port": c.metrics_port, "sd_file": c.metrics_sd_file} \
+        if c.metrics_enabled else None
+    controller = get_or_create(c.name, c.namespace, snapshot_dir, c.max_restarts, c.finished_run_grace_s, metrics)
     compression = config.compression
     initial_plan = ray.get(controller.register_run.remote(
         run_id, config.scaling.num_workers, layer_sizes(config.workload, config.run.seed),
         compression.policy, compression.policy_options(), compression.warmup_steps,
         config.controller.interval_steps, compression.min_compress_numel,
+        "loss" if config.workload.name == "kjv" else "accuracy",
     ))
     trainer = TorchTrainer(
         train_loop,

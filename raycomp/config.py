@@ -177,6 +177,10 @@ class CompressionSection(_Strict):
     bandwidth: BandwidthPolicy = BandwidthPolicy()
     guard: GuardSection = GuardSection()
     lr_scaling: LrScalingSection = LrScalingSection()
+    #: compare against torch's own DDP hooks instead of raycomp's (benchmarks)
+    baseline_hook: Literal["none", "torch_allreduce", "torch_fp16", "torch_powersgd"] = "none"
+    baseline_powersgd_rank: Annotated[int, Field(ge=1)] = 2
+    baseline_powersgd_start_iter: Annotated[int, Field(ge=1)] = 10
 
     def policy_options(self) -> dict[str, Any]:
         return getattr(self, self.policy).model_dump(mode="json")
@@ -188,8 +192,10 @@ class ControllerSection(_Strict):
     namespace: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "raycomp"
     snapshot_dir: str | None = None  # default: <storage_path>/controller
     max_restarts: Annotated[int, Field(ge=-1)] = -1
-    metrics_host: str = "127.0.0.1"
-    metrics_port: Annotated[int, Field(ge=0, le=65_535)] = 9464  # 0: pick a free port
+    metrics_enabled: bool = True
+    metrics_host: str = "127.0.0.1"  # loopback unless you mean to expose it
+    metrics_port: Annotated[int, Field(ge=0, le=65_535)] = 9478  # 0: pick a free port
+    metrics_sd_file: str = "/tmp/raycomp/prometheus/targets.json"  # Prometheus file-SD list
     finished_run_grace_s: Annotated[float, Field(ge=0)] = 300.0
 
 

@@ -182,6 +182,7 @@ class GradStats:
     layers: tuple[dict[str, Any], ...] = ()
     events: tuple[dict[str, Any], ...] = ()
     eval_metric: float | None = None  # accuracy, or loss for the LM; at epoch ends
+    outages: int = 0  # times this rank could not reach the controller so far
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -199,8 +200,8 @@ class GradStats:
             raise ValueError(f"stats: unknown field {sorted(unknown)[0]!r}")
         if not isinstance(data.get("run_id"), str) or not data["run_id"]:
             raise ValueError("stats.run_id: expected a non-empty string")
-        for key in ("rank", "step", "epoch", "plan_version"):
-            value = data.get(key)
+        for key in ("rank", "step", "epoch", "plan_version", "outages"):
+            value = data.get(key, 0 if key == "outages" else None)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"stats.{key}: expected an integer >= 0, got {value!r}")
         for key in _STATS_FLOATS:

@@ -86,7 +86,9 @@ class Session:
             min_compress_numel=compression.min_compress_numel, seed=config.run.seed,
             stats_every=self.interval, profile_ratios=profile,
         )
-        if self.ddp:
+        if self.ddp and compression.baseline_hook != "none":
+            _register_torch_hook(self.model, compression)  # raycomp stays out of the way
+        elif self.ddp:
             self.model.register_comm_hook(self.state, compression_hook)
         # control messages always travel on gloo (CPU), whatever carries the gradients
         backend = dist.get_backend() if dist.is_initialized() else None
@@ -237,10 +239,14 @@ class Session:
             self._lr_ramp_from = self.global_step  # compression (re)starts: ramp the LR
         self.state.set_plan(plan)
 
-    def _send_stats(self) -> None:
+    def _send_stats(self, final: bool = False) -> None:
         timings, losses = self._interval_time, self._interval_loss
         self._interval_time, self._interval_loss = [], []
-        if self.controller is None or not timings:
+        if self.controller is None:
+            return
+        if not timings:  # nothing new since the last boundary
+            if final:
+                self._reap_ingests(wait_s=10)
             return
         self._reap_ingests()
         step_s = sum(t for t, _, _ in timings) / len(timings)
@@ -255,21 +261,26 @@ class Session:
             wire_bytes=self.state.ledger.wire_total, dense_bytes=self.state.ledger.dense_total,
             fallback_active=self.guard.active,
             layers=tuple(s.to_dict() for s in self.state.stats if _finite_stats(s)),
-            events=tuple(self._new_events), eval_metric=self._eval_metric,
+            events=tuple(self._new_events), eval_metric=self._eval_metric, outages=self.outages,
         )
         self._new_events = []
         self._eval_metric = None
         try:
-            self._pending_ingest.append(self.controller.ingest.remote(stats.to_dict()))
+            ref = self.controller.ingest.remote(stats.to_dict())
+            self._pending_ingest.append(ref)
+            if final:  # the process may exit next: make sure the last totals arrive
+                import ray
+
+                ray.get(ref, timeout=10)
         except Exception as error:  # noqa: BLE001 - the controller is optional at run time
             self._outage(error)
 
-    def _reap_ingests(self) -> None:
+    def _reap_ingests(self, wait_s: float = 0) -> None:
         import ray
 
         if not self._pending_ingest:
             return
-        ready, waiting = ray.wait(self._pending_ingest, num_returns=len(self._pending_ingest), timeout=0)
+        ready, waiting = ray.wait(self._pending_ingest, num_returns=len(self._pending_ingest), timeout=wait_s)
         self._pending_ingest = waiting[-64:]  # bounded even if the controller hangs
         for ref in ready:
             try:
@@ -351,7 +362,11 @@ class Session:
 
         self._eval_metric = eval_metric
         self._log_file.flush()
-        metrics = {**metrics, "epoch": self.epoch, "step": self.global_step}
+        ledger = self.state.ledger
+        metrics = {**metrics, "epoch": self.epoch, "step": self.global_step,
+                   "wire_bytes": ledger.wire_total * self.world_size,  # rank 0's, scaled to all ranks
+                   "dense_bytes": ledger.dense_total * self.world_size,
+                   "compression_ratio": ledger.compression_ratio or 1.0}
         last = self.epoch + 1 == self.config.workload.epochs
         if (self.epoch + 1) % self.config.checkpoint.every_epochs and not last:
             ray.train.report(metrics)
@@ -445,8 +460,26 @@ class Session:
         }
 
     def close(self) -> None:
+        """Send the last statistics (final byte totals) and release resources."""
+        self._send_stats(final=True)
         self._log_file.close()
         self.state.close()
+
+
+def _register_torch_hook(model: torch.nn.parallel.DistributedDataParallel, compression: Any) -> None:
+    """torch's own DDP hooks, for side-by-side benchmarks (their bytes are not counted here)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if compression.baseline_hook == "torch_fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif compression.baseline_hook == "torch_powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=compression.baseline_powersgd_rank,
+            start_powerSGD_iter=compression.baseline_powersgd_start_iter,
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
 def _digest_parts(plan: Plan) -> list[float]:

@@ -26,7 +26,7 @@ def ray_cluster():
 
     os.environ.update(RAY_TEST_ENV)
     os.environ.pop("RAY_ADDRESS", None)  # always the embedded cluster, never a user's
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": RAY_TEST_ENV}, namespace="raycomp-tests")
     yield ray
     ray.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from jobs.train import prepare, run
@@ -90,3 +91,17 @@ def test_resume_after_a_killed_worker_is_exact(ray_cluster, tmp_path):
         assert all(torch.equal(residuals_a[k], residuals_b[k]) for k in residuals_a)
         assert ra["step"] == rb["step"] == 66
     assert crashed["final_eval_accuracy"] == reference["final_eval_accuracy"]
+
+
+@pytest.mark.slow
+def test_fashion_mnist_adaptive_reaches_85_percent_at_20x(ray_cluster, tmp_path):
+    fashion = str(REPO / "jobs" / "configs" / "fashion_mnist.yaml")
+    config, run_id, output = prepare(["--config", fashion, "--output", str(tmp_path / "fashion"),
+                                      "--run-id", f"fashion-{tmp_path.name}"])
+    summary = run(config, run_id, output)
+    print(f"fashion adaptive: accuracy {summary['final_eval_accuracy']:.4f}, "
+          f"ratio {summary['compression_ratio']:.1f}x, {summary['wall_seconds']:.0f} s")
+    assert summary["status"] == "succeeded"
+    assert summary["policy"]["name"] == "critical"
+    assert summary["final_eval_accuracy"] >= 0.85
+    assert summary["compression_ratio"] >= 20

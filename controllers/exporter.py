@@ -1,0 +1,156 @@
+"""Prometheus exporter: the controller's state, rendered at every scrape.
+
+One HTTP endpoint serves every run (labels ``run``, ``rank``, ``layer``, ``reason``) from
+the catalogue in ``raycomp.metrics``. Nothing is copied into client-library metric
+objects: the collector reads the :class:`~controllers.service.Controller` directly, so
+finished runs disappear when the controller evicts them (after its grace period) and
+counters survive a controller restart with the snapshot.
+
+The endpoint binds to 127.0.0.1 unless configured otherwise. Its address is written as a
+Prometheus file-based service-discovery target list, so Prometheus finds it without any
+configuration change (``dashboards/prometheus/prometheus.yml`` watches that file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import start_http_server
+
+from raycomp.guard import REASONS
+from raycomp.metrics import BY_NAME, CATALOGUE, STEP_BUCKETS, group_layers
+
+if TYPE_CHECKING:
+    from controllers.service import Controller
+    from controllers.state import RunState
+
+DEFAULT_SD_FILE = "/tmp/raycomp/prometheus/targets.json"
+
+
+def _family(name: str) -> Metric:
+    spec = BY_NAME[name]
+    kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
+    # counter families take the name without _total; the client library appends it
+    family_name = name.removesuffix("_total") if spec.kind == "counter" else name
+    return kinds[spec.kind](family_name, spec.help, labels=list(spec.labels))
+
+
+class ControllerCollector:
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    def collect(self) -> Iterator[Metric]:
+        families = {m.name: _family(m.name) for m in CATALOGUE}
+        for run in list(self.controller.runs.values()):
+            self._run(run, families)
+        rejected = families["raycomp_controller_rejected_reports_total"]
+        for reason in ("malformed", "unknown_run", "too_large"):
+            rejected.add_metric([reason], self.controller.rejected.get(reason, 0))
+        yield from families.values()
+
+    def _run(self, run: RunState, f: dict[str, Any]) -> None:
+        rid = run.run_id
+        for rank, (wire, dense) in sorted(run.per_rank_bytes.items()):
+            f["raycomp_wire_bytes_total"].add_metric([rid, str(rank)], wire)
+            f["raycomp_dense_bytes_total"].add_metric([rid, str(rank)], dense)
+        if run.wire_bytes > 0:
+            f["raycomp_compression_ratio"].add_metric([rid], run.dense_bytes / run.wire_bytes)
+        sizes = {name: h.numel for name, h in run.layers.items()}
+        latest = {name: h for name, h in run.layers.items() if h.grad_norm}
+        series = {
+            "raycomp_layer_grad_norm": ({n: h.grad_norm[-1][1] for n, h in latest.items()}, "rss"),
+            "raycomp_layer_residual_norm": ({n: h.residual_norm[-1][1] for n, h in latest.items()}, "rss"),
+            "raycomp_layer_compression_error": ({n: h.compression_error[-1][1] for n, h in latest.items()}, "mean"),
+            "raycomp_layer_compression_ratio": (
+                {n: h.dense_bytes / h.wire_bytes for n, h in latest.items() if h.wire_bytes > 0}, "mean"),
+        }
+        for name, (values, combine) in series.items():
+            for layer, value in group_layers(values, sizes, combine).items():
+                f[name].add_metric([rid, layer], value)
+        if run.losses:
+            f["raycomp_loss"].add_metric([rid], run.losses[-1][1])
+        if run.eval_metric is not None:
+            f["raycomp_eval_metric"].add_metric([rid, run.eval_kind], run.eval_metric)
+        f["raycomp_fallback_active"].add_metric([rid], float(run.fallback_active))
+        # every known reason from the start at 0, so the first event is an increase
+        reasons = {reason: 0 for reason in REASONS} | run.fallback_by_reason
+        for reason, count in sorted(reasons.items()):
+            f["raycomp_fallback_events_total"].add_metric([rid, reason], count)
+        f["raycomp_plan_version"].add_metric([rid], run.plan.version)
+        f["raycomp_plan_switches_total"].add_metric([rid], run.plan_switches)
+        f["raycomp_controller_reports_total"].add_metric([rid], run.reports)
+        f["raycomp_controller_outages_total"].add_metric([rid], sum(run.per_rank_outages.values()))
+        f["raycomp_run_active"].add_metric([rid], float(run.status == "running"))
+        if run.timings:
+            f["raycomp_samples_per_second"].add_metric([rid], run.timings[-1].samples_per_second)
+        for name, histogram in run.histograms.items():
+            buckets = [(str(b), c) for b, c in zip(STEP_BUCKETS, histogram.counts, strict=True)]
+            buckets.append(("+Inf", histogram.count))
+            f[f"raycomp_{name}"].add_metric([rid], buckets, histogram.total)
+
+
+class Exporter:
+    """Serves ``/metrics`` for a controller and advertises it via a file-SD target list."""
+
+    def __init__(self, controller: Controller, host: str = "127.0.0.1", port: int = 9478,
+                 sd_file: str | None = DEFAULT_SD_FILE) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ControllerCollector(controller))  # type: ignore[arg-type]
+        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        self.host, self.port = host, self.server.server_port
+        self.sd_file = Path(sd_file) if sd_file else None
+        if self.sd_file:
+            write_targets(self.sd_file, [f"{self._advertised_host()}:{self.port}"])
+        print(f"raycomp metrics: http://{self.host}:{self.port}/metrics"
+              + (f" (Prometheus file-SD targets: {self.sd_file})" if self.sd_file else ""), flush=True)
+
+    def _advertised_host(self) -> str:
+        return socket.gethostbyname(socket.gethostname()) if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def write_targets(path: Path, targets: list[str]) -> None:
+    """A Prometheus file_sd target list, written atomically (Prometheus watches the file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([{"targets": targets, "labels": {"job": "raycomp"}}]))
+    os.replace(tmp, path)
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """None if ``port`` is free (or serves raycomp metrics already), else what holds it."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+            return None
+        except OSError:
+            pass
+    try:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=2) as answer:
+            if b"raycomp_" in answer.read(1 << 20):
+                return None  # our own controller's exporter: it is shared by every run
+    except OSError:
+        pass
+    return "another program"

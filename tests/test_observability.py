@@ -1,0 +1,170 @@
+"""Metrics end to end: a real Prometheus (Debian package) scrapes the controller's exporter
+during a real 2-worker run; every dashboard query returns data, the catalogue and the
+dashboard agree, and the scraped byte counters equal the run's summary.json."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controllers.exporter import Exporter
+from controllers.service import Controller
+from jobs import dashboard
+from jobs.train import prepare, run
+from raycomp.metrics import CATALOGUE, series_names
+from tests.conftest import REPO
+from tests.distributed import free_port
+from tests.test_controller import register, report
+
+DIGITS = str(REPO / "jobs" / "configs" / "digits.yaml")
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        return answer.read().decode()
+
+
+def query(base: str, expr: str) -> list[dict]:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    answer = json.loads(scrape(url))
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """A real Prometheus server on a free loopback port, scraping every second."""
+    assert shutil.which("prometheus"), "the Debian package 'prometheus' is installed by scripts/setup.sh"
+    sd_file = tmp_path / "targets.json"
+    config = dashboard.prometheus_config(str(sd_file), interval="1s")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(dashboard.alert_rules()))
+    port = free_port()
+    process = subprocess.Popen(
+        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: _ready(base), timeout=30), (tmp_path / "prometheus.log").read_text()[-2000:]
+        yield base, sd_file
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+def _ready(base: str) -> bool:
+    try:
+        return "Ready" in scrape(f"{base}/-/ready")
+    except OSError:
+        return False
+
+
+def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometheus, tmp_path):
+    base, sd_file = prometheus
+    run_id = f"prom-{tmp_path.name}"
+    config, run_id, output = prepare([
+        "--config", DIGITS, "--output", str(tmp_path / "run"), "--run-id", run_id,
+        "workload.epochs=3", "faults.nan_at_step=30", "compression.guard.stable_steps=10",
+        "controller.name=raycomp-controller-prom", "controller.metrics_port=0",
+        f"controller.metrics_sd_file={sd_file}",
+    ])
+    summary = run(config, run_id, output)
+    assert summary["status"] == "succeeded"
+    import ray
+
+    controller = ray.get_actor("raycomp-controller-prom", namespace=config.controller.namespace)
+    ray.get(controller.ingest.remote({"run_id": "no-such-run"}))  # a malformed report: counted
+    ray.get(controller.ingest.remote({**report(run_id, 0, 999), "loss": float("nan")}))
+
+    # the last scrape after the run ended carries the final totals
+    wire = f'sum(raycomp_wire_bytes_total{{run="{run_id}"}})'
+    assert wait_for(lambda: [r for r in query(base, wire) if float(r["value"][1]) == summary["wire_bytes_total"]]), (
+        query(base, wire), summary["wire_bytes_total"])
+    dense = query(base, f'sum(raycomp_dense_bytes_total{{run="{run_id}"}})')
+    assert float(dense[0]["value"][1]) == summary["dense_bytes_total"]
+    assert wait_for(lambda: query(base, 'sum(raycomp_controller_rejected_reports_total) >= 2'))
+
+    board = json.loads((REPO / "dashboards" / "grafana" / "raycomp.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    exprs += [a["expr"] for a in board["annotations"]["list"]]
+    assert len(exprs) == sum(len(m.panels) for m in CATALOGUE) + 1
+    empty = [e for e in exprs if not query(base, e.replace("$run", run_id))]
+    assert not empty, f"queries without data: {empty}"
+    rules = json.loads(scrape(f"{base}/api/v1/rules"))["data"]["groups"]
+    assert {r["name"] for g in rules for r in g["rules"]} == {"RaycompFallbackStuck", "RaycompNoReports"}
+
+
+def test_catalogue_and_dashboard_agree():
+    assert dashboard.main(["--check"]) == 0, "dashboards/ are stale: run python -m jobs.dashboard"
+    board = json.loads((REPO / "dashboards" / "grafana" / "raycomp.json").read_text())
+    text = json.dumps([t["expr"] for p in board["panels"] for t in p.get("targets", [])])
+    queried = set(re.findall(r"raycomp_[a-z_]+", text))
+    stored = {s for m in CATALOGUE for s in series_names(m)}
+    assert queried <= stored, f"dashboard queries metrics outside the catalogue: {queried - stored}"
+    for metric in CATALOGUE:
+        assert any(s in queried for s in series_names(metric)), f"{metric.name} is on no panel"
+        assert metric.name.startswith("raycomp_")
+        assert metric.kind != "counter" or metric.name.endswith("_total")
+        assert metric.kind != "histogram" or metric.name.endswith("_seconds")
+    variables = {v["name"] for v in board["templating"]["list"]}
+    assert {"datasource", "run"} <= variables
+    assert {p["title"] for p in board["panels"] if p["type"] == "row"} == {
+        "Compression", "Convergence", "Controller decisions", "Throughput"}
+
+
+def test_exporter_survives_bad_input_and_counts_rejects(tmp_path):
+    controller = Controller()
+    exporter = Exporter(controller, "127.0.0.1", 0, str(tmp_path / "targets.json"))
+    try:
+        targets = json.loads((tmp_path / "targets.json").read_text())
+        assert targets[0]["targets"] == [f"127.0.0.1:{exporter.port}"]
+        register(controller, "r1")
+        for bad in ({**report("r1", 0, 4), "loss": float("nan")}, report("ghost", 0, 4), [1, 2], {"run_id": 3}):
+            controller.ingest(bad)
+        for rank in (0, 1):
+            controller.ingest(report("r1", rank, 4))
+        text = scrape(exporter.url)
+        assert 'raycomp_controller_rejected_reports_total{reason="malformed"} 3.0' in text
+        assert 'raycomp_controller_rejected_reports_total{reason="unknown_run"} 1.0' in text
+        assert 'raycomp_wire_bytes_total{rank="1",run="r1"} 4000.0' in text
+        assert 'raycomp_layer_grad_norm{layer="fc1.weight",run="r1"} 1.0' in text
+        assert "ghost" not in text
+    finally:
+        exporter.close()
+
+
+def test_layer_labels_are_bounded():
+    from raycomp.metrics import MAX_LAYER_LABELS, OTHER_LAYERS, group_layers
+
+    sizes = {f"l{i}": i + 1 for i in range(100)}
+    grouped = group_layers({n: 1.0 for n in sizes}, sizes, "rss")
+    assert len(grouped) == MAX_LAYER_LABELS and "l99" in grouped and "l0" not in grouped
+    assert grouped[OTHER_LAYERS] == pytest.approx((100 - MAX_LAYER_LABELS + 1) ** 0.5)
+
+
+def test_metrics_endpoint_binds_loopback_by_default():
+    from raycomp.config import ControllerSection
+
+    assert ControllerSection().metrics_host == "127.0.0.1"
+    prometheus_yml = (REPO / "dashboards" / "prometheus" / "prometheus.yml").read_text()
+    assert Path(ControllerSection().metrics_sd_file).name in prometheus_yml
