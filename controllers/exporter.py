@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from controllers.service import Controller
     from controllers.state import RunState
 
-DEFAULT_SD_FILE = "/tmp/raycomp/prometheus/targets.json"
+SD_DIR = "/tmp/raycomp/prometheus"  # dashboards/prometheus/prometheus.yml watches *.json here
+DEFAULT_SD_FILE = f"{SD_DIR}/raycomp-controller.json"
 
 
 def _family(name: str) -> Metric:
@@ -108,7 +109,13 @@ class Exporter:
                  sd_file: str | None = DEFAULT_SD_FILE) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ControllerCollector(controller))  # type: ignore[arg-type]
-        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as error:
+            # metrics must never take the controller down: serve on a free port instead;
+            # the file-SD list tells Prometheus where
+            print(f"raycomp metrics: port {port} unavailable ({error}); using a free port", flush=True)
+            self.server, self.thread = start_http_server(0, addr=host, registry=self.registry)
         self.host, self.port = host, self.server.server_port
         self.sd_file = Path(sd_file) if sd_file else None
         if self.sd_file:

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 #: subcommand name -> module implementing it
 BENCHMARKS: dict[str, str] = {
     "kernels": "jobs.bench_kernels",
+    "e2e": "jobs.bench_e2e",
+    "controller": "jobs.bench_controller",
 }
 
 

@@ -68,7 +68,7 @@ def dashboard() -> dict[str, Any]:
     }
 
 
-def prometheus_config(sd_file: str = "/tmp/raycomp/prometheus/targets.json", interval: str = "5s") -> dict[str, Any]:
+def prometheus_config(sd_file: str = "/tmp/raycomp/prometheus/*.json", interval: str = "5s") -> dict[str, Any]:
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": ["alerts.yml"],

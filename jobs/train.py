@@ -108,7 +108,7 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
 def run(config: JobConfig, run_id: str, output: Path) -> dict[str, Any]:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from controllers.service import get_or_create
     from jobs.workloads import layer_sizes
@@ -121,8 +121,10 @@ def run(config: JobConfig, run_id: str, output: Path) -> dict[str, Any]:
                  if not os.environ.get("RAY_ADDRESS") else None)
     snapshot_dir = config.controller.snapshot_dir or str(output.parent / "_controller")
     c = config.controller
-    metrics = {"host": c.metrics_host, "port": c.metrics_port, "sd_file": c.metrics_sd_file} \
-        if c.metrics_enabled else None
+    from controllers.exporter import SD_DIR
+
+    sd_file = c.metrics_sd_file or f"{SD_DIR}/{c.name}.json"
+    metrics = {"host": c.metrics_host, "port": c.metrics_port, "sd_file": sd_file} if c.metrics_enabled else None
     controller = get_or_create(c.name, c.namespace, snapshot_dir, c.max_restarts, c.finished_run_grace_s, metrics)
     compression = config.compression
     initial_plan = ray.get(controller.register_run.remote(
@@ -136,7 +138,9 @@ def run(config: JobConfig, run_id: str, output: Path) -> dict[str, Any]:
         train_loop_config={"config": config.model_dump(mode="json"), "run_id": run_id,
                            "output_dir": str(output), "initial_plan": initial_plan},
         scaling_config=ScalingConfig(num_workers=config.scaling.num_workers, use_gpu=config.scaling.use_gpu,
-                                     resources_per_worker={"CPU": config.scaling.cpus_per_worker}),
+                                     resources_per_worker={"CPU": config.scaling.cpus_per_worker},
+                                     placement_strategy=config.scaling.placement_strategy),
+        torch_config=TorchConfig(timeout_s=int(config.scaling.collective_timeout_s)),
         run_config=RunConfig(name=output.name, storage_path=str(output.parent),
                              failure_config=FailureConfig(max_failures=config.checkpoint.max_failures)),
     )
@@ -179,6 +183,7 @@ def build_summary(config: JobConfig, run_id: str, status: str, error: str | None
         "wall_seconds": wall,
         "steps_per_second": steps / wall if wall > 0 else 0.0,
         "controller_outages": worker.get("controller_outages", 0),
+        "control_overhead": worker.get("control_overhead"),
         "replayed_steps": worker.get("replayed_steps", 0),
         "restored_from_step": worker.get("restored_from_step"),
         "final_plan": worker.get("final_plan"),

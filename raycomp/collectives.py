@@ -237,6 +237,9 @@ class ScalableAllreduce:
         overhead = (w - 1) * (padded - own.numel())
         return results, overhead
 
+    def reset(self) -> None:
+        self.server_residuals.clear()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.server_residuals.items()}
 

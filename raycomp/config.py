@@ -76,6 +76,9 @@ class ScalingSection(_Strict):
     num_workers: Annotated[int, Field(ge=1, le=1024)] = 2
     use_gpu: bool = False
     cpus_per_worker: Annotated[float, Field(gt=0, le=256)] = 1.0
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    #: a collective that cannot complete (a rank hung or gone) fails after this, never hangs
+    collective_timeout_s: Annotated[float, Field(ge=5, le=86_400)] = 300.0
 
 
 class GuardSection(_Strict):
@@ -86,6 +89,7 @@ class GuardSection(_Strict):
     loss_window: Annotated[int, Field(ge=3, le=10_000)] = 20
     max_compression_error: Annotated[float, Field(gt=0)] = 0.999  # relative, any layer
     stable_steps: Annotated[int, Field(ge=1)] = 50  # clean steps before compressing again
+    grad_norm_factor: Annotated[float, Field(gt=1)] = 10.0  # norm > factor x window median
 
 
 class LrScalingSection(_Strict):
@@ -195,7 +199,8 @@ class ControllerSection(_Strict):
     metrics_enabled: bool = True
     metrics_host: str = "127.0.0.1"  # loopback unless you mean to expose it
     metrics_port: Annotated[int, Field(ge=0, le=65_535)] = 9478  # 0: pick a free port
-    metrics_sd_file: str = "/tmp/raycomp/prometheus/targets.json"  # Prometheus file-SD list
+    #: Prometheus file-SD list (default: /tmp/raycomp/prometheus/<name>.json)
+    metrics_sd_file: str | None = None
     finished_run_grace_s: Annotated[float, Field(ge=0)] = 300.0
 
 
@@ -212,6 +217,11 @@ class FaultsSection(_Strict):
     kill_rank_at_step: Annotated[int | None, Field(ge=0)] = None
     kill_rank: Annotated[int, Field(ge=0)] = 0
     force_plan_mismatch_at_step: Annotated[int | None, Field(ge=0)] = None
+    loss_scale_at_step: Annotated[int | None, Field(ge=0)] = None  # multiply the loss: a spike
+    loss_scale: Annotated[float, Field(gt=0)] = 100.0
+    hang_rank_at_step: Annotated[int | None, Field(ge=0)] = None  # that rank stops communicating
+    hang_rank: Annotated[int, Field(ge=0)] = 0
+    crash_while_checkpointing_epoch: Annotated[int | None, Field(ge=0)] = None  # rank 0, once
 
 
 class JobConfig(_Strict):
@@ -226,7 +236,7 @@ class JobConfig(_Strict):
     @model_validator(mode="after")
     def _ranks_exist(self) -> JobConfig:
         workers = self.scaling.num_workers
-        for key in ("nan_rank", "kill_rank"):
+        for key in ("nan_rank", "kill_rank", "hang_rank"):
             if getattr(self.faults, key) >= workers:
                 raise ValueError(f"faults.{key} must be < scaling.num_workers ({workers})")
         return self
@@ -304,11 +314,17 @@ def check_resources(config: JobConfig) -> None:
     from raycomp import data
 
     fashion_dir = Path(config.workload.data_dir or data.FASHION_MNIST_DIR)
-    if config.workload.name == "fashion_mnist" and not (fashion_dir / "train-images-idx3-ubyte.gz").is_file():
-        raise ConfigError(
-            f"workload.data_dir: no Fashion-MNIST in {str(fashion_dir)!r}; install the Debian "
-            "package 'dataset-fashion-mnist' or point workload.data_dir at the IDX files"
-        )
+    if config.workload.name == "fashion_mnist":
+        if not (fashion_dir / "train-images-idx3-ubyte.gz").is_file():
+            raise ConfigError(
+                f"workload.data_dir: no Fashion-MNIST in {str(fashion_dir)!r}; install the Debian "
+                "package 'dataset-fashion-mnist' or point workload.data_dir at the IDX files"
+            )
+        for name in data.FASHION_MNIST_FILES:
+            try:
+                data.idx_header(fashion_dir / name)
+            except (OSError, ValueError, EOFError) as error:
+                raise ConfigError(f"workload.data_dir: {name} is unreadable: {error}") from None
     if config.workload.name == "kjv" and shutil.which("bible") is None and not data.kjv_cache_file().is_file():
         raise ConfigError(
             "workload.name: kjv needs the Debian packages 'bible-kjv bible-kjv-text' "

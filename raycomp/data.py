@@ -50,6 +50,26 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
     return Split(x[n_test:], y[n_test:]), Split(x[:n_test], y[:n_test])
 
 
+FASHION_MNIST_FILES = tuple(
+    f"{split}-{kind}-idx{dims}-ubyte.gz"
+    for split in ("train", "t10k")
+    for kind, dims in (("images", 3), ("labels", 1))
+)
+
+
+def idx_header(path: Path) -> tuple[int, ...]:
+    """The dimensions an IDX file declares (reads only its header): a cheap validity check."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        head = f.read(4)
+        if len(head) < 4 or head[:3] != b"\x00\x00\x08":
+            raise ValueError(f"{path}: not an unsigned-byte IDX file")
+        dims = f.read(4 * head[3])
+    if len(dims) != 4 * head[3]:
+        raise ValueError(f"{path}: header cut short")
+    return tuple(int(d) for d in np.frombuffer(dims, dtype=">u4"))
+
+
 def read_idx(path: Path) -> np.ndarray:
     """An IDX file (optionally gzipped): magic 0x0000, dtype byte, ndim byte, sizes, data."""
     opener = gzip.open if path.suffix == ".gz" else open

@@ -4,10 +4,11 @@ Every rank runs the same :class:`Guard` on the same inputs — the per-step cont
 that all ranks all-gather (non-finite flag, loss, worst compression error) — so every
 rank takes the same decision in the same step without asking the controller:
 
-* a non-finite gradient, a loss above ``loss_spike_factor`` x the median of the last
+* a non-finite gradient, a gradient norm above ``grad_norm_factor`` x the median of the
+  recent norms, a loss above ``loss_spike_factor`` x the median of the last
   ``loss_window`` losses, or a relative compression error above ``max_compression_error``
-  switches to dense from the next step (a non-finite step is also skipped: the optimizer
-  must not apply it);
+  switches to dense from the next step (non-finite and exploding steps are also
+  skipped: the optimizer must not apply them);
 * after ``stable_steps`` clean steps compression resumes (hysteresis).
 
 Every switch is an event with its step and reason.
@@ -20,7 +21,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-REASONS = ("nonfinite_gradient", "loss_spike", "compression_error")
+REASONS = ("nonfinite_gradient", "gradient_explosion", "loss_spike", "compression_error")
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,12 @@ class Guard:
         loss_window: int = 20,
         max_compression_error: float = 0.999,
         stable_steps: int = 50,
+        grad_norm_factor: float = 10.0,
     ) -> None:
         self.enabled = enabled
         self.loss_spike_factor = loss_spike_factor
+        self.grad_norm_factor = grad_norm_factor
+        self.grad_norms: deque[float] = deque(maxlen=loss_window)
         self.max_compression_error = max_compression_error
         self.stable_steps = stable_steps
         self.losses: deque[float] = deque(maxlen=loss_window)
@@ -59,10 +63,11 @@ class Guard:
         self.clean_steps = 0
         self.events: list[GuardEvent] = []
 
-    def observe(self, step: int, nonfinite: bool, loss: float, max_error: float | None) -> Verdict:
+    def observe(self, step: int, nonfinite: bool, loss: float, max_error: float | None,
+                grad_norm: float = 0.0) -> Verdict:
         if not self.enabled:
             return Verdict(skip_update=nonfinite, changed=False)
-        trigger = self._trigger(nonfinite, loss, max_error)
+        trigger = self._trigger(nonfinite, loss, max_error, grad_norm)
         if trigger is not None:
             reason, detail = trigger
             changed = not self.active
@@ -70,8 +75,10 @@ class Guard:
                 self.active, self.reason = True, reason
                 self.events.append(GuardEvent(step, "fallback", reason, detail))
             self.clean_steps = 0
-            return Verdict(skip_update=nonfinite, changed=changed)
+            skip = reason in ("nonfinite_gradient", "gradient_explosion")
+            return Verdict(skip_update=skip, changed=changed)
         self.losses.append(loss)
+        self.grad_norms.append(grad_norm)
         if self.active:
             self.clean_steps += 1
             if self.clean_steps >= self.stable_steps:
@@ -81,9 +88,15 @@ class Guard:
                 return Verdict(skip_update=False, changed=True)
         return Verdict(skip_update=False, changed=False)
 
-    def _trigger(self, nonfinite: bool, loss: float, max_error: float | None) -> tuple[str, str] | None:
+    def _trigger(self, nonfinite: bool, loss: float, max_error: float | None,
+                 grad_norm: float) -> tuple[str, str] | None:
         if nonfinite or loss != loss or loss in (float("inf"), float("-inf")):
             return "nonfinite_gradient", "NaN/Inf in gradients or loss"
+        if len(self.grad_norms) >= 3:
+            median = statistics.median(self.grad_norms)
+            if median > 0 and grad_norm > self.grad_norm_factor * median:
+                return "gradient_explosion", (
+                    f"gradient norm {grad_norm:.4g} > {self.grad_norm_factor} x median {median:.4g}")
         if len(self.losses) >= 3:
             median = statistics.median(self.losses)
             if median > 0 and loss > self.loss_spike_factor * median:
@@ -95,6 +108,7 @@ class Guard:
     def state_dict(self) -> dict[str, Any]:
         return {
             "losses": list(self.losses),
+            "grad_norms": list(self.grad_norms),
             "active": self.active,
             "reason": self.reason,
             "clean_steps": self.clean_steps,
@@ -104,6 +118,8 @@ class Guard:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses.clear()
         self.losses.extend(state["losses"])
+        self.grad_norms.clear()
+        self.grad_norms.extend(state["grad_norms"])
         self.active = state["active"]
         self.reason = state["reason"]
         self.clean_steps = state["clean_steps"]

@@ -29,6 +29,8 @@ class Memory(Protocol):
 
     def residual(self, name: str) -> torch.Tensor | None: ...
 
+    def reset(self) -> None: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -45,6 +47,9 @@ class NoMemory:
 
     def residual(self, name: str) -> torch.Tensor | None:
         return None
+
+    def reset(self) -> None:
+        pass
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -72,6 +77,9 @@ class ResidualMemory:
 
     def residual(self, name: str) -> torch.Tensor | None:
         return self.residuals.get(name)
+
+    def reset(self) -> None:
+        self.residuals.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
@@ -129,6 +137,10 @@ class DGCMemory:
 
     def residual(self, name: str) -> torch.Tensor | None:
         return self.accumulated.get(name)
+
+    def reset(self) -> None:
+        self.velocity.clear()
+        self.accumulated.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {

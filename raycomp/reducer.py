@@ -205,6 +205,17 @@ class CompressedReducer:
         self.ledger.add(collectives.OVERHEAD, overhead)
         return results
 
+    def discard_step(self) -> None:
+        """Forget the error-feedback memory after a step the optimizer skipped.
+
+        The skipped step's gradient (NaN-free but exploded, say) is already folded into the
+        residuals; keeping them would re-send it on the next step. Dropping them also drops
+        the small residual mass of earlier steps — bounded, and far better than replaying a
+        bad gradient. Every rank calls this at the same step (the guard's decision is shared).
+        """
+        self.memory.reset()
+        self.scalable.reset()
+
     # --- checkpointing -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-for-bit: step, plan, memory, compressor state."""

@@ -101,6 +101,8 @@ class Session:
         self.skipped_steps = 0
         self.replayed_steps = 0
         self.restored_from: int | None = None
+        self.control_seconds = 0.0  # guard vector + boundaries: the controller's cost per rank
+        self.step_seconds = 0.0
         self._lr_ramp_from: int | None = None
         self._poll: Any = None
         self._pending_ingest: list[Any] = []
@@ -131,6 +133,8 @@ class Session:
         faults = self.config.faults
         if faults.nan_at_step == self.global_step and faults.nan_rank == self.rank:
             return loss * float("nan")
+        if faults.loss_scale_at_step == self.global_step:
+            return loss * faults.loss_scale
         return loss
 
     def step(self, loss: torch.Tensor, samples: int) -> bool:
@@ -142,11 +146,14 @@ class Session:
         if not self.ddp:
             self.state.allreduce_gradients()  # one process: local compression + memory
         loss_value = float(loss.detach())
+        started = time.perf_counter()
         applied = self._guard_step(loss_value)
+        self.control_seconds += time.perf_counter() - started
         if applied:
             self._optimizer_step()
         else:
             self.skipped_steps += 1
+            self.state.discard_step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -155,22 +162,27 @@ class Session:
 
     def _guard_step(self, loss: float) -> bool:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        nonfinite = bool(self.state.nonfinite_layers) or not all(bool(torch.isfinite(g).all()) for g in grads)
+        # one pass: NaN/Inf anywhere makes the global norm NaN/Inf
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
+            if grads else 0.0
+        nonfinite = bool(self.state.nonfinite_layers) or not math.isfinite(norm)
         fresh = self.state.stats_step == self.state.step - 1
         worst = max((s.compression_error for s in self.state.stats), default=-1.0) if fresh else -1.0
         plan = self.state.plan
-        rows = self._all_gather_control([float(nonfinite), loss, worst, *_digest_parts(plan)])
-        digests = {(int(r[3]), int(r[4])) for r in rows}
-        if len(digests) > 1:
+        rows = self._all_gather_control([float(nonfinite), loss, worst, norm if math.isfinite(norm) else -1.0,
+                                         *_digest_parts(plan)])
+        if len({(r[_HI], r[_LO]) for r in rows}) > 1:
             raise PlanMismatchError(
                 f"ranks hold different plans at step {self.global_step}: "
-                + ", ".join(f"rank {i}: version {int(r[5])}" for i, r in enumerate(rows))
+                + ", ".join(f"rank {i}: version {int(r[_VERSION])}" for i, r in enumerate(rows))
             )
         any_nonfinite = any(r[0] > 0 for r in rows)
         losses = [r[1] for r in rows]
         mean_loss = math.fsum(losses) / len(losses) if all(map(math.isfinite, losses)) else float("nan")
         errors = [r[2] for r in rows if r[2] >= 0]
-        verdict = self.guard.observe(self.global_step, any_nonfinite, mean_loss, max(errors) if errors else None)
+        # the gradients are the same all-reduced mean on every rank: take rank 0's norm
+        verdict = self.guard.observe(self.global_step, any_nonfinite, mean_loss,
+                                     max(errors) if errors else None, max(rows[0][3], 0.0))
         if verdict.changed:
             event = self.guard.events[-1]
             self._new_events.append(event.to_dict())
@@ -211,8 +223,11 @@ class Session:
         }
         self._log_file.write(json.dumps(record) + "\n")
         self.global_step += 1
+        self.step_seconds += now - self._step_started
         if self.global_step % self.interval == 0:
+            started = time.perf_counter()
             self._boundary()
+            self.control_seconds += time.perf_counter() - started
         self._comm_at_step_start = self.state.comm_seconds
         self._step_started = time.perf_counter()
 
@@ -339,11 +354,11 @@ class Session:
                 and self.global_step >= faults.force_plan_mismatch_at_step:
             self.state.set_plan(self.state.plan.with_version(self.state.plan.version + 1000))
         plan = self.state.plan
-        rows = self._all_gather_control([0.0, 0.0, 0.0, *_digest_parts(plan)])
-        if len({(int(r[3]), int(r[4])) for r in rows}) > 1:
+        rows = self._all_gather_control([0.0, 0.0, 0.0, 0.0, *_digest_parts(plan)])
+        if len({(r[_HI], r[_LO]) for r in rows}) > 1:
             raise PlanMismatchError(
                 f"ranks disagree on the plan installed for step {self.global_step}: "
-                + ", ".join(f"rank {i}: version {int(r[5])}" for i, r in enumerate(rows))
+                + ", ".join(f"rank {i}: version {int(r[_VERSION])}" for i, r in enumerate(rows))
                 + "; refusing to communicate under different plans"
             )
 
@@ -386,6 +401,8 @@ class Session:
                          "skipped_steps": self.skipped_steps, "lr_ramp_from": self._lr_ramp_from},
         }
         _atomic_save(own, directory / f"rank{self.rank}.pt")
+        if self.rank == 0 and self.config.faults.crash_while_checkpointing_epoch == self.epoch:
+            self._crash_once(f"checkpoint-{self.epoch}")  # half-written: rank0.pt without shared.pt
         if self.rank == 0:
             module = getattr(self.model, "module", self.model)
             shared = {
@@ -432,14 +449,21 @@ class Session:
 
     def _maybe_kill(self) -> None:
         faults = self.config.faults
+        if faults.hang_rank_at_step == self.global_step and faults.hang_rank == self.rank:
+            log.warning("fault injection: rank %d stops communicating at step %d", self.rank, self.global_step)
+            time.sleep(24 * 3600)  # the others' next collective must time out, not wait forever
         if faults.kill_rank_at_step != self.global_step or faults.kill_rank != self.rank:
             return
-        marker = self.output_dir / "faults" / f"killed-at-{self.global_step}"
+        self._crash_once(f"killed-at-{self.global_step}")
+
+    def _crash_once(self, name: str) -> None:
+        marker = self.output_dir / "faults" / name
         if marker.exists():
             return  # the injected fault already happened; the restarted run goes on
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(str(os.getpid()))
         self._log_file.flush()
+        log.warning("fault injection: rank %d crashes (%s)", self.rank, name)
         os._exit(17)  # a crash, not an exception: no cleanup, like a killed process
 
     # --- the end ------------------------------------------------------------------------------
@@ -457,6 +481,8 @@ class Session:
             "fallback_events": [e.to_dict() for e in self.guard.events],
             "replayed_steps": self.replayed_steps, "restored_from_step": self.restored_from,
             "final_plan": self.state.plan.to_dict(),
+            "control_seconds": self.control_seconds,
+            "control_overhead": self.control_seconds / self.step_seconds if self.step_seconds else 0.0,
         }
 
     def close(self) -> None:
@@ -480,6 +506,10 @@ def _register_torch_hook(model: torch.nn.parallel.DistributedDataParallel, compr
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:
         model.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+# positions in the control vector: [nonfinite, loss, worst error, grad norm, digest hi, lo, version]
+_HI, _LO, _VERSION = 4, 5, 6
 
 
 def _digest_parts(plan: Plan) -> list[float]:

@@ -84,3 +84,30 @@ def test_cli_exits_2_with_one_line_before_touching_ray(argv, message):
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
+
+
+def test_port_in_use_by_another_program_is_rejected():
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"controller.metrics_port: {port} on 127.0.0.1 is in use by another program"):
+            prepare(["--config", DIGITS, f"controller.metrics_port={port}"])
+
+
+def test_unreadable_dataset_is_rejected(tmp_path):
+    import gzip
+    import shutil
+
+    from raycomp import data
+
+    for name in data.FASHION_MNIST_FILES:
+        shutil.copy(data.FASHION_MNIST_DIR / name, tmp_path / name)
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"garbage"))
+    with pytest.raises(ConfigError, match=r"workload.data_dir: t10k-labels-idx1-ubyte.gz is unreadable"):
+        prepare(["--config", DIGITS, "workload.name=fashion_mnist", f"workload.data_dir={tmp_path}"])
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(ConfigError, match=r"train-images-idx3-ubyte.gz is unreadable"):
+        prepare(["--config", DIGITS, "workload.name=fashion_mnist", f"workload.data_dir={tmp_path}"])

@@ -79,3 +79,13 @@ def test_memory_bad_input_and_no_memory():
         DGCMemory(clip_norm=0)
     grad = torch.randn(3)
     assert NoMemory().compensate("w", grad) is grad
+
+
+def test_reset_forgets_everything():
+    for memory in (ResidualMemory(), DGCMemory()):
+        v = memory.compensate("w", torch.ones(3))
+        memory.update("w", v, torch.zeros(3), sparse=True)
+        assert memory.residual("w") is not None
+        memory.reset()
+        assert memory.residual("w") is None
+        assert torch.equal(memory.compensate("w", torch.ones(3)), torch.ones(3))

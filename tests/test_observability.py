@@ -11,7 +11,6 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
@@ -166,5 +165,7 @@ def test_metrics_endpoint_binds_loopback_by_default():
     from raycomp.config import ControllerSection
 
     assert ControllerSection().metrics_host == "127.0.0.1"
+    from controllers.exporter import SD_DIR
+
     prometheus_yml = (REPO / "dashboards" / "prometheus" / "prometheus.yml").read_text()
-    assert Path(ControllerSection().metrics_sd_file).name in prometheus_yml
+    assert f"{SD_DIR}/*.json" in prometheus_yml

@@ -70,20 +70,24 @@ def test_nan_gradients_fall_back_to_dense_in_the_same_step_and_recover(ray_clust
     assert summary["final_eval_accuracy"] > 0.5
 
 
-def test_resume_after_a_killed_worker_is_exact(ray_cluster, tmp_path):
-    common = ("compression.policy=static", "compression.warmup_steps=0", "workload.epochs=3",
-              "compression.static.compressor={name: topk, ratio: 0.05}")
-    reference = train(tmp_path, "straight", *common)
-    crashed = train(tmp_path, "crashed", *common, "faults.kill_rank_at_step=29", "faults.kill_rank=1")
+RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.epochs=3",
+          "compression.static.compressor={name: topk, ratio: 0.05}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory):
+    return train(tmp_path_factory.mktemp("reference"), "straight", *RESUME)
+
+
+def assert_same_training(crashed: dict, reference: dict) -> None:
+    """Bit-identical weights and error-feedback state, and a gap-free step log."""
     assert crashed["status"] == reference["status"] == "succeeded"
-    assert crashed["restored_from_step"] == 22  # the end-of-epoch-0 checkpoint
-    assert crashed["replayed_steps"] >= 1  # logged after the checkpoint, dropped on resume
     assert crashed["steps"] == reference["steps"] == 66
     for records in step_logs(Path(crashed["output_dir"])):
         assert [r["step"] for r in records] == list(range(66))
     ref_dir, crash_dir = (latest_checkpoint(Path(s["output_dir"])) for s in (reference, crashed))
     a, b = (torch.load(d / "shared.pt", weights_only=False)["model"] for d in (ref_dir, crash_dir))
-    assert all(torch.equal(a[k], b[k]) for k in a)  # bit-identical training after resume
+    assert all(torch.equal(a[k], b[k]) for k in a)
     for rank in (0, 1):
         ra, rb = (torch.load(d / f"rank{rank}.pt", weights_only=False)["compression"] for d in (ref_dir, crash_dir))
         residuals_a, residuals_b = ra["memory"]["residuals"], rb["memory"]["residuals"]
@@ -91,6 +95,21 @@ def test_resume_after_a_killed_worker_is_exact(ray_cluster, tmp_path):
         assert all(torch.equal(residuals_a[k], residuals_b[k]) for k in residuals_a)
         assert ra["step"] == rb["step"] == 66
     assert crashed["final_eval_accuracy"] == reference["final_eval_accuracy"]
+
+
+def test_resume_after_a_killed_worker_is_exact(uninterrupted, tmp_path):
+    crashed = train(tmp_path, "crashed", *RESUME, "faults.kill_rank_at_step=29", "faults.kill_rank=1")
+    assert crashed["restored_from_step"] == 22  # the end-of-epoch-0 checkpoint
+    assert crashed["replayed_steps"] >= 1  # logged after the checkpoint, dropped on resume
+    assert_same_training(crashed, uninterrupted)
+
+
+def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(uninterrupted, tmp_path):
+    # rank 0 dies after writing rank0.pt of the epoch-1 checkpoint, before shared.pt and
+    # before reporting: that half-written checkpoint is never registered or used
+    crashed = train(tmp_path, "midsave", *RESUME, "faults.crash_while_checkpointing_epoch=1")
+    assert crashed["restored_from_step"] == 22
+    assert_same_training(crashed, uninterrupted)
 
 
 @pytest.mark.slow

@@ -1,0 +1,100 @@
+"""Faults on a real local Ray: the controller dies (and comes back, or not), ranks
+disagree on the plan, a rank stops communicating, gradients explode. Training goes on or
+fails clearly and quickly — never hangs, never applies a bad step."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from tests.test_train_job import step_logs, train
+
+
+def kill_controller_when(output: Path, step: int, name: str, restart: bool, namespace: str = "raycomp"):
+    """Background thread: once rank 0 has logged ``step``, kill the named controller."""
+    killed: dict = {}
+
+    def watch() -> None:
+        log = output / "steps" / "rank0.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if log.exists() and log.read_text().count("\n") >= step:
+                actor = ray.get_actor(name, namespace=namespace)
+                killed["pid"] = ray.get(actor.pid.remote())
+                ray.kill(actor, no_restart=not restart)
+                killed["at"] = time.monotonic()
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, killed
+
+
+def test_controller_restart_workers_keep_training_and_it_resumes_steering(ray_cluster, tmp_path):
+    name = f"ctl-restart-{tmp_path.name}"[:60]
+    thread, killed = kill_controller_when(tmp_path / "run", 25, name, restart=True)
+    # 264 steps: long enough after the kill for the restarted actor (~3-5 s) to steer again
+    summary = train(tmp_path, "run", f"controller.name={name}", "controller.interval_steps=2",
+                    "workload.batch_size=16", "workload.epochs=6")
+    thread.join(timeout=5)
+    assert "pid" in killed, "the controller was never killed"
+    assert summary["status"] == "succeeded" and summary["steps"] == 264
+    assert summary["controller_outages"] >= 1  # calls in flight at the kill failed and were counted
+    actor = ray.get_actor(name, namespace="raycomp")
+    health = ray.get(actor.health.remote())
+    assert health["restored"], "the restarted controller did not restore its snapshot"
+    assert ray.get(actor.pid.remote()) != killed["pid"]
+    # it kept steering the same run: reports after the restart were merged into it
+    assert summary["policy"]["last_step"] >= 250
+    assert summary["policy"]["reports"] > 0
+    for mine, theirs in zip(*step_logs(Path(summary["output_dir"])), strict=True):
+        assert mine["plan_version"] == theirs["plan_version"]
+
+
+def test_controller_down_for_good_training_finishes_with_a_warning(ray_cluster, tmp_path):
+    name = f"ctl-dead-{tmp_path.name}"[:60]
+    thread, killed = kill_controller_when(tmp_path / "run", 25, name, restart=False)
+    summary = train(tmp_path, "run", f"controller.name={name}", "workload.steps_per_epoch=20",
+                    "workload.epochs=3")
+    thread.join(timeout=5)
+    assert "pid" in killed
+    assert summary["status"] == "succeeded" and summary["steps"] == 60
+    assert summary["controller_outages"] >= 1
+    assert any("controller unreachable" in w for w in summary["warnings"]), summary["warnings"]
+    assert summary["final_eval_accuracy"] > 0.5
+
+
+def test_forced_plan_disagreement_fails_clearly_within_the_interval(ray_cluster, tmp_path):
+    started = time.monotonic()
+    summary = train(tmp_path, "run", "faults.force_plan_mismatch_at_step=20", "checkpoint.max_failures=0")
+    assert summary["status"] == "failed"
+    assert "PlanMismatchError" in summary["error"] and "ranks disagree on the plan" in summary["error"]
+    assert time.monotonic() - started < 120
+    for records in step_logs(Path(summary["output_dir"])):
+        assert max(r["step"] for r in records) < 20 + 5  # stopped at the first boundary after
+
+
+def test_a_rank_that_stops_communicating_fails_by_the_timeout_not_a_hang(ray_cluster, tmp_path):
+    started = time.monotonic()
+    summary = train(tmp_path, "run", "faults.hang_rank_at_step=15", "faults.hang_rank=1",
+                    "scaling.collective_timeout_s=10", "checkpoint.max_failures=0")
+    elapsed = time.monotonic() - started
+    assert summary["status"] == "failed"
+    assert "timed out" in summary["error"].lower() or "timeout" in summary["error"].lower(), summary["error"]
+    assert elapsed < 150, f"took {elapsed:.0f} s"
+
+
+def test_exploding_gradients_are_skipped_and_fall_back(ray_cluster, tmp_path):
+    summary = train(tmp_path, "run", "compression.policy=static", "compression.warmup_steps=0",
+                    "faults.loss_scale_at_step=30", "faults.loss_scale=1000", "compression.guard.stable_steps=5")
+    assert summary["status"] == "succeeded"
+    first = summary["fallback_events"][0]
+    assert (first["step"], first["reason"]) == (30, "gradient_explosion")
+    assert summary["skipped_steps"] == 1
+    for records in step_logs(Path(summary["output_dir"])):
+        assert not {r["step"]: r for r in records}[30]["applied"]
+    assert summary["final_eval_accuracy"] > 0.5

@@ -1,0 +1,59 @@
+"""The worker guard's state machine: triggers, skip decisions, hysteresis, state."""
+
+from __future__ import annotations
+
+from raycomp.guard import Guard
+
+
+def feed(guard: Guard, steps: range, loss: float = 1.0, norm: float = 1.0):
+    return [guard.observe(s, False, loss, None, norm) for s in steps]
+
+
+def test_each_trigger_falls_back_with_its_reason():
+    cases = {
+        "nonfinite_gradient": dict(nonfinite=True, loss=1.0, max_error=None, grad_norm=1.0),
+        "gradient_explosion": dict(nonfinite=False, loss=1.0, max_error=None, grad_norm=50.0),
+        "loss_spike": dict(nonfinite=False, loss=10.0, max_error=None, grad_norm=1.0),
+        "compression_error": dict(nonfinite=False, loss=1.0, max_error=0.9999, grad_norm=1.0),
+    }
+    for reason, kwargs in cases.items():
+        guard = Guard(stable_steps=3)
+        feed(guard, range(5))
+        verdict = guard.observe(5, **kwargs)
+        assert guard.active and guard.reason == reason and verdict.changed
+        assert verdict.skip_update == (reason in ("nonfinite_gradient", "gradient_explosion"))
+        assert guard.events[-1].step == 5 and guard.events[-1].kind == "fallback"
+
+
+def test_nan_loss_counts_as_nonfinite():
+    guard = Guard()
+    assert guard.observe(0, False, float("nan"), None).skip_update
+
+
+def test_hysteresis_recovers_after_stable_steps_and_retrigger_resets_it():
+    guard = Guard(stable_steps=3)
+    feed(guard, range(5))
+    guard.observe(5, True, 1.0, None)
+    assert [v.changed for v in feed(guard, range(6, 8))] == [False, False]
+    guard.observe(8, True, 1.0, None)  # again: the clean count starts over
+    verdicts = feed(guard, range(9, 12))
+    assert [v.changed for v in verdicts] == [False, False, True]
+    assert not guard.active
+    assert [(e.step, e.kind) for e in guard.events] == [(5, "fallback"), (11, "recovered")]
+
+
+def test_spikes_do_not_enter_the_windows_and_state_round_trips():
+    guard = Guard(stable_steps=2)
+    feed(guard, range(10), loss=2.0, norm=3.0)
+    guard.observe(10, False, 100.0, None, 3.0)
+    assert max(guard.losses) == 2.0
+    copy = Guard(stable_steps=2)
+    copy.load_state_dict(guard.state_dict())
+    assert copy.state_dict() == guard.state_dict()
+    assert copy.observe(11, False, 2.0, None, 3.0) == guard.observe(11, False, 2.0, None, 3.0)
+
+
+def test_disabled_guard_still_skips_nonfinite_steps():
+    guard = Guard(enabled=False)
+    assert guard.observe(0, True, 1.0, None).skip_update
+    assert not guard.active and not guard.events
