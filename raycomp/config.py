@@ -100,6 +100,12 @@ class LrScalingSection(_Strict):
     start_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
 
 
+def _distinct_ratios(ratios: list[float], descending: bool = False) -> list[float]:
+    if not ratios:
+        raise ValueError("at least one ratio is required")
+    return sorted(set(ratios), reverse=descending)
+
+
 class StaticPolicy(_Strict):
     compressor: CompressorConfig = compressor("topk", ratio=0.01)
 
@@ -147,12 +153,7 @@ class ErrorBudgetPolicy(_Strict):
     slack: Annotated[float, Field(ge=0, le=10)] = 0.0
     every_steps: Annotated[int, Field(ge=1)] = 50
 
-    @field_validator("ratios")
-    @classmethod
-    def _sorted(cls, ratios: list[float]) -> list[float]:
-        if not ratios:
-            raise ValueError("at least one ratio is required")
-        return sorted(set(ratios))
+    _ratios = field_validator("ratios")(lambda cls, r: _distinct_ratios(r))
 
 
 class BandwidthPolicy(_Strict):
@@ -161,12 +162,7 @@ class BandwidthPolicy(_Strict):
     ratios: list[Annotated[float, Field(gt=0, le=1)]] = [1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001]
     target_overlap: Annotated[float, Field(gt=0, le=10)] = 1.0  # comm time / compute time
 
-    @field_validator("ratios")
-    @classmethod
-    def _sorted(cls, ratios: list[float]) -> list[float]:
-        if not ratios:
-            raise ValueError("at least one ratio is required")
-        return sorted(set(ratios), reverse=True)
+    _ratios = field_validator("ratios")(lambda cls, r: _distinct_ratios(r, descending=True))
 
 
 class CompressionSection(_Strict):

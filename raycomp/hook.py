@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycomp.memory import Memory
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
 
@@ -41,31 +40,15 @@ class CompressionState(CompressedReducer):
         model: the model (DDP-wrapped or not); parameter names come from
             ``named_parameters()`` with DDP's ``module.`` prefix removed.
         async_comm: run bucket reductions on a background thread (DDP hook only).
-        Other arguments: see :class:`CompressedReducer`.
+        reducer_options: ``process_group``, ``memory``, ``min_compress_numel``, ``seed``,
+            ``stats_every``, ``profile_ratios`` — see :class:`CompressedReducer`.
     """
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        plan: Plan | None = None,
-        *,
-        process_group: Any = None,
-        memory: str | Memory = "residual",
-        min_compress_numel: int = 1024,
-        seed: int = 0,
-        stats_every: int = 0,
-        profile_ratios: tuple[float, ...] = (),
-        async_comm: bool = True,
+        self, model: torch.nn.Module, plan: Plan | None = None, *, async_comm: bool = True,
+        **reducer_options: Any,
     ) -> None:
-        super().__init__(
-            plan,
-            process_group=process_group,
-            memory=memory,
-            min_compress_numel=min_compress_numel,
-            seed=seed,
-            stats_every=stats_every,
-            profile_ratios=profile_ratios,
-        )
+        super().__init__(plan, **reducer_options)
         module = getattr(model, "module", model)
         self.parameters = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
