@@ -28,7 +28,8 @@ log = logging.getLogger("raycomp.controller")
 
 MAX_RUNS = 256
 MAX_REPORT_BYTES = 4 << 20
-SNAPSHOT_EVERY_S = 2.0
+SNAPSHOT_EVERY_S = 2.0  # routine state
+SNAPSHOT_URGENT_S = 0.5  # after a plan change: soon, but coalesced (a snapshot costs ~100 ms)
 
 
 class Controller:
@@ -43,6 +44,8 @@ class Controller:
         self.grace_s = finished_run_grace_s
         self.snapshot_path = Path(snapshot_dir) / "controller.json" if snapshot_dir else None
         self._last_snapshot = 0.0
+        self._dirty = False
+        self._urgent = False
         self._restore()
 
     # --- runs -----------------------------------------------------------------------------
@@ -98,9 +101,9 @@ class Controller:
             run.install(plan)
             if run.plan.version != before:
                 log.info("run %s: plan %d (%s)", run.run_id, run.plan.version, run.plan.reason)
-                self.snapshot(force=True)
-                return
-        self.snapshot()
+                self._urgent = True
+        self._dirty = True
+        self.flush()
 
     def plan(self, run_id: str, known_version: int = -1) -> dict[str, Any] | None:
         """The run's plan if newer than ``known_version`` (None: keep yours)."""
@@ -152,13 +155,23 @@ class Controller:
         self.policies.pop(run_id, None)
 
     # --- snapshots -------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write the snapshot if it is due. Many plan changes in a burst (every run at the
+        same boundary) coalesce into one write instead of stalling every report behind
+        one ~100 ms write each; the actor also calls this periodically."""
+        if not self._dirty:
+            return
+        wait = SNAPSHOT_URGENT_S if self._urgent else SNAPSHOT_EVERY_S
+        if time.monotonic() - self._last_snapshot >= wait:
+            self.snapshot(force=True)
+
     def snapshot(self, force: bool = False) -> None:
         if self.snapshot_path is None:
             return
         now = time.monotonic()
         if not force and now - self._last_snapshot < SNAPSHOT_EVERY_S:
             return
-        self._last_snapshot = now
+        self._last_snapshot, self._dirty, self._urgent = now, False, False
         data = {
             "version": 1,
             "runs": {rid: run.to_dict() for rid, run in self.runs.items()},
@@ -227,6 +240,17 @@ class ControllerService:
 
             self.exporter = Exporter(self.controller, metrics["host"], metrics["port"], metrics.get("sd_file"))
         self._new_plan = asyncio.Event()  # set (and replaced) whenever any run's plan changes
+        self._flusher: asyncio.Task | None = None
+
+    async def _flush_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_URGENT_S)
+            self.controller.flush()
+
+    def _ensure_flusher(self) -> None:
+        # started lazily: the actor's event loop is not running yet in __init__
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_periodically())
 
     def _notify(self) -> None:
         self._new_plan.set()
@@ -236,6 +260,7 @@ class ControllerService:
         return self.controller.register_run(*args, **kwargs)
 
     async def ingest(self, report: Any) -> bool:
+        self._ensure_flusher()
         run = self.controller.runs.get(report.get("run_id")) if isinstance(report, dict) else None
         before = run.plan.version if run else None
         accepted = self.controller.ingest(report)

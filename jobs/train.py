@@ -184,6 +184,7 @@ def build_summary(config: JobConfig, run_id: str, status: str, error: str | None
         "steps_per_second": steps / wall if wall > 0 else 0.0,
         "controller_outages": worker.get("controller_outages", 0),
         "control_overhead": worker.get("control_overhead"),
+        "stats_dropped": worker.get("stats_dropped", 0),
         "replayed_steps": worker.get("replayed_steps", 0),
         "restored_from_step": worker.get("restored_from_step"),
         "final_plan": worker.get("final_plan"),

@@ -46,6 +46,8 @@ from raycomp.plan import GradStats, Plan
 
 log = logging.getLogger("raycomp.session")
 
+MAX_REPORTS_IN_FLIGHT = 8  # per rank; beyond it the next report is dropped (and counted)
+
 
 class PlanMismatchError(RuntimeError):
     """Ranks hold different plans: continuing would desynchronise the collectives."""
@@ -102,8 +104,10 @@ class Session:
         self.replayed_steps = 0
         self.restored_from: int | None = None
         self.control_seconds = 0.0  # guard vector + boundaries: the controller's cost per rank
+        self.stats_dropped = 0
         self.step_seconds = 0.0
         self._lr_ramp_from: int | None = None
+        self._lr_used = 0.0
         self._poll: Any = None
         self._pending_ingest: list[Any] = []
         self._interval_loss: list[float] = []
@@ -149,6 +153,7 @@ class Session:
         started = time.perf_counter()
         applied = self._guard_step(loss_value)
         self.control_seconds += time.perf_counter() - started
+        self._lr_used = self.optimizer.param_groups[0]["lr"] * self._lr_factor()
         if applied:
             self._optimizer_step()
         else:
@@ -218,7 +223,7 @@ class Session:
         record = {
             "step": self.global_step, "epoch": self.epoch, "plan_version": plan.version,
             "plan_digest": plan.digest(), "dense": _is_dense(plan),
-            "loss": loss, "applied": applied, "fallback": self.guard.active,
+            "loss": loss, "lr": self._lr_used, "applied": applied, "fallback": self.guard.active,
             "wire_bytes": self.state.ledger.wire_total, "dense_bytes": self.state.ledger.dense_total,
         }
         self._log_file.write(json.dumps(record) + "\n")
@@ -264,6 +269,12 @@ class Session:
                 self._reap_ingests(wait_s=10)
             return
         self._reap_ingests()
+        if len(self._pending_ingest) >= MAX_REPORTS_IN_FLIGHT and not final:
+            # backpressure: a controller that falls behind must not queue without bound
+            self.stats_dropped += 1
+            if self.stats_dropped in (1, 10, 100):
+                log.warning("controller is behind: %d statistics reports dropped", self.stats_dropped)
+            return
         step_s = sum(t for t, _, _ in timings) / len(timings)
         comm_s = sum(c for _, c, _ in timings) / len(timings)
         finite = [v for v in losses if math.isfinite(v)]
@@ -296,7 +307,7 @@ class Session:
         if not self._pending_ingest:
             return
         ready, waiting = ray.wait(self._pending_ingest, num_returns=len(self._pending_ingest), timeout=wait_s)
-        self._pending_ingest = waiting[-64:]  # bounded even if the controller hangs
+        self._pending_ingest = waiting
         for ref in ready:
             try:
                 ray.get(ref)
@@ -477,6 +488,7 @@ class Session:
         return {
             "wire_bytes_total": float(sums[0]), "dense_bytes_total": float(sums[1]),
             "controller_outages": int(sums[2]), "steps": self.global_step,
+            "stats_dropped": self.stats_dropped,
             "plan_switches": self.plan_switches, "skipped_steps": self.skipped_steps,
             "fallback_events": [e.to_dict() for e in self.guard.events],
             "replayed_steps": self.replayed_steps, "restored_from_step": self.restored_from,

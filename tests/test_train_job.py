@@ -70,6 +70,37 @@ def test_nan_gradients_fall_back_to_dense_in_the_same_step_and_recover(ray_clust
     assert summary["final_eval_accuracy"] > 0.5
 
 
+@pytest.mark.parametrize("policy", ["schedule", "error_budget", "bandwidth"])
+def test_other_policies_run_end_to_end(ray_cluster, tmp_path, policy):
+    summary = train(tmp_path, policy, f"compression.policy={policy}", "workload.epochs=2",
+                    "compression.schedule.stages=[{start_step: 0, compressor: {name: topk, ratio: 0.1}},"
+                    " {start_step: 25, compressor: {name: int8}}]",
+                    "compression.error_budget.every_steps=10", "compression.bandwidth.ratios=[1.0, 0.01]",
+                    # loopback is fast: only a tiny overlap target makes compression worth it
+                    "compression.bandwidth.target_overlap=0.001")
+    assert summary["status"] == "succeeded"
+    assert summary["plan_switches"] >= 1
+    assert summary["final_eval_accuracy"] > 0.5
+    details = summary["policy"]["policy_details"]
+    if policy == "error_budget":  # the per-layer error profiles reached the DP
+        assert details and summary["final_plan"]["layers"], details
+    if policy == "schedule":
+        assert summary["final_plan"]["default"] == {"name": "int8"}
+
+
+def test_learning_rate_ramps_after_compression_starts(ray_cluster, tmp_path):
+    summary = train(tmp_path, "lr", "compression.policy=static", "compression.warmup_steps=10",
+                    "workload.lr_schedule=constant", "compression.lr_scaling.enabled=true",
+                    "compression.lr_scaling.warmup_steps=20", "compression.lr_scaling.start_factor=0.5")
+    records = step_logs(Path(summary["output_dir"]))[0]
+    start = next(r["step"] for r in records if not r["dense"])
+    assert start >= 10
+    assert all(r["lr"] == pytest.approx(0.05) for r in records[:start])
+    assert records[start]["lr"] == pytest.approx(0.025)  # start_factor x base
+    assert records[start + 10]["lr"] == pytest.approx(0.0375)
+    assert all(r["lr"] == pytest.approx(0.05) for r in records[start + 20:])
+
+
 RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.epochs=3",
           "compression.static.compressor={name: topk, ratio: 0.05}")
 
