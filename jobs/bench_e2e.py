@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,12 +74,19 @@ POWERSGD_START_FRACTION = 0.10  # torch: "start with 10% of total training steps
 #: workload and step budget: (epochs, target accuracy) per mode; the rest is shared
 MODES = {"quick": {"epochs": 6, "target": 0.92, "idle_s": 3.0, "link_check_s": 1.0},
          "full": {"epochs": 30, "target": 0.96, "idle_s": 10.0, "link_check_s": 2.0}}
-WORKLOAD = ["workload.name=digits", "workload.batch_size=32", "workload.lr=0.05",
-            "workload.momentum=0.9", "workload.lr_schedule=cosine"]
+#: width 448: 234,762 parameters (0.94 MB) fit DDP's first 1 MiB bucket. With two buckets
+#: torch's powerSGD_hook, which issues its P/Q all-reduces from future callbacks, races
+#: across buckets on gloo (a size-mismatch abort or a hang from the first PowerSGD step).
+WORKLOAD = ["workload.name=digits", "workload.model_width=448", "workload.batch_size=32",
+            "workload.lr=0.05", "workload.momentum=0.9", "workload.lr_schedule=cosine"]
 COMMON = ["run.seed=0", "scaling.num_workers=2", "scaling.cpus_per_worker=1",
           "checkpoint.every_epochs=1000", "checkpoint.max_failures=0"]
-OPTIONAL = ["scaling.placement_strategy=SPREAD", "controller.metrics_enabled=false"]
+#: used when this JobConfig has them: spread placement; a hung collective fails the run
+#: instead of the benchmark; no Prometheus exporter (it writes a shared file-SD list)
+OPTIONAL = ["scaling.placement_strategy=SPREAD", "scaling.collective_timeout_s=60",
+            "controller.metrics_enabled=false"]
 INTERVAL = 10  # controller.interval_steps default
+DRIVER_TIMEOUT_S = {"quick": 900, "full": 3600}
 
 # goals from the issue
 GOAL_VS_DENSE = 3.0
@@ -89,6 +97,9 @@ GOAL_RATIO = 50.0
 
 ETH_OVERHEAD = 14 + 20 + 32  # Ethernet + IPv4 + TCP with timestamps, per segment
 MSS = 1448
+#: NIC bytes per payload byte of a bulk transfer: full segments, plus one bare ACK
+#: (66 bytes) per two segments flowing the other way
+FRAMING = (MSS + ETH_OVERHEAD) / MSS + ETH_OVERHEAD / (2 * MSS)
 
 RAY_ENV = {
     "RAY_AUTH_MODE": "token",  # Ray >= 2.59 starts clusters with token auth (~/.ray/auth_token)
@@ -120,6 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where e2e-<bandwidth>.{json,md,png} go (default docs/benchmarks)")
     parser.add_argument("--work-dir", default=None,
                         help="run outputs and raw traces (default outputs/e2e/<link suffix>)")
+    parser.add_argument("--reanalyze", metavar="WORK_DIR", default=None,
+                        help="rebuild the reports from a finished run's raw traces (no training)")
 
 
 def _methods(text: str) -> list[str]:
@@ -132,9 +145,16 @@ def _methods(text: str) -> list[str]:
 
 # --- the orchestrator (root namespace) --------------------------------------------------------
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from jobs._report import command_line, eprint, machine_info
-    from jobs.netns import ThrottledLink, parse_rate, rate_label
+    from jobs._report import eprint, machine_info
+    from jobs.netns import parse_rate, rate_label
 
+    if args.reanalyze:
+        work = Path(args.reanalyze)
+        meta = json.loads((work / "meta.json").read_text())
+        results = _results(work, meta)
+        paths = write_reports(results, Path(args.output_dir), meta["label"])
+        eprint(f"e2e: rebuilt {', '.join(map(str, paths))} from {work}")
+        return 0
     mode = "quick" if args.quick else "full"
     settings = dict(MODES[mode])
     if args.epochs:
@@ -145,9 +165,22 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     label = rate_label(parse_rate(args.bandwidth))
     started = time.time()
     info = machine_info(1)
+    load_start = os.getloadavg()
     if os.geteuid() != 0:
         eprint("e2e: needs root (network namespaces)")
         return 2
+    try:
+        return _run(args, argv, settings, mode, methods, label, started, info, load_start)
+    except KeyboardInterrupt:
+        eprint("e2e: interrupted; the namespaces, the veth pair and the Ray nodes are torn down")
+        return 130
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str], settings: dict[str, Any], mode: str,
+         methods: list[str], label: str, started: float, info: dict[str, Any],
+         load_start: tuple[float, float, float]) -> int:
+    from jobs._report import command_line, eprint
+    from jobs.netns import ThrottledLink
 
     with ThrottledLink(args.bandwidth, args.latency) as link:
         work = Path(args.work_dir or REPO / "outputs" / "e2e" / link.suffix).resolve()
@@ -166,28 +199,47 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             port = start_cluster(link, temp, work)
             spec = {"methods": methods, "settings": settings, "work": str(work),
                     "dev": link.dev["a"], "address": f"{link.addr_a}:{port}",
-                    "netns_inodes": {s: os.stat(f"/run/netns/{link.ns[s]}").st_ino for s in ("a", "b")}}
+                    "netns_inodes": {s: os.stat(f"/run/netns/{link.ns[s]}").st_ino for s in ("a", "b")},
+                    "ray_temp_a": str(temp["a"]), "addresses": dict(link.addr)}
             (work / "spec.json").write_text(json.dumps(spec, indent=2))
             env = {**os.environ, **RAY_ENV, "PYTHONPATH": _pythonpath(),
                    "RAY_ADDRESS": spec["address"], "GLOO_SOCKET_IFNAME": link.dev["a"]}
             driver = link.popen("a", [sys.executable, "-m", "jobs.bench_e2e", "--driver",
                                       str(work / "spec.json")], env=env, cwd=REPO)
-            code = driver.wait(timeout=3600)
+            try:
+                code = driver.wait(timeout=DRIVER_TIMEOUT_S[mode])
+            except subprocess.TimeoutExpired:
+                eprint(f"e2e: the driver ran past {DRIVER_TIMEOUT_S[mode]} s; stopped. Logs in {work}")
+                return 1
             if code != 0:
                 eprint(f"e2e: driver failed with exit code {code}; logs in {work}")
                 return 1
             shaping = link.shaping()
         finally:
             link.close()
-            for path in temp.values():
+            for side, path in temp.items():  # keep Ray's logs with the run outputs
+                logs = path / "session_latest" / "logs"
+                if logs.is_dir():
+                    shutil.copytree(logs, work / f"ray-logs-{side}", dirs_exist_ok=True,
+                                    ignore_dangling_symlinks=True)
                 shutil.rmtree(path, ignore_errors=True)
-    raw = json.loads((work / "raw.json").read_text())
-    results = analyze(raw, settings, mode, label, shaping, check)
-    results.update({"command": command_line("jobs.bench", argv), "machine": info,
-                    "benchmark_seconds": time.time() - started, "work_dir": str(work)})
+    meta = {"settings": settings, "mode": mode, "label": label, "shaping": shaping, "check": check,
+            "command": command_line("jobs.bench", argv), "machine": info,
+            "benchmark_seconds": time.time() - started,
+            "load_average": {"start": list(load_start), "end": list(os.getloadavg())}}
+    (work / "meta.json").write_text(json.dumps(meta, indent=2))
+    results = _results(work, meta)
     paths = write_reports(results, Path(args.output_dir), label)
     eprint(f"e2e: wrote {', '.join(map(str, paths))} in {time.time() - started:.0f} s")
     return 0
+
+
+def _results(work: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    raw = json.loads((work / "raw.json").read_text())
+    results = analyze(raw, meta["settings"], meta["mode"], meta["label"], meta["shaping"], meta["check"])
+    results.update({k: meta[k] for k in ("command", "machine", "benchmark_seconds", "load_average")},
+                   work_dir=str(work))
+    return results
 
 
 def _pythonpath() -> str:
@@ -250,7 +302,6 @@ class Tracker(threading.Thread):
         self.t0_exact = True
         self._last: tuple[int, int] | None = None
         self._halt = threading.Event()
-        self.on_start: Any = None
 
     def counters(self) -> tuple[int, int]:
         return (int((self.stats / "tx_bytes").read_text()), int((self.stats / "rx_bytes").read_text()))
@@ -278,8 +329,6 @@ class Tracker(threading.Thread):
         if self.t0 is None:
             self.t0 = st.st_mtime_ns / 1e9 if st.st_size == 0 else now
             self.t0_exact = st.st_size == 0
-            if self.on_start is not None:
-                self.on_start()
         lines = self.step_log.read_bytes().count(b"\n")
         st2 = os.stat(self.step_log)
         if (st2.st_size, st2.st_mtime_ns) != key:
@@ -299,23 +348,22 @@ def _cpu_seconds(pid: int | None) -> float | None:
         return None
 
 
-def _placement(inodes: dict[str, int]) -> dict[str, int]:
-    """Ray Train worker processes per namespace (scan of /proc: our namespaces only)."""
-    by_inode = {ino: side for side, ino in inodes.items()}
-    found = {side: 0 for side in inodes}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ino = os.stat(entry / "ns" / "net").st_ino
-            if ino not in by_inode:
-                continue
-            cmd = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if cmd.startswith(b"ray::RayTrainWorker"):
-            found[by_inode[ino]] += 1
-    return found
+_WORKER_RE = re.compile(r"\(ip=([0-9.]+), pid=(\d+)\) world_rank=(\d+)")
+
+
+def _placement(ray_temp: str, since: float, addresses: dict[str, str]) -> dict[str, str]:
+    """world rank -> namespace, from the newest Ray Train controller log ("Started training
+    worker group ... (ip=..., pid=...) world_rank=r") written after ``since``."""
+    logs = sorted(Path(ray_temp, "session_latest", "logs", "train").glob("ray-train-sys-controller-*.log"),
+                  key=lambda p: p.stat().st_mtime)
+    side_of = {ip: side for side, ip in addresses.items()}
+    for log in reversed(logs):
+        if log.stat().st_mtime < since:
+            break
+        found = _WORKER_RE.findall(log.read_text(errors="replace"))
+        if found:
+            return {f"rank{rank}": side_of.get(ip, ip) for ip, _, rank in found}
+    return {}
 
 
 def _node_of(pid: int | None, inodes: dict[str, int]) -> str | None:
@@ -324,62 +372,6 @@ def _node_of(pid: int | None, inodes: dict[str, int]) -> str | None:
     except (OSError, TypeError):
         return None
     return next((side for side, i in inodes.items() if i == ino), None)
-
-
-class _EvalLog:
-    """A Ray Train callback (runs in the Train controller): rank 0's reports -> evals.jsonl."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        if metrics:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"time": time.time(), **_jsonable(metrics[0])}) + "\n")
-
-
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None)))}
-
-
-def _install_eval_log() -> None:
-    """Workaround: ``jobs.train.run`` builds its RunConfig without callbacks; make every
-    RunConfig built in this process carry an :class:`_EvalLog` for the current run."""
-    import ray.train
-    from ray.train import UserCallback
-
-    # The class itself must stay ``ray.train.RunConfig`` (cloudpickle pickles it by
-    # reference), so wrap its ``__post_init__`` rather than replacing it.
-    cls = ray.train.RunConfig
-    callback_cls = __getattr__("EvalLog")
-    assert issubclass(callback_cls, UserCallback)
-    if getattr(cls.__post_init__, "_e2e_wrapped", False):
-        return
-    original = cls.__post_init__
-
-    def post_init(self: Any) -> None:
-        path = _CURRENT.get("evals")
-        if path and not any(isinstance(cb, callback_cls) for cb in self.callbacks or []):
-            self.callbacks = [*(self.callbacks or []), callback_cls(path)]
-        original(self)
-
-    post_init._e2e_wrapped = True  # type: ignore[attr-defined]
-    cls.__post_init__ = post_init
-
-
-_CURRENT: dict[str, Any] = {}
-
-
-def __getattr__(name: str) -> Any:
-    """``EvalLog`` (a ``ray.train.UserCallback``) is built on first use, so that importing
-    this module does not import Ray Train; pickled by reference as ``jobs.bench_e2e.EvalLog``."""
-    if name == "EvalLog":
-        from ray.train import UserCallback
-
-        cls = type("EvalLog", (_EvalLog, UserCallback), {"__module__": __name__, "__qualname__": "EvalLog"})
-        globals()["EvalLog"] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def method_overrides(name: str, settings: dict[str, Any], steps: int, known: set[str]) -> list[str]:
@@ -429,7 +421,6 @@ def driver(spec_path: str) -> int:
             raise RuntimeError(f"the worker node never joined: {ray.nodes()}")
         time.sleep(0.5)
     _log(f"cluster: {[(n['NodeManagerAddress'], n['Resources'].get('CPU')) for n in ray.nodes() if n['Alive']]}")
-    _install_eval_log()
     known = _known_keys()
     base = load_config(None, [*WORKLOAD, f"workload.epochs={settings['epochs']}", *COMMON])
     workload = build(base.workload, 0, 2, base.run.seed)
@@ -439,13 +430,7 @@ def driver(spec_path: str) -> int:
     raw: dict[str, Any] = {"spec": spec, "steps_per_epoch": spe, "steps": steps, "layers": layers,
                            "interval_steps": base.controller.interval_steps, "runs": {}}
 
-    tracker = Tracker(work / "idle.none", spec["dev"])  # idle Ray traffic
-    before = (time.time(), *tracker.counters())
-    time.sleep(settings["idle_s"])
-    after = (time.time(), *tracker.counters())
-    raw["idle"] = {"seconds": after[0] - before[0], "tx_bytes": after[1] - before[1],
-                   "rx_bytes": after[2] - before[2]}
-    _log(f"idle Ray traffic: {(after[1] + after[2] - before[1] - before[2]) / (after[0] - before[0]):.0f} B/s")
+    raw["idle"] = []
 
     controller_pid = None
     for name in [COMPUTE, *spec["methods"]]:
@@ -458,16 +443,10 @@ def driver(spec_path: str) -> int:
                 update={"steps_per_epoch": spe, "epochs": min(settings["epochs"], 3)})})
         evals = output / "evals.jsonl"
         output.mkdir(parents=True, exist_ok=True)
-        _CURRENT["evals"] = str(evals)
         tracker = Tracker(output / "steps" / "rank0.jsonl", spec["dev"])
-        placement: dict[str, Any] = {}
-
-        def on_start(placement: dict[str, Any] = placement) -> None:
-            threading.Timer(1.0, lambda: placement.update(_placement(inodes))).start()
-
-        tracker.on_start = on_start
         cpu_before = _cpu_seconds(controller_pid)
         _log(f"{name}: {' '.join(METHODS.get(name, ['scaling.num_workers=1']))}")
+        load_before = os.getloadavg()[0]
         t_start = time.time()
         tracker.start()
         try:
@@ -484,6 +463,7 @@ def driver(spec_path: str) -> int:
             except Exception as error:  # noqa: BLE001
                 raw["controller"] = {"error": str(error)}
         cpu_after = _cpu_seconds(controller_pid)
+        placement = _placement(spec["ray_temp_a"], t_start, spec["addresses"])
         step_log = output / "steps" / "rank0.jsonl"
         records = [json.loads(line) for line in step_log.read_text().splitlines()] if step_log.exists() else []
         raw["runs"][name] = {
@@ -496,15 +476,30 @@ def driver(spec_path: str) -> int:
             "steps": [{k: r[k] for k in ("step", "epoch", "wire_bytes", "dense_bytes", "loss", "dense")}
                       for r in records],
             "controller_cpu_s": None if cpu_before is None or cpu_after is None else cpu_after - cpu_before,
+            "load_average": [load_before, os.getloadavg()[0]],
             "placement": placement,
         }
         acc = summary.get("final_eval_accuracy")
         _log(f"{name}: {summary.get('status')} in {t_end - t_start:.1f} s, "
              f"{summary.get('steps')} steps, accuracy {acc}, placement {placement}"
              + (f", error {summary.get('error')}" if summary.get("error") else ""))
+        if name == COMPUTE:
+            raw["idle"].append(_idle(spec["dev"], work, settings["idle_s"]))
         (work / "raw.json").write_text(json.dumps(raw))
+    raw["idle"].append(_idle(spec["dev"], work, settings["idle_s"]))
+    (work / "raw.json").write_text(json.dumps(raw))
     ray.shutdown()
     return 0
+
+
+def _idle(dev: str, work: Path, seconds: float) -> dict[str, float]:
+    """Bytes on the link while the cluster (and the controller actor) sit idle."""
+    tracker = Tracker(work / "idle.none", dev)
+    t1, tx1, rx1 = time.time(), *tracker.counters()
+    time.sleep(seconds)
+    t2, tx2, rx2 = time.time(), *tracker.counters()
+    _log(f"idle Ray traffic: {(tx2 + rx2 - tx1 - rx1) / (t2 - t1):.0f} B/s over {t2 - t1:.1f} s")
+    return {"seconds": t2 - t1, "tx_bytes": tx2 - tx1, "rx_bytes": rx2 - rx1}
 
 
 def _log(message: str) -> None:
@@ -547,14 +542,14 @@ def _interp(samples: list[list[float]], t: float) -> tuple[float, float]:
 
 
 def step_time(flushes: list[list[float]], spe: int, start: int) -> tuple[float | None, int]:
-    """Seconds per step over flush intervals that hold no epoch end (eval/report) and
+    """Seconds per step over flush intervals that touch no epoch end (eval/report) and
     begin at or after step ``start``: sum of their durations / sum of their steps."""
     total_t, total_n = 0.0, 0
     for (t1, n1), (t2, n2) in zip(flushes, flushes[1:], strict=False):
         if n1 < max(start, 1) or n2 <= n1:
             continue
-        if any(n1 <= e * spe < n2 for e in range(n1 // spe, n2 // spe + 1)):
-            continue  # an epoch ended in this interval (or right at its start)
+        if any(n1 <= e * spe <= n2 for e in range(n1 // spe, n2 // spe + 1)):
+            continue  # an epoch ended in it, at its start, or at its end (the eval may be inside)
         total_t += t2 - t1
         total_n += int(n2 - n1)
     return (total_t / total_n if total_n else None), total_n
@@ -595,7 +590,8 @@ def analyze_run(name: str, run: dict[str, Any], raw: dict[str, Any], target: flo
                       "time_s": time_at(step), "report_time_s": ev["time"] - t0 if t0 else None,
                       "wire_bytes": cumulative[step - 1] if 0 < step <= len(cumulative) else None})
     hit = next((p for p in curve if p["accuracy"] >= target and p["time_s"] is not None), None)
-    warm = compression.get("warmup_steps", 0) if compression.get("baseline_hook", "none") == "none" else 0
+    warm = compression.get("warmup_steps", 0) \
+        if compression.get("baseline_hook", "none") == "none" and name != COMPUTE else 0
     steady_from = max(warm, start_iter if name == "torch_powersgd" else 0) + INTERVAL
     step_s, step_n = step_time(flushes, spe, steady_from)
     all_s, _ = step_time(flushes, spe, 0)
@@ -607,6 +603,19 @@ def analyze_run(name: str, run: dict[str, Any], raw: dict[str, Any], target: flo
                "idle_bytes": idle_rate * (t_last - t0),
                "bytes": raw_bytes - idle_rate * (t_last - t0)}
     wire_window = cumulative[-1] if cumulative else 0.0
+    steady_nic = None  # the same comparison over the steady (compressed) phase only
+    t_steady = time_at(steady_from)
+    if nic and t_steady is not None and len(cumulative) > steady_from:
+        (tx0, rx0), (tx1, rx1) = _interp(run["nic"], t0 + t_steady), _interp(run["nic"], t_last)
+        seconds = t_last - t0 - t_steady
+        nic_bytes = (tx1 - tx0) + (rx1 - rx0) - idle_rate * seconds
+        wire = cumulative[-1] - cumulative[steady_from - 1]
+        n_steps = len(cumulative) - steady_from
+        steady_nic = {"from_step": steady_from, "steps": n_steps, "seconds": seconds,
+                      "nic_bytes": nic_bytes, "wire_bytes": wire, "ratio": nic_bytes / wire if wire else None,
+                      # beyond the payload in full TCP segments + delayed ACKs (FRAMING x wire):
+                      # control all-gathers, plan broadcasts, Ray RPCs, small-message framing
+                      "other_bytes_per_step": (nic_bytes - FRAMING * wire) / n_steps}
     steady_bytes = None
     if len(cumulative) > steady_from + 1:
         steady_bytes = (cumulative[-1] - cumulative[steady_from - 1]) / (len(cumulative) - steady_from) / world \
@@ -624,6 +633,7 @@ def analyze_run(name: str, run: dict[str, Any], raw: dict[str, Any], target: flo
         "nic_bytes": nic["bytes"] if nic else None,
         "nic": nic,
         "nic_over_wire": nic["bytes"] / wire_window if nic and wire_window else None,
+        "nic_steady": steady_nic,
         "dense_bytes": dense_total,
         "compression_ratio": dense_total / wire_total if wire_total else None,
         "step_s": step_s,
@@ -638,6 +648,7 @@ def analyze_run(name: str, run: dict[str, Any], raw: dict[str, Any], target: flo
         "control_seconds": summary.get("control_seconds"),
         "plan_switches": summary.get("plan_switches"),
         "placement": run.get("placement"),
+        "load_average": run.get("load_average"),
         "curve": curve,
         "overrides": run["overrides"],
     }
@@ -645,8 +656,8 @@ def analyze_run(name: str, run: dict[str, Any], raw: dict[str, Any], target: flo
 
 def analyze(raw: dict[str, Any], settings: dict[str, Any], mode: str, label: str,
             shaping: dict[str, Any], check: dict[str, Any]) -> dict[str, Any]:
-    idle = raw["idle"]
-    idle_rate = (idle["tx_bytes"] + idle["rx_bytes"]) / idle["seconds"]
+    idles = raw["idle"] if isinstance(raw["idle"], list) else [raw["idle"]]
+    idle_rate = sum(i["tx_bytes"] + i["rx_bytes"] for i in idles) / max(1e-9, sum(i["seconds"] for i in idles))
     target = settings["target"]
     runs = {name: analyze_run(name, run, raw, target, idle_rate) for name, run in raw["runs"].items()}
     compute = runs.pop(COMPUTE, None)
@@ -776,56 +787,72 @@ def render_markdown(results: dict[str, Any]) -> str:
     methods = results["methods"]
     by = {m["name"]: m for m in methods}
     dense_ttt = by.get("dense", {}).get("time_to_target_s")
-    link = results["link"]
-    check = link["check"]
-    shaping = link["shaping"]
+    link, wl = results["link"], results["workload"]
+    check, shaping = link["check"], link["shaping"]
+    compute_ms = results["compute_step_s"] * 1e3 if results["compute_step_s"] else None
     table = markdown_table(
-        ["method", "time to target s", "vs dense", "final acc", "wire bytes", "NIC bytes",
-         "NIC / wire", "ratio", "step ms", "step / compute", "ctrl CPU s"],
+        ["method", "time to target s", "vs dense", "steps to target", "final acc", "wire bytes",
+         "NIC bytes", "NIC / wire", "ratio", "step ms", "step / compute"],
         [[m["name"],
           _f(m["time_to_target_s"]),
           _f(dense_ttt / m["time_to_target_s"] if dense_ttt and m["time_to_target_s"] else None, "{:.2f}x"),
+          _f(m["steps_to_target"], "{}"),
           _f(m["final_accuracy"], "{:.4f}"),
           _f(m["wire_bytes"], "{:,.0f}") + ("*" if m["wire_bytes_source"] != "raycomp ledger" else ""),
           _f(m["nic_bytes"], "{:,.0f}"),
           _f(m["nic_over_wire"], "{:.3f}"),
           _f(m["compression_ratio"], "{:.1f}x"),
           _f(m["step_s"] * 1e3 if m["step_s"] else None, "{:.1f}"),
-          _f(m["step_over_compute"], "{:.2f}x"),
-          _f(m["controller_cpu_s"], "{:.2f}")] for m in methods],
-        align="lrrrrrrrrrr",
+          _f(m["step_over_compute"], "{:.2f}x")] for m in methods],
+        align="l" + "r" * 10,
+    )
+    overhead = markdown_table(
+        ["method", "steady from step", "steady wire B/rank/step", "NIC / wire steady",
+         "other NIC B/step", "control share of step", "controller CPU s", "fit s (incl. start-up)",
+         "load avg"],
+        [[m["name"], _f(m["step_s_from_step"], "{}"),
+          _f(m["bytes_per_rank_per_step_steady"], "{:,.0f}"),
+          _f((m.get("nic_steady") or {}).get("ratio"), "{:.3f}"),
+          _f((m.get("nic_steady") or {}).get("other_bytes_per_step"), "{:,.0f}"),
+          _f(m["control_overhead"] * 100 if m["control_overhead"] is not None else None, "{:.1f}%"),
+          _f(m["controller_cpu_s"], "{:.2f}"), _f(m["fit_s"], "{:.1f}"),
+          "→".join(f"{v:.1f}" for v in m.get("load_average") or [])] for m in methods],
+        align="l" + "r" * 8,
     )
     goal_lines = [f"- {g['goal']}: **{_f(g['value'], '{:.2f}')}** — **{'PASS' if g['ok'] else 'MISS'}**"
                   for g in results["goals"]]
     cm = results["cost_model"]
     cols = [f"N={n}@{_bw(bw)}" for n in PROJECT_N for bw in (1e8, 1e9)]
     cost_table = markdown_table(
-        ["method", "bytes/rank/step", "model step ms (no codec)", "measured ms", "model error",
+        ["method", "scaling", "bytes/rank/step", "model ms (no codec)", "measured ms", "model error",
          "codec+sw ms", *[c + " ms" for c in cols]],
-        [[r["name"], f"{r['bytes_per_rank_per_step']:,.0f}", f"{r['predicted_step_s'] * 1e3:.1f}",
+        [[r["name"], r["scaling"], f"{r['bytes_per_rank_per_step']:,.0f}", f"{r['predicted_step_s'] * 1e3:.1f}",
           f"{r['measured_step_s'] * 1e3:.1f}", f"{r['error'] * 100:+.0f}%", f"{r['codec_s'] * 1e3:.1f}",
           *[f"{r['projected_step_s'][c] * 1e3:.1f}" for c in cols]] for r in cm["rows"]],
-        align="lrrrrr" + "r" * len(cols),
+        align="llrrrrr" + "r" * len(cols),
     )
-    placements = sorted({json.dumps(m.get("placement"), sort_keys=True) for m in methods})
+    placements = sorted({", ".join(f"{k} in {v}" for k, v in sorted((m.get("placement") or {}).items()))
+                         for m in methods})
     ctrl = results.get("controller") or {}
     compute = results.get("compute_only") or {}
-    wl = results["workload"]
+    load = results.get("load_average") or {}
     lat_note = (f"netem one-way delay {results['latency_requested_s'] * 1e3:g} ms on each end"
                 if results["latency_applied"] else
-                f"requested {results['latency_requested_s'] * 1e3:g} ms one-way delay was **not applied**: "
-                "this kernel has no `sch_netem` (tbf only); the link's own round trip is measured below")
+                f"the requested {results['latency_requested_s'] * 1e3:g} ms one-way delay was **not applied**: "
+                "this kernel has no `sch_netem` (tbf only), so the link has its own sub-millisecond round trip")
     parts = [
         f"# End-to-end benchmark: 2 nodes over a {results['bandwidth']} link",
         "",
-        "Generated by `jobs/bench_e2e.py`; raw numbers in "
-        f"`e2e-{results['bandwidth']}.json`, plots in `e2e-{results['bandwidth']}.png`.",
+        f"Generated by `jobs/bench_e2e.py`; all numbers in `e2e-{results['bandwidth']}.json`, "
+        f"plots (accuracy vs wall time and vs wire bytes) in `e2e-{results['bandwidth']}.png`.",
         "",
         "## Command",
         "",
         f"```\n{results['command']}\n```",
         "",
-        f"Mode: **{results['mode']}**; whole benchmark took {results['benchmark_seconds']:.0f} s.",
+        f"Mode **{results['mode']}**; the whole benchmark took {results['benchmark_seconds']:.0f} s "
+        f"(load average {_f((load.get('start') or [None])[0], '{:.1f}')} at the start, "
+        f"{_f((load.get('end') or [None])[0], '{:.1f}')} at the end: the machine is shared).",
         "",
         "## Machine",
         "",
@@ -833,44 +860,56 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         "## Set-up",
         "",
-        f"- Link: veth pair between network namespaces `{shaping['namespaces']['a']}` / "
-        f"`{shaping['namespaces']['b']}` ({shaping['addresses']['a']} / {shaping['addresses']['b']}), "
-        f"egress of each end shaped with `{shaping['qdisc']['a']}`; {lat_note}.",
-        f"- Link check (TCP bulk, 1 flow): a→b {check['a_to_b']['bits_per_s'] / 1e6:.1f} Mbit/s payload "
-        f"({check['a_to_b']['wire_bits_per_s'] / 1e6:.1f} Mbit/s on the wire), b→a "
+        f"- Link: a veth pair between network namespaces `{shaping['namespaces']['a']}` and "
+        f"`{shaping['namespaces']['b']}` ({shaping['addresses']['a']} / {shaping['addresses']['b']}); "
+        f"the egress of each end is shaped with `{shaping['qdisc']['a']}`; {lat_note}.",
+        f"- Link check (one bulk TCP flow each way): a→b {check['a_to_b']['bits_per_s'] / 1e6:.1f} Mbit/s "
+        f"of payload ({check['a_to_b']['wire_bits_per_s'] / 1e6:.1f} Mbit/s of frames), b→a "
         f"{check['b_to_a']['bits_per_s'] / 1e6:.1f} Mbit/s; TCP round trip median "
         f"{check['rtt']['median_s'] * 1e6:.0f} µs.",
-        "- Ray: `ray start --head` (1 CPU) in namespace a, `ray start` (1 CPU) in b, token auth on; "
-        "driver, Ray Train controller and the raycomp controller actor in a "
-        f"(raycomp controller found in namespace `{ctrl.get('node')}`). "
-        f"Train workers per namespace: {', '.join(placements)}.",
-        f"- Workload: digits MLP ({wl['parameters']:,} parameters, {wl['parameters'] * 4 / 1e6:.2f} MB "
-        f"fp32), 2 workers x batch 32, SGD momentum 0.9, lr 0.05 cosine, seed 0, {wl['epochs']} epochs "
-        f"= {wl['steps']} steps ({wl['steps_per_epoch']} per epoch); evaluation on the 359 test digits "
-        "after every epoch. Every method trains exactly these steps.",
-        f"- Target accuracy **{results['target_accuracy']}**. Time to target = wall time from the "
-        "first training step (rank 0's step log is created) to the end of the first epoch whose "
-        "evaluation reaches it (per-epoch evaluation and report stalls included).",
-        "- Wire bytes: sum over ranks of what each transmitted — raycomp's ledger for raycomp "
-        "methods; for the torch baselines (*) the exact byte model of torch's hook (ring all-reduce: "
-        "2(N-1)/N x payload per rank; PowerSGD: P and Q factors of the compressible layers plus the "
-        "rest uncompressed, dense before `start_powerSGD_iter`), because raycomp never sees their bytes.",
-        "- NIC bytes: veth tx + rx of namespace a between the first and the last step-log flush, minus "
-        f"idle Ray traffic ({link['idle_ray_bytes_per_s']:.0f} B/s measured before the runs) x that time. "
-        "NIC / wire is that over the wire bytes of the same window; it includes Ethernet/IP/TCP "
-        f"framing (~{ETH_OVERHEAD} bytes per {MSS}-byte segment, +4.6%, plus ACKs), raycomp's per-step "
-        "control all-gather, plan broadcasts, and Ray Train / controller RPCs.",
-        f"- Step time: steady state (after the dense warm-up / `start_powerSGD_iter` plus {INTERVAL} steps), "
-        "seconds between step-log flushes (mtime, every 10 steps) over intervals that hold no epoch end, "
-        "summed and divided by their steps. Compute-only: the same loop with 1 worker (no DDP, no "
-        f"communication), same per-worker batch: **{_f(results['compute_step_s'] * 1e3 if results['compute_step_s'] else None, '{:.2f}')} ms**"
-        f" ({compute.get('step_s_steps', 0)} steps measured).",
-        "- Controller CPU: CPU seconds (user + system) of the raycomp controller actor process during "
-        "the method's `fit()`.",
+        "- Ray: `ray start --head --num-cpus 1` in namespace a, `ray start --num-cpus 1` in b (token "
+        "auth on, `GLOO_SOCKET_IFNAME` = the node's veth); the driver, Ray Train's controller and the "
+        f"raycomp controller actor run in a (controller process found in namespace `{ctrl.get('node')}`). "
+        f"Train workers (from Ray Train's log): {'; '.join(placements)} — one per node, so all "
+        "gradient traffic crosses the link.",
+        f"- Workload: digits MLP of width 448 ({wl['parameters']:,} parameters, "
+        f"{wl['parameters'] * 4 / 1e6:.2f} MB fp32, one DDP bucket: see Notes), 2 workers x batch 32, "
+        f"SGD momentum 0.9, lr 0.05 cosine, seed 0, {wl['epochs']} epochs = {wl['steps']} steps "
+        f"({wl['steps_per_epoch']} per epoch), test accuracy on the 359 held-out digits after every "
+        "epoch. Every method trains exactly these steps on the same data order.",
+        f"- Target accuracy **{results['target_accuracy']}**. Time to target: wall time from the first "
+        "training step (rank 0's step log is created) to the end of the first epoch whose evaluation "
+        "reaches it (per-epoch evaluation and report stalls included, Ray start-up excluded).",
+        "- Wire bytes: the sum over ranks of what each transmitted: raycomp's ledger for raycomp "
+        "methods; for the torch baselines (*) the exact byte model of torch's hook (ring all-reduce "
+        "2(N-1)/N x payload per rank; PowerSGD: the P and Q factors of the compressible layers plus the "
+        "rest uncompressed, dense before `start_powerSGD_iter`), because raycomp cannot see those bytes.",
+        "- NIC bytes: veth tx + rx in namespace a between the first and the last step-log flush, minus "
+        f"the idle Ray traffic rate ({link['idle_ray_bytes_per_s']:,.0f} B/s, measured with the cluster "
+        f"idle) x that time. A bulk TCP transfer costs {FRAMING:.3f} NIC bytes per payload byte "
+        f"({ETH_OVERHEAD} header bytes per {MSS}-byte segment plus one ACK per two segments).",
+        "- Step time: steady state (after the dense warm-up or `start_powerSGD_iter`, plus one control "
+        f"interval), from the mtimes of rank 0's step-log flushes (every {INTERVAL} steps) over the "
+        "intervals that touch no epoch end, total time / total steps. Compute-only: the same loop with "
+        "1 worker (no DDP, no communication) and the same per-worker batch: "
+        f"**{_f(compute_ms, '{:.2f}')} ms** per step ({compute.get('step_s_steps', 0)} steps measured).",
         "",
         "## Results",
         "",
         table,
+        "",
+        "Bytes and overheads:",
+        "",
+        overhead,
+        "",
+        "- *other NIC B/step*: steady-phase NIC bytes minus the framing model of the wire bytes, per "
+        "step: raycomp's per-step control all-gather (guard vector) and plan broadcasts, the workers' "
+        "statistics to the controller actor (rank on node b), Ray Train's polling, and the framing of "
+        "small messages. *control share*: the session's control time (guard all-gather + control "
+        "boundaries) over its step time, from the run summary; the torch baselines pay it too, since "
+        "they run in the same session. *controller CPU*: CPU seconds of the controller actor during "
+        "the run. *load avg*: the machine's 1-minute load average before → after the run (2 cores, "
+        "shared: step times move with it).",
         "",
         "## Goals",
         "",
@@ -878,15 +917,33 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         "## Cost model check and projection",
         "",
-        "t_step = t_compute + t_codec + bytes_per_rank / goodput + rounds x latency (see "
-        "`docs/cost-model.md`). `model step` leaves t_codec out (compute-only step + measured steady "
-        f"bytes per rank / {cm['goodput_bytes_per_s'] / 1e6:.2f} MB/s goodput): its error is how much "
-        "of the step the byte count alone explains. `codec+sw` is the residual (compression, "
-        "Python, gloo), kept constant in the projections, which use "
-        f"{cm['projection_latency_s'] * 1e3:g} ms per message round, all-reduce bytes 2(N-1)/N x B "
-        "and all-gather bytes (N-1) x C.",
+        "t_step = t_compute + t_codec + bytes_per_rank / goodput + rounds x latency (derivation in "
+        "`docs/cost-model.md`). *model ms* leaves t_codec out: compute-only step + steady bytes per rank "
+        f"/ {cm['goodput_bytes_per_s'] / 1e6:.2f} MB/s goodput ({results['bandwidth']} x {MSS}/{MSS + ETH_OVERHEAD})"
+        "; its error shows how much of the step the bytes alone explain. *codec+sw* is the residual "
+        "(compression, Python, gloo, scheduling), kept constant in the projections, which add "
+        f"{cm['projection_latency_s'] * 1e3:g} ms per sequential message round and scale the bytes per "
+        "rank as all-reduce 2(N-1)/N x B or all-gather (N-1) x C.",
         "",
         cost_table,
+        "",
+        "## Notes",
+        "",
+        "- Placement: each node offers one CPU and each worker needs one, so the two workers can only "
+        "land on different nodes; `scaling.placement_strategy=SPREAD` is set as well.",
+        "- gloo must bind to the veth: inside a namespace the host name resolves to 127.0.0.1, a "
+        "different loopback per namespace; `GLOO_SOCKET_IFNAME` is set in the environment of each "
+        "`ray start`, which the worker processes inherit.",
+        "- torch's `powerSGD_hook` chains its all-reduces in future callbacks; on gloo, with more than "
+        "one DDP bucket, the chains of different buckets interleave differently on the two ranks "
+        "(`op.preamble.length <= op.nbytes` abort, or a hang, from the first PowerSGD step; reproduced "
+        "without Ray). The model is sized to fit DDP's first 1 MiB bucket so the baseline runs.",
+        "- Where the time goes, and why some goals cannot be met by this workload on this machine "
+        "(a compute step of a few ms next to a fixed per-step cost; Top-K 1% at 2 ranks caps the "
+        "per-step compression ratio at 1/(N x 1%) = 50x): `docs/cost-model.md`.",
+        "- The raycomp methods keep their default dense warm-up (20 steps; the compressed plan reaches "
+        "the workers at the next control boundary, step 30); torch's PowerSGD starts at 10% of the "
+        "steps, as torch's documentation suggests.",
         "",
     ]
     return "\n".join(parts)

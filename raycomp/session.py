@@ -221,7 +221,7 @@ class Session:
         self._interval_loss.append(loss)
         plan = self.state.plan
         record = {
-            "step": self.global_step, "epoch": self.epoch, "plan_version": plan.version,
+            "step": self.global_step, "epoch": self.epoch, "time": time.time(), "plan_version": plan.version,
             "plan_digest": plan.digest(), "dense": _is_dense(plan),
             "loss": loss, "lr": self._lr_used, "applied": applied, "fallback": self.guard.active,
             "wire_bytes": self.state.ledger.wire_total, "dense_bytes": self.state.ledger.dense_total,
@@ -388,6 +388,10 @@ class Session:
 
         self._eval_metric = eval_metric
         self._log_file.flush()
+        if self.rank == 0:  # accuracy over wall time, for time-to-target measurements
+            with (self.output_dir / "evals.jsonl").open("a") as evals:
+                evals.write(json.dumps({"time": time.time(), **metrics, "epoch": self.epoch,
+                                        "step": self.global_step}) + "\n")
         ledger = self.state.ledger
         metrics = {**metrics, "epoch": self.epoch, "step": self.global_step,
                    "wire_bytes": ledger.wire_total * self.world_size,  # rank 0's, scaled to all ranks
@@ -515,7 +519,15 @@ def _register_torch_hook(model: torch.nn.parallel.DistributedDataParallel, compr
             process_group=None, matrix_approximation_rank=compression.baseline_powersgd_rank,
             start_powerSGD_iter=compression.baseline_powersgd_start_iter,
         )
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+        def serialized(state, bucket):  # unannotated: DDP checks hook annotations at run time
+            # on gloo, powerSGD_hook's future chains of different buckets interleave their
+            # collectives and fail or hang (reproduced without Ray): finish one bucket first
+            future = powerSGD_hook.powerSGD_hook(state, bucket)
+            future.wait()
+            return future
+
+        model.register_comm_hook(state, serialized)
     else:
         model.register_comm_hook(None, default_hooks.allreduce_hook)
 

@@ -1,0 +1,216 @@
+"""The throttled two-namespace link of the e2e benchmark (``jobs/netns.py``), and the
+pure analysis helpers of ``jobs/bench_e2e.py``.
+
+Link tests need root and iproute2 (CI runs as root); they are skipped elsewhere. Each one
+checks that tear-down leaves no namespace, device or process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.netns import (
+    NS_PREFIX,
+    NetnsError,
+    ThrottledLink,
+    namespaces,
+    parse_latency,
+    parse_rate,
+    rate_label,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+RATE = "50mbit"
+TOLERANCE = 0.20
+
+
+def _netns_usable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "needs iproute2 (ip, tc)"
+    probe = f"{NS_PREFIX}probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None if made.returncode == 0 else f"cannot create network namespaces: {made.stderr!r}"
+
+
+needs_netns = pytest.mark.skipif(_netns_usable() is not None, reason=str(_netns_usable()))
+
+
+def _links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def _assert_gone(link: ThrottledLink, pids: list[int] = ()) -> None:
+    assert link.leftovers() == []
+    assert not set(link.ns.values()) & set(namespaces())
+    listing = _links()
+    for dev in link.dev.values():
+        assert dev not in listing
+    for pid in pids:
+        assert not _alive(pid), f"process {pid} survived the tear-down"
+
+
+def _pids_soon(link: ThrottledLink, side: str) -> list[int]:
+    """Processes in the namespace, once `ip netns exec` has entered it (it takes a moment)."""
+    deadline = time.monotonic() + 10
+    while not (pids := link.pids(side)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# --- pure helpers --------------------------------------------------------------------------
+def test_units() -> None:
+    assert parse_rate("100mbit") == 1e8
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("500kbit") == 5e5
+    assert parse_rate("10mbps") == 8e7
+    assert parse_latency("1ms") == pytest.approx(1e-3)
+    assert parse_latency("500us") == pytest.approx(5e-4)
+    assert parse_latency("0") == 0
+    assert rate_label(1e8) == "100mbit" and rate_label(1e9) == "1gbit" and rate_label(5e5) == "500kbit"
+    for bad in ("fast", "-1mbit", "0"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+
+
+def test_names_are_unique_and_short() -> None:
+    a, b = ThrottledLink(RATE), ThrottledLink(RATE)
+    assert a.ns != b.ns and a.dev != b.dev
+    for link in (a, b):
+        assert all(len(dev) <= 15 for dev in link.dev.values())  # IFNAMSIZ
+        assert link.addr["a"].startswith("10.77.") and link.addr["a"].endswith(".1")
+        assert link.addr["b"].rsplit(".", 1)[0] == link.addr["a"].rsplit(".", 1)[0]
+
+
+def test_torch_hook_bytes_model() -> None:
+    from jobs.bench_e2e import torch_hook_bytes
+
+    layers = {"w1": [512, 64], "b1": [512], "w2": [10, 512], "b2": [10]}
+    numel = 512 * 64 + 512 + 10 * 512 + 10
+    assert torch_hook_bytes("allreduce", layers, 2, 3) == [4 * numel] * 3  # 2(W-1)/W = 1 at W=2
+    assert torch_hook_bytes("fp16", layers, 4, 1) == [1.5 * 2 * numel]
+    steps = torch_hook_bytes("powersgd", layers, 2, 4, rank=2, start_iter=2)
+    assert steps[:2] == [4 * numel] * 2
+    # w1, w2 compressed to (n + m) x 2; the biases go uncompressed
+    assert steps[2] == 4 * ((512 + 64) * 2 + (10 + 512) * 2 + 512 + 10)
+
+
+def test_step_time_skips_epoch_ends() -> None:
+    from jobs.bench_e2e import step_time
+
+    # 22 steps per epoch; flushes every 10 steps and at the epoch end; the interval that
+    # holds the epoch end (and its evaluation) is excluded
+    flushes = [[1.0, 10], [2.0, 20], [2.2, 22], [10.0, 30], [11.0, 40], [11.4, 44]]
+    seconds, steps = step_time(flushes, 22, 10)
+    assert steps == 10 + 10  # (10, 20) and (30, 40)
+    assert seconds == pytest.approx((1.0 + 1.0) / 20)
+    assert step_time(flushes, 22, 30) == (pytest.approx(0.1), 10)
+
+
+# --- the link ------------------------------------------------------------------------------
+@needs_netns
+@pytest.mark.slow
+def test_setup_throttle_and_teardown() -> None:
+    link = ThrottledLink(RATE, latency="0")
+    with link:
+        assert set(link.ns.values()) <= set(namespaces())
+        for side in ("a", "b"):
+            out = subprocess.run(["ip", "-n", link.ns[side], "-j", "addr", "show", "dev", link.dev[side]],
+                                 capture_output=True, text=True, check=True).stdout
+            addrs = [a["local"] for a in json.loads(out)[0]["addr_info"]]
+            assert link.addr[side] in addrs
+            kinds = {q["kind"] for q in link.qdisc_stats(side)}
+            assert "tbf" in kinds
+        # nothing of ours in the root namespace
+        assert not any(dev in _links() for dev in link.dev.values())
+        # the throttle holds, each way
+        measured = link.measure_throughput(2.0, "a")
+        assert measured["bits_per_s"] == pytest.approx(parse_rate(RATE), rel=TOLERANCE)
+        back = link.measure_throughput(1.0, "b")
+        assert back["bits_per_s"] == pytest.approx(parse_rate(RATE), rel=TOLERANCE)
+        # and the veth counters saw the bytes
+        counters = link.counters("a")
+        assert counters["tx_bytes"] >= measured["bytes"]
+        link.popen("b", ["sleep", "600"])
+        pids = _pids_soon(link, "b")
+        assert pids  # `ip netns exec` execs into sleep: it lives inside namespace b
+    _assert_gone(link, pids)
+
+
+@needs_netns
+def test_teardown_on_error_and_close_is_idempotent() -> None:
+    link = ThrottledLink(RATE)
+    with pytest.raises(RuntimeError, match="boom"), link:
+        link.popen("a", ["sleep", "600"])
+        pids = _pids_soon(link, "a")
+        assert pids
+        raise RuntimeError("boom")
+    _assert_gone(link, pids)
+    link.close()
+    with pytest.raises(NetnsError):
+        link.popen("a", ["true"])
+
+
+_CHILD = """
+import sys, time
+from jobs.netns import ThrottledLink
+link = ThrottledLink("50mbit")
+with link:
+    link.popen("b", ["sleep", "600"])
+    deadline = time.monotonic() + 10
+    while not link.pids("b") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(" ".join([*link.ns.values(), *link.dev.values(), *map(str, link.pids("b"))]), flush=True)
+    time.sleep(600)
+"""
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_teardown_on_signal(sig: int) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env, cwd=REPO)
+    try:
+        line = child.stdout.readline().split()
+        assert len(line) >= 5, child.stderr.read()
+        ns, devs, pids = line[:2], line[2:4], [int(p) for p in line[4:]]
+        assert set(ns) <= set(namespaces())
+        child.send_signal(sig)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and set(ns) & set(namespaces()):
+        time.sleep(0.1)
+    assert not set(ns) & set(namespaces())
+    assert not any(dev in _links() for dev in devs)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_rate_units_match_tc() -> None:
+    # tc: "mbit" = 10^6 bit/s; 100 Mbit/s of frames carry 100e6 * 1448 / 1514 bit/s of TCP payload
+    assert math.isclose(parse_rate("100mbit") * 1448 / 1514 / 8, 11.96e6, rel_tol=1e-3)
