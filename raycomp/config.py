@@ -90,6 +90,8 @@ class GuardSection(_Strict):
     max_compression_error: Annotated[float, Field(gt=0)] = 0.999  # relative, any layer
     stable_steps: Annotated[int, Field(ge=1)] = 50  # clean steps before compressing again
     grad_norm_factor: Annotated[float, Field(gt=1)] = 10.0  # norm > factor x window median
+    spike_quantile: Annotated[float, Field(ge=0.5, le=1)] = 0.9  # the window level compared to
+    spike_steps: Annotated[int, Field(ge=1, le=1000)] = 5  # loss averaged over these steps
 
 
 class LrScalingSection(_Strict):

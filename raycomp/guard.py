@@ -4,9 +4,13 @@ Every rank runs the same :class:`Guard` on the same inputs — the per-step cont
 that all ranks all-gather (non-finite flag, loss, worst compression error) — so every
 rank takes the same decision in the same step without asking the controller:
 
-* a non-finite gradient, a gradient norm above ``grad_norm_factor`` x the median of the
-  recent norms, a loss above ``loss_spike_factor`` x the median of the last
-  ``loss_window`` losses, or a relative compression error above ``max_compression_error``
+* a non-finite gradient; a gradient norm above ``grad_norm_factor`` x the recent norms;
+  a loss spike over a window: the mean loss of the last ``spike_steps`` steps above
+  ``loss_spike_factor`` x the level of the ``loss_window`` losses before them; or a
+  relative compression error above ``max_compression_error``. "Level" is the window's
+  ``spike_quantile`` (90th percentile), not its median, and the loss is averaged over
+  a few steps, because per-batch losses late in training are small and heavy-tailed:
+  one hard batch is not a divergence, a sustained rise is;
   switches to dense from the next step (non-finite and exploding steps are also
   skipped: the optimizer must not apply them);
 * after ``stable_steps`` clean steps compression resumes (hysteresis).
@@ -16,7 +20,6 @@ Every switch is an event with its step and reason.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -50,10 +53,14 @@ class Guard:
         max_compression_error: float = 0.999,
         stable_steps: int = 50,
         grad_norm_factor: float = 10.0,
+        spike_quantile: float = 0.9,
+        spike_steps: int = 5,
     ) -> None:
         self.enabled = enabled
         self.loss_spike_factor = loss_spike_factor
         self.grad_norm_factor = grad_norm_factor
+        self.spike_quantile = spike_quantile
+        self.recent_losses: deque[float] = deque(maxlen=spike_steps)
         self.grad_norms: deque[float] = deque(maxlen=loss_window)
         self.max_compression_error = max_compression_error
         self.stable_steps = stable_steps
@@ -92,23 +99,31 @@ class Guard:
                  grad_norm: float) -> tuple[str, str] | None:
         if nonfinite or loss != loss or loss in (float("inf"), float("-inf")):
             return "nonfinite_gradient", "NaN/Inf in gradients or loss"
-        if len(self.grad_norms) >= 3:
-            median = statistics.median(self.grad_norms)
-            if median > 0 and grad_norm > self.grad_norm_factor * median:
-                return "gradient_explosion", (
-                    f"gradient norm {grad_norm:.4g} > {self.grad_norm_factor} x median {median:.4g}")
-        if len(self.losses) >= 3:
-            median = statistics.median(self.losses)
-            if median > 0 and loss > self.loss_spike_factor * median:
-                return "loss_spike", f"loss {loss:.4g} > {self.loss_spike_factor} x median {median:.4g}"
+        if (level := self._spike(grad_norm, self.grad_norms, self.grad_norm_factor)) is not None:
+            return "gradient_explosion", (
+                f"gradient norm {grad_norm:.4g} > {self.grad_norm_factor} x recent level {level:.4g}")
+        self.recent_losses.append(loss)
+        recent = sum(self.recent_losses) / len(self.recent_losses)
+        if (level := self._spike(recent, self.losses, self.loss_spike_factor)) is not None:
+            return "loss_spike", (f"mean loss of the last {len(self.recent_losses)} steps {recent:.4g} > "
+                                  f"{self.loss_spike_factor} x recent level {level:.4g}")
         if max_error is not None and max_error > self.max_compression_error:
             return "compression_error", f"relative error {max_error:.4g} > {self.max_compression_error}"
         return None
+
+    def _spike(self, value: float, window: deque[float], factor: float) -> float | None:
+        """The window's level if ``value`` is more than ``factor`` x it, else None."""
+        if len(window) < 3:
+            return None
+        ordered = sorted(window)
+        level = ordered[min(len(ordered) - 1, int(self.spike_quantile * len(ordered)))]
+        return level if level > 0 and value > factor * level else None
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "losses": list(self.losses),
             "grad_norms": list(self.grad_norms),
+            "recent_losses": list(self.recent_losses),
             "active": self.active,
             "reason": self.reason,
             "clean_steps": self.clean_steps,
@@ -120,6 +135,8 @@ class Guard:
         self.losses.extend(state["losses"])
         self.grad_norms.clear()
         self.grad_norms.extend(state["grad_norms"])
+        self.recent_losses.clear()
+        self.recent_losses.extend(state["recent_losses"])
         self.active = state["active"]
         self.reason = state["reason"]
         self.clean_steps = state["clean_steps"]
