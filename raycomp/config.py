@@ -271,19 +271,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Read YAML (optional), apply ``key=value`` overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as error:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r}: top level must be a mapping of sections")
-        data = loaded or {}
+    data = read_yaml_mapping(path) if path is not None else {}
     return validate(apply_overrides(data, list(overrides)))
+
+
+def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (``safe_load``: data, never code)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {error}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{what} {str(path)!r}: top level must be a mapping of sections")
+    return loaded or {}
 
 
 def validate(data: dict[str, Any]) -> JobConfig:
