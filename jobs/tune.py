@@ -4,10 +4,10 @@
 
 The tune config names a base job config (like ``jobs.train --config``), a search space over
 its keys, the objective and the ASHA settings; it is validated before Ray is touched (a bad
-one exits with code 2 and one line naming the key). Each trial builds a ``TorchTrainer``
-around ``jobs.train.train_loop``, registers its own run id with the controller service
-(so every trial shows up on the dashboard) and reports once per epoch; ASHA stops trials
-whose objective lags. Two baselines run as extra trials unless switched off: ``dense``
+one exits with code 2 and one line naming the key). Each trial is a ``jobs.train.run``
+(a ``TorchTrainer`` around ``jobs.train.train_loop``) under its own run id in the controller
+service (so every trial shows up on the dashboard), reporting to Tune once per epoch; ASHA
+stops trials whose objective lags. Two baselines run as extra trials unless switched off: ``dense``
 (plain all-reduce) and ``default`` (the base config unchanged).
 
 Writes into ``<output_dir>/<name>/``: ``results.csv``, ``results.md``, ``best_config.yaml``
@@ -19,14 +19,17 @@ interrupted search (``Tuner.restore``); finished trials are not run again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import json
 import logging
 import math
 import os
+import re
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -44,11 +47,13 @@ from raycomp.config import (
 
 log = logging.getLogger("raycomp.tune")
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 REPO = Path(__file__).resolve().parents[1]
 METRIC = "objective"
 TIME_ATTR = "epochs_done"
 DOMAINS = ("choice", "uniform", "loguniform", "randint", "lograndint")
 OBJECTIVE_MODES = {"accuracy_at_budget": "max", "bytes_to_target": "min", "time_to_target": "min"}
+TRIAL_RESOURCES = {"CPU": 0, "memory": 128 * 2**20}  # the trial function (a waiting driver)
 DENSE = {"compression.policy": "static", "compression.static.compressor": {"name": "none"},
          "compression.warmup_steps": 0}
 
@@ -123,7 +128,8 @@ class TunePlan(BaseModel):
         return self.exp_dir / "runs"
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"spec": self.spec.model_dump(mode="json"), "base": self.base,
+        """What must not change between a search and its resume (not where it lives)."""
+        return {"spec": self.spec.model_dump(mode="json", exclude={"output_dir", "name"}), "base": self.base,
                 "search": {k: list(v) for k, v in self.search.items()}}
 
 
@@ -322,8 +328,13 @@ class Objective:
         return {METRIC: spent * self.target / max(accuracy, 1e-3), "reached_target": False}
 
 
-def _report_callback(objective: dict[str, Any], run_id: str, variant: str) -> Any:
-    """A TuneReportCallback that adds the objective (and the trial's identity) to each report."""
+def _report_callback(objective: dict[str, Any], run_id: str, variant: str, registry: tuple[str, str]) -> Any:
+    """A TuneReportCallback that adds the objective (and the trial's identity) to each report.
+
+    It runs in the trial's Train controller actor; before the first report reaches Tune it
+    hands that actor's handle to the search's run registry, so that a trial ASHA stops can
+    have its Train run aborted gracefully (see :class:`StopTrainRuns`).
+    """
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class ObjectiveReport(TuneReportCallback):
@@ -331,8 +342,11 @@ def _report_callback(objective: dict[str, Any], run_id: str, variant: str) -> An
             super().__init__()
             self.objective = Objective(**objective)
             self.started = time.time()
+            self.registered = False
 
         def after_report(self, run_context, metrics, checkpoint):  # noqa: ANN001 - Ray's signature
+            if not self.registered:
+                self.registered = _register_train_controller(registry, run_id)
             first = dict(metrics[0])
             elapsed = time.time() - self.started
             first.update(self.objective.update(float(first.get("eval_accuracy", 0.0)),
@@ -344,71 +358,163 @@ def _report_callback(objective: dict[str, Any], run_id: str, variant: str) -> An
     return ObjectiveReport()
 
 
+class RunRegistry:
+    """A small actor of the search: run id -> the trial's Train controller, and who was stopped.
+
+    Why: when ASHA stops a trial, Tune ends the trial's actor; the Train controller it owns
+    dies with it before removing its workers' placement group, and that group's CPUs stay
+    reserved for as long as the driver lives (Ray's own clean-up actor needs the dashboard's
+    state API, which an embedded cluster does not run), so the next trial waits forever.
+    Aborting the controller first (what Ctrl-C does to a plain ``fit()``) releases them.
+    """
+
+    def __init__(self) -> None:
+        self.controllers: dict[str, Any] = {}
+        self.stopped: set[str] = set()
+        self.finished: set[str] = set()
+
+    def add(self, run_id: str, controller: Any) -> None:
+        self.controllers[run_id] = controller
+
+    def finish(self, run_id: str) -> None:
+        self.finished.add(run_id)
+        self.controllers.pop(run_id, None)
+
+    def stop(self, run_id: str) -> Any:
+        """Mark ``run_id`` stopped; its controller if it is still training, else None."""
+        if run_id in self.finished:
+            return None
+        self.stopped.add(run_id)
+        return self.controllers.pop(run_id, None)
+
+    def was_stopped(self, run_id: str) -> bool:
+        return run_id in self.stopped
+
+    def is_finished(self, run_id: str) -> bool:
+        return run_id in self.finished
+
+
+def _registry_name(spec: TuneSpec) -> tuple[str, str]:
+    return f"raycomp-tune-{spec.name}", "raycomp-tune"
+
+
+def _register_train_controller(registry: tuple[str, str], run_id: str) -> bool:
+    import ray
+
+    try:
+        actor = ray.get_actor(*registry)
+        ray.get(actor.add.remote(run_id, ray.get_runtime_context().current_actor), timeout=30)
+        return True
+    except Exception as failure:  # noqa: BLE001 - early stopping then leaks CPUs: say so
+        log.warning("run %s: not registered for graceful early stopping: %s", run_id, failure)
+        return False
+
+
+def _stop_train_runs_callback(name: str, registry_id: tuple[str, str], epochs: int) -> Any:
+    import ray
+    from ray.tune import Callback
+
+    class StopTrainRuns(Callback):
+        """Aborts the Train run of a trial Tune stops, before Tune ends the trial's actor.
+
+        (Pickled into the experiment state, so it finds the registry by name: a resumed
+        search has a new one.)
+        """
+
+        def on_trial_complete(self, iteration, trials, trial, **info):  # noqa: ANN001
+            run_id = f"{name}-{trial.trial_id}"
+            try:
+                registry = ray.get_actor(*registry_id)
+                if (trial.last_result or {}).get(TIME_ATTR, 0) >= epochs:
+                    # every epoch trained (ASHA may still say STOP at its last rung): let the
+                    # run end on its own before Tune ends the trial's actor
+                    deadline = time.time() + 120
+                    while time.time() < deadline and not ray.get(registry.is_finished.remote(run_id)):
+                        time.sleep(0.25)
+                controller = ray.get(registry.stop.remote(run_id))
+            except Exception as failure:  # noqa: BLE001
+                log.warning("run %s: cannot reach the run registry: %s", run_id, failure)
+                return
+            if controller is None:
+                return
+            print(f"[tune] {trial.trial_id}: stopped early by ASHA, aborting its Train run", flush=True)
+            try:
+                ray.get(controller.abort.remote(), timeout=120)
+            except Exception:  # noqa: BLE001, S110 - abort() ends by exiting the controller actor
+                pass
+
+    return StopTrainRuns()
+
+
 # --- one trial -------------------------------------------------------------------------
 def run_trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
-    """The Tune function trainable: one Ray Train job under its own controller run id."""
+    """The Tune function trainable: one ``jobs.train.run`` under its own controller run id."""
+    import ray
     from ray import tune
+
+    from jobs.train import run as train_run
+    from jobs.train import write_outputs
 
     trial_id = tune.get_context().get_trial_id()
     variant = params["variant"]
     config = trial_config(setup["base"], variant, params["params"])
     run_id = f"{setup['name']}-{trial_id}"
     output = Path(setup["runs_dir"]) / run_id
-    callback = _report_callback(setup["objective"], run_id, variant)
-    summary = train_with_callbacks(config, run_id, output, [callback])
-    if summary["status"] != "succeeded":
+    registry_id = tuple(setup["registry"])
+    registry = ray.get_actor(*registry_id)
+    callback = _report_callback(setup["objective"], run_id, variant, registry_id)
+    with train_callbacks([callback]):
+        summary = train_run(config, run_id, output)
+    if summary["status"] == "failed" and ray.get(registry.was_stopped.remote(run_id)):
+        # ASHA stopped it and its Train run was aborted: that is no failure
+        summary.update(status="stopped", error=None)
+        write_outputs(summary, output)
+        _finish_run(config, run_id, "stopped")
+    ray.get(registry.finish.remote(run_id))
+    if summary["status"] == "failed":
         raise RuntimeError(f"run {run_id} failed: {summary['error']}")
 
 
-def train_with_callbacks(config: JobConfig, run_id: str, output: Path, callbacks: list[Any]) -> dict[str, Any]:
-    """``jobs.train.run`` with Train callbacks (mirrors it step by step; see docs/tune.md)."""
+@contextlib.contextmanager
+def train_callbacks(callbacks: list[Any]) -> Iterator[None]:
+    """Add Ray Train callbacks to the ``RunConfig`` that ``jobs.train.run`` builds.
+
+    ``jobs.train.run`` takes no callbacks (yet); rather than copying its driver logic, the
+    trial swaps ``ray.train.RunConfig`` for a builder that adds them, until that builder's
+    first call: Ray pickles ``RunConfig`` objects by class name, so the name must point to
+    the class again before ``fit()``. Confined to the trial's own actor process.
+    """
+    import ray.train
+
+    original = ray.train.RunConfig
+    used = []
+
+    def run_config_with_callbacks(*args: Any, **kwargs: Any) -> Any:
+        ray.train.RunConfig = original
+        used.append(True)
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *callbacks]
+        return original(*args, **kwargs)
+
+    ray.train.RunConfig = run_config_with_callbacks
+    try:
+        yield
+    finally:
+        ray.train.RunConfig = original
+    if not used:
+        raise RuntimeError("jobs.train.run no longer builds ray.train.RunConfig at call time: "
+                           "pass the Tune report callback to it directly")
+
+
+def _finish_run(config: JobConfig | dict[str, Any], run_id: str, status: str) -> None:
+    """Tell the controller service how a run ended (it may never have been told)."""
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    from jobs.train import build_summary, train_loop, write_outputs
-    from jobs.workloads import layer_sizes
-
-    output.mkdir(parents=True, exist_ok=True)
-    controller = _controller(config, output.parent)
-    compression = config.compression
-    initial_plan = ray.get(controller.register_run.remote(
-        run_id, config.scaling.num_workers, layer_sizes(config.workload, config.run.seed),
-        compression.policy, compression.policy_options(), compression.warmup_steps,
-        config.controller.interval_steps, compression.min_compress_numel,
-    ))
-    trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={"config": config.model_dump(mode="json"), "run_id": run_id,
-                           "output_dir": str(output), "initial_plan": initial_plan},
-        scaling_config=ScalingConfig(num_workers=config.scaling.num_workers, use_gpu=config.scaling.use_gpu,
-                                     resources_per_worker={"CPU": config.scaling.cpus_per_worker}),
-        run_config=RunConfig(name=output.name, storage_path=str(output.parent), callbacks=callbacks,
-                             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures)),
-    )
-    started = time.time()
-    status, error, result = "succeeded", None, None
+    section = config["controller"] if isinstance(config, dict) else config.controller.model_dump()
     try:
-        result = trainer.fit()
-    except Exception as failure:  # noqa: BLE001 - recorded in summary.json, then the trial errors
-        status, error = "failed", f"{type(failure).__name__}: {failure}"
-    wall = time.time() - started
-    try:
-        controller_summary = ray.get(controller.finish_run.remote(run_id, status), timeout=30)
-    except Exception as failure:  # noqa: BLE001 - the summary says so
-        controller_summary = {"error": f"controller unreachable at the end: {failure}"}
-    worker = (result.return_value if result is not None else None) or {}
-    summary = build_summary(config, run_id, status, error, worker, controller_summary, wall, output)
-    write_outputs(summary, output)
-    return summary
-
-
-def _controller(config: JobConfig, runs_dir: Path) -> Any:
-    from controllers.service import get_or_create
-
-    snapshot_dir = config.controller.snapshot_dir or str(runs_dir / "_controller")
-    return get_or_create(config.controller.name, config.controller.namespace, snapshot_dir,
-                         config.controller.max_restarts, config.controller.finished_run_grace_s)
+        controller = ray.get_actor(section["name"], namespace=section["namespace"])
+        ray.get(controller.finish_run.remote(run_id, status), timeout=10)
+    except Exception as failure:  # noqa: BLE001 - never registered (failed early), or gone
+        log.debug("finish_run %s: %s", run_id, failure)
 
 
 # --- the search ------------------------------------------------------------------------
@@ -430,15 +536,20 @@ def search(plan: TunePlan) -> Any:
     if need > cpus:
         raise ConfigError(f"base: scaling: a trial needs {need:g} CPUs "
                           f"(num_workers x cpus_per_worker), the cluster has {cpus:g}")
-    # The trial function itself holds (almost) no CPU and trials never outnumber what the
-    # CPUs can train at once: otherwise trials hold CPUs their worker groups wait for.
+    # The trial function only waits on its TorchTrainer: it reserves memory, not CPU (even
+    # 0.01 CPU would leave 1.99 of 2 CPUs, too few for 2 workers x 1 CPU: a deadlock), and
+    # trials never outnumber what the CPUs can train at once (else their worker groups wait
+    # on each other's CPUs).
     concurrent = spec.max_concurrent_trials or max(1, int(cpus // need))
+    registry_id = _registry_name(spec)
+    registry = ray.remote(RunRegistry).options(name=registry_id[0], namespace=registry_id[1],
+                                               get_if_exists=True, num_cpus=0).remote()
     setup = {"name": spec.name, "base": plan.base, "runs_dir": str(plan.runs_dir),
-             "objective": spec.objective.model_dump(mode="json")}
-    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": 0.01})
+             "objective": spec.objective.model_dump(mode="json"), "registry": list(registry_id)}
+    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_RESOURCES)
+    callbacks = [_stop_train_runs_callback(spec.name, registry_id, plan.epochs), _progress_callback()]
 
     plan.runs_dir.mkdir(parents=True, exist_ok=True)
-    _controller(validate(plan.base), plan.runs_dir)  # up before the first trial
     if tune.Tuner.can_restore(str(plan.tuner_dir)):
         print(f"resuming the search in {plan.tuner_dir}", flush=True)
         tuner = tune.Tuner.restore(str(plan.tuner_dir), trainable=trainable,
@@ -446,7 +557,8 @@ def search(plan: TunePlan) -> Any:
     else:
         scheduler = (ASHAScheduler(time_attr=TIME_ATTR, max_t=plan.epochs,
                                    grace_period=spec.asha.grace_period,
-                                   reduction_factor=spec.asha.reduction_factor)
+                                   reduction_factor=spec.asha.reduction_factor,
+                                   stop_last_trials=False)  # finishing trials end on their own
                      if spec.asha.enabled else FIFOScheduler())
         tuner = tune.Tuner(
             trainable,
@@ -454,37 +566,73 @@ def search(plan: TunePlan) -> Any:
                          "params": {key: to_tune_domain(*domain) for key, domain in plan.search.items()}},
             tune_config=tune.TuneConfig(
                 metric=METRIC, mode=spec.objective.mode, scheduler=scheduler,
+                # Tune ignores TuneConfig.max_concurrent_trials next to a BasicVariantGenerator
                 search_alg=BasicVariantGenerator(
-                    points_to_evaluate=[{"variant": b} for b in spec.baselines], random_state=spec.seed),
+                    points_to_evaluate=[{"variant": b} for b in spec.baselines],
+                    max_concurrent=concurrent, random_state=spec.seed),
                 num_samples=spec.num_samples + len(spec.baselines),  # each point replaces a sample
-                max_concurrent_trials=concurrent,
             ),
             run_config=tune.RunConfig(name=plan.tuner_dir.name, storage_path=str(plan.exp_dir),
-                                      failure_config=tune.FailureConfig(max_failures=0), verbose=1),
+                                      failure_config=tune.FailureConfig(max_failures=0),
+                                      callbacks=callbacks, verbose=0),
         )
-    return tuner.fit()
+    try:
+        return tuner.fit()
+    finally:
+        ray.kill(registry)
+
+
+def _progress_callback() -> Any:
+    from ray.tune import Callback
+
+    class Progress(Callback):
+        """One line per epoch and per finished trial (Tune's own table is too wide to read)."""
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):  # noqa: ANN001
+            print(f"[tune] {trial.trial_id} ({trial.config.get('variant')}) epoch {result.get(TIME_ATTR)}: "
+                  f"eval accuracy {result.get('eval_accuracy', float('nan')):.4f}, wire bytes "
+                  f"{result.get('wire_bytes', 0):.4g}, {METRIC} {result.get(METRIC, float('nan')):.6g}",
+                  flush=True)
+
+        def on_trial_complete(self, iteration, trials, trial, **info):  # noqa: ANN001
+            print(f"[tune] {trial.trial_id} finished", flush=True)
+
+        def on_trial_error(self, iteration, trials, trial, **info):  # noqa: ANN001
+            print(f"[tune] {trial.trial_id} failed: see {trial.path}", flush=True)
+
+    return Progress()
 
 
 # --- results ---------------------------------------------------------------------------
-def collect(plan: TunePlan, grid: Any) -> list[dict[str, Any]]:
-    """One row per trial, best first."""
+SUMMARY_STATUS = {"succeeded": "completed", "stopped": "stopped", "failed": "error"}
+
+
+def collect(plan: TunePlan, grid: Any, complete: bool = True) -> list[dict[str, Any]]:
+    """One row per trial, best first. Status: completed, stopped (by ASHA), error, or
+    unfinished (the search was interrupted before the trial ended)."""
     rows = []
     for result in grid:
         config = result.config or {}
         metrics = result.metrics or {}
-        variant = config.get("variant", "search")
-        trial_id = metrics.get("trial_id") or Path(result.path).name
+        variant = config.get("variant", "unknown")
+        found = re.search(r"[0-9a-f]{5}_\d{5}", Path(result.path).name)
+        trial_id = metrics.get("trial_id") or (found.group(0) if found else Path(result.path).name)
+        run_id = metrics.get("run_id") or f"{plan.spec.name}-{trial_id}"
         epochs_done = int(metrics.get(TIME_ATTR, 0) or 0)
+        summary = plan.runs_dir / run_id / "summary.json"
+        recorded = json.loads(summary.read_text()).get("status") if summary.exists() else None
         if result.error is not None:
             status = "error"
-        elif epochs_done >= plan.epochs:
-            status = "completed"
+        elif recorded in SUMMARY_STATUS:  # what the trial itself wrote at its end
+            status = SUMMARY_STATUS[recorded]
+        elif not complete:
+            status = "unfinished"
         else:
-            status = "stopped"
+            status = "completed" if epochs_done >= plan.epochs else "stopped"
         wire, dense = metrics.get("wire_bytes"), metrics.get("dense_bytes")
         row = {
             "trial_id": trial_id,
-            "run_id": metrics.get("run_id") or f"{plan.spec.name}-{trial_id}",
+            "run_id": run_id,
             "variant": variant,
             "status": status,
             "epochs": epochs_done,
@@ -494,7 +642,8 @@ def collect(plan: TunePlan, grid: Any) -> list[dict[str, Any]]:
             "dense_bytes": dense,
             "compression_ratio": dense / wire if wire else None,
             "seconds": metrics.get("trial_elapsed_s"),
-            "reached_target": metrics.get("reached_target"),
+            **({} if plan.spec.objective.kind == "accuracy_at_budget"
+               else {"reached_target": metrics.get("reached_target")}),
             "error": _first_line(result.error) if result.error is not None else "",
         }
         params = config.get("params", {}) if variant == "search" else {}
@@ -506,15 +655,13 @@ def collect(plan: TunePlan, grid: Any) -> list[dict[str, Any]]:
 
 
 def _rank_key(plan: TunePlan, row: dict[str, Any]) -> tuple:
-    order = {"completed": 0, "stopped": 1, "error": 2}[row["status"]]
+    order = {"completed": 0, "stopped": 1, "unfinished": 2, "error": 3}[row["status"]]
     score = row[METRIC]
     if score is None:
         return (order, 1, math.inf)
     reached = 0 if row.get("reached_target") in (True, None) else 1
     signed = -score if plan.spec.objective.mode == "max" else score
-    if plan.spec.objective.kind == "accuracy_at_budget":
-        reached = 0
-    return (order, reached, signed)
+    return (order, reached, signed, row["wire_bytes"] or math.inf)  # ties: fewer bytes first
 
 
 def _first_line(error: Any) -> str:
@@ -554,7 +701,9 @@ def write_tables(plan: TunePlan, rows: list[dict[str, Any]]) -> tuple[Path, Path
         f"# Tune results: {plan.spec.name}",
         "",
         f"Objective: `{objective.kind}` ({goal}, {objective.mode}imise). "
-        f"{len(rows)} trials, best first; `stopped` = stopped early by ASHA.",
+        f"{len(rows)} trials, best first; `stopped` = stopped early by ASHA"
+        + ("; `unfinished` = the search was interrupted: run the same command to resume it."
+           if any(r["status"] == "unfinished" for r in rows) else "."),
         "",
         "| " + " | ".join(shown) + " |",
         "| " + " | ".join("---:" if c in ("epochs", METRIC, "eval_accuracy", "wire_bytes", "dense_bytes",
@@ -602,7 +751,8 @@ def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(front, key=lambda r: r["wire_bytes"])
 
 
-def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any] | None) -> Path:
+def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any] | None,
+                complete: bool = True) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -613,6 +763,7 @@ def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any]
     searched = [r for r in usable if r["variant"] == "search"]
     for status, style in (("completed", {"color": "tab:blue", "alpha": 0.8}),
                           ("stopped", {"facecolors": "none", "edgecolors": "tab:gray"}),
+                          ("unfinished", {"facecolors": "none", "edgecolors": "tab:purple"}),
                           ("error", {"color": "tab:red", "marker": "x"})):
         group = [r for r in searched if r["status"] == status]
         if group:
@@ -627,7 +778,7 @@ def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any]
                                                                     f" [{r['status']}]"))
     front = pareto_front(rows)
     if front:
-        ax.plot([r["wire_bytes"] for r in front], [r["eval_accuracy"] for r in front], "--",
+        ax.plot([r["wire_bytes"] for r in front], [r["eval_accuracy"] for r in front], "--", marker="|",
                 color="tab:green", lw=1, label="Pareto front")
     if best is not None and best["wire_bytes"]:
         ax.scatter([best["wire_bytes"]], [best["eval_accuracy"]], marker="*", s=320, color="gold",
@@ -640,7 +791,8 @@ def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any]
     ax.set_xscale("log")
     ax.set_xlabel("wire bytes, all ranks (log)")
     ax.set_ylabel("eval accuracy (last reported epoch)")
-    ax.set_title(f"{plan.spec.name}: accuracy vs wire bytes ({len(rows)} trials)")
+    ax.set_title(f"{plan.spec.name}: accuracy vs wire bytes ({len(rows)} trials"
+                 + ("" if complete else ", interrupted") + ")")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -651,31 +803,26 @@ def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any]
 
 
 def finish_stopped_runs(plan: TunePlan, rows: list[dict[str, Any]]) -> None:
-    """Trials ASHA stopped never reached their own finish_run: mark them for the controller."""
-    import ray
-
-    stopped = [r for r in rows if r["status"] != "completed"
-               and not (plan.runs_dir / r["run_id"] / "summary.json").exists()]
-    if not stopped:
-        return
-    controller = _controller(validate(plan.base), plan.runs_dir)
-    for row in stopped:
-        try:
-            ray.get(controller.finish_run.remote(row["run_id"], row["status"]), timeout=10)
-        except Exception as failure:  # noqa: BLE001 - never registered (failed early) or gone
-            log.debug("finish_run %s: %s", row["run_id"], failure)
+    """Trials that ended without their own summary never told the controller service."""
+    for row in rows:
+        if row["status"] != "completed" and not (plan.runs_dir / row["run_id"] / "summary.json").exists():
+            _finish_run(plan.base, row["run_id"], row["status"])
 
 
 def report(plan: TunePlan, grid: Any) -> dict[str, Any]:
-    rows = collect(plan, grid)
-    finish_stopped_runs(plan, rows)
-    best = best_row(rows)
+    expected = plan.spec.num_samples + len(plan.spec.baselines)
+    complete = grid.num_terminated + grid.num_errors >= expected
+    rows = collect(plan, grid, complete)
+    if complete:
+        finish_stopped_runs(plan, rows)
+    best = best_row(rows) if complete else None
     csv_path, md_path = write_tables(plan, rows)
-    outputs = {"results_csv": str(csv_path), "results_md": str(md_path), "trials": len(rows), "best": None}
+    outputs = {"results_csv": str(csv_path), "results_md": str(md_path), "trials": len(rows),
+               "expected_trials": expected, "complete": complete, "best": None}
     if best is not None:
         outputs["best_config"] = str(write_best_config(plan, best))
         outputs["best"] = {k: v for k, v in best.items() if not k.startswith("_")}
-    outputs["pareto_png"] = str(plot_pareto(plan, rows, best))
+    outputs["pareto_png"] = str(plot_pareto(plan, rows, best, complete))
     (plan.exp_dir / "outputs.json").write_text(json.dumps(outputs, indent=2, default=str))
     return outputs
 
@@ -721,7 +868,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     best = outputs["best"]
-    print(f"search {plan.spec.name}: {outputs['trials']} trials")
+    print(f"search {plan.spec.name}: {outputs['trials']} of {outputs['expected_trials']} trials")
+    if not outputs["complete"]:
+        print(f"search interrupted: partial results in {outputs['results_md']}; "
+              "run the same command again to resume it")
+        return EXIT_INTERRUPTED
     if best is None:
         print("no trial completed: no best config (see results.md)")
     else:
