@@ -42,6 +42,7 @@ from raycomp.config import (
     apply_overrides,
     check_resources,
     load_config,
+    read_yaml_mapping,
     validate,
 )
 
@@ -147,16 +148,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_tune_config(path: str | Path, overrides: list[str] = (), output: str | None = None,
                      name: str | None = None) -> TunePlan:
     """Read, validate and resolve a tune config; raises ConfigError (one line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"tune config {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ConfigError(f"tune config {str(path)!r} is not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"tune config {str(path)!r}: top level must be a mapping")
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(read_yaml_mapping(path, "tune config"), list(overrides))
     if output is not None:
         data["output_dir"] = output
     if name is not None:
