@@ -298,11 +298,15 @@ class ControllerService:
 
 def get_or_create(name: str, namespace: str, snapshot_dir: str | None, max_restarts: int = -1,
                   finished_run_grace_s: float = 300.0, metrics: dict[str, Any] | None = None) -> Any:
-    """The named controller actor, created detached (outlives any one driver) if absent."""
+    """The named controller actor, created detached (outlives any one driver) if absent.
+
+    Scheduled with the "DEFAULT" strategy so that, created from inside a Tune trial or any
+    task in a placement group, it is not captured by that group and killed with it.
+    """
     import ray
 
     actor = ray.remote(ControllerService).options(
         name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_restarts=max_restarts, max_concurrency=64,
+        num_cpus=0, max_restarts=max_restarts, max_concurrency=64, scheduling_strategy="DEFAULT",
     )
     return actor.remote(snapshot_dir, finished_run_grace_s, metrics)

@@ -105,12 +105,30 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- the driver ------------------------------------------------------------------------
-def run(config: JobConfig, run_id: str, output: Path) -> dict[str, Any]:
+def controller_for(config: JobConfig, runs_dir: Path) -> Any:
+    """The controller service this config names, started (detached) if it is not running.
+
+    Its snapshots default to ``<runs_dir>/_controller``, beside the runs it steers.
+    """
+    from controllers.exporter import SD_DIR
+    from controllers.service import get_or_create
+
+    c = config.controller
+    sd_file = c.metrics_sd_file or f"{SD_DIR}/{c.name}.json"
+    metrics = {"host": c.metrics_host, "port": c.metrics_port, "sd_file": sd_file} if c.metrics_enabled else None
+    snapshot_dir = c.snapshot_dir or str(runs_dir / "_controller")
+    return get_or_create(c.name, c.namespace, snapshot_dir, c.max_restarts, c.finished_run_grace_s, metrics)
+
+
+def run(config: JobConfig, run_id: str, output: Path, callbacks: list[Any] | None = None) -> dict[str, Any]:
+    """Train ``config`` as one Ray Train run; returns (and writes) its summary.
+
+    ``callbacks`` are extra Ray Train callbacks, e.g. Tune's report callback.
+    """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from controllers.service import get_or_create
     from jobs.workloads import layer_sizes
 
     output.mkdir(parents=True, exist_ok=True)
@@ -119,13 +137,7 @@ def run(config: JobConfig, run_id: str, output: Path) -> dict[str, Any]:
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
                  if not os.environ.get("RAY_ADDRESS") else None)
-    snapshot_dir = config.controller.snapshot_dir or str(output.parent / "_controller")
-    c = config.controller
-    from controllers.exporter import SD_DIR
-
-    sd_file = c.metrics_sd_file or f"{SD_DIR}/{c.name}.json"
-    metrics = {"host": c.metrics_host, "port": c.metrics_port, "sd_file": sd_file} if c.metrics_enabled else None
-    controller = get_or_create(c.name, c.namespace, snapshot_dir, c.max_restarts, c.finished_run_grace_s, metrics)
+    controller = controller_for(config, output.parent)
     compression = config.compression
     initial_plan = ray.get(controller.register_run.remote(
         run_id, config.scaling.num_workers, layer_sizes(config.workload, config.run.seed),
@@ -142,7 +154,8 @@ def run(config: JobConfig, run_id: str, output: Path) -> dict[str, Any]:
                                      placement_strategy=config.scaling.placement_strategy),
         torch_config=TorchConfig(timeout_s=int(config.scaling.collective_timeout_s)),
         run_config=RunConfig(name=output.name, storage_path=str(output.parent),
-                             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures)),
+                             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
+                             callbacks=list(callbacks or [])),
     )
     started = time.time()
     status, error, result = "succeeded", None, None

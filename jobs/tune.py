@@ -19,7 +19,6 @@ interrupted search (``Tuner.restore``); finished trials are not run again.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import csv
 import json
@@ -29,7 +28,6 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -420,9 +418,7 @@ def _stop_train_runs_callback(name: str, registry_id: tuple[str, str], epochs: i
                 if (trial.last_result or {}).get(TIME_ATTR, 0) >= epochs:
                     # every epoch trained (ASHA may still say STOP at its last rung): let the
                     # run end on its own before Tune ends the trial's actor
-                    deadline = time.time() + 120
-                    while time.time() < deadline and not ray.get(registry.is_finished.remote(run_id)):
-                        time.sleep(0.25)
+                    _wait_finished(registry, run_id, timeout_s=120)
                 controller = ray.get(registry.stop.remote(run_id))
             except Exception as failure:  # noqa: BLE001
                 log.warning("run %s: cannot reach the run registry: %s", run_id, failure)
@@ -434,8 +430,21 @@ def _stop_train_runs_callback(name: str, registry_id: tuple[str, str], epochs: i
                 ray.get(controller.abort.remote(), timeout=120)
             except Exception:  # noqa: BLE001, S110 - abort() ends by exiting the controller actor
                 pass
+            # let the trial record itself as stopped before Tune ends its actor
+            _wait_finished(registry, run_id, timeout_s=60)
 
     return StopTrainRuns()
+
+
+def _wait_finished(registry: Any, run_id: str, timeout_s: float) -> bool:
+    import ray
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if ray.get(registry.is_finished.remote(run_id)):
+            return True
+        time.sleep(0.25)
+    return False
 
 
 # --- one trial -------------------------------------------------------------------------
@@ -455,8 +464,7 @@ def run_trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
     registry_id = tuple(setup["registry"])
     registry = ray.get_actor(*registry_id)
     callback = _report_callback(setup["objective"], run_id, variant, registry_id)
-    with train_callbacks([callback]):
-        summary = train_run(config, run_id, output)
+    summary = train_run(config, run_id, output, callbacks=[callback])
     if summary["status"] == "failed" and ray.get(registry.was_stopped.remote(run_id)):
         # ASHA stopped it and its Train run was aborted: that is no failure
         summary.update(status="stopped", error=None)
@@ -467,34 +475,12 @@ def run_trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
         raise RuntimeError(f"run {run_id} failed: {summary['error']}")
 
 
-@contextlib.contextmanager
-def train_callbacks(callbacks: list[Any]) -> Iterator[None]:
-    """Add Ray Train callbacks to the ``RunConfig`` that ``jobs.train.run`` builds.
+def ensure_controller(plan: TunePlan) -> Any:
+    """Start the controller service from the driver, as ``jobs.train.run`` would: a service
+    that cannot start then ends the search before any trial takes CPUs."""
+    from jobs.train import controller_for
 
-    ``jobs.train.run`` takes no callbacks (yet); rather than copying its driver logic, the
-    trial swaps ``ray.train.RunConfig`` for a builder that adds them, until that builder's
-    first call: Ray pickles ``RunConfig`` objects by class name, so the name must point to
-    the class again before ``fit()``. Confined to the trial's own actor process.
-    """
-    import ray.train
-
-    original = ray.train.RunConfig
-    used = []
-
-    def run_config_with_callbacks(*args: Any, **kwargs: Any) -> Any:
-        ray.train.RunConfig = original
-        used.append(True)
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *callbacks]
-        return original(*args, **kwargs)
-
-    ray.train.RunConfig = run_config_with_callbacks
-    try:
-        yield
-    finally:
-        ray.train.RunConfig = original
-    if not used:
-        raise RuntimeError("jobs.train.run no longer builds ray.train.RunConfig at call time: "
-                           "pass the Tune report callback to it directly")
+    return controller_for(validate(plan.base), plan.runs_dir)
 
 
 def _finish_run(config: JobConfig | dict[str, Any], run_id: str, status: str) -> None:
@@ -542,6 +528,7 @@ def search(plan: TunePlan) -> Any:
     callbacks = [_stop_train_runs_callback(spec.name, registry_id, plan.epochs), _progress_callback()]
 
     plan.runs_dir.mkdir(parents=True, exist_ok=True)
+    ray.get(ensure_controller(plan).health.remote())  # up, outside any trial's placement group
     if tune.Tuner.can_restore(str(plan.tuner_dir)):
         print(f"resuming the search in {plan.tuner_dir}", flush=True)
         tuner = tune.Tuner.restore(str(plan.tuner_dir), trainable=trainable,
@@ -615,6 +602,8 @@ def collect(plan: TunePlan, grid: Any, complete: bool = True) -> list[dict[str, 
         recorded = json.loads(summary.read_text()).get("status") if summary.exists() else None
         if result.error is not None:
             status = "error"
+        elif recorded == "failed":  # Tune saw no error: the failure is ASHA's abort
+            status = "stopped"
         elif recorded in SUMMARY_STATUS:  # what the trial itself wrote at its end
             status = SUMMARY_STATUS[recorded]
         elif not complete:
@@ -795,9 +784,19 @@ def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any]
 
 
 def finish_stopped_runs(plan: TunePlan, rows: list[dict[str, Any]]) -> None:
-    """Trials that ended without their own summary never told the controller service."""
+    """Make each stopped trial's summary and controller record say so (a trial Tune ended
+    quickly may not have managed it itself)."""
     for row in rows:
-        if row["status"] != "completed" and not (plan.runs_dir / row["run_id"] / "summary.json").exists():
+        if row["status"] == "completed":
+            continue
+        path = plan.runs_dir / row["run_id"] / "summary.json"
+        summary = json.loads(path.read_text()) if path.exists() else None
+        if summary is not None and row["status"] == "stopped" and summary.get("status") == "failed":
+            summary.update(status="stopped", error=None)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(summary, indent=2, default=str))
+            os.replace(tmp, path)
+        if summary is None or summary.get("status") == "stopped":
             _finish_run(plan.base, row["run_id"], row["status"])
 
 
