@@ -98,3 +98,47 @@ def test_exploding_gradients_are_skipped_and_fall_back(ray_cluster, tmp_path):
     for records in step_logs(Path(summary["output_dir"])):
         assert not {r["step"]: r for r in records}[30]["applied"]
     assert summary["final_eval_accuracy"] > 0.5
+
+
+def test_controller_created_inside_a_placement_group_outlives_it(ray_cluster, tmp_path):
+    """A Tune trial runs in a placement group that captures its children; the controller
+    service it creates must not die when that group is removed. The plain actor beside it
+    is the control: created the same way without the "DEFAULT" strategy, it dies."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from controllers.service import get_or_create
+
+    name, control_name = f"pg-controller-{tmp_path.name}", f"pg-control-{tmp_path.name}"
+
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def ping(self) -> str:
+            return "pong"
+
+    @ray.remote(num_cpus=0.01)
+    def trial() -> None:
+        ray.get(get_or_create(name, "raycomp-test", str(tmp_path)).health.remote())
+        ray.get(Plain.options(name=control_name, namespace="raycomp-test", lifetime="detached").remote()
+                .ping.remote())
+
+    group = placement_group([{"CPU": 0.01}])
+    ray.get(group.ready(), timeout=60)
+    ray.get(trial.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_capture_child_tasks=True)).remote(), timeout=120)
+    remove_placement_group(group)
+
+    deadline = time.monotonic() + 30
+    control_died = False
+    while time.monotonic() < deadline and not control_died:
+        try:
+            ray.get(ray.get_actor(control_name, namespace="raycomp-test").ping.remote(), timeout=5)
+            time.sleep(0.2)
+        except (ValueError, ray.exceptions.RayActorError):  # no longer named / dead
+            control_died = True
+    assert control_died, "the control actor survived its placement group: the test has no teeth"
+    controller = ray.get_actor(name, namespace="raycomp-test")
+    try:
+        assert ray.get(controller.health.remote(), timeout=30)
+    finally:
+        ray.kill(controller, no_restart=True)
