@@ -13,10 +13,12 @@ configuration change (``dashboards/prometheus/prometheus.yml`` watches that file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,16 +51,21 @@ def _family(name: str) -> Metric:
 
 
 class ControllerCollector:
-    def __init__(self, controller: Controller) -> None:
+    """Renders the controller's state at each scrape, holding ``lock`` (the lock the
+    controller's writers hold) so that a scrape never sees a half-merged report."""
+
+    def __init__(self, controller: Controller, lock: AbstractContextManager[Any] | None = None) -> None:
         self.controller = controller
+        self.lock = lock if lock is not None else contextlib.nullcontext()
 
     def collect(self) -> Iterator[Metric]:
         families = {m.name: _family(m.name) for m in CATALOGUE}
-        for run in list(self.controller.runs.values()):
-            self._run(run, families)
-        rejected = families["raycomp_controller_rejected_reports_total"]
-        for reason in ("malformed", "unknown_run", "too_large"):
-            rejected.add_metric([reason], self.controller.rejected.get(reason, 0))
+        with self.lock:
+            for run in list(self.controller.runs.values()):
+                self._run(run, families)
+            rejected = families["raycomp_controller_rejected_reports_total"]
+            for reason in ("malformed", "unknown_run", "too_large"):
+                rejected.add_metric([reason], self.controller.rejected.get(reason, 0))
         yield from families.values()
 
     def _run(self, run: RunState, f: dict[str, Any]) -> None:
@@ -106,9 +113,9 @@ class Exporter:
     """Serves ``/metrics`` for a controller and advertises it via a file-SD target list."""
 
     def __init__(self, controller: Controller, host: str = "127.0.0.1", port: int = 9478,
-                 sd_file: str | None = DEFAULT_SD_FILE) -> None:
+                 sd_file: str | None = DEFAULT_SD_FILE, lock: AbstractContextManager[Any] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ControllerCollector(controller))  # type: ignore[arg-type]
+        self.registry.register(ControllerCollector(controller, lock))  # type: ignore[arg-type]
         try:
             self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as error:

@@ -9,9 +9,11 @@ each send a valid ``GradStats`` report (``--layers`` layers with per-layer stati
 step increasing by one per report) ``--rate`` times a second for ``--duration`` seconds.
 
 Load generators are ``--generators`` Ray actors (``num_cpus=0``), each driving its share
-of the ranks open-loop from one thread: report *k* of a rank is submitted at
-``start + k / rate`` (plus a fixed per-rank offset), whether or not earlier reports were
-answered, as real workers do (they call ``ingest`` fire-and-forget). Ingest latency is the
+of the ranks from one thread: report *k* of a rank is due at ``start + k / rate`` (plus a
+fixed per-rank offset) and is submitted fire-and-forget, as real workers do, unless that
+rank already has ``MAX_REPORTS_IN_FLIGHT`` reports unanswered: then, as a worker's session
+does, it is dropped and counted. ``--open-loop`` never drops (the queue at an overloaded
+controller then grows without bound). Ingest latency is the
 round trip of every ``ingest.remote()`` call, from just before the submit to the moment
 its ObjectRef resolves (timestamped in Ray's completion callback, so the generator's own
 scheduling does not add to it).
@@ -49,6 +51,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import ray
+
+from controllers.snapshots import SnapshotStore
 from jobs._report import (
     command_line,
     eprint,
@@ -57,6 +62,7 @@ from jobs._report import (
     markdown_table,
     write_results,
 )
+from raycomp.session import MAX_REPORTS_IN_FLIGHT
 
 HELP = "load test: simulated ranks reporting to one controller actor (latency, memory)"
 NAME = "controller"
@@ -106,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", type=float, default=None, metavar="SECONDS",
                         help="then drive a no-op actor with the same load this long, for Ray's own "
                         "cost per call (default 10; 0 with --quick; 0 = off)")
+    parser.add_argument("--open-loop", action="store_true",
+                        help=f"submit every report even when a rank has {MAX_REPORTS_IN_FLIGHT} unanswered "
+                        "(workers drop those; default: drop them like workers do)")
     parser.add_argument("--output-dir", default="docs/benchmarks",
                         help="where controller.json and controller.md are written (default docs/benchmarks)")
     parser.add_argument("--quick", action="store_true",
@@ -154,15 +163,21 @@ class LoadGenerator:
         return os.getpid()
 
     def drive(self, ranks: list[tuple[str, int, float]], n_layers: int,
-              rate: float, duration: float, start_at: float) -> dict[str, Any]:
-        """Send reports for ``ranks`` ((run id, rank, offset s)) open-loop; latency per call."""
+              rate: float, duration: float, start_at: float,
+              max_in_flight: int | None = MAX_REPORTS_IN_FLIGHT) -> dict[str, Any]:
+        """Send reports for ``ranks`` ((run id, rank, offset s)) on schedule; latency per call.
+
+        Like a worker's session, a rank with ``max_in_flight`` reports unanswered drops
+        (and counts) the next one instead of queueing it; ``None``: never drop (open loop).
+        """
         import heapq
 
         controller = self.controller
         names = layer_names(n_layers)
         lock = threading.Lock()
         samples: list[tuple[float, float]] = []  # (seconds since start, latency s)
-        outcome = {"accepted": 0, "rejected": 0, "errors": 0}
+        outcome = {"accepted": 0, "rejected": 0, "errors": 0, "dropped": 0}
+        in_flight = [0] * len(ranks)
         lags: list[float] = []
         futures: list[concurrent.futures.Future] = []
         submit_s = 0.0
@@ -171,13 +186,14 @@ class LoadGenerator:
             time.sleep(delay)
         t0, cpu0, wall0 = time.perf_counter(), time.process_time(), time.time()
 
-        def done(sent_at: float, future: concurrent.futures.Future) -> None:
+        def done(i: int, sent_at: float, future: concurrent.futures.Future) -> None:
             latency = time.perf_counter() - sent_at
             try:
                 key = "accepted" if future.result() else "rejected"
             except Exception:  # noqa: BLE001 - counted, reported
                 key = "errors"
             with lock:
+                in_flight[i] -= 1
                 outcome[key] += 1
                 if len(samples) < LATENCY_SAMPLE_CAP:
                     samples.append((sent_at - t0, latency))
@@ -193,14 +209,19 @@ class LoadGenerator:
                 time.sleep(due - now)
                 now = time.perf_counter() - t0
             lags.append(now - due)
+            heapq.heappush(queue, (due + 1.0 / rate, i, step + 1))
+            with lock:
+                if max_in_flight is not None and in_flight[i] >= max_in_flight:
+                    outcome["dropped"] += 1
+                    continue
+                in_flight[i] += 1
             run_id, rank, _ = ranks[i]
             report = make_report(run_id, rank, step, names)
             sent_at = time.perf_counter()
             future = controller.ingest.remote(report).future()
             submit_s += time.perf_counter() - sent_at
-            future.add_done_callback(lambda f, s=sent_at: done(s, f))
+            future.add_done_callback(lambda f, i=i, s=sent_at: done(i, s, f))
             futures.append(future)
-            heapq.heappush(queue, (due + 1.0 / rate, i, step + 1))
         send_wall = time.perf_counter() - t0
         _, unresolved = concurrent.futures.wait(futures, timeout=60)
         with lock:  # callbacks may still be running for the last futures
@@ -291,7 +312,8 @@ def world_sizes(workers: int, runs: int) -> list[int]:
 
 def run_load(workers: int = 16, rate: float = 10.0, duration: float = 5.0, runs: int = 4,
              n_layers: int = 20, generators: int = 4, sample_every_s: float | None = None,
-             scrapes: int = 5, baseline_s: float = 0.0, log: Any = eprint) -> dict[str, Any]:
+             scrapes: int = 5, baseline_s: float = 0.0, max_in_flight: int | None = MAX_REPORTS_IN_FLIGHT,
+             log: Any = eprint) -> dict[str, Any]:
     """Run the load against a fresh controller actor on the current Ray cluster; results.
 
     With ``baseline_s`` > 0 the same generators then drive a no-op actor (same calls, same
@@ -337,7 +359,7 @@ def run_load(workers: int = 16, rate: float = 10.0, duration: float = 5.0, runs:
 
         load_avg_before = os.getloadavg()
         start_at = time.time() + 1.0
-        refs = [g.drive.remote(share, n_layers, rate, duration, start_at)
+        refs = [g.drive.remote(share, n_layers, rate, duration, start_at, max_in_flight)
                 for g, share in zip(gens, shares, strict=True)]
         log(f"controller: {workers} ranks x {rate:g}/s for {duration:g} s, {runs} runs x {n_layers} layers, "
             f"{generators} generators; controller pid {pid}, metrics {url}")
@@ -362,8 +384,8 @@ def run_load(workers: int = 16, rate: float = 10.0, duration: float = 5.0, runs:
         health = ray.get(controller.health.remote(), timeout=30)
         summaries = {rid: ray.get(controller.summary.remote(rid), timeout=30) for rid in run_ids}
         scraped.append(_scrape(url, time.time() - start_at))
-        snapshot = tmp / "snapshots" / "controller.json"
-        offline = offline_costs(snapshot, run_ids, sizes, names) if snapshot.exists() else {}
+        snapshots = tmp / "snapshots"
+        offline = offline_costs(snapshots, run_ids, sizes, names) if snapshots.is_dir() else {}
         if baseline_s > 0:
             ray.kill(controller, no_restart=True)  # out of the way of the baseline
             offline["ray_noop"] = noop_baseline(gens, shares, n_layers, rate, baseline_s)
@@ -371,11 +393,12 @@ def run_load(workers: int = 16, rate: float = 10.0, duration: float = 5.0, runs:
             config={"workers": workers, "rate": rate, "duration_s": duration, "runs": runs,
                     "layers": n_layers, "generators": generators, "world_sizes": sizes,
                     "policy": "critical", "window_steps": WINDOW_STEPS, "warmup_steps": WARMUP_STEPS,
-                    "layer_numel": LAYER_NUMEL, "sample_every_s": sample_every_s},
+                    "layer_numel": LAYER_NUMEL, "sample_every_s": sample_every_s,
+                    "max_in_flight": max_in_flight},
             results=results, timeline=timeline, scraped=scraped, health=health, summaries=summaries,
             pids={"controller": pid, "generators": gen_pids},
             load_avg=(load_avg_before, load_avg_after),
-            snapshot_bytes=snapshot.stat().st_size if snapshot.exists() else 0, offline=offline,
+            snapshot_bytes=SnapshotStore(snapshots).size_bytes(), offline=offline,
         )
     finally:
         for actor in [*gens, controller]:
@@ -389,25 +412,29 @@ def run_load(workers: int = 16, rate: float = 10.0, duration: float = 5.0, runs:
 class NoopService:
     """Accepts ``ingest`` like the controller and does nothing: Ray's cost alone."""
 
-    async def ingest(self, report: Any) -> bool:
+    @ray.method(concurrency_group="ingest")
+    def ingest(self, report: Any) -> bool:
         return isinstance(report, dict)
 
-    async def pid(self) -> int:
+    def pid(self) -> int:
         return os.getpid()
 
 
 def noop_baseline(gens: Sequence[Any], shares: Sequence[Any], n_layers: int, rate: float,
                   duration: float) -> dict[str, float]:
-    """Drive a no-op async actor (same options as the controller) with the same load."""
+    """Drive a no-op actor (actor options as the controller's) with the same load."""
     import ray
 
-    noop = ray.remote(NoopService).options(num_cpus=0, max_concurrency=64, max_restarts=0).remote()
+    from controllers.service import INGEST_THREADS, POLL_THREADS
+
+    noop = ray.remote(concurrency_groups={"ingest": INGEST_THREADS, "poll": POLL_THREADS})(NoopService).options(
+        num_cpus=0, max_concurrency=8, max_restarts=0).remote()
     try:
         proc = _proc(ray.get(noop.pid.remote(), timeout=120))
         ray.get([g.attach.remote(noop) for g in gens], timeout=120)
         cpu0 = sum(proc.cpu_times()[:2])
         start_at = time.time() + 0.5
-        results = ray.get([g.drive.remote(share, n_layers, rate, duration, start_at)
+        results = ray.get([g.drive.remote(share, n_layers, rate, duration, start_at, None)
                            for g, share in zip(gens, shares, strict=True)])
         cpu = sum(proc.cpu_times()[:2]) - cpu0
     finally:
@@ -419,7 +446,7 @@ def noop_baseline(gens: Sequence[Any], shares: Sequence[Any], n_layers: int, rat
             "max_ms": lat["max_ms"]}
 
 
-def offline_costs(snapshot: Path, run_ids: Sequence[str], sizes: Sequence[int],
+def offline_costs(snapshots: Path, run_ids: Sequence[str], sizes: Sequence[int],
                   names: Sequence[str]) -> dict[str, float]:
     """The controller's logic without Ray, on a copy of the final state (CPU seconds)."""
     import logging
@@ -430,7 +457,7 @@ def offline_costs(snapshot: Path, run_ids: Sequence[str], sizes: Sequence[int],
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # "restored N runs" is expected here
     with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(snapshot, Path(tmp) / "controller.json")
+        shutil.copytree(snapshots, tmp, dirs_exist_ok=True)
         try:
             controller = Controller(snapshot_dir=tmp)
         finally:
@@ -438,10 +465,10 @@ def offline_costs(snapshot: Path, run_ids: Sequence[str], sizes: Sequence[int],
         times = []
         for _ in range(3):
             start = time.process_time()
-            controller.snapshot(force=True)
+            controller.snapshot()
             times.append(time.process_time() - start)
         snapshot_s = statistics.median(times)
-        controller.snapshot_path = None  # time ingest alone from here on
+        controller.store = None  # time ingest alone from here on
         steps = {rid: controller.runs[rid].step + 1 for rid in run_ids}
         reports = [make_report(rid, r, steps[rid] + k, names)
                    for k in range(5) for rid, size in zip(run_ids, sizes, strict=True) for r in range(size)]
@@ -449,7 +476,8 @@ def offline_costs(snapshot: Path, run_ids: Sequence[str], sizes: Sequence[int],
         for report in reports:
             controller.ingest(report)
         ingest_s = (time.process_time() - start) / len(reports)
-    return {"snapshot_s": snapshot_s, "ingest_s": ingest_s, "ingest_reports": len(reports)}
+    return {"snapshot_s": snapshot_s, "snapshot_run_s": snapshot_s / max(1, len(controller.runs)),
+            "ingest_s": ingest_s, "ingest_reports": len(reports)}
 
 
 def summarise(config: dict[str, Any], results: Sequence[dict[str, Any]], timeline: list[dict[str, float]],
@@ -459,6 +487,7 @@ def summarise(config: dict[str, Any], results: Sequence[dict[str, Any]], timelin
     duration, rate, workers = config["duration_s"], config["rate"], config["workers"]
     samples = [s for r in results for s in r["samples"]]
     sent = sum(r["sent"] for r in results)
+    dropped = sum(r["dropped"] for r in results)
     target = workers * rate
     during = [s for s in timeline if 0 <= s["t_s"] <= duration]
     first, last = (during[0], during[-1]) if during else (timeline[0], timeline[-1])
@@ -485,13 +514,16 @@ def summarise(config: dict[str, Any], results: Sequence[dict[str, Any]], timelin
     return {
         "config": config,
         "sent": sent,
+        "dropped": dropped,
+        "dropped_fraction": dropped / max(1, sent + dropped),
         "accepted": sum(r["accepted"] for r in results),
         "rejected": sum(r["rejected"] for r in results),
         "errors": sum(r["errors"] for r in results),
         "unresolved": sum(r["unresolved"] for r in results),
         "target_rate": target,
-        "achieved_rate": sent / duration,
-        "achieved_fraction": sent / duration / target,
+        "achieved_rate": (sent + dropped) / duration,  # reports due and handled on schedule
+        "achieved_fraction": (sent + dropped) / duration / target,
+        "sent_rate": sent / duration,
         "latency": latency_summary([lat for _, lat in samples]),
         "latency_by_window": by_window,
         "rss": {"start_mb": rss[0], "mid_mb": min(timeline, key=lambda s: abs(s["t_s"] - duration / 2))["rss_mb"],
@@ -530,23 +562,37 @@ def interpretation(res: dict[str, Any]) -> list[str]:
     per_report = res["controller_cpu_ms_per_report"]
     needed = target * per_report / 1e3  # cores the controller needs at the target rate
     windows = res["latency_by_window"]
-    behind = res["answered_rate_during_load"] < 0.95 * target or (
+    behind = res["answered_rate_during_load"] < 0.95 * res["sent_rate"] or (
         len(windows) > 1 and windows[-1]["p50_ms"] > 4 * max(windows[0]["p50_ms"], 5.0))
     lines = [
-        f"- Offered load: {res['achieved_rate']:.0f} of {target:.0f} reports/s submitted "
+        f"- Offered load: {res['achieved_rate']:.0f} of {target:.0f} reports/s due on schedule "
         f"({res['achieved_fraction'] * 100:.1f}%, generator send lag p99 {res['send_lag_p99_ms']:.0f} ms): "
-        + ("the generators submitted every scheduled report." if res["achieved_fraction"] >= 0.95 else
+        + ("the generators kept their schedule." if res["achieved_fraction"] >= 0.95 else
            "the generators fell behind their schedule.")
-        + f" Answered during the load: {res['answered_rate_during_load']:.0f} reports/s.",
+        + f" Sent {res['sent_rate']:.0f}/s; "
+        + (f"dropped by the workers' backpressure rule (a rank with {cfg['max_in_flight']} reports "
+           f"unanswered drops the next): {res['dropped']:,} ({res['dropped_fraction'] * 100:.2f}%). "
+           if cfg.get("max_in_flight") else "open loop: nothing dropped by design. ")
+        + f"Answered during the load: {res['answered_rate_during_load']:.0f} reports/s.",
         f"- Controller cost: {per_report:.2f} ms of controller-process CPU per report (all its threads: "
-        f"Ray core worker, event loop, exporter; from before the load to the last answer), i.e. "
+        f"Ray core worker, ingest, snapshots, exporter; from before the load to the last answer), i.e. "
         f"{needed:.2f} cores at {target:.0f} reports/s; during the load it got "
         f"{res['controller_cpu_cores']:.2f} cores. Generators used {res['generator_cpu_cores']:.2f} cores. "
         f"Machine: {res['machine_cpu_pct_during_load']:.0f}% CPU busy on average, 1-min load average "
         f"{res['load_avg_1m']['before']:.1f} before / {res['load_avg_1m']['after']:.1f} after on {cores} "
         "cores (other users' jobs included).",
     ]
-    if behind:
+    if res["dropped_fraction"] > 0.01:
+        cap = cfg["max_in_flight"] * cfg["workers"]
+        lines.append(
+            f"- **Overloaded**: the controller answered {res['answered_rate_during_load']:.0f} reports/s of "
+            f"{target:.0f} due, so the ranks' backpressure dropped {res['dropped_fraction'] * 100:.1f}% of "
+            f"their reports (counted, as a worker counts them). Unanswered calls peaked at "
+            f"{res['in_flight_max']:,}, within the cap of {cfg['max_in_flight']} per rank x "
+            f"{cfg['workers']} ranks = {cap:,}: the queue, and with it latency and memory, stays bounded "
+            "however far the offered load exceeds what the controller can take."
+        )
+    elif behind:
         lines.append(
             f"- **The controller fell behind**: unanswered ingest calls peaked at {res['in_flight_max']:,} "
             f"(t = {res['in_flight_max_t_s']:.0f} s) and latency grew window by window "
@@ -563,18 +609,18 @@ def interpretation(res: dict[str, Any]) -> list[str]:
         lines.append(
             f"- Where the CPU goes (controller logic alone, no Ray, on the final state): "
             f"{off['ingest_s'] * 1e3:.2f} ms per report (validation, merge, policy) and "
-            f"{off['snapshot_s'] * 1e3:.0f} ms per full snapshot ({res['snapshot_bytes'] / 2**20:.2f} MiB of "
-            "JSON, written on every plan change and at most every 2 s otherwise, on the actor's event loop, "
-            "stalling every ingest behind it; when the runs change plans at the same boundary, "
-            f"{cfg['runs']} runs cost {cfg['runs']} full snapshots back to back, "
-            f"~{cfg['runs'] * off['snapshot_s']:.1f} s of CPU); the remaining "
+            f"{off['snapshot_s'] * 1e3:.0f} ms to save every run ({res['snapshot_bytes'] / 2**20:.2f} MiB of "
+            f"JSON; {off.get('snapshot_run_s', off['snapshot_s'] / cfg['runs']) * 1e3:.0f} ms per run). The "
+            "actor saves a changed run at most every 2 s (0.5 s after a plan change), one run at a "
+            "time under the state lock, for at most 25 ms every 0.25 s; the remaining "
             f"~{max(0.0, per_report - off['ingest_s'] * 1e3):.2f} ms per report is Ray's task handling "
             "(deserialising the report, scheduling, replying) and the snapshots."
         )
         noop = off.get("ray_noop")
         if noop:
             lines.append(
-                f"- Ray alone: the same generators driving a no-op async actor for {noop['duration_s']:g} s "
+                f"- Ray alone: the same generators driving a no-op actor (threaded, same concurrency "
+                f"groups as the controller) for {noop['duration_s']:g} s "
                 f"({noop['calls']:,} calls) cost it {noop['cpu_ms_per_call']:.2f} ms CPU per call "
                 f"({noop['cpu_cores']:.2f} cores; latency p50 {noop['p50_ms']:.1f} ms, p99 "
                 f"{noop['p99_ms']:.1f} ms), i.e. {noop['cpu_ms_per_call'] / per_report * 100:.0f}% of the "
@@ -625,7 +671,10 @@ def render_markdown(res: dict[str, Any], command: str, info: dict[str, Any]) -> 
                                        f"x {cfg['layers']} (critical policy, window {cfg['window_steps']})"],
         ["reports sent / accepted / rejected / errors",
          f"{res['sent']:,} / {res['accepted']:,} / {res['rejected']:,} / {res['errors']:,}"],
-        ["target / achieved rate (reports/s)",
+        ["reports dropped by worker backpressure",
+         f"{res['dropped']:,} ({res['dropped_fraction'] * 100:.2f}%)" if cfg.get("max_in_flight")
+         else "- (open loop)"],
+        ["target / achieved rate (reports/s due on schedule)",
          f"{res['target_rate']:.0f} / {res['achieved_rate']:.1f} ({res['achieved_fraction'] * 100:.1f}%)"],
         ["ingest latency p50 / p90 / p99 (ms)", f"{ms(lat['p50_ms'])} / {ms(lat['p90_ms'])} / {ms(lat['p99_ms'])}"],
         ["ingest latency p99.9 / max (ms)", f"{ms(lat['p99_9_ms'])} / {ms(lat['max_ms'])}"],
@@ -641,7 +690,7 @@ def render_markdown(res: dict[str, Any], command: str, info: dict[str, Any]) -> 
         ["generators CPU (cores, all)", f"{res['generator_cpu_cores']:.2f}"],
         ["generator send lag p99 / max (ms)", f"{ms(res['send_lag_p99_ms'])} / {ms(res['send_lag_max_ms'])}"],
         ["controller health() at the end", f"`{json.dumps(res['health'], sort_keys=True)}`"],
-        ["final snapshot size", f"{res['snapshot_bytes'] / 2**20:.2f} MiB"],
+        ["snapshot files at the end (all runs)", f"{res['snapshot_bytes'] / 2**20:.2f} MiB"],
     ], align="ll")
     windows = markdown_table(
         ["window (s)", "reports", "p50 ms", "p90 ms", "p99 ms", "max ms"],
@@ -674,8 +723,11 @@ def render_markdown(res: dict[str, Any], command: str, info: dict[str, Any]) -> 
         "half of the layers have a gradient norm that doubles and halves (critical), the other half "
         "is flat, and the halves swap every 100 steps, so plans change during the load.",
         f"- {cfg['generators']} load-generator actors (`num_cpus=0`) each drive their ranks from one "
-        "thread, open-loop: report k of a rank is submitted at start + k / rate whether or not "
-        "earlier ones were answered (workers call `ingest` fire-and-forget). Reports are valid "
+        "thread: report k of a rank is due at start + k / rate and submitted fire-and-forget "
+        + (f"unless that rank has {cfg['max_in_flight']} reports unanswered, in which case it is dropped "
+           "and counted, exactly as a worker's session does (`raycomp.session.MAX_REPORTS_IN_FLIGHT`). "
+           if cfg.get("max_in_flight") else "whether or not earlier ones were answered (open loop). ")
+        + "Reports are valid "
         "`GradStats` dicts (per-layer norms, errors, byte counts, Top-K error profile), step "
         "increasing by one per report.",
         "- Latency: for every `ingest.remote()` call, submit to ObjectRef resolution, timestamped in "
@@ -686,7 +738,7 @@ def render_markdown(res: dict[str, Any], command: str, info: dict[str, Any]) -> 
         "- `/metrics` scraped a few times during the load and once after.",
         "- Offline: on a copy of the final snapshot, the controller logic alone (plain `Controller`, "
         "no Ray) is timed (CPU time) for one full snapshot and per ingested report."
-        + (" Then the same generators drive a no-op async actor (same actor options, same reports) "
+        + (" Then the same generators drive a no-op actor (same actor options, same reports) "
            "for a few seconds: Ray's own CPU cost per call." if (res.get("offline") or {}).get("ray_noop")
            else ""), "",
         "## Results", "", summary, "",
@@ -717,7 +769,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         started = True
     try:
         baseline = args.baseline if args.baseline is not None else (0.0 if args.quick else 10.0)
-        res = run_load(workers, rate, duration, runs, args.layers, args.generators, baseline_s=baseline)
+        res = run_load(workers, rate, duration, runs, args.layers, args.generators, baseline_s=baseline,
+                       max_in_flight=None if args.open_loop else MAX_REPORTS_IN_FLIGHT)
     finally:
         if started:
             ray.shutdown()
@@ -726,7 +779,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     row = {"benchmark": NAME, "command": command, "machine": info, **res}
     json_path, md_path = write_results(NAME, [row], render_markdown(res, command, info), args.output_dir)
     lat = res["latency"]
-    eprint(f"sent {res['sent']:,} ({res['achieved_rate']:.0f}/s of {res['target_rate']:.0f}), "
+    eprint(f"sent {res['sent']:,} ({res['sent_rate']:.0f}/s of {res['target_rate']:.0f}), dropped {res['dropped']:,}, "
            f"rejected {res['rejected']}, p50 {lat['p50_ms']:.1f} ms p99 {lat['p99_ms']:.1f} ms, "
            f"RSS {res['rss']['start_mb']:.0f} -> {res['rss']['end_mb']:.0f} MB "
            f"({'bounded' if res['rss']['bounded'] else 'NOT bounded'})")

@@ -77,9 +77,9 @@ def test_snapshot_restores_runs_and_policy_state(tmp_path):
     for step, norm in ((4, 1.0), (9, 5.0), (14, 5.0)):
         for rank in (0, 1):
             first.ingest(report("run", rank, step, norm=norm))
-    first.snapshot(force=True)
-    data = json.loads((tmp_path / "controller.json").read_text())
-    assert "run" in data["runs"]
+    first.snapshot()
+    saved = [json.loads(path.read_text()) for path in (tmp_path / "runs").glob("*.json")]
+    assert [data["run_id"] for data in saved] == ["run"]
     second = Controller(snapshot_dir=str(tmp_path))  # a restarted actor
     assert second.health()["restored"]
     assert second.plan("run", -1) == first.plan("run", -1)
@@ -90,9 +90,44 @@ def test_snapshot_restores_runs_and_policy_state(tmp_path):
     assert second.plan("run", -1) == first.plan("run", -1)
 
 
-def test_corrupt_snapshot_starts_empty(tmp_path):
-    (tmp_path / "controller.json").write_text("{not json")
-    assert Controller(snapshot_dir=str(tmp_path)).health()["runs"] == 0
+def test_corrupt_snapshot_files_are_skipped(tmp_path):
+    first = Controller(snapshot_dir=str(tmp_path))
+    register(first, "kept")
+    register(first, "torn")
+    first.store.run_path("torn").write_text("{not json")  # a run file torn by a disk fault
+    second = Controller(snapshot_dir=str(tmp_path))
+    assert set(second.runs) == {"kept"} and second.health()["restored"]
+    (tmp_path / "controller.json").write_text("[]")
+    assert set(Controller(snapshot_dir=str(tmp_path)).runs) == {"kept"}
+
+
+def test_snapshots_save_due_runs_one_at_a_time_changed_plans_first(tmp_path):
+    controller = Controller(snapshot_dir=str(tmp_path))
+    options = CriticalPolicy(window_steps=5).model_dump(mode="json")
+    register(controller, "quiet")
+    register(controller, "steered", "critical", options, warmup=0)
+    assert controller.flush() == 0  # both were saved when registered, nothing changed since
+    for rank in (0, 1):
+        controller.ingest(report("quiet", rank, 4))
+        controller.ingest(report("steered", rank, 4, norm=1.0))
+    for rank in (0, 1):
+        controller.ingest(report("steered", rank, 9, norm=1.0))  # steady: heavy compression, a new plan
+    assert controller._unsaved == {"quiet": False, "steered": True}
+    assert controller.flush() == 0  # saved just now (at registration): not yet due
+    controller._saved_at = dict.fromkeys(controller._saved_at, -1e9)  # long ago
+    assert controller.flush_one() and controller._unsaved == {"quiet": False}  # the changed plan first
+    assert controller.flush_one() and not controller._unsaved and not controller.flush_one()
+    restored = Controller(snapshot_dir=str(tmp_path))
+    assert restored.plan("steered", -1) == controller.plan("steered", -1)
+    assert restored.runs["quiet"].reports == 2
+
+
+def test_a_run_id_never_becomes_a_path(tmp_path):
+    controller = Controller(snapshot_dir=str(tmp_path / "snap"))
+    register(controller, "../../escape")
+    files = list((tmp_path / "snap").rglob("*.json"))
+    assert all(f.resolve().is_relative_to((tmp_path / "snap").resolve()) for f in files)
+    assert set(Controller(snapshot_dir=str(tmp_path / "snap")).runs) == {"../../escape"}
 
 
 def test_finished_runs_are_evicted_after_the_grace_period():
@@ -101,3 +136,32 @@ def test_finished_runs_are_evicted_after_the_grace_period():
     controller.finish_run("old", "succeeded")
     register(controller, "new")  # registration evicts expired runs
     assert "old" not in controller.runs and "new" in controller.runs
+
+
+def test_reports_taken_out_of_order_keep_the_latest_running_totals():
+    controller = Controller()
+    register(controller, "r1")
+    for rank in (0, 1):  # step 9 of both ranks first, then a delayed step 4
+        assert controller.ingest(report("r1", rank, 9, outages=2))
+    assert controller.ingest(report("r1", 0, 4, outages=1))
+    run = controller.runs["r1"]
+    assert run.step == 9 and run.per_rank_bytes[0] == (9000.0, 90000.0)  # not step 4's totals
+    assert run.per_rank_outages[0] == 2
+
+
+def test_oversized_reports_are_counted_as_too_large():
+    controller = Controller()
+    register(controller, "r1")
+    layer = report("r1", 0, 4)["layers"][0]
+    oversized = [
+        {**report("r1", 0, 4), "layers": [layer] * 10_001},
+        {**report("r1", 0, 4), "layers": [{**layer, "layer": "x" * 10_000}]},
+        {**report("r1", 0, 4), "events": [{"kind": "fallback", "reason": "y" * 10_000}]},
+        {**report("r1", 0, 4), "layers": [{**layer, "topk_errors": {str(i): 0.5 for i in range(100)}}]},
+    ]
+    for item in oversized:
+        assert controller.ingest(item) is False
+    assert controller.health()["rejected"] == {"too_large": len(oversized)}
+    # and a layer with a field no worker sends is malformed, naming it
+    assert controller.ingest({**report("r1", 0, 4), "layers": [{**layer, "secret": 1}]}) is False
+    assert controller.health()["rejected"]["malformed"] == 1

@@ -30,3 +30,22 @@ def test_controller_serves_quick_load_with_bounded_memory(ray_cluster):
 
     report = render_markdown(res, "python -m jobs.bench controller --quick", {"cpu_model": "test"})
     assert "| reports sent / accepted / rejected / errors |" in report and "## Interpretation" in report
+
+
+def test_generator_drops_reports_like_a_worker_when_the_controller_does_not_answer(ray_cluster):
+    from jobs.bench_controller import LoadGenerator
+
+    @ray_cluster.remote(num_cpus=0, max_concurrency=64)
+    class Stalled:
+        def ingest(self, report):
+            import time
+
+            time.sleep(3.0)  # answers only after the load
+            return True
+
+    generator = LoadGenerator()
+    generator.attach(Stalled.remote())
+    ranks = [("load-000", 0, 0.0), ("load-000", 1, 0.05)]
+    out = generator.drive(ranks, n_layers=2, rate=10.0, duration=0.98, start_at=0.0, max_in_flight=3)
+    # 10 reports due per rank: 3 sent (then 3 unanswered), 7 dropped, every sent one answered
+    assert (out["sent"], out["dropped"], out["accepted"], out["unresolved"]) == (6, 14, 6, 0), out
