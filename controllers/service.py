@@ -68,7 +68,7 @@ class Controller:
         self.runs[run_id] = run
         if warmup_steps == 0:  # no warm-up: the first plan is the policy's, known before step 0
             self._decide(run)
-        self._evict()
+        self.evict()
         self._save(run_id)
         return run.plan.to_dict()
 
@@ -147,7 +147,9 @@ class Controller:
         if self.rejected[reason] in (1, 10, 100) or self.rejected[reason] % 1000 == 0:
             log.warning("rejected report (%s, %d so far): %s", reason, self.rejected[reason], detail)
 
-    def _evict(self) -> None:
+    def evict(self) -> None:
+        """Drop runs finished longer than the grace period ago, and the oldest beyond
+        ``MAX_RUNS`` (at registration, and periodically in the actor)."""
         now = time.time()
         for run_id in [r for r, s in self.runs.items() if s.finished and now - s.finished > self.grace_s]:
             self._drop(run_id)
@@ -258,6 +260,8 @@ class ControllerService:
     def _flush_periodically(self) -> None:
         while True:
             time.sleep(SNAPSHOT_TICK_S)
+            with self.lock:
+                self.controller.evict()
             started = time.perf_counter()
             while time.perf_counter() - started < SNAPSHOT_BUDGET_S:
                 with self.lock:  # one run at a time: reports wait for one run's save at most

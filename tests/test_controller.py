@@ -136,6 +136,19 @@ def test_finished_runs_are_evicted_after_the_grace_period():
     controller.finish_run("old", "succeeded")
     register(controller, "new")  # registration evicts expired runs
     assert "old" not in controller.runs and "new" in controller.runs
+    controller.finish_run("new", "succeeded")
+    controller.evict()  # and so does the actor's snapshot thread, every tick
+    assert not controller.runs
+
+
+def test_an_evicted_run_leaves_no_snapshot_behind(tmp_path):
+    controller = Controller(snapshot_dir=str(tmp_path), finished_run_grace_s=0.0)
+    register(controller, "done")
+    controller.finish_run("done", "succeeded")
+    assert controller.store.run_path("done").exists()
+    controller.evict()
+    assert not controller.store.run_path("done").exists()
+    assert "done" not in Controller(snapshot_dir=str(tmp_path)).runs
 
 
 def test_reports_taken_out_of_order_keep_the_latest_running_totals():
