@@ -194,13 +194,12 @@ class Controller:
             self._save(run_id)
 
     def _save(self, run_id: str) -> None:
+        if self.store is not None:  # a failed write leaves the run due: it is tried again
+            self.store.save_run(run_id, {"run": self.runs[run_id].to_dict(),
+                                         "policy": self.policies[run_id].state_dict()})
+            self.store.save_meta({"rejected": dict(self.rejected), "reports": self.reports})
+            self._saved_at[run_id] = time.monotonic()
         self._unsaved.pop(run_id, None)
-        if self.store is None:
-            return
-        self._saved_at[run_id] = time.monotonic()
-        self.store.save_run(run_id, {"run": self.runs[run_id].to_dict(),
-                                     "policy": self.policies[run_id].state_dict()})
-        self.store.save_meta({"rejected": dict(self.rejected), "reports": self.reports})
 
     def _restore(self) -> None:
         if self.store is None:
@@ -230,10 +229,10 @@ class ControllerService:
     :data:`POLL_THREADS` (a waiting poll never holds up a report) and the rest share the
     default group; one lock guards the controller's state, which the snapshot and metrics
     exporter threads also read. Threaded rather than async because Ray spends less CPU per
-    call on a threaded actor (0.74 against 1.13 ms measured here) and ``ingest`` is called
-    by every rank of every run; two ingest threads because Ray's hand-off of a call to a
-    single thread caps it near 1,150 calls/s here, two reach ~1,480 (docs/benchmarks/
-    controller.md). With two, one rank's reports may be applied out of order:
+    call on a threaded actor (0.74 against 1.13 ms, measured here with no-op actors) and
+    ``ingest`` is called by every rank of every run; two ingest threads because Ray's
+    hand-off of calls to a single thread capped a no-op actor near 1,150 calls/s here, two
+    reached ~1,480. With two, one rank's reports may be applied out of order:
     :class:`~controllers.state.RunState` accepts that (a step completed later is merged
     later; running byte totals keep the latest step's).
 
@@ -258,15 +257,22 @@ class ControllerService:
         threading.Thread(target=self._flush_periodically, name="raycomp-snapshots", daemon=True).start()
 
     def _flush_periodically(self) -> None:
+        failures = 0
         while True:
             time.sleep(SNAPSHOT_TICK_S)
-            with self.lock:
-                self.controller.evict()
-            started = time.perf_counter()
-            while time.perf_counter() - started < SNAPSHOT_BUDGET_S:
-                with self.lock:  # one run at a time: reports wait for one run's save at most
-                    if not self.controller.flush_one():
-                        break
+            try:
+                with self.lock:
+                    self.controller.evict()
+                started = time.perf_counter()
+                while time.perf_counter() - started < SNAPSHOT_BUDGET_S:
+                    with self.lock:  # one run at a time: reports wait for one run's save at most
+                        if not self.controller.flush_one():
+                            break
+            except OSError as error:  # a full or unwritable disk must not stop the steering
+                failures += 1
+                if failures in (1, 10, 100) or failures % 1000 == 0:
+                    log.error("controller snapshots failing (%d so far), runs keep their last saved "
+                              "state on disk: %s", failures, error)
 
     def register_run(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         with self.lock:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+
+import pytest
 
 from controllers.service import Controller
 from raycomp.config import CriticalPolicy, StaticPolicy
@@ -178,3 +181,20 @@ def test_oversized_reports_are_counted_as_too_large():
     # and a layer with a field no worker sends is malformed, naming it
     assert controller.ingest({**report("r1", 0, 4), "layers": [{**layer, "secret": 1}]}) is False
     assert controller.health()["rejected"]["malformed"] == 1
+
+
+def test_a_failed_snapshot_write_leaves_the_run_due(tmp_path):
+    controller = Controller(snapshot_dir=str(tmp_path / "snap"))
+    register(controller, "r1")
+    for rank in (0, 1):
+        controller.ingest(report("r1", rank, 4))
+    controller._saved_at["r1"] = -1e9  # long ago: due
+    runs_dir = tmp_path / "snap" / "runs"
+    shutil.rmtree(runs_dir)
+    runs_dir.write_text("")  # a file where the directory should be: every write fails, even as root
+    with pytest.raises(OSError):
+        controller.flush_one()
+    assert "r1" in controller._unsaved  # still due
+    runs_dir.unlink()
+    assert controller.flush_one() and "r1" not in controller._unsaved
+    assert Controller(snapshot_dir=str(tmp_path / "snap")).runs["r1"].reports == 2
