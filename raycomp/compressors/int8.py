@@ -9,7 +9,6 @@ import torch
 from raycomp.compressors.base import Compressor, Transport, check_int
 from raycomp.payload import Payload
 
-
 CPU_BLOCK_ELEMENTS = 1 << 18  # 1 MiB of fp32 per block
 
 
