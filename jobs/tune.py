@@ -40,6 +40,7 @@ from raycomp.config import (
     apply_overrides,
     check_resources,
     load_config,
+    one_line,
     read_yaml_mapping,
     validate,
 )
@@ -154,7 +155,7 @@ def load_tune_config(path: str | Path, overrides: list[str] = (), output: str | 
     try:
         spec = TuneSpec.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(_one_line(error)) from None
+        raise ConfigError(one_line(error, "tune config: ")) from None
 
     base_path = None
     if spec.base.config is not None:
@@ -271,21 +272,6 @@ def trial_config(base: dict[str, Any], variant: str, params: dict[str, Any]) -> 
     for key, value in changes.items():
         set_key(data, key, value)
     return validate(data)
-
-
-def _one_line(error: ValidationError) -> str:
-    first = error.errors()[0]
-    key = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        message = "unknown key"
-    elif first["type"] == "literal_error":
-        message = f"must be one of {first.get('ctx', {}).get('expected', '')}, got {first['input']!r}"
-    elif first["type"] == "missing":
-        message = "required"
-    elif "input" in first and first["type"] not in ("value_error", "assertion_error"):
-        message = f"{message} (got {first['input']!r})"
-    return f"tune config: {key or 'config'}: {message}"
 
 
 # --- the objective ---------------------------------------------------------------------

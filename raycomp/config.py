@@ -293,10 +293,11 @@ def validate(data: dict[str, Any]) -> JobConfig:
     try:
         return JobConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(_one_line(error)) from None
+        raise ConfigError(one_line(error)) from None
 
 
-def _one_line(error: ValidationError) -> str:
+def one_line(error: ValidationError, prefix: str = "") -> str:
+    """The first problem of a validation error as ``<prefix><dotted key>: <what is wrong>``."""
     first = error.errors()[0]
     key = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
     message = first["msg"].removeprefix("Value error, ")
@@ -305,9 +306,11 @@ def _one_line(error: ValidationError) -> str:
     elif first["type"] == "literal_error":
         expected = first.get("ctx", {}).get("expected", "")
         message = f"must be one of {expected}, got {first['input']!r}"
-    elif "input" in first and first["type"] not in ("missing", "value_error", "assertion_error"):
+    elif first["type"] == "missing":
+        message = "required"
+    elif "input" in first and first["type"] not in ("value_error", "assertion_error"):
         message = f"{message} (got {first['input']!r})"
-    return f"{key or 'config'}: {message}"
+    return f"{prefix}{key or 'config'}: {message}"
 
 
 def check_resources(config: JobConfig) -> None:
