@@ -32,6 +32,8 @@ log = logging.getLogger("raycomp.controller")
 MAX_RUNS = 256
 INGEST_THREADS = 2  # one decodes the next report while the other holds the state lock
 POLL_THREADS = 64  # long polls answered at once (one per running run); more wait their turn
+CONCURRENCY_GROUPS = {"ingest": INGEST_THREADS, "poll": POLL_THREADS}
+OTHER_CALL_THREADS = 8  # register, finish, summary, health
 SNAPSHOT_EVERY_S = 2.0  # a run's routine state is saved at most this often
 SNAPSHOT_URGENT_S = 0.5  # and a run whose plan changed, this soon
 SNAPSHOT_TICK_S = 0.25  # the actor's snapshot thread wakes this often
@@ -327,8 +329,8 @@ def get_or_create(name: str, namespace: str, snapshot_dir: str | None, max_resta
     """
     import ray
 
-    actor = ray.remote(concurrency_groups={"ingest": INGEST_THREADS, "poll": POLL_THREADS})(ControllerService).options(
-        name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_restarts=max_restarts, scheduling_strategy="DEFAULT", max_concurrency=8,
+    actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ControllerService).options(
+        name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
+        max_restarts=max_restarts, scheduling_strategy="DEFAULT", max_concurrency=OTHER_CALL_THREADS,
     )
     return actor.remote(snapshot_dir, finished_run_grace_s, metrics)

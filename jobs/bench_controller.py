@@ -425,10 +425,10 @@ def noop_baseline(gens: Sequence[Any], shares: Sequence[Any], n_layers: int, rat
     """Drive a no-op actor (actor options as the controller's) with the same load."""
     import ray
 
-    from controllers.service import INGEST_THREADS, POLL_THREADS
+    from controllers.service import CONCURRENCY_GROUPS, OTHER_CALL_THREADS
 
-    noop = ray.remote(concurrency_groups={"ingest": INGEST_THREADS, "poll": POLL_THREADS})(NoopService).options(
-        num_cpus=0, max_concurrency=8, max_restarts=0).remote()
+    noop = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NoopService).options(
+        num_cpus=0, max_concurrency=OTHER_CALL_THREADS, max_restarts=0).remote()
     try:
         proc = _proc(ray.get(noop.pid.remote(), timeout=120))
         ray.get([g.attach.remote(noop) for g in gens], timeout=120)

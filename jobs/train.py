@@ -218,10 +218,15 @@ def build_summary(config: JobConfig, run_id: str, status: str, error: str | None
     return summary
 
 
-def write_outputs(summary: dict[str, Any], output: Path) -> None:
+def write_summary(summary: dict[str, Any], output: Path) -> None:
+    """``summary.json``, replaced atomically."""
     tmp = output / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2, default=str))
     os.replace(tmp, output / "summary.json")
+
+
+def write_outputs(summary: dict[str, Any], output: Path) -> None:
+    write_summary(summary, output)
     try:
         plot(output)
     except Exception as failure:  # noqa: BLE001 - a missing plot must not lose the summary

@@ -772,6 +772,8 @@ def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any]
 def finish_stopped_runs(plan: TunePlan, rows: list[dict[str, Any]]) -> None:
     """Make each stopped trial's summary and controller record say so (a trial Tune ended
     quickly may not have managed it itself)."""
+    from jobs.train import write_summary
+
     for row in rows:
         if row["status"] == "completed":
             continue
@@ -779,9 +781,7 @@ def finish_stopped_runs(plan: TunePlan, rows: list[dict[str, Any]]) -> None:
         summary = json.loads(path.read_text()) if path.exists() else None
         if summary is not None and row["status"] == "stopped" and summary.get("status") == "failed":
             summary.update(status="stopped", error=None)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(summary, indent=2, default=str))
-            os.replace(tmp, path)
+            write_summary(summary, path.parent)
         if summary is None or summary.get("status") == "stopped":
             _finish_run(plan.base, row["run_id"], row["status"])
 
