@@ -74,8 +74,7 @@ class Group:
 def dense_allreduce(tensors: Sequence[torch.Tensor], group: Group) -> list[Reduced]:
     """Plain all-reduce mean; divides before summing, as DDP does, so results match it."""
     out: list[Reduced | None] = [None] * len(tensors)
-    for dtype in {t.dtype for t in tensors}:
-        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+    for members in _by_dtype(tensors):
         flat = torch.cat([tensors[i].reshape(-1) for i in members]).div_(group.size)
         group.all_reduce_(flat)
         for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):
@@ -96,8 +95,8 @@ def summable_allreduce(
     payloads = [c.compress(t / w) for t, c in zip(tensors, compressors, strict=True)]
     sent = [c.decompress(p) * w for p, c in zip(payloads, compressors, strict=True)]
     wire_tensors = [t for p in payloads for t in p.tensors.values()]
-    for dtype in {t.dtype for t in wire_tensors}:
-        members = [t for t in wire_tensors if t.dtype == dtype]
+    for indices in _by_dtype(wire_tensors):
+        members = [wire_tensors[i] for i in indices]
         flat = group.all_reduce_(torch.cat([t.reshape(-1) for t in members]))
         for t, total in zip(members, _split(flat, members), strict=True):
             t.copy_(total)  # payload tensors now hold the sums
@@ -272,6 +271,20 @@ def lowrank_allreduce(
         wire = group.allreduce_bytes((p.numel() + q.numel()) * 4)
         results.append(Reduced((p @ q.T).reshape(t.shape).to(t.dtype), s, wire))
     return results
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by dtype, groups in order of first appearance.
+
+    One collective per group, issued in this order: it depends only on the order and dtypes
+    of the tensors, so it is the same on every rank. (Iterating a ``set`` of dtypes is not:
+    dtype hashes differ between processes, and ranks would then all-reduce different
+    buffers against each other.)
+    """
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
 
 
 def _chunks(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:

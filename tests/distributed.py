@@ -43,8 +43,11 @@ def _entry(fn, rank, world_size, port, args, queue, pg_timeout_s):
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120, pg_timeout_s: float = 60
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120, pg_timeout_s: float = 60,
+    env_per_rank: Callable[[int], dict[str, str]] | None = None,
 ) -> list[Any]:
+    """``env_per_rank(rank)``: extra environment for that rank's fresh interpreter (e.g. a
+    different ``PYTHONHASHSEED`` per rank, which must be set before the process starts)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -52,8 +55,18 @@ def run_distributed(
         ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, pg_timeout_s))
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    for rank, p in enumerate(procs):
+        extra = env_per_rank(rank) if env_per_rank else {}
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)  # a spawned child copies the parent's environment at start
+        try:
+            p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     results: dict[int, Any] = {}
     errors = []
     try:
