@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raycomp.baselines import register_torch_hook
 from raycomp.config import JobConfig
 from raycomp.guard import Guard
 from raycomp.hook import CompressionState, compression_hook
@@ -89,7 +90,7 @@ class Session:
             stats_every=self.interval, profile_ratios=profile,
         )
         if self.ddp and compression.baseline_hook != "none":
-            _register_torch_hook(self.model, compression)  # raycomp stays out of the way
+            register_torch_hook(self.model, compression)  # raycomp stays out of the way
         elif self.ddp:
             self.model.register_comm_hook(self.state, compression_hook)
         # control messages always travel on gloo (CPU), whatever carries the gradients
@@ -506,30 +507,6 @@ class Session:
         self._send_stats(final=True)
         self._log_file.close()
         self.state.close()
-
-
-def _register_torch_hook(model: torch.nn.parallel.DistributedDataParallel, compression: Any) -> None:
-    """torch's own DDP hooks, for side-by-side benchmarks (their bytes are not counted here)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    if compression.baseline_hook == "torch_fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif compression.baseline_hook == "torch_powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=compression.baseline_powersgd_rank,
-            start_powerSGD_iter=compression.baseline_powersgd_start_iter,
-        )
-
-        def serialized(state, bucket):  # unannotated: DDP checks hook annotations at run time
-            # on gloo, powerSGD_hook's future chains of different buckets interleave their
-            # collectives and fail or hang (reproduced without Ray): finish one bucket first
-            future = powerSGD_hook.powerSGD_hook(state, bucket)
-            future.wait()
-            return future
-
-        model.register_comm_hook(state, serialized)
-    else:
-        model.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
 # positions in the control vector: [nonfinite, loss, worst error, grad norm, digest hi, lo, version]
