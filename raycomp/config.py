@@ -70,6 +70,8 @@ class WorkloadSection(_Strict):
     eval_batches: Annotated[int, Field(ge=1)] = 20  # kjv: test windows (batches)
     model_width: Annotated[int, Field(ge=8, le=4096)] | None = None  # hidden size override
     data_dir: str | None = None  # fashion_mnist: IDX files (default: the Debian package's)
+    #: evaluate every this many steps on the fixed validation set (None: once per epoch)
+    eval_every_steps: Annotated[int | None, Field(ge=1)] = None
 
 
 class ScalingSection(_Strict):
@@ -204,6 +206,8 @@ class ControllerSection(_Strict):
 
 class CheckpointSection(_Strict):
     every_epochs: Annotated[int, Field(ge=1)] = 1
+    #: also checkpoint every this many steps, so a crash on a long epoch replays few steps
+    every_steps: Annotated[int | None, Field(ge=1)] = None
     max_failures: Annotated[int, Field(ge=0, le=100)] = 2
 
 
