@@ -18,6 +18,7 @@ from raycomp.collectives import (
 )
 from raycomp.compressors import make_compressor
 from raycomp.plan import CompressorSpec
+from raycomp.testing.wire import WireRecorder
 from tests.distributed import run_distributed
 
 SHAPES = [(64, 33), (5000,), (16, 8, 3, 3)]
@@ -43,25 +44,41 @@ def _all_transports(rank: int, world_size: int) -> dict:
     group = Group()
     out: dict = {}
     xs = _inputs(rank)
-    out["dense"] = [(r.mean, r.sent, r.wire_bytes) for r in dense_allreduce(xs, group)]
-    for name, params in SPECS["summable"]:
-        res = summable_allreduce(xs, _compressors(name, params, rank), group)
-        out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res]
-    for name, params in SPECS["sparse"]:
-        res, overhead = sparse_allgather(xs, _compressors(name, params, rank), group)
-        out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res] + [overhead]
-    for name, params in SPECS["lowrank"]:
-        res = lowrank_allreduce(xs[:1] + xs[2:], _compressors(name, params, rank)[:2], group)
-        out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res]
-    for name, params in SPECS["scalable"]:
-        names = [f"layer{i}" for i in range(len(SHAPES))]
-        res, _ = ScalableAllreduce()(names, xs, _compressors(name, params, rank), group)
-        out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res]
-        # identical inputs on every rank: recompressing an already-compressed average is
-        # (nearly) lossless for sign/int8, so the result must equal one local round trip
-        same = _inputs(rank, same=True)
-        res, _ = ScalableAllreduce()(names, same, _compressors(name, params, rank), group)
-        out[name + "/same"] = [(r.mean, r.sent) for r in res]
+    with WireRecorder() as wire:
+
+        def recorded(key: str, mark: int) -> None:
+            calls = wire.since(mark)
+            out[key + "/wire"] = (sum(c.transmitted for c in calls), [(c.op, c.dtype, c.numel) for c in calls])
+
+        mark = wire.mark()
+        out["dense"] = [(r.mean, r.sent, r.wire_bytes) for r in dense_allreduce(xs, group)]
+        recorded("dense", mark)
+        for name, params in SPECS["summable"]:
+            mark = wire.mark()
+            res = summable_allreduce(xs, _compressors(name, params, rank), group)
+            out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res]
+            recorded(name, mark)
+        for name, params in SPECS["sparse"]:
+            mark = wire.mark()
+            res, overhead = sparse_allgather(xs, _compressors(name, params, rank), group)
+            out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res] + [overhead]
+            recorded(name, mark)
+        for name, params in SPECS["lowrank"]:
+            mark = wire.mark()
+            res = lowrank_allreduce(xs[:1] + xs[2:], _compressors(name, params, rank)[:2], group)
+            out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res]
+            recorded(name, mark)
+        for name, params in SPECS["scalable"]:
+            names = [f"layer{i}" for i in range(len(SHAPES))]
+            mark = wire.mark()
+            res, overhead = ScalableAllreduce()(names, xs, _compressors(name, params, rank), group)
+            out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res] + [overhead]
+            recorded(name, mark)
+            # identical inputs on every rank: recompressing an already-compressed average is
+            # (nearly) lossless for sign/int8, so the result must equal one local round trip
+            same = _inputs(rank, same=True)
+            res, _ = ScalableAllreduce()(names, same, _compressors(name, params, rank), group)
+            out[name + "/same"] = [(r.mean, r.sent) for r in res]
     return out
 
 
@@ -77,6 +94,8 @@ def _mean_of_sent(per_rank: list[dict], key: str, layer: int) -> torch.Tensor:
 def test_every_rank_gets_the_same_mean(results):
     _, per_rank = results
     for key in per_rank[0]:
+        if key.endswith("/wire"):
+            continue
         for layer, entry in enumerate(per_rank[0][key]):
             if isinstance(entry, tuple):
                 for other in per_rank[1:]:
@@ -105,7 +124,7 @@ def test_mean_equals_mean_of_what_each_rank_sent(results, name):
 @pytest.mark.parametrize("name", ["sign", "int8", "qsgd", "terngrad"])
 def test_scalable_allreduce_averages_chunks(results, name):
     w, per_rank = results
-    for layer, (mean, _, _) in enumerate(per_rank[0][name]):
+    for layer, (mean, _, _) in enumerate(per_rank[0][name][:-1]):  # last: overhead
         expected = _mean_of_sent(per_rank, name, layer)
         if name == "int8":
             # one recompression of the average: at most half an 8-bit step of its chunk range
@@ -121,26 +140,41 @@ def test_scalable_allreduce_averages_chunks(results, name):
             torch.testing.assert_close(mean, sent, rtol=1e-4, atol=1e-5)
 
 
-def test_wire_bytes_follow_the_collective_model(results):
+def test_wire_bytes_are_what_the_collectives_transmitted(results):
+    # each transport's claimed bytes (per layer + overhead) against the calls it really
+    # issued, as raycomp.testing.wire records and prices them
     w, per_rank = results
-    r0 = per_rank[0]
-    allreduce = 2 * (w - 1) / w
-    for layer, shape in enumerate(SHAPES):
-        n = math.prod(shape)
-        assert r0["dense"][layer][2] == pytest.approx(allreduce * 4 * n)
-        assert r0["fp16"][layer][2] == pytest.approx(allreduce * 2 * n)
-        k = math.ceil(0.05 * n)
-        assert r0["randomk"][layer][2] == pytest.approx(allreduce * 4 * k)  # values only
-        k = math.ceil(0.02 * n)
-        assert r0["topk"][layer][2] == pytest.approx((w - 1) * 8 * k)  # values + int32 indices
-        # sign: chunks to the other ranks + the recompressed own chunk to each of them
-        chunks = [n // w + (1 if j < n % w else 0) for j in range(w)]
-        to_others = sum(math.ceil(c / 8) + 4 for j, c in enumerate(chunks) if j != 0)
-        assert r0["sign"][layer][2] == pytest.approx(to_others + (w - 1) * (math.ceil(chunks[0] / 8) + 4))
-    # PowerSGD on (64, 33) at rank 2: factors P (64x2) and Q (33x2) in fp32
-    assert r0["powersgd"][0][2] == pytest.approx(allreduce * 4 * (64 + 33) * 2)
-    # topk is fixed-size: no size exchange, no padding
-    assert r0["topk"][-1] == 0
+    for rank, res in enumerate(per_rank):
+        for key, entries in res.items():
+            if key.endswith("/wire") or key.endswith("/same"):
+                continue
+            claimed = sum(e[2] if isinstance(e, tuple) else e for e in entries)
+            transmitted, _ = res[key + "/wire"]
+            assert transmitted > 0, key
+            assert claimed == pytest.approx(transmitted, rel=1e-12), (rank, key)
+
+
+def test_tensors_handed_to_the_collectives(results):
+    # the wire tensors for the three layers (64x33, 5000, 16x8x3x3 = 2112, 5000, 1152 elements),
+    # worked out from the wire formats in the compressors' docstrings
+    _, per_rank = results
+    numels = [math.prod(s) for s in SHAPES]
+    calls = {key[: -len("/wire")]: v[1] for key, v in per_rank[0].items() if key.endswith("/wire")}
+    assert calls["dense"] == [("all_reduce", torch.float32, 8264)]
+    assert calls["fp16"] == [("all_reduce", torch.float16, 8264)]
+    assert calls["bf16"] == [("all_reduce", torch.bfloat16, 8264)]
+    assert calls["randomk"] == [("all_reduce", torch.float32, sum(math.ceil(0.05 * n) for n in numels))]
+    k = sum(math.ceil(0.02 * n) for n in numels)  # 43 + 100 + 24 values and int32 indices
+    assert calls["topk"] == [("all_gather", torch.uint8, 8 * k)]  # fixed size: no count exchange
+    # PowerSGD rank 2 on 64x33 and 16x72: one all-reduce of every P, one of every Q
+    assert calls["powersgd"] == [("all_reduce", torch.float32, (64 + 16) * 2), ("all_reduce", torch.float32, (33 + 72) * 2)]
+    # variable size: the 6 payload tensor counts (int64), then the padded packed payloads
+    for name in ("dgc_topk", "threshold"):
+        assert [c[:2] for c in calls[name]] == [("all_gather", torch.int64), ("all_gather", torch.uint8)]
+        assert calls[name][0][2] == 6
+    # scalable: one all-to-all of the packed chunks, one all-gather of the recompressed chunk
+    for name in ("sign", "int8", "qsgd", "terngrad"):
+        assert [c[:2] for c in calls[name]] == [("all_to_all_single", torch.uint8), ("all_gather", torch.uint8)]
 
 
 def test_single_process_group_is_local_compression():

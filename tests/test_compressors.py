@@ -253,9 +253,38 @@ def test_wire_bytes_match_formula(
 ) -> None:
     x = randn(shape, seed=8, dtype=dtype)
     payload = make_compressor(name, **params).compress(x)
-    assert payload.nbytes == expected(x)
-    assert payload.nbytes == sum(t.numel() * t.element_size() for t in payload.tensors.values())
-    assert pack([payload]).numel() == payload.nbytes
+    # the tensors that would travel, counted from the tensors themselves, against the
+    # documented size; then nbytes and the packed buffer must agree with them
+    on_wire = sum(t.numel() * t.element_size() for t in payload.tensors.values())
+    assert on_wire == expected(x)
+    assert payload.nbytes == on_wire
+    assert pack([payload]).numel() == on_wire
+
+
+# (dtype, elements) of every wire tensor for concrete shapes, worked out by hand from the
+# "Wire:" line of each docstring
+HAND_COMPUTED = [
+    ("sign", {}, (64, 33), {"bits": (torch.uint8, 264), "scale": (torch.float32, 1)}),  # 2112 / 8
+    ("terngrad", {}, (1000,), {"codes": (torch.uint8, 250), "scale": (torch.float32, 1)}),  # 1000 / 4
+    # 7 levels -> 15 codes -> 4 bits: 1000 * 4 / 8 = 500 bytes; buckets of 512 -> 2 norms
+    ("qsgd", {"levels": 7, "bucket_size": 512}, (1000,), {"codes": (torch.uint8, 500), "norms": (torch.float32, 2)}),
+    ("qsgd", {"levels": 1, "bucket_size": 100}, (64, 33), {"codes": (torch.uint8, 528), "norms": (torch.float32, 22)}),
+    # 2112 codes, ceil(2112 / 256) = 9 chunks of (min, max)
+    ("int8", {"chunk_size": 256}, (64, 33), {"codes": (torch.uint8, 2112), "bounds": (torch.float32, 18)}),
+    ("topk", {"ratio": 0.01}, (64, 33), {"values": (torch.float32, 22), "indices": (torch.int32, 22)}),
+    ("dgc_topk", {"ratio": 0.5}, (1000,), {"values": (torch.float32, 500), "indices": (torch.int32, 500)}),
+    ("randomk", {"ratio": 0.1}, (1000,), {"values": (torch.float32, 100)}),  # indices stay local
+    ("fp16", {}, (8, 4, 3, 3), {"values": (torch.float16, 288)}),
+    ("bf16", {}, (8, 4, 3, 3), {"values": (torch.bfloat16, 288)}),
+    ("none", {}, (1000,), {"values": (torch.float32, 1000)}),
+    ("powersgd", {"rank": 2}, (64, 33), {"p": (torch.float32, 128), "q": (torch.float32, 66)}),
+]
+
+
+@pytest.mark.parametrize(("name", "params", "shape", "tensors"), HAND_COMPUTED, ids=[c[0] for c in HAND_COMPUTED])
+def test_wire_tensors_hand_computed(name: str, params: dict, shape: tuple, tensors: dict) -> None:
+    payload = make_compressor(name, **params).compress(randn(shape, seed=12))
+    assert {k: (t.dtype, t.numel()) for k, t in payload.tensors.items()} == tensors
 
 
 def test_sparse_payload_layout() -> None:
@@ -628,7 +657,8 @@ def test_powersgd_warm_start_converges_to_best_rank_r() -> None:
     assert all(e >= best * (1 - 1e-4) for e in warm)  # sanity: nothing beats the SVD
     assert all(abs(e - best) <= 1e-3 * best for e in warm[4:])  # power iteration converged
     cold = errors(False)
-    assert sum(cold[4:]) / len(cold[4:]) > 1.2 * best  # without warm start it does not
+    # without warm start it does not: 5.1x the optimum on average here (seeded, deterministic)
+    assert sum(cold[4:]) / len(cold[4:]) > 4.5 * best
 
 
 def test_powersgd_payload_is_orthonormal_p_and_projection_q() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jobs.bench_controller import render_markdown, run_load
+import pytest
+
+from jobs.bench_controller import render_markdown, run_load, summarise
 
 WORKERS, RATE, DURATION, RUNS = 16, 10.0, 5.0, 4
 
@@ -13,6 +15,9 @@ def test_controller_serves_quick_load_with_bounded_memory(ray_cluster):
 
     assert res["sent"] > 0 and res["errors"] == 0 and res["unresolved"] == 0, res["generators"]
     assert res["rejected"] == 0 and res["accepted"] == res["sent"]
+    # achieved counts answered reports only; due (sent + dropped) is the schedule kept
+    assert res["achieved_rate"] == pytest.approx((res["accepted"] + res["rejected"]) / DURATION)
+    assert res["due_rate"] == pytest.approx((res["sent"] + res["dropped"]) / DURATION)
     assert res["achieved_rate"] >= 0.8 * WORKERS * RATE, res["achieved_rate"]
     assert res["latency"]["samples"] == res["sent"]  # every call timed
     assert res["latency"]["p99_ms"] < 500, res["latency"]
@@ -49,3 +54,24 @@ def test_generator_drops_reports_like_a_worker_when_the_controller_does_not_answ
     out = generator.drive(ranks, n_layers=2, rate=10.0, duration=0.98, start_at=0.0, max_in_flight=3)
     # 10 reports due per rank: 3 sent (then 3 unanswered), 7 dropped, every sent one answered
     assert (out["sent"], out["dropped"], out["accepted"], out["unresolved"]) == (6, 14, 6, 0), out
+
+
+def _generator_result(sent: int, dropped: int, accepted: int, rejected: int) -> dict:
+    samples = [(0.1 * i, 0.002) for i in range(sent)]  # (send time s, latency s)
+    return {"samples": samples, "sent": sent, "dropped": dropped, "accepted": accepted,
+            "rejected": rejected, "errors": sent - accepted - rejected, "unresolved": 0, "cpu_s": 0.5,
+            "lag_p99_s": 0.001, "lag_max_s": 0.002, "drain_s": 0.0, "late_start_s": 0.0}
+
+
+def test_achieved_rate_counts_answered_reports_only():
+    # no Ray: two generators, 100 reports due each over 10 s; 30 + 50 dropped by backpressure,
+    # one sent report errored: 119 answered of 200 due
+    config = {"duration_s": 10.0, "rate": 10.0, "workers": 2}
+    results = [_generator_result(70, 30, 68, 2), _generator_result(50, 50, 49, 0)]
+    timeline = [{"t_s": t, "cpu_s": 0.1 * t, "rss_mb": 100.0, "machine_cpu_pct": 50.0} for t in range(11)]
+    res = summarise(config, results, timeline, [], {}, {}, {}, ((1.0,), (1.0,)), 0, {})
+    assert res["dropped"] == 80 and res["sent"] == 120
+    assert res["achieved_rate"] == pytest.approx(11.9)  # (68 + 2 + 49) / 10 s
+    assert res["achieved_fraction"] == pytest.approx(0.595)
+    assert res["due_rate"] == pytest.approx(20.0)  # the schedule itself was kept
+    assert res["dropped_fraction"] == pytest.approx(0.4)
