@@ -102,8 +102,9 @@ class PowerSGD(Compressor):
                 done = p[:, :i]
                 column.sub_(done @ (done.T @ column))
             norm = torch.linalg.vector_norm(column)
-            # selected on the device: `if norm > epsilon` would sync once per column on a GPU
-            column.copy_(torch.where(norm > self.epsilon, column / norm, 0.0))
+            # decided on the device (`if norm > epsilon` would sync once per column on a GPU):
+            # dividing by infinity zeroes a near-zero column
+            column.div_(torch.where(norm > self.epsilon, norm, torch.inf))
             if i + 1 < p.shape[1]:
                 rest = p[:, i + 1 :]
                 rest.sub_(torch.outer(column, column @ rest))
