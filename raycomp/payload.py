@@ -40,7 +40,7 @@ class Payload:
     @property
     def dense_nbytes(self) -> int:
         """Bytes the uncompressed tensor would occupy."""
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return _numel(self.shape) * self.dtype.itemsize
 
     @property
     def numel(self) -> int:
@@ -62,11 +62,18 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def pack(payloads: Sequence[Payload]) -> torch.Tensor:
-    """Concatenate the wire tensors of ``payloads`` into one flat uint8 buffer."""
+def pack(payloads: Sequence[Payload], device: torch.device | str | None = None) -> torch.Tensor:
+    """Concatenate the wire tensors of ``payloads`` into one flat uint8 buffer.
+
+    The buffer lives on the payloads' device. When they hold no bytes at all it is empty,
+    on ``device`` if given, else on the device of their first (empty) tensor, else the CPU:
+    never a CPU tensor next to CUDA peers (``torch.cat`` of buffers would fail).
+    """
     parts = [_as_bytes(t) for p in payloads for t in p.tensors.values() if t.numel()]
     if not parts:
-        return torch.empty(0, dtype=torch.uint8)
+        if device is None:
+            device = next((t.device for p in payloads for t in p.tensors.values()), "cpu")
+        return torch.empty(0, dtype=torch.uint8, device=device)
     return torch.cat(parts)
 
 

@@ -124,7 +124,11 @@ class SeededDraws:
 
     Every call to :meth:`generator` returns a generator seeded from ``(seed, draw)``
     and advances ``draw``; two compressors with the same seed and draw count produce the
-    same numbers on any device, which is what makes shared-index Random-K summable.
+    same numbers on the same kind of device, which is what makes shared-index Random-K
+    summable. The CPU and CUDA generators are different algorithms (Mersenne Twister,
+    Philox): a CPU rank and a CUDA rank do *not* draw the same numbers, and CUDA kernels
+    that draw many numbers size their grid by the GPU's multiprocessor count, so ranks on
+    different GPU models may not either (see docs/gpu.md).
     """
 
     def __init__(self, seed: int) -> None:

@@ -72,14 +72,26 @@ class PowerSGD(Compressor):
             gen = self._draws.generator(matrix.device)
             self._q = torch.randn(cols, r, generator=gen, device=matrix.device)
         else:
+            # a warm start restored from a checkpoint loaded on another device (e.g. with
+            # map_location="cpu") follows the gradient
+            self._q = self._q.to(device=matrix.device, dtype=torch.float32)
             # a zero column would stay zero forever (M @ 0 = 0), e.g. after an all-zero
             # gradient: redraw such columns, keep the others warm
             dead = ~self._q.any(dim=0)
-            if bool(dead.any()):
-                gen = self._draws.generator(matrix.device)
-                fresh = torch.randn(cols, r, generator=gen, device=matrix.device)
-                self._q = torch.where(dead, fresh, self._q)
+            # Asking whether any column is dead is a host sync on an accelerator (one per
+            # layer and step), so there fresh columns are drawn every step and selected on
+            # the device. Every rank draws the same, so the factors stay identical.
+            if not self._sync_free(matrix.device) and not bool(dead.any()):
+                return matrix @ self._q
+            gen = self._draws.generator(matrix.device)
+            fresh = torch.randn(cols, r, generator=gen, device=matrix.device)
+            self._q = torch.where(dead, fresh, self._q)
         return matrix @ self._q
+
+    @staticmethod
+    def _sync_free(device: torch.device) -> bool:
+        """Avoid data-dependent Python branches: everywhere but on the CPU they sync."""
+        return device.type != "cpu"
 
     def orthogonalize(self, p: torch.Tensor) -> torch.Tensor:
         """Modified Gram-Schmidt on the columns, in place; near-zero columns become zero."""
@@ -90,10 +102,9 @@ class PowerSGD(Compressor):
                 done = p[:, :i]
                 column.sub_(done @ (done.T @ column))
             norm = torch.linalg.vector_norm(column)
-            if norm > self.epsilon:
-                column.div_(norm)
-            else:
-                column.zero_()
+            # decided on the device (`if norm > epsilon` would sync once per column on a GPU):
+            # dividing by infinity zeroes a near-zero column
+            column.div_(torch.where(norm > self.epsilon, norm, torch.inf))
             if i + 1 < p.shape[1]:
                 rest = p[:, i + 1 :]
                 rest.sub_(torch.outer(column, column @ rest))

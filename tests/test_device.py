@@ -1,0 +1,125 @@
+"""Device propagation, checked without a GPU (the CUDA run is raycomp/testing/gpu_check.py).
+
+Tensors on the ``meta`` device have a shape, a dtype and a device but no data. A
+compressor run on meta tensors therefore shows (a) that every tensor it creates follows
+the input's device (a ``torch.zeros(n)`` without ``device=`` would come out on the CPU),
+and (b) that it makes no host sync: reading a meta tensor's value (``bool(t)``,
+``t.item()``, ``if norm > eps``) raises. On a GPU each such read stalls the stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raycomp.compressors import PowerSGD
+from raycomp.compressors.base import SeededDraws
+from raycomp.payload import Payload, pack, unpack_like
+from raycomp.plan import CompressorSpec
+
+META = torch.device("meta")
+
+# compressors whose compress and decompress must be free of host syncs; the others
+# (randomk: torch.unique, threshold and sampled dgc_topk: torch.nonzero) produce
+# data-dependent sizes, which needs one sync by construction
+SYNC_FREE = {
+    "none": {},
+    "fp16": {},
+    "bf16": {},
+    "topk": {"ratio": 0.01},
+    "qsgd": {"levels": 7, "bucket_size": 128},
+    "terngrad": {},
+    "sign": {},
+    "int8": {"chunk_size": 256},
+    "powersgd": {"rank": 2},
+}
+
+
+@pytest.fixture
+def meta_generators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch has no generator for meta tensors; draw from the default one (no data anyway)."""
+    real = SeededDraws.generator
+
+    def generator(self: SeededDraws, device: torch.device) -> torch.Generator | None:
+        if torch.device(device).type == "meta":
+            self.draws += 1
+            return None
+        return real(self, device)
+
+    monkeypatch.setattr(SeededDraws, "generator", generator)
+
+
+def _payload_devices(p: Payload) -> set[torch.device]:
+    tensors = list(p.tensors.values()) + [v for v in p.meta.values() if isinstance(v, torch.Tensor)]
+    return {t.device for t in tensors}
+
+
+@pytest.mark.parametrize("name", sorted(SYNC_FREE))
+@pytest.mark.parametrize("shape", [(64, 33), (8, 4, 3, 3), (1000,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("meta_generators")
+def test_compressor_follows_the_input_device_without_host_syncs(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    compressor = CompressorSpec.of(name, **SYNC_FREE[name]).build("layer", 0)
+    reference = CompressorSpec.of(name, **SYNC_FREE[name]).build("layer", 0)
+    if not compressor.accepts(torch.Size(shape)):
+        pytest.skip("the reducer sends this shape dense")
+    x = torch.empty(shape, dtype=dtype, device=META)
+    for _ in range(3):  # later steps take the warm-start paths (PowerSGD)
+        payload = compressor.compress(x)
+        assert _payload_devices(payload) == {META}
+        out = compressor.decompress(payload)
+        assert out.device == META and out.dtype == dtype and out.shape == x.shape
+        assert pack([payload]).device == META
+    cpu_payload = reference.compress(torch.randn(shape).to(dtype))
+    assert payload.nbytes == cpu_payload.nbytes
+    assert {n: t.dtype for n, t in payload.tensors.items()} == {
+        n: t.dtype for n, t in cpu_payload.tensors.items()
+    }
+
+
+def test_pack_of_no_bytes_stays_on_the_payloads_device() -> None:
+    empty = Payload({"values": torch.empty(0, device=META)}, torch.Size([0]), torch.float32)
+    assert pack([empty]).device == META
+    assert pack([empty], device="cpu").device == torch.device("cpu")
+    assert pack([]).device == torch.device("cpu")
+    assert pack([], device=META).device == META
+    assert unpack_like(pack([empty]), [empty])[0].tensors["values"].device == META
+
+
+def test_dense_nbytes_allocates_nothing() -> None:
+    payload = Payload({}, torch.Size([3, 5]), torch.bfloat16)
+    assert payload.dense_nbytes == 30
+
+
+@pytest.mark.usefixtures("meta_generators")
+def test_powersgd_warm_start_follows_the_gradient_device() -> None:
+    """A checkpoint loaded with map_location="cpu" resumes a compressor on another device."""
+    trained = PowerSGD(rank=2)
+    trained.compress(torch.randn(64, 33))
+    state = trained.state_dict()
+    assert state["q"].device.type == "cpu"
+    resumed = PowerSGD(rank=2)
+    resumed.load_state_dict(state)
+    resumed.compress(torch.empty(64, 33, device=META))
+    assert resumed.state_dict()["q"].device == META
+
+
+def test_powersgd_sync_free_path_matches_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator path (draw every step, select dead columns on the device) gives the
+    CPU path's result whenever no column is dead (up to rounding: the selected Q is laid
+    out row-major, the warm one column-major), and still revives dead columns."""
+    x = torch.randn(64, 33, generator=torch.Generator().manual_seed(1))
+    cpu_path, device_path = PowerSGD(rank=3), PowerSGD(rank=3)
+    monkeypatch.setattr(device_path, "_sync_free", lambda device: True)
+    for _ in range(3):
+        a, b = cpu_path.compress(x), device_path.compress(x)
+        for name in a.tensors:
+            torch.testing.assert_close(a.tensors[name], b.tensors[name], msg=name)
+    # an all-zero gradient kills every column of Q; the next step redraws them
+    device_path.compress(torch.zeros(64, 33))
+    assert not device_path.state_dict()["q"].any()
+    revived = device_path.compress(x)
+    assert device_path.state_dict()["q"].abs().sum(dim=0).gt(0).all()
+    assert torch.linalg.vector_norm(device_path.decompress(revived)) > 0
