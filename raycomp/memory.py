@@ -66,7 +66,7 @@ class ResidualMemory:
 
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         residual = self.residuals.get(name)
-        return grad if residual is None else grad + residual.to(grad.dtype)
+        return grad if residual is None else grad + residual.to(grad.device, grad.dtype)
 
     def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor, sparse: bool) -> None:
         if sent is compensated:  # sent in full (dense): nothing left over
@@ -119,12 +119,12 @@ class DGCMemory:
         if self.clip_norm is not None:
             limit = self.clip_norm / math.sqrt(self.world_size)
             norm = torch.linalg.vector_norm(g)
-            if norm > limit:
-                g = g * (limit / norm)
+            g = g * (limit / norm).clamp(max=1.0)  # no `if norm > limit`: a host sync
         u = self.velocity.get(name)
-        u = g.clone() if u is None else u.mul_(self.momentum).add_(g)
+        u = g.clone() if u is None else u.to(g.device).mul_(self.momentum).add_(g)
         self.velocity[name] = u
         v = self.accumulated.get(name)
+        v = None if v is None else v.to(g.device)
         return (u.clone() if v is None else v + u).to(grad.dtype)
 
     def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor, sparse: bool) -> None:
