@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from controllers.policies.adaptive import AdaptivePolicy
 from controllers.policies.bandwidth import BandwidthPolicy
 from controllers.policies.base import Policy
 from controllers.policies.critical import CriticalPolicy
@@ -18,6 +19,7 @@ POLICIES: dict[str, type[Policy]] = {
     "critical": CriticalPolicy,
     "error_budget": ErrorBudgetPolicy,
     "bandwidth": BandwidthPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 
