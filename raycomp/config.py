@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +20,7 @@ from raycomp.plan import CompressorSpec
 
 POLICIES = ("static", "schedule", "critical", "error_budget", "bandwidth", "adaptive")
 WORKLOADS = ("digits", "fashion_mnist", "kjv")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
 
 
 class ConfigError(ValueError):
@@ -226,7 +227,15 @@ class AdaptivePolicy(_Strict):
 
 
 class CompressionSection(_Strict):
-    policy: Literal["static", "schedule", "critical", "error_budget", "bandwidth", "adaptive"] = "adaptive"
+    #: a built-in policy (``adaptive``, the default: see AdaptivePolicy), a name registered
+    #: with ``controllers.policies.register_policy``, or an import path
+    #: ``package.module:Class`` that the controller imports (docs/extending.md)
+    policy: str = "adaptive"
+    #: options of a policy that is not built in, validated by its options model (built-in
+    #: policies take theirs from their own section, e.g. ``compression.adaptive``)
+    custom_options: dict[str, Any] = {}
+    #: filled by ``controllers.policies.register_policy``: name -> (import path, options model)
+    custom_policies: ClassVar[dict[str, tuple[str | None, type[BaseModel] | None]]] = {}
     warmup_steps: Annotated[int, Field(ge=0)] = 20  # dense first (all policies)
     memory: Literal["residual", "dgc", "none"] = "residual"
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
@@ -243,7 +252,42 @@ class CompressionSection(_Strict):
     baseline_powersgd_rank: Annotated[int, Field(ge=1)] = 2
     baseline_powersgd_start_iter: Annotated[int, Field(ge=1)] = 10
 
+    @field_validator("policy")
+    @classmethod
+    def _policy_name(cls, name: str) -> str:
+        if name in POLICIES:
+            return name
+        if name in cls.custom_policies:
+            path = cls.custom_policies[name][0]
+            return path or name  # the import path travels to the controller's process
+        if _IMPORT_PATH.match(name):
+            return name
+        builtin = ", ".join(repr(p) for p in POLICIES)
+        raise ValueError(f"must be one of {builtin}, a name registered with "
+                         f"controllers.policies.register_policy, or an import path "
+                         f"'package.module:Class', got {name!r}")
+
+    @model_validator(mode="after")
+    def _custom_options(self) -> CompressionSection:
+        if self.policy in POLICIES:
+            if self.custom_options:
+                raise ValueError(f"custom_options: only for policies that are not built in; "
+                                 f"set compression.{self.policy}.<option> instead")
+            return self
+        models = [m for n, (path, m) in self.custom_policies.items() if self.policy in (n, path)]
+        if models and models[0] is not None:
+            try:
+                models[0].model_validate(self.custom_options)
+            except ValidationError as error:
+                raise ValueError(one_line(error, prefix="custom_options.")) from None
+        return self
+
     def policy_options(self) -> dict[str, Any]:
+        if self.policy not in POLICIES:
+            models = [m for n, (path, m) in self.custom_policies.items() if self.policy in (n, path)]
+            if models and models[0] is not None:
+                return models[0].model_validate(self.custom_options).model_dump(mode="json")
+            return dict(self.custom_options)
         return getattr(self, self.policy).model_dump(mode="json")
 
 
