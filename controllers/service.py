@@ -56,10 +56,14 @@ class Controller:
         self._restore()
 
     # --- runs -----------------------------------------------------------------------------
-    def register_run(self, run_id: str, world_size: int, layers: dict[str, int], policy: str,
+    def register_run(self, run_id: str, world_size: int, layers: dict[str, int | list[int]], policy: str,
                      options: dict[str, Any], warmup_steps: int, interval_steps: int,
                      min_compress_numel: int, eval_kind: str = "accuracy") -> dict[str, Any]:
-        """Start steering ``run_id`` (idempotent: a resumed run keeps its state)."""
+        """Start steering ``run_id`` (idempotent: a resumed run keeps its state).
+
+        ``layers`` maps parameter names to element counts or, better, shapes: the adaptive
+        policy sizes PowerSGD's factors from a shape (from a count it assumes a square).
+        """
         if run_id in self.runs:
             run = self.runs[run_id]
             run.status, run.finished = "running", None

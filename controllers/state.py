@@ -30,6 +30,26 @@ class LayerHistory:
     topk_errors: dict[str, float] = field(default_factory=dict)
     wire_bytes: float = 0.0
     dense_bytes: float = 0.0
+    #: the parameter's shape when the run registered it (None: only the element count is
+    #: known); the adaptive policy sizes PowerSGD's factors from it
+    shape: tuple[int, ...] | None = None
+
+
+def layer_size(name: str, size: Any) -> tuple[int, tuple[int, ...] | None]:
+    """``(numel, shape)`` from a registered layer size: an element count or a shape."""
+    if isinstance(size, bool):
+        raise ValueError(f"layers[{name!r}]: expected an element count or a shape, got {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"layers[{name!r}]: element count must be >= 0, got {size}")
+        return size, None
+    if isinstance(size, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                               for d in size):
+        numel = 1
+        for d in size:
+            numel *= d
+        return numel, tuple(size)
+    raise ValueError(f"layers[{name!r}]: expected an element count or a shape, got {size!r}")
 
 
 @dataclass
@@ -63,7 +83,7 @@ TIMED = ("step_seconds", "compute_seconds", "comm_seconds")
 
 
 class RunState:
-    def __init__(self, run_id: str, world_size: int, layers: dict[str, int], policy: str,
+    def __init__(self, run_id: str, world_size: int, layers: dict[str, Any], policy: str,
                  options: dict[str, Any], warmup_steps: int = 0, interval_steps: int = 1,
                  eval_kind: str = "accuracy") -> None:
         self.run_id = run_id
@@ -72,7 +92,11 @@ class RunState:
         self.options = options
         self.warmup_steps = warmup_steps
         self.interval_steps = interval_steps
-        self.layers = {name: LayerHistory(numel) for name, numel in layers.items()}
+        # layers: name -> element count, or name -> shape (list of ints)
+        self.layers = {}
+        for name, size in layers.items():
+            numel, shape = layer_size(name, size)
+            self.layers[name] = LayerHistory(numel, shape=shape)
         self.step = -1  # latest merged boundary step
         self.epoch = 0
         self.losses: deque[tuple[int, float]] = deque(maxlen=HISTORY)
@@ -195,7 +219,8 @@ class RunState:
             "interval_steps": self.interval_steps, "step": self.step, "epoch": self.epoch,
             "layers": {
                 name: {
-                    "numel": h.numel, "grad_norm": list(h.grad_norm),
+                    "numel": h.numel, "shape": None if h.shape is None else list(h.shape),
+                    "grad_norm": list(h.grad_norm),
                     "compression_error": list(h.compression_error),
                     "residual_norm": list(h.residual_norm), "compressor": h.compressor,
                     "topk_errors": h.topk_errors, "wire_bytes": h.wire_bytes, "dense_bytes": h.dense_bytes,
@@ -215,7 +240,8 @@ class RunState:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunState:
-        run = cls(data["run_id"], data["world_size"], {n: v["numel"] for n, v in data["layers"].items()},
+        sizes = {n: v["shape"] if v.get("shape") is not None else v["numel"] for n, v in data["layers"].items()}
+        run = cls(data["run_id"], data["world_size"], sizes,
                   data["policy"], data["options"], data["warmup_steps"], data["interval_steps"],
                   data["eval_kind"])
         run.step, run.epoch = data["step"], data["epoch"]

@@ -11,15 +11,16 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raycomp.plan import CompressorSpec
 
-POLICIES = ("static", "schedule", "critical", "error_budget", "bandwidth")
+POLICIES = ("static", "schedule", "critical", "error_budget", "bandwidth", "adaptive")
 WORKLOADS = ("digits", "fashion_mnist", "kjv")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
 
 
 class ConfigError(ValueError):
@@ -169,11 +170,76 @@ class BandwidthPolicy(_Strict):
     _ratios = field_validator("ratios")(lambda cls, r: _distinct_ratios(r, descending=True))
 
 
+class AdaptivePolicy(_Strict):
+    """The default: measure the link, model each candidate plan's step time, pick the
+    lightest compression that is (nearly) the fastest, and lighter still for layers in a
+    critical regime (Accordion) or whose measured error is too high. "Dense" is one of the
+    candidates: on a fast link it usually wins (Agarwal et al., MLSys'22: compression paid
+    off in only 6 of 200+ data-center setups). Decision rule: ``controllers/policies/adaptive.py``.
+    """
+
+    #: PowerSGD ranks for matrices, heaviest first (Vogels et al., NeurIPS'19: rank 1-4
+    #: matches dense accuracy on ResNet/LSTM with error feedback). Payload per layer is
+    #: (rows + cols) x rank fp32, all-reduced. Drop 1 if your model trains worse at rank 1;
+    #: add 16 or 32 for very wide layers.
+    ranks: list[Annotated[int, Field(ge=1, le=1024)]] = [1, 2, 4, 8]
+    #: Top-K densities for compressible tensors PowerSGD cannot take (1-D, or shapes whose
+    #: factors are not smaller), heaviest first. Top-K is all-gathered: its bytes grow with
+    #: the number of ranks, which the cost model accounts for.
+    topk_ratios: list[Annotated[float, Field(gt=0, le=1)]] = [0.01, 0.1]
+    #: Accordion's eta: relative change of a layer's mean gradient norm between two windows
+    #: at or above this is a critical regime (Agarwal et al., MLSys'21 use 0.5). Lower it to
+    #: protect more layers (less compression), raise it to compress through more change.
+    threshold: Annotated[float, Field(gt=0)] = 0.5
+    #: Steps per regime window (Accordion detects every few epochs; here, in steps). Use
+    #: about an epoch or 5-10 control intervals; it is also how often error is re-judged.
+    window_steps: Annotated[int, Field(ge=1)] = 50
+    #: How many rungs lighter a critical layer goes (rank 1 -> rank 4 with the default
+    #: ranks, Accordion's heavy/light PowerSGD pair). 0 turns regime detection off.
+    critical_boost: Annotated[int, Field(ge=0, le=16)] = 2
+    #: A layer whose measured relative compression error ||c - sent|| / ||c|| over a window
+    #: exceeds this moves one rung lighter for the rest of the run (never back: no
+    #: flapping). With error feedback PowerSGD runs at 0.7-0.93 on the digits MLP and still
+    #: matches dense accuracy; above 0.95 less than 10% of the gradient's energy is sent
+    #: per step. Lower it (e.g. 0.8) for models sensitive to compression.
+    max_error: Annotated[float, Field(gt=0, le=1)] = 0.95
+    #: Among candidate plans take the lightest whose predicted step time is within this
+    #: fraction of the fastest; dense counts as the lightest, so compression must save more
+    #: than this to be used. It is also the hysteresis band: the current plan is kept while
+    #: it stays within it. Raise it on noisy shared machines; lower it to squeeze the link.
+    slack: Annotated[float, Field(ge=0, le=10)] = 0.1
+    #: Seconds each extra collective round of a compressed plan costs (latency plus
+    #: compression and decompression) until the run has measured it. NCCL on one node:
+    #: ~1e-4; gloo over TCP: ~1e-3; shared CPUs: more. Learned from the first compressed
+    #: control interval on.
+    round_seconds: Annotated[float, Field(ge=0, le=10)] = 0.001
+    #: Link bandwidth in bytes per second per rank to plan for, instead of measuring it on
+    #: dense steps (warm-up, guard fallbacks). Set it when you know the link better than a
+    #: short warm-up can measure it, or to plan for a target link (100 Mbit/s: 12.5e6).
+    bandwidth: Annotated[float, Field(gt=0)] | None = None
+
+    @field_validator("ranks", "topk_ratios")
+    @classmethod
+    def _ladder(cls, values: list[Any]) -> list[Any]:
+        if not values:
+            raise ValueError("at least one value is required")
+        return sorted(set(values))  # heaviest first
+
+
 class CompressionSection(_Strict):
-    policy: Literal["static", "schedule", "critical", "error_budget", "bandwidth"] = "critical"
+    #: a built-in policy (``adaptive``, the default: see AdaptivePolicy), a name registered
+    #: with ``controllers.policies.register_policy``, or an import path
+    #: ``package.module:Class`` that the controller imports (docs/extending.md)
+    policy: str = "adaptive"
+    #: options of a policy that is not built in, validated by its options model (built-in
+    #: policies take theirs from their own section, e.g. ``compression.adaptive``)
+    custom_options: dict[str, Any] = {}
+    #: filled by ``controllers.policies.register_policy``: name -> (import path, options model)
+    custom_policies: ClassVar[dict[str, tuple[str | None, type[BaseModel] | None]]] = {}
     warmup_steps: Annotated[int, Field(ge=0)] = 20  # dense first (all policies)
     memory: Literal["residual", "dgc", "none"] = "residual"
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
+    adaptive: AdaptivePolicy = AdaptivePolicy()
     static: StaticPolicy = StaticPolicy()
     schedule: SchedulePolicy = SchedulePolicy()
     critical: CriticalPolicy = CriticalPolicy()
@@ -186,7 +252,42 @@ class CompressionSection(_Strict):
     baseline_powersgd_rank: Annotated[int, Field(ge=1)] = 2
     baseline_powersgd_start_iter: Annotated[int, Field(ge=1)] = 10
 
+    @field_validator("policy")
+    @classmethod
+    def _policy_name(cls, name: str) -> str:
+        if name in POLICIES:
+            return name
+        if name in cls.custom_policies:
+            path = cls.custom_policies[name][0]
+            return path or name  # the import path travels to the controller's process
+        if _IMPORT_PATH.match(name):
+            return name
+        builtin = ", ".join(repr(p) for p in POLICIES)
+        raise ValueError(f"must be one of {builtin}, a name registered with "
+                         f"controllers.policies.register_policy, or an import path "
+                         f"'package.module:Class', got {name!r}")
+
+    @model_validator(mode="after")
+    def _custom_options(self) -> CompressionSection:
+        if self.policy in POLICIES:
+            if self.custom_options:
+                raise ValueError(f"custom_options: only for policies that are not built in; "
+                                 f"set compression.{self.policy}.<option> instead")
+            return self
+        models = [m for n, (path, m) in self.custom_policies.items() if self.policy in (n, path)]
+        if models and models[0] is not None:
+            try:
+                models[0].model_validate(self.custom_options)
+            except ValidationError as error:
+                raise ValueError(one_line(error, prefix="custom_options.")) from None
+        return self
+
     def policy_options(self) -> dict[str, Any]:
+        if self.policy not in POLICIES:
+            models = [m for n, (path, m) in self.custom_policies.items() if self.policy in (n, path)]
+            if models and models[0] is not None:
+                return models[0].model_validate(self.custom_options).model_dump(mode="json")
+            return dict(self.custom_options)
         return getattr(self, self.policy).model_dump(mode="json")
 
 

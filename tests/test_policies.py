@@ -23,7 +23,7 @@ def options(name: str, **overrides) -> dict:
     """A policy's options exactly as the service passes them (pydantic defaults + overrides)."""
     model = getattr(config, {"static": "StaticPolicy", "schedule": "SchedulePolicy",
                              "critical": "CriticalPolicy", "error_budget": "ErrorBudgetPolicy",
-                             "bandwidth": "BandwidthPolicy"}[name])
+                             "bandwidth": "BandwidthPolicy", "adaptive": "AdaptivePolicy"}[name])
     return {**model(**overrides).model_dump(mode="json"), "min_compress_numel": 1024}
 
 

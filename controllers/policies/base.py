@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
 
 from controllers.state import RunState
 from raycomp.plan import CompressorSpec, Plan
@@ -20,6 +22,9 @@ class Policy(ABC):
     """
 
     name: str
+    #: validates ``compression.custom_options`` of a policy that is not built in (a pydantic
+    #: model; None: options are passed as given)
+    options_model: ClassVar[type[BaseModel] | None] = None
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options

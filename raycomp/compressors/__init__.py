@@ -1,8 +1,19 @@
-"""Gradient compressors, one family per module, and the name -> class registry."""
+"""Gradient compressors, one family per module, and the name -> class registry.
+
+A compressor is named in a plan or config by one of:
+
+* a built-in name (:data:`COMPRESSORS`);
+* a name given to :func:`register` in this process;
+* an import path ``"package.module:Class"``, imported on first use in whichever process
+  builds the compressor (driver, controller actor, Ray Train workers): the robust way to
+  use your own compressor across processes, since a plan carries only the name.
+"""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
 from typing import Any
 
 from raycomp.compressors.base import Compressor, Transport
@@ -46,12 +57,97 @@ def compressor_parameters(name: str) -> list[str]:
     ]
 
 
+_REGISTERED: dict[str, type[Compressor] | str] = {}  # user names -> class or import path
+_IMPORTED: dict[str, type[Compressor]] = {}  # import path -> class, per process
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def register(name: str, compressor: type[Compressor] | str, *, replace: bool = False) -> None:
+    """Make ``name`` build ``compressor`` (a :class:`Compressor` subclass or its import path
+    ``"package.module:Class"``) in this process.
+
+    Registrations are per process: call this at module level in a module every process that
+    builds compressors imports (for Ray Train, the module of your training function), or
+    name the compressor by its import path in plans and configs, which needs no
+    registration anywhere. Registering the same target again is a no-op; another target
+    under a taken name needs ``replace=True``; built-in names cannot be replaced.
+    """
+    if not isinstance(name, str) or not NAME.match(name):
+        raise ValueError(f"compressor name {name!r}: expected letters, digits, '_', '.' or '-' "
+                         "(at most 64, starting with a letter or '_')")
+    if name in COMPRESSORS:
+        raise ValueError(f"compressor name {name!r} is built in; choose another name")
+    if isinstance(compressor, str):
+        if not IMPORT_PATH.match(compressor):
+            raise ValueError(f"compressor {name!r}: {compressor!r} is not an import path 'package.module:Class'")
+    else:
+        _check_class(name, compressor)
+    current = _REGISTERED.get(name)
+    if current is not None and current != compressor and not replace:
+        raise ValueError(f"compressor name {name!r} is already registered to {_describe(current)}; "
+                         "pass replace=True to change it")
+    _REGISTERED[name] = compressor
+
+
+def unregister(name: str) -> None:
+    """Forget a name given to :func:`register` (built-in names stay)."""
+    if name not in _REGISTERED:
+        raise ValueError(f"compressor name {name!r} is not registered; registered: "
+                         f"{', '.join(sorted(_REGISTERED)) or '(none)'}")
+    del _REGISTERED[name]
+
+
+def registered() -> dict[str, str]:
+    """User registrations in this process: name -> ``module:Class``."""
+    return {name: _describe(target) for name, target in sorted(_REGISTERED.items())}
+
+
 def compressor_class(name: str) -> type[Compressor]:
-    if name not in COMPRESSORS:
+    if name in COMPRESSORS:
+        return COMPRESSORS[name]
+    target = _REGISTERED.get(name)
+    if target is None and isinstance(name, str) and IMPORT_PATH.match(name):
+        target = name
+    if target is None:
+        users = f", {', '.join(sorted(_REGISTERED))}" if _REGISTERED else ""
         raise ValueError(
-            f"compressor: unknown name {name!r}; allowed: {', '.join(sorted(COMPRESSORS))}"
+            f"compressor: unknown name {name!r}; allowed: {', '.join(sorted(COMPRESSORS))}{users}, "
+            "or an import path 'package.module:Class'"
         )
-    return COMPRESSORS[name]
+    return target if not isinstance(target, str) else _import(name, target)
+
+
+def _import(name: str, path: str) -> type[Compressor]:
+    cls = _IMPORTED.get(path)
+    if cls is None:
+        module_name, _, qualname = path.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"compressor {name!r}: cannot import {module_name!r} ({error})") from None
+        for part in qualname.split("."):
+            if not hasattr(obj, part):
+                raise ValueError(f"compressor {name!r}: module {module_name!r} has no {qualname!r}")
+            obj = getattr(obj, part)
+        cls = _IMPORTED[path] = _check_class(name, obj)
+    return cls
+
+
+def _check_class(name: str, cls: Any) -> type[Compressor]:
+    if not (inspect.isclass(cls) and issubclass(cls, Compressor)):
+        raise ValueError(f"compressor {name!r}: {cls!r} is not a subclass of raycomp.compressors.Compressor")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise ValueError(f"compressor {name!r}: {cls.__name__} does not implement {missing}")
+    if not isinstance(getattr(cls, "name", None), str) or not isinstance(getattr(cls, "transport", None), Transport):
+        raise ValueError(f"compressor {name!r}: {cls.__name__} must set the class attributes "
+                         "'name' (a string) and 'transport' (a raycomp.compressors.Transport)")
+    return cls
+
+
+def _describe(target: type[Compressor] | str) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
 
 
 def make_compressor(name: str, **params: Any) -> Compressor:
@@ -74,5 +170,8 @@ __all__ = [
     "compressor_class",
     "compressor_parameters",
     "make_compressor",
+    "register",
+    "registered",
+    "unregister",
     *(cls.__name__ for cls in COMPRESSORS.values()),
 ]

@@ -1,0 +1,331 @@
+"""The default policy: compress only as much as the measured link makes worth it.
+
+It combines three measurements the controller already has (options:
+``raycomp.config.AdaptivePolicy``; derivation of the cost model: ``docs/cost-model.md``)::
+
+    link (every boundary, from the Timing deltas; per rank and step):
+        dense interval (wire >= 95% of dense bytes):  1 / bw <- EMA(comm_seconds / wire)
+        compressed interval:  overhead <- EMA(max(0, comm - wire / bw) / extra_rounds)
+        compute <- EMA(compute_seconds)
+        (``bandwidth`` set: bw is that, never measured)
+    ladder per compressible layer (heaviest first, dense last):
+        matrix: powersgd r for r in ranks (only ranks whose factors are smaller)
+        other (1-D, or PowerSGD cannot shrink it): topk ratio for ratio in topk_ratios
+    regime (every window_steps; Accordion, per layer):
+        cur, prev = mean grad norm over the last two windows
+        critical = no prev  or  |prev - cur| / prev >= threshold
+        the measured compression error of the window > max_error  =>  error_floor += 1
+        floor = error_floor + (critical_boost if critical else 0)
+    candidates s = 0, 1, ..., S (S: every layer dense):  rung(l, s) = min(floor_l + s, dense)
+        predicted(s) = compute + bytes(s) / bw + extra_rounds(s) * overhead
+        bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k
+        extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer
+    choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted)
+        first decision, or floors changed (regime or error, at most every window): target;
+        otherwise keep the current s while it is within that band, else switch to target
+        once PATIENCE consecutive boundaries say so
+
+Dense is the last candidate, so "don't compress" is an outcome whenever compression saves
+less than ``slack`` (Agarwal et al., "On the Utility of Gradient Compression in Distributed
+Training Systems", MLSys 2022: it paid off in 6 of 200+ data-center setups). PowerSGD is the
+matrix compressor (Vogels et al., NeurIPS 2019): fixed tiny payload, all-reduced, so its
+bytes per rank do not grow with the number of ranks, unlike Top-K's all-gather. Critical
+layers get lighter compression (Agarwal et al., "Adaptive Gradient Communication via
+Critical Learning Regime Identification", MLSys 2021). Until a dense interval has been
+timed (no warm-up) the plan stays dense: that interval measures the link.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+from controllers.policies.base import Policy
+from controllers.state import LayerHistory, RunState
+from raycomp.plan import DENSE, CompressorSpec, Plan
+
+PATIENCE = 2  # consecutive boundaries outside the band before a link-driven switch
+SMOOTHING = 0.5  # EMA weight of the newest measurement
+DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
+HISTORY = 32
+LOWRANK, ALLGATHER, DENSE_FAMILY = "powersgd", "topk", "none"
+
+
+class AdaptivePolicy(Policy):
+    name = "adaptive"
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self.ranks = sorted({int(r) for r in options["ranks"]})
+        self.ratios = sorted({float(r) for r in options["topk_ratios"]})
+        self.threshold = float(options["threshold"])
+        self.window = int(options["window_steps"])
+        self.boost = int(options["critical_boost"])
+        self.max_error = float(options["max_error"])
+        self.slack = float(options["slack"])
+        self.assumed_bw = None if options.get("bandwidth") is None else float(options["bandwidth"])
+        # measurements (per rank, per step)
+        self.bw: float | None = self.assumed_bw
+        self.overhead = float(options["round_seconds"])
+        self.overhead_measured = False
+        self.compute: float | None = None
+        self.seen_step = -1  # latest Timing step taken into the estimates
+        # regimes and floors
+        self.last_detect: int | None = None
+        self.critical: dict[str, bool] = {}
+        self.error_floor: dict[str, int] = {}
+        self.rungs: dict[str, int] = {}  # layer -> rung in the latest plan
+        self.rung_since: dict[str, int] = {}  # layer -> step its rung was decided
+        self.floors: dict[str, int] = {}  # layer -> floor rung at the latest decision
+        # the choice
+        self.shift: int | None = None  # None: nothing decided yet
+        self.dense_chosen = False
+        self.strikes = 0
+        self.switches = 0
+        self.predicted: list[float] = []
+        self.history: deque[list[Any]] = deque(maxlen=HISTORY)  # [step, choice, reason]
+        self._specs: dict[tuple[str, float], CompressorSpec] = {}
+
+    # --- the decision --------------------------------------------------------------------
+    def decide(self, run: RunState) -> Plan | None:
+        self._measure(run)
+        layers = self._compressible(run)
+        if not layers:
+            return Plan(reason="adaptive: no layer large enough to compress")
+        if self.bw is None or self.compute is None:
+            return Plan(reason="adaptive: dense until a dense interval has timed the link")
+        if self.last_detect is None or run.step - self.last_detect >= self.window:
+            self._detect(run, layers)
+        ladders = {name: self._ladder(run, h) for name, h in layers.items()}
+        floors = {name: min(len(ladders[name]) - 1,
+                            self.error_floor.get(name, 0) + (self.boost if self.critical.get(name) else 0))
+                  for name in layers}
+        top = max(len(ladders[n]) - 1 - floors[n] for n in layers)  # the all-dense shift
+        self.predicted = [self._predict(run, layers, ladders, floors, s) for s in range(top + 1)]
+        best = min(self.predicted)
+        within = [s for s, t in enumerate(self.predicted) if t <= (1 + self.slack) * best]
+        target = max(within)
+        current = None if self.shift is None else (top if self.dense_chosen else min(self.shift, top))
+        if current is None or floors != self.floors:
+            current, self.strikes = target, 0  # first decision, or a regime/error change
+        elif current in within:
+            self.strikes = 0
+        else:
+            self.strikes += 1
+            if self.strikes >= PATIENCE:
+                current, self.strikes = target, 0
+                self.switches += 1
+        self.shift, self.dense_chosen, self.floors = current, current == top, floors
+        chosen: dict[str, CompressorSpec] = {}
+        for name in layers:
+            rung = min(floors[name] + current, len(ladders[name]) - 1)
+            if self.rungs.get(name) != rung:
+                self.rungs[name], self.rung_since[name] = rung, run.step
+            if not ladders[name][rung].is_dense:
+                chosen[name] = ladders[name][rung]
+        reason = self._reason(run, layers, chosen, floors, current, top)
+        self.history.append([run.step, current if current < top else "dense", reason])
+        return Plan.per_layer(chosen, reason=reason)
+
+    # --- measurements ----------------------------------------------------------------------
+    def _measure(self, run: RunState) -> None:
+        timings = [t for t in run.timings if t.step > self.seen_step]
+        if not timings:
+            return
+        index = len(run.timings) - len(timings)
+        previous = run.timings[index - 1] if index > 0 else None
+        per_rank = max(1, run.world_size)
+        for t in timings:
+            if previous is None:  # the run's first report: totals count from zero
+                steps, wire, dense = t.step + 1, t.wire_bytes, t.dense_bytes
+            else:
+                steps = t.step - previous.step
+                wire, dense = t.wire_bytes - previous.wire_bytes, t.dense_bytes - previous.dense_bytes
+            previous = t
+            self.seen_step = t.step
+            if steps <= 0 or wire < 0 or dense <= 0:
+                continue  # a restart reset the totals, or nothing was sent: no sample
+            wire, dense = wire / (per_rank * steps), dense / (per_rank * steps)
+            self.compute = _ema(self.compute, max(0.0, t.compute_seconds))
+            if wire >= DENSE_SHARE * dense:
+                if self.assumed_bw is None and t.comm_seconds > 0:
+                    # average seconds per byte, not bytes per second: one slow interval
+                    # after a fast one must weigh as much as the other way round
+                    per_byte = _ema(None if self.bw is None else 1 / self.bw, t.comm_seconds / wire)
+                    self.bw = 1 / per_byte
+            elif self.bw is not None and t is run.timings[-1]:
+                # the layers' compressor names are those of this (the latest) interval
+                extra = _extra_rounds({h.compressor for h in run.layers.values()})
+                if extra:
+                    sample = max(0.0, t.comm_seconds - wire / self.bw) / extra
+                    self.overhead = sample if not self.overhead_measured else _ema(self.overhead, sample)
+                    self.overhead_measured = True
+
+    def _detect(self, run: RunState, layers: dict[str, LayerHistory]) -> None:
+        """Accordion's regime per layer, and the error check of the window that ended."""
+        step, w = run.step, self.window
+        for name, h in layers.items():
+            cur = _mean([v for s, v in h.grad_norm if step - w < s <= step])
+            prev = _mean([v for s, v in h.grad_norm if step - 2 * w < s <= step - w])
+            if cur is not None:
+                if prev is None:
+                    self.critical[name] = True  # training starts in a critical regime
+                elif prev > 0:
+                    self.critical[name] = abs(prev - cur) / prev >= self.threshold
+                else:
+                    self.critical[name] = cur > 0
+            if name in self.rungs:  # error of the current rung, measured after it arrived
+                since = max(self.last_detect if self.last_detect is not None else -1,
+                            self.rung_since[name] + 2 * run.interval_steps)
+                error = _mean([e for s, e in h.compression_error if s > since and e > 0])
+                if error is not None and error > self.max_error:
+                    self.error_floor[name] = self.error_floor.get(name, 0) + 1
+        self.last_detect = step
+
+    # --- the cost model ---------------------------------------------------------------------
+    def _compressible(self, run: RunState) -> dict[str, LayerHistory]:
+        return {n: h for n, h in run.layers.items() if h.numel >= max(1, self.min_numel)}
+
+    def _spec(self, family: str, value: float) -> CompressorSpec:
+        key = (family, value)
+        if key not in self._specs:
+            self._specs[key] = (CompressorSpec.of(LOWRANK, rank=int(value)) if family == LOWRANK
+                                else CompressorSpec.of(ALLGATHER, ratio=value))
+        return self._specs[key]
+
+    def _ladder(self, run: RunState, h: LayerHistory) -> list[CompressorSpec]:
+        rows, cols = _matrix(h)
+        ranks = [r for r in self.ranks if (rows + cols) * min(r, rows, cols) < rows * cols]
+        if ranks:
+            return [*(self._spec(LOWRANK, r) for r in ranks), DENSE]
+        return [*(self._spec(ALLGATHER, r) for r in self.ratios), DENSE]
+
+    def _predict(self, run: RunState, layers: dict[str, LayerHistory],
+                 ladders: dict[str, list[CompressorSpec]], floors: dict[str, int], shift: int) -> float:
+        w = max(1, run.world_size)
+        allreduce = 2 * (w - 1) / w
+        families = set()
+        total = 0.0
+        for name, h in run.layers.items():
+            element = _element_bytes(h, w, allreduce)
+            if name not in layers:
+                total += allreduce * element * h.numel
+                families.add(DENSE_FAMILY)
+                continue
+            spec = ladders[name][min(floors[name] + shift, len(ladders[name]) - 1)]
+            families.add(spec.name)
+            if spec.name == LOWRANK:
+                rows, cols = _matrix(h)
+                total += allreduce * 4 * (rows + cols) * min(dict(spec.params)["rank"], rows, cols)
+            elif spec.name == ALLGATHER:
+                k = max(1, min(h.numel, math.ceil(dict(spec.params)["ratio"] * h.numel)))
+                total += (w - 1) * k * (element + 4)
+            else:
+                total += allreduce * element * h.numel
+        assert self.bw is not None and self.compute is not None
+        return self.compute + total / self.bw + _extra_rounds(families) * self.overhead
+
+    def _reason(self, run: RunState, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec],
+                floors: dict[str, int], shift: int, top: int) -> str:
+        assert self.bw is not None and self.compute is not None
+        dense_s, best_s = self.predicted[top], self.predicted[shift]
+        ratio = (dense_s - self.compute) / self.compute if self.compute > 0 else math.inf
+        link = f"{'slow' if ratio >= 1 else 'fast'} link {self.bw / 1e6:.3g} MB/s, comm {ratio:.2g}x compute"
+        if not chosen:
+            lightest = min(self.predicted[:top]) if top else dense_s
+            return f"{link} → dense: compressed {lightest * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms"
+        groups: dict[str, list[str]] = {}
+        for name, spec in sorted(chosen.items()):
+            groups.setdefault(_label(spec), []).append(name)
+        parts = [f"{label} on {len(names)}" for label, names in
+                 sorted(groups.items(), key=lambda g: (-len(g[1]), g[0]))]
+        critical = sum(1 for n in layers if self.critical.get(n))
+        raised = sum(1 for n in layers if self.error_floor.get(n))
+        dense = len(layers) - len(chosen)
+        extras = [f"{critical} critical"] if critical else []
+        extras += [f"{raised} lighter for error"] if raised else []
+        extras += [f"{dense} dense"] if dense else []
+        tail = f" ({', '.join(extras)})" if extras else ""
+        return (f"{link} → {'; '.join(parts)}{tail}; "
+                f"{best_s * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms")
+
+    # --- reporting and state -------------------------------------------------------------------
+    def details(self) -> dict[str, Any]:
+        return {
+            "bandwidth_bytes_per_s": self.bw, "bandwidth_assumed": self.assumed_bw is not None,
+            "round_overhead_s": self.overhead, "round_overhead_measured": self.overhead_measured,
+            "compute_s": self.compute, "predicted_step_s": list(self.predicted),
+            "shift": self.shift, "dense": self.dense_chosen, "switches": self.switches,
+            "critical_layers": sorted(n for n, c in self.critical.items() if c),
+            "error_floor": dict(self.error_floor), "last_detection_step": self.last_detect,
+            "history": list(self.history),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bw": self.bw, "overhead": self.overhead, "overhead_measured": self.overhead_measured,
+            "compute": self.compute, "seen_step": self.seen_step, "last_detect": self.last_detect,
+            "critical": dict(self.critical), "error_floor": dict(self.error_floor),
+            "rungs": dict(self.rungs), "rung_since": dict(self.rung_since), "floors": dict(self.floors),
+            "shift": self.shift,
+            "dense_chosen": self.dense_chosen, "strikes": self.strikes, "switches": self.switches,
+            "history": [list(h) for h in self.history],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return  # nothing saved yet: start fresh
+        self.bw = state["bw"] if self.assumed_bw is None else self.assumed_bw
+        self.overhead, self.overhead_measured = float(state["overhead"]), bool(state["overhead_measured"])
+        self.compute, self.seen_step = state["compute"], int(state["seen_step"])
+        self.last_detect = state["last_detect"]
+        self.critical = {k: bool(v) for k, v in state["critical"].items()}
+        self.error_floor = {k: int(v) for k, v in state["error_floor"].items()}
+        self.rungs = {k: int(v) for k, v in state["rungs"].items()}
+        self.rung_since = {k: int(v) for k, v in state["rung_since"].items()}
+        self.floors = {k: int(v) for k, v in state["floors"].items()}
+        self.shift, self.dense_chosen = state["shift"], bool(state["dense_chosen"])
+        self.strikes, self.switches = int(state["strikes"]), int(state["switches"])
+        self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _extra_rounds(families: set[str]) -> int:
+    """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes)."""
+    return 2 * (LOWRANK in families) + 1 * (ALLGATHER in families)
+
+
+def _matrix(h: LayerHistory) -> tuple[int, int]:
+    """PowerSGD's matrix view (first dim x rest); a square guess without a shape."""
+    if h.shape is None:
+        side = max(1, math.isqrt(h.numel))
+        return side, max(1, h.numel // side)
+    if len(h.shape) < 2:
+        return 1, h.numel  # a vector: factors are never smaller
+    return h.shape[0], h.numel // max(1, h.shape[0])
+
+
+def _element_bytes(h: LayerHistory, world_size: int, allreduce: float) -> float:
+    """Bytes per gradient element from the measured dense bytes (the sum over the ranks of
+    one step), rounded to 2, 4 or 8; 4 (fp32) before any measurement."""
+    if h.dense_bytes <= 0 or not h.numel or allreduce <= 0:
+        return 4.0
+    measured = h.dense_bytes / (world_size * allreduce * h.numel)
+    return min((2.0, 4.0, 8.0), key=lambda size: abs(size - measured))
+
+
+def _label(spec: CompressorSpec) -> str:
+    params = dict(spec.params)
+    if spec.name == LOWRANK:
+        return f"powersgd r={params['rank']}"
+    if spec.name == ALLGATHER:
+        return f"topk {params['ratio']:g}"
+    return str(spec)
