@@ -88,9 +88,9 @@ COMPUTE = "compute_only"
 #: per workload: config file, step budget, eval cadence, dense warm-up W (first compressed
 #: step), quick settings. Budgets: see the report's "Budget" line and docs in the configs.
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "gpt": {"config": "jobs/configs/gpt_kjv.yaml", "full": {"steps": 240, "eval_every": 20},
+    "gpt": {"config": "jobs/configs/gpt_kjv.yaml", "full": {"steps": 160, "eval_every": 20},
             "quick": {"steps": 40, "eval_every": 10}, "warmup": 20},
-    "cnn": {"config": "jobs/configs/cnn_fashion.yaml", "full": {"steps": 240, "eval_every": 20},
+    "cnn": {"config": "jobs/configs/cnn_fashion.yaml", "full": {"steps": 160, "eval_every": 20},
             "quick": {"steps": 40, "eval_every": 10}, "warmup": 20},
     "mlp": {"config": "jobs/configs/digits.yaml",
             "overrides": ["workload.model_width=448", "workload.batch_size=32", "workload.lr=0.05",

@@ -233,3 +233,43 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     text = paths[1].read_text()
     assert "MISS" in text and "raycomp_adaptive" in text
     assert json.loads(paths[0].read_text())["methods"][1]["name"] == "raycomp_adaptive"
+
+
+# --- a tiny real run ------------------------------------------------------------------------------
+def _root_with_netns() -> bool:
+    import os
+    import shutil
+
+    return os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("tc"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _root_with_netns(), reason="needs root and iproute2 (network namespaces)")
+def test_tiny_real_run_over_the_throttled_link(tmp_path):
+    """2 Ray nodes in namespaces, the digits MLP, dense and raycomp Top-K, 44 steps each."""
+    import os
+    import subprocess
+    import sys
+
+    from jobs.netns import NS_PREFIX, namespaces
+
+    before = {n for n in namespaces() if n.startswith(NS_PREFIX)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.bench", "e2e", "--quick", "--workload", "mlp", "--methods",
+         "dense,raycomp_topk", "--steps", "44", "--eval-every", "22", "--output-dir", str(tmp_path),
+         "--work-dir", str(tmp_path / "work")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "e2e-mlp-100mbit.json").read_text())
+    assert [m["name"] for m in results["methods"]] == ["dense", "raycomp_topk"]
+    assert results["link"]["measured_mbit_s"] == pytest.approx(95, abs=10)
+    assert results["compute_step_s"] > 0
+    for m in results["methods"]:
+        assert m["status_seeds"] == ["succeeded"] and m["steps_seeds"] == [44], m["errors"]
+        assert [p["step"] for p in m["runs"][0]["curve"]] == [22, 44]
+        assert m["nic_bytes"] > 0.9 * m["wire_bytes"] > 0
+    dense, topk = results["methods"]
+    assert topk["first_compressed_step_seeds"] == [20]  # the shared dense warm-up
+    assert topk["wire_bytes"] < dense["wire_bytes"] / 3
+    assert {n for n in namespaces() if n.startswith(NS_PREFIX)} <= before  # torn down
