@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from raycomp.plan import CompressorSpec
 
@@ -94,15 +102,22 @@ class WorkloadSection(_Strict):
             resolve_entrypoint(value)  # raises ValueError: one line naming what is wrong
         return value
 
-    @model_validator(mode="after")
-    def _model_fits(self) -> WorkloadSection:
-        allowed = WORKLOAD_MODELS[self.name]
-        if self.model is not None and self.entrypoint is None and self.model not in allowed:
-            raise ValueError(f"model: {self.name} has the models {', '.join(map(repr, allowed))}, "
-                             f"got {self.model!r}")
-        if self.model_heads and self.model_width and self.model_width % self.model_heads:
-            raise ValueError(f"model_heads: {self.model_heads} must divide model_width ({self.model_width})")
-        return self
+    @field_validator("model")
+    @classmethod
+    def _model_fits(cls, value: str | None, info: ValidationInfo) -> str | None:
+        name = info.data.get("name")
+        allowed = WORKLOAD_MODELS.get(name, ())
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} has the models {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+
+    @field_validator("model_heads")
+    @classmethod
+    def _heads_divide(cls, value: int | None, info: ValidationInfo) -> int | None:
+        width = info.data.get("model_width")
+        if value and width and width % value:
+            raise ValueError(f"{value} must divide model_width ({width})")
+        return value
 
 
 #: the models each shipped workload offers (first: its default)
