@@ -271,5 +271,6 @@ def test_tiny_real_run_over_the_throttled_link(tmp_path):
         assert m["nic_bytes"] > 0.9 * m["wire_bytes"] > 0
     dense, topk = results["methods"]
     assert topk["first_compressed_step_seeds"] == [20]  # the shared dense warm-up
-    assert topk["wire_bytes"] < dense["wire_bytes"] / 3
+    # 20 of 44 steps dense (the warm-up), then Top-1% (values + indices, all-gathered)
+    assert 20 / 44 <= topk["wire_bytes"] / dense["wire_bytes"] < 20 / 44 + 0.05
     assert {n for n in namespaces() if n.startswith(NS_PREFIX)} <= before  # torn down
