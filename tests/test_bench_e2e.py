@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -274,3 +275,70 @@ def test_tiny_real_run_over_the_throttled_link(tmp_path):
     # 20 of 44 steps dense (the warm-up), then Top-1% (values + indices, all-gathered)
     assert 20 / 44 <= topk["wire_bytes"] / dense["wire_bytes"] < 20 / 44 + 0.05
     assert {n for n in namespaces() if n.startswith(NS_PREFIX)} <= before  # torn down
+
+
+# --- torch's hooks as the benchmark configures them (raycomp/baselines.py) -----------------------
+def _torch_hook_steps(rank: int, world: int, hook: str, warmup: int) -> list[tuple[Any, Any]]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raycomp.baselines import ddp_kwargs, one_bucket_cap_mb, register_torch_hook
+    from raycomp.config import CompressionSection
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
+    compression = CompressionSection(baseline_hook=hook, baseline_warmup_steps=warmup,
+                                     baseline_powersgd_start_iter=max(2, warmup), baseline_powersgd_rank=1,
+                                     baseline_bucket_cap_mb=one_bucket_cap_mb(model))
+    ddp = DDP(model, **ddp_kwargs(compression))
+    register_torch_hook(ddp, compression)
+    out = []
+    for step in range(4):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(100 * step + rank))
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+        local = [p.grad.clone() for p in model.parameters()]  # already reduced by the hook
+        ddp.zero_grad()
+        with ddp.no_sync():  # this rank's own gradient, for the fp32 reference mean
+            ddp(x).square().mean().backward()
+        own = [p.grad.clone() for p in model.parameters()]
+        for g in own:
+            torch.distributed.all_reduce(g)
+            g /= world
+        out.append((local, own))
+    return out
+
+
+@pytest.mark.parametrize("hook", ["torch_fp16", "torch_bf16"])
+def test_cast_hooks_all_reduce_fp32_during_the_shared_warmup(hook):
+    import torch
+
+    from tests.distributed import run_distributed
+
+    ranks = run_distributed(_torch_hook_steps, 2, hook, 2)
+    dtype = torch.float16 if hook == "torch_fp16" else torch.bfloat16
+    for step, ((got, mean), (got1, _)) in enumerate(zip(ranks[0], ranks[1], strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(got, got1, strict=True))  # ranks agree
+        cast = all(torch.equal(g, g.to(dtype).float()) for g in got)
+        if step < 2:  # the dense warm-up: exactly the fp32 mean, not representable in the cast
+            assert all(torch.allclose(g, m, rtol=1e-6, atol=1e-9) for g, m in zip(got, mean, strict=True))
+            assert not cast
+        else:
+            assert cast
+            assert all(torch.allclose(g, m, rtol=2e-2, atol=1e-3) for g, m in zip(got, mean, strict=True))
+
+
+def test_torch_powersgd_runs_on_gloo_in_one_bucket_after_the_warmup():
+    import torch
+
+    from tests.distributed import run_distributed
+
+    ranks = run_distributed(_torch_hook_steps, 2, "torch_powersgd", 2)
+    for step, ((got, mean), (got1, _)) in enumerate(zip(ranks[0], ranks[1], strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(got, got1, strict=True))
+        weight, bias = got[2], got[3]
+        if step < 2:
+            assert torch.allclose(weight, mean[2], rtol=1e-5, atol=1e-8)
+        else:  # rank 1: the 512x512 weight's gradient is a rank-1 approximation
+            assert torch.linalg.matrix_rank(weight).item() == 1
+            assert torch.allclose(bias, mean[3], rtol=1e-5, atol=1e-8)  # 1-D: all-reduced densely
