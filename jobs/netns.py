@@ -11,7 +11,8 @@ What it builds (root required; ``iproute2``):
 * a veth pair ``rcb<sfx>a`` (in a) / ``rcb<sfx>b`` (in b), created directly inside the
   namespaces (no interface of the root namespace is ever created or touched), addressed
   ``10.77.<x>.1/24`` and ``10.77.<x>.2/24`` with ``x`` taken from the suffix;
-* egress shaping on *both* veth ends, so each direction is limited to ``rate``:
+* egress shaping on *both* veth ends, so each direction is limited to ``rate`` (``rate=None``
+  or ``"fast"``: no shaping at all, an unshaped veth — the "fast link" of the benchmarks):
   ``netem delay <latency>`` as root qdisc with a ``tbf rate <rate>`` child when the kernel
   has ``sch_netem``; otherwise ``tbf`` alone and :attr:`ThrottledLink.latency_applied` is
   False (the added latency is then recorded as not emulated — see :meth:`shaping`).
@@ -64,8 +65,16 @@ class NetnsError(RuntimeError):
     """Setting up the namespaces failed (the partial set-up has been torn down)."""
 
 
-def parse_rate(text: str | float) -> float:
-    """``"100mbit"`` -> 1e8 (bits per second); tc's units, k/m/g = powers of 1000."""
+FAST = "fast"  # an unshaped veth
+
+
+def parse_rate(text: str | float | None) -> float | None:
+    """``"100mbit"`` -> 1e8 (bits per second); tc's units, k/m/g = powers of 1000.
+
+    ``None`` or ``"fast"``: no shaping (returns None).
+    """
+    if text is None or (isinstance(text, str) and text.strip().lower() == FAST):
+        return None
     if isinstance(text, (int, float)):
         return float(text)
     match = _RATE_RE.match(text)
@@ -86,8 +95,10 @@ def parse_latency(text: str | float) -> float:
     return float(match.group(1)) * _TIME_UNITS[unit]
 
 
-def rate_label(bits_per_s: float) -> str:
-    """1e8 -> ``"100mbit"`` (for file names)."""
+def rate_label(bits_per_s: float | None) -> str:
+    """1e8 -> ``"100mbit"`` (for file names); None (unshaped) -> ``"fast"``."""
+    if bits_per_s is None:
+        return FAST
     for unit, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bits_per_s >= factor and (bits_per_s / factor).is_integer():
             return f"{int(bits_per_s / factor)}{unit}"
@@ -166,7 +177,7 @@ atexit.register(_close_all)
 class ThrottledLink:
     """Namespaces ``a`` and ``b`` joined by a veth pair shaped to ``rate`` each way."""
 
-    def __init__(self, rate: str | float = "100mbit", latency: str | float = "0",
+    def __init__(self, rate: str | float | None = "100mbit", latency: str | float = "0",
                  suffix: str | None = None, mtu: int = 1500) -> None:
         self.rate_bps = parse_rate(rate)
         self.latency_s = parse_latency(latency)
@@ -245,6 +256,8 @@ class ThrottledLink:
     def _shape(self, side: str) -> str:
         """Egress shaping of one veth end; returns the qdisc description."""
         tc, ns, dev = _tc(), self.ns[side], self.dev[side]
+        if self.rate_bps is None:
+            return "none (unshaped veth)"
         rate_bytes = self.rate_bps / 8
         # burst: >= 1 ms at the rate and a few full frames (the timer granularity); queue:
         # 100 ms at the rate (no drops in normal use, a TCP flow just queues up)

@@ -1,7 +1,18 @@
-"""The three shipped workloads, each: model, data order by (seed, epoch, step), evaluation.
+"""The shipped workloads, each: model, data order by (seed, epoch, step), evaluation.
 
-Data order depends only on ``(seed, epoch, step)`` — never on how many times a worker
+* ``digits``: an MLP on sklearn's digits (fast tests);
+* ``fashion_mnist``: a small CNN (``model: cnn``) or a 2.5M-parameter BatchNorm CNN
+  (``model: bn_cnn``, ``jobs/configs/cnn_fashion.yaml``) on Fashion-MNIST;
+* ``kjv``: a decoder-only character transformer on the King James Bible (its size from
+  ``model_width``/``model_layers``/``model_heads``/``block``; ``jobs/configs/gpt_kjv.yaml``
+  is the 3.2M-parameter one);
+* ``workload.entrypoint=pkg.mod:build``: a user workload, any callable with the signature of
+  :func:`build` returning a :class:`Workload`.
+
+Data order depends only on ``(seed, epoch, step, rank)`` — never on how many times a worker
 restarted — so a run resumed from a checkpoint sees exactly the batches it would have.
+Evaluation uses a fixed validation set (the same examples or windows every time, no RNG),
+so evaluations are comparable across steps, ranks, runs and methods.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import torch
 from torch import nn
 
 from raycomp import data, models
-from raycomp.config import WorkloadSection
+from raycomp.config import WorkloadSection, resolve_entrypoint
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -27,8 +38,23 @@ class Workload:
     evaluate: Callable[[nn.Module], float]
     metric: str  # "accuracy" (higher is better) or "loss" (lower is better)
 
+    @property
+    def lower_is_better(self) -> bool:
+        return self.metric == "loss"
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
 
 def build(config: WorkloadSection, rank: int, world_size: int, seed: int) -> Workload:
+    """This rank's workload; the model's initial weights depend on ``seed`` only."""
+    if config.entrypoint is not None:
+        workload = resolve_entrypoint(config.entrypoint)(config, rank, world_size, seed)
+        if not isinstance(workload, Workload):
+            raise TypeError(f"workload.entrypoint: {config.entrypoint} returned "
+                            f"{type(workload).__name__}, not a jobs.workloads.Workload")
+        return workload
     torch.manual_seed(seed)  # identical initial weights on every rank
     if config.name == "kjv":
         return _kjv(config, rank, world_size, seed)
@@ -37,8 +63,21 @@ def build(config: WorkloadSection, rank: int, world_size: int, seed: int) -> Wor
         model = models.mlp(hidden=config.model_width or 512)
     else:
         train, test = data.fashion_mnist(config.data_dir or data.FASHION_MNIST_DIR)
-        model = models.fashion_cnn()
+        if config.model == "bn_cnn":
+            model = models.bn_cnn(hidden=config.model_width or 384)
+        else:
+            model = models.fashion_cnn()
+    if config.eval_examples:  # the first N test examples: a fixed, cheaper validation set
+        test = data.Split(test.x[:config.eval_examples], test.y[:config.eval_examples])
     return _classification(config, model, train, test, rank, world_size, seed)
+
+
+def metric_of(config: WorkloadSection, seed: int = 0) -> str:
+    """The workload's evaluation metric ("accuracy" or "loss") without loading its data
+    for the shipped ones (an entry point is built to ask it)."""
+    if config.entrypoint is not None:
+        return build(config, 0, 1, seed).metric
+    return "loss" if config.name == "kjv" else "accuracy"
 
 
 def _classification(config: WorkloadSection, model: nn.Module, train: data.Split, test: data.Split,
@@ -64,7 +103,8 @@ def _classification(config: WorkloadSection, model: nn.Module, train: data.Split
 
 def _kjv(config: WorkloadSection, rank: int, world_size: int, seed: int) -> Workload:
     corpus = data.kjv_corpus(max_chars=config.max_chars)
-    model = models.char_transformer(corpus.vocab_size, block=config.block, d_model=config.model_width or 128)
+    model = models.char_transformer(corpus.vocab_size, block=config.block, d_model=config.model_width or 128,
+                                    heads=config.model_heads or 4, layers=config.model_layers or 2)
     steps = config.steps_per_epoch or 200
 
     def batches(epoch: int, start: int) -> Iterator[Batch]:

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from raycomp.plan import CompressorSpec
 
@@ -73,6 +81,69 @@ class WorkloadSection(_Strict):
     data_dir: str | None = None  # fashion_mnist: IDX files (default: the Debian package's)
     #: evaluate every this many steps on the fixed validation set (None: once per epoch)
     eval_every_steps: Annotated[int | None, Field(ge=1)] = None
+    #: the model of the workload (None: its default): digits ``mlp``; fashion_mnist ``cnn`` or
+    #: ``bn_cnn`` (BatchNorm, 2.5M parameters); kjv ``transformer``
+    model: str | None = None
+    model_layers: Annotated[int | None, Field(ge=1, le=64)] = None  # kjv: transformer blocks (2)
+    model_heads: Annotated[int | None, Field(ge=1, le=64)] = None  # kjv: attention heads (4)
+    #: fashion_mnist: evaluate on the first N test images only (a fixed validation set)
+    eval_examples: Annotated[int | None, Field(ge=1, le=10_000)] = None
+    #: a user workload, ``package.module:callable`` with the signature of ``jobs.workloads.build``
+    #: returning a ``Workload``; when set it replaces ``name``
+    entrypoint: str | None = None
+    #: stop once ``eval_<metric>`` has met this value (<= for a loss, >= for an accuracy) at
+    #: ``stop_consecutive`` consecutive evaluations (benchmarks: time to target)
+    stop_at_target: float | None = None
+    stop_consecutive: Annotated[int, Field(ge=1, le=100)] = 2
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _importable(cls, value: str | None) -> str | None:
+        if value is not None:
+            resolve_entrypoint(value)  # raises ValueError: one line naming what is wrong
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_fits(cls, value: str | None, info: ValidationInfo) -> str | None:
+        name = info.data.get("name")
+        allowed = WORKLOAD_MODELS.get(name, ())
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} has the models {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+
+    @field_validator("model_heads")
+    @classmethod
+    def _heads_divide(cls, value: int | None, info: ValidationInfo) -> int | None:
+        width = info.data.get("model_width")
+        if value and width and width % value:
+            raise ValueError(f"{value} must divide model_width ({width})")
+        return value
+
+
+#: the models each shipped workload offers (first: its default)
+WORKLOAD_MODELS = {"digits": ("mlp",), "fashion_mnist": ("cnn", "bn_cnn"), "kjv": ("transformer",)}
+_ENTRYPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def resolve_entrypoint(path: str) -> Any:
+    """``package.module:callable`` -> the callable; ValueError with one line otherwise."""
+    import importlib
+
+    if not _ENTRYPOINT.match(path):
+        raise ValueError(f"expected 'package.module:function', got {path!r}")
+    module_name, attr = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - any import failure is a bad entry point
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"cannot import {module_name!r} ({message})") from None
+    target = getattr(module, attr, None)
+    if target is None:
+        raise ValueError(f"module {module_name!r} has no {attr!r}")
+    if not callable(target):
+        raise ValueError(f"{path!r} is not callable")
+    return target
 
 
 class ScalingSection(_Strict):
@@ -248,9 +319,16 @@ class CompressionSection(_Strict):
     guard: GuardSection = GuardSection()
     lr_scaling: LrScalingSection = LrScalingSection()
     #: compare against torch's own DDP hooks instead of raycomp's (benchmarks)
-    baseline_hook: Literal["none", "torch_allreduce", "torch_fp16", "torch_powersgd"] = "none"
+    baseline_hook: Literal["none", "torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd"] = "none"
     baseline_powersgd_rank: Annotated[int, Field(ge=1)] = 2
     baseline_powersgd_start_iter: Annotated[int, Field(ge=1)] = 10
+    #: torch_fp16/torch_bf16: all-reduce fp32 for this many steps first (the dense warm-up
+    #: every method of a benchmark shares; torch_powersgd uses baseline_powersgd_start_iter)
+    baseline_warmup_steps: Annotated[int, Field(ge=0)] = 0
+    #: DDP ``bucket_cap_mb`` for ``prepare_model(parallel_strategy_kwargs=...)`` (None: DDP's
+    #: default). torch's powerSGD_hook on gloo needs the whole model in one bucket: a cap above
+    #: the model's fp32 size does it (DDP's first bucket then uses the cap too)
+    baseline_bucket_cap_mb: Annotated[float | None, Field(gt=0, le=100_000)] = None
 
     @field_validator("policy")
     @classmethod
@@ -423,7 +501,8 @@ def check_resources(config: JobConfig) -> None:
     from raycomp import data
 
     fashion_dir = Path(config.workload.data_dir or data.FASHION_MNIST_DIR)
-    if config.workload.name == "fashion_mnist":
+    shipped = config.workload.entrypoint is None  # a user workload checks its own data
+    if shipped and config.workload.name == "fashion_mnist":
         if not (fashion_dir / "train-images-idx3-ubyte.gz").is_file():
             raise ConfigError(
                 f"workload.data_dir: no Fashion-MNIST in {str(fashion_dir)!r}; install the Debian "
@@ -434,7 +513,7 @@ def check_resources(config: JobConfig) -> None:
                 data.idx_header(fashion_dir / name)
             except (OSError, ValueError, EOFError) as error:
                 raise ConfigError(f"workload.data_dir: {name} is unreadable: {error}") from None
-    if config.workload.name == "kjv" and shutil.which("bible") is None and not data.kjv_cache_file().is_file():
+    if shipped and config.workload.name == "kjv" and shutil.which("bible") is None and not data.kjv_cache_file().is_file():
         raise ConfigError(
             "workload.name: kjv needs the Debian packages 'bible-kjv bible-kjv-text' "
             "(program 'bible' not found)"

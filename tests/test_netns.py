@@ -87,8 +87,9 @@ def test_units() -> None:
     assert parse_latency("1ms") == pytest.approx(1e-3)
     assert parse_latency("500us") == pytest.approx(5e-4)
     assert parse_latency("0") == 0
+    assert parse_rate("fast") is None and parse_rate(None) is None and rate_label(None) == "fast"
     assert rate_label(1e8) == "100mbit" and rate_label(1e9) == "1gbit" and rate_label(5e5) == "500kbit"
-    for bad in ("fast", "-1mbit", "0"):
+    for bad in ("slow", "-1mbit", "0"):
         with pytest.raises(ValueError):
             parse_rate(bad)
 
@@ -109,22 +110,12 @@ def test_torch_hook_bytes_model() -> None:
     numel = 512 * 64 + 512 + 10 * 512 + 10
     assert torch_hook_bytes("allreduce", layers, 2, 3) == [4 * numel] * 3  # 2(W-1)/W = 1 at W=2
     assert torch_hook_bytes("fp16", layers, 4, 1) == [1.5 * 2 * numel]
+    # the casts all-reduce fp32 during the shared dense warm-up
+    assert torch_hook_bytes("bf16", layers, 2, 3, start_iter=2) == [4 * numel, 4 * numel, 2 * numel]
     steps = torch_hook_bytes("powersgd", layers, 2, 4, rank=2, start_iter=2)
     assert steps[:2] == [4 * numel] * 2
     # w1, w2 compressed to (n + m) x 2; the biases go uncompressed
     assert steps[2] == 4 * ((512 + 64) * 2 + (10 + 512) * 2 + 512 + 10)
-
-
-def test_step_time_skips_epoch_ends() -> None:
-    from jobs.bench_e2e import step_time
-
-    # 22 steps per epoch; flushes every 10 steps and at the epoch end; the interval that
-    # holds the epoch end (and its evaluation) is excluded
-    flushes = [[1.0, 10], [2.0, 20], [2.2, 22], [10.0, 30], [11.0, 40], [11.4, 44]]
-    seconds, steps = step_time(flushes, 22, 10)
-    assert steps == 10 + 10  # (10, 20) and (30, 40)
-    assert seconds == pytest.approx((1.0 + 1.0) / 20)
-    assert step_time(flushes, 22, 30) == (pytest.approx(0.1), 10)
 
 
 # --- the link ------------------------------------------------------------------------------
@@ -169,6 +160,19 @@ def test_teardown_on_error_and_close_is_idempotent() -> None:
     link.close()
     with pytest.raises(NetnsError):
         link.popen("a", ["true"])
+
+
+@needs_netns
+def test_fast_link_is_an_unshaped_veth() -> None:
+    link = ThrottledLink("fast")
+    with link:
+        assert link.rate_bps is None
+        for side in ("a", "b"):
+            assert "tbf" not in {q["kind"] for q in link.qdisc_stats(side)}
+        shaping = link.shaping()
+        assert shaping["rate"] == "fast" and shaping["qdisc"]["a"].startswith("none")
+        assert link.measure_throughput(0.5, "a")["bits_per_s"] > 2 * parse_rate("100mbit")
+    _assert_gone(link)
 
 
 _CHILD = """

@@ -5,11 +5,14 @@ from __future__ import annotations
 import gzip
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from jobs.workloads import Workload, build, metric_of, optimizer_for
+from raycomp.config import ConfigError, WorkloadSection, load_config
 from raycomp.data import KJV_PACKAGES, digits, fashion_mnist, kjv_corpus, kjv_text, read_idx
 from raycomp.models import char_transformer, evaluate_lm, lm_loss
 
@@ -167,3 +170,172 @@ def test_read_idx_rejects_truncated_and_foreign_files(tmp_path):
     foreign.write_bytes(bytes([0, 0, 0x0D, 2]) + header[4:])
     with pytest.raises(ValueError, match="not an unsigned-byte IDX"):
         read_idx(foreign)
+
+
+# --- the shipped communication-bound workloads (jobs/configs) ---------------------------------
+REPO = Path(__file__).resolve().parents[1]
+GPT_PARAMETERS = 3_224_639  # documented in jobs/configs/gpt_kjv.yaml
+CNN_PARAMETERS = 2_506_346  # documented in jobs/configs/cnn_fashion.yaml
+
+
+def _config(name: str, *overrides: str):
+    return load_config(REPO / "jobs" / "configs" / f"{name}.yaml", list(overrides)).workload
+
+
+@pytest.fixture(scope="module")
+def kjv_cached(cache):
+    """Workloads read the KJV from $RAYCOMP_CACHE_DIR: point it at the test's private cache."""
+    kjv_text(cache)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAYCOMP_CACHE_DIR", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def gpt(kjv_cached):
+    return _config("gpt_kjv")
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return _config("cnn_fashion")
+
+
+def test_shipped_configs_have_the_documented_sizes(gpt, cnn):
+    g = build(gpt, 0, 2, seed=0)
+    assert g.parameters == GPT_PARAMETERS and g.metric == "loss" and g.lower_is_better
+    assert f"{GPT_PARAMETERS:,}" in (REPO / "jobs/configs/gpt_kjv.yaml").read_text()
+    assert (gpt.batch_size * gpt.block, gpt.block, gpt.eval_every_steps) == (768, 128, 50)
+    c = build(cnn, 1, 2, seed=0)
+    assert c.parameters == CNN_PARAMETERS and c.metric == "accuracy" and not c.lower_is_better
+    assert f"{CNN_PARAMETERS:,}" in (REPO / "jobs/configs/cnn_fashion.yaml").read_text()
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in c.model.modules())
+    # same seed, same initial weights on every rank; another seed, other weights
+    again = build(gpt, 1, 2, seed=0).model.state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in g.model.state_dict().items())
+    other = build(gpt, 0, 2, seed=1).model.state_dict()
+    assert not all(torch.equal(v, other[k]) for k, v in g.model.state_dict().items())
+
+
+def _first(workload, epoch: int = 0, start: int = 0):
+    return next(iter(workload.batches(epoch, start)))
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_batches_are_fixed_by_seed_epoch_and_rank(name, request):
+    config = request.getfixturevalue(name)
+    x, y = _first(build(config, 0, 2, seed=3), epoch=2)
+    x2, y2 = _first(build(config, 0, 2, seed=3), epoch=2)
+    assert torch.equal(x, x2) and torch.equal(y, y2)  # a fresh build: the same batch
+    assert len(y) == config.batch_size
+    assert not torch.equal(x, _first(build(config, 1, 2, seed=3), epoch=2)[0])  # the other rank
+    assert not torch.equal(x, _first(build(config, 0, 2, seed=3), epoch=3)[0])  # the next epoch
+    assert not torch.equal(x, _first(build(config, 0, 2, seed=4), epoch=2)[0])  # another seed
+    # resuming mid-epoch gives the tail of the same epoch
+    full = list(build(config, 1, 2, seed=3).batches(1, 0))
+    tail = list(build(config, 1, 2, seed=3).batches(1, 47))
+    assert len(full) == config.steps_per_epoch == 50 and len(tail) == 3
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full[47:], tail, strict=True))
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_evaluation_is_deterministic_and_training_lowers_the_loss(name, request):
+    config = request.getfixturevalue(name)
+    torch.set_num_threads(1)
+    workload = build(config, 0, 1, seed=0)
+    model = workload.model
+    first = workload.evaluate(model)
+    assert workload.evaluate(model) == first  # the same validation set, no RNG
+    assert build(config, 1, 2, seed=0).evaluate(model) == first  # on any rank, from any build
+    assert model.training  # evaluation restores the mode
+    optimizer, _ = optimizer_for(config, model, total_steps=1000)
+    batches = workload.batches(0, 0)
+    fixed = _first(workload)
+    with torch.no_grad():
+        before = float(workload.loss(model(fixed[0]), fixed[1]))
+    for _ in range(12):
+        x, y = next(batches)
+        optimizer.zero_grad()
+        workload.loss(model(x), y).backward()
+        optimizer.step()
+    with torch.no_grad():
+        after = float(workload.loss(model(fixed[0]), fixed[1]))
+    evaluated = workload.evaluate(model)
+    print(f"{name}: batch loss {before:.3f} -> {after:.3f}, eval {first:.4f} -> {evaluated:.4f}")
+    assert after < 0.9 * before
+    assert evaluated < first - 0.2 if workload.lower_is_better else evaluated > first + 0.2
+
+
+def test_old_configs_keep_their_models():
+    assert build(_config("fashion_mnist"), 0, 2, seed=0).parameters == 421_642  # models.fashion_cnn
+    assert build(_config("digits"), 0, 2, seed=0).parameters == 301_066  # models.mlp(hidden=512)
+
+
+def test_a_model_must_belong_to_its_workload():
+    with pytest.raises(ConfigError, match=r"^workload.model: digits has the models 'mlp', got 'bn_cnn'$"):
+        load_config(None, ["workload.model=bn_cnn"])
+    with pytest.raises(ConfigError, match=r"^workload.model_heads: 3 must divide model_width \(256\)$"):
+        load_config(None, ["workload.name=kjv", "workload.model_width=256", "workload.model_heads=3"])
+
+
+# --- a user workload by entry point -----------------------------------------------------------
+ENTRYPOINT = "tests.test_workloads:tiny_workload"
+
+
+def tiny_workload(config: WorkloadSection, rank: int, world_size: int, seed: int) -> Workload:
+    """A user's own workload: a linear classifier on synthetic blobs, as an entry point."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    data = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 4, generator=data)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+
+    def batches(epoch: int, start: int):
+        order = torch.randperm(256, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        for step in range(start, 8):
+            idx = order[step * 32:(step + 1) * 32][rank::world_size]
+            yield x[idx], y[idx]
+
+    return Workload(model, torch.nn.functional.cross_entropy, 8, batches,
+                    lambda m: float((m(x).argmax(1) == y).float().mean()), "accuracy")
+
+
+NOT_CALLABLE = 42
+
+
+def test_entrypoint_workload_builds_and_trains_a_step():
+    config = load_config(None, [f"workload.entrypoint={ENTRYPOINT}", "workload.lr=0.5"])
+    workload = build(config.workload, 0, 2, seed=0)
+    assert isinstance(workload.model, torch.nn.Linear) and workload.steps_per_epoch == 8
+    assert metric_of(config.workload) == "accuracy"
+    optimizer, scheduler = optimizer_for(config.workload, workload.model, total_steps=8)
+    x, y = _first(workload)
+    loss = workload.loss(workload.model(x), y)
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        assert float(workload.loss(workload.model(x), y)) < float(loss)
+    assert 0 <= workload.evaluate(workload.model) <= 1
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("tests.test_workloads", r"expected 'package.module:function', got 'tests.test_workloads'"),
+    ("tests/test_workloads.py:tiny_workload", r"expected 'package.module:function'"),
+    ("no_such_package.mod:build", r"cannot import 'no_such_package.mod' \(No module named 'no_such_package'\)"),
+    ("tests.test_workloads:missing", r"module 'tests.test_workloads' has no 'missing'"),
+    ("tests.test_workloads:NOT_CALLABLE", r"'tests.test_workloads:NOT_CALLABLE' is not callable"),
+])
+def test_bad_entrypoint_is_one_line_naming_the_key(path, message):
+    with pytest.raises(ConfigError, match=rf"^workload.entrypoint: {message}") as error:
+        load_config(None, [f"workload.entrypoint={path}"])
+    assert "\n" not in str(error.value)
+
+
+def test_entrypoint_must_return_a_workload():
+    config = load_config(None, ["workload.entrypoint=tests.test_workloads:_not_a_workload"]).workload
+    with pytest.raises(TypeError, match="returned dict, not a jobs.workloads.Workload"):
+        build(config, 0, 1, seed=0)
+
+
+def _not_a_workload(config, rank, world_size, seed):
+    return {}
