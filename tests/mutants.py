@@ -132,7 +132,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "powersgd-no-orthogonalisation", "raycomp/collectives.py",
         "        c.orthogonalize(p.reshape(ref.shape).clone())\n",
         "        p.reshape(ref.shape).clone()\n",
-        "tests/test_collectives.py tests/test_hook.py",
+        "tests/test_hook.py::test_powersgd_recovers_an_exactly_low_rank_mean_across_ranks",
         "distributed PowerSGD skips the Gram-Schmidt step between its two all-reduces",
     ),
     mutant(
@@ -225,6 +225,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if self.clean_steps > 10 ** 9:\n",
         "tests/test_guard.py",
         "after a fallback the guard never resumes compression",
+    ),
+    mutant(
+        "skipped-step-applied", "raycomp/session.py",
+        "        if applied:\n            self._optimizer_step()\n",
+        "        if True:\n            self._optimizer_step()\n",
+        "tests/test_train_job.py -k nan_gradients",
+        "a step the guard skips (NaN/Inf gradients) still reaches the optimizer",
     ),
     mutant(
         "plan-digest-check-removed", "raycomp/session.py",
