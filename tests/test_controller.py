@@ -57,6 +57,10 @@ def test_malformed_reports_are_rejected_counted_and_harmless():
         {**report("r1", 0, 4), "step": "four"},
         {**report("r1", 0, 4), "extra_field": 1},
         {**report("r1", 0, 4), "layers": [{"layer": "fc1.weight", "grad_norm": float("inf")}]},
+        # complete layer statistics, one value not finite (what a diverging rank measures)
+        {**report("r1", 0, 4), "layers": [{**report("r1", 0, 4)["layers"][0], "grad_norm": float("nan")}]},
+        {**report("r1", 0, 4), "layers": [{**report("r1", 0, 4)["layers"][1], "compression_error": float("inf")}]},
+        {**report("r1", 0, 4), "layers": [{**report("r1", 0, 4)["layers"][2], "residual_norm": float("-inf")}]},
         {**report("r1", 0, 4), "layers": [{**report("r1", 0, 4)["layers"][0], "topk_errors": {"0.1": "x"}}]},
         {**report("r1", 0, 4), "layers": [{"layer": "x"}] * 20_000},
         {**report("r1", 5, 4)},  # rank beyond the world size

@@ -58,6 +58,65 @@ def test_dense_plan_equals_plain_ddp_bit_for_bit(world_size):
                 assert torch.equal(a, b)
 
 
+# lossless (or rounding-only) settings of each transport: the mean must be DDP's mean
+LOSSLESS = {
+    "fp16": (Plan.uniform("fp16"), 2e-3),  # summable all-reduce, half-precision rounding
+    "bf16": (Plan.uniform("bf16"), 2e-2),
+    "randomk_all": (Plan.uniform("randomk", ratio=1.0), 1e-5),  # summable, every index
+    "topk_all": (Plan.uniform("topk", ratio=1.0), 1e-5),  # sparse all-gather, every index
+}
+
+
+def _lossless_vs_plain_ddp(rank: int, world_size: int):
+    out = {}
+    for key, (plan, _) in LOSSLESS.items():
+        plain = DDP(_model(), **DDP_KW)
+        hooked = DDP(_model(), **DDP_KW)
+        # min_compress_numel=0: no layer is sent dense behind the compressor's back
+        state = CompressionState(hooked, plan, min_compress_numel=0)
+        hooked.register_comm_hook(state, compression_hook)
+        pairs = []
+        for step in range(2):
+            for m in (plain, hooked):
+                m.zero_grad()
+                _backward(m, rank, step)
+            pairs.append((_grads(plain), _grads(hooked)))
+        state.close()
+        out[key] = pairs
+    return out
+
+
+def test_lossless_settings_of_every_transport_give_ddps_mean():
+    # catches a mean that is off by a factor (summed instead of averaged, divided twice)
+    # in any transport: the results are compared with plain DDP, not with the same code
+    for per_key in run_distributed(_lossless_vs_plain_ddp, 2):
+        for key, pairs in per_key.items():
+            tol = LOSSLESS[key][1]
+            for plain, hooked in pairs:
+                for a, b in zip(plain, hooked, strict=True):
+                    torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=key)
+
+
+def _low_rank_means(rank: int, world_size: int):
+    # each rank's gradient is a rank-1 matrix: the mean over 2 ranks has rank 2
+    gen = torch.Generator().manual_seed(rank)
+    grads = [torch.outer(torch.randn(rows, generator=gen), torch.randn(cols, generator=gen))
+             for rows, cols in ((96, 80), (40, 200))]
+    reducer = CompressedReducer(Plan.uniform("powersgd", rank=2), min_compress_numel=0)
+    means = reducer.reduce(["a", "b"], grads)
+    assert reducer.compressor_for("a").name == "powersgd" and reducer.ledger.wire_total > 0
+    return grads, means
+
+
+def test_powersgd_recovers_an_exactly_low_rank_mean_across_ranks():
+    # P = mean(M) Q, orthonormalised, spans mean(M)'s columns; P (mean(M)^T P)^T = mean(M)
+    per_rank = run_distributed(_low_rank_means, 2)
+    for layer in range(2):
+        expected = sum(grads[layer] for grads, _ in per_rank) / 2
+        for _, means in per_rank:
+            torch.testing.assert_close(means[layer], expected, rtol=1e-4, atol=1e-4)
+
+
 def _hook_vs_plain_list(rank: int, world_size: int, plan: dict):
     plan = Plan.from_dict(plan)
     ddp = DDP(_model(), **DDP_KW)

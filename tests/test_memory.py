@@ -9,19 +9,64 @@ from raycomp.compressors import make_compressor
 from raycomp.memory import DGCMemory, NoMemory, ResidualMemory
 
 
-@pytest.mark.parametrize("name", ["topk", "sign", "randomk", "qsgd", "int8", "powersgd"])
-def test_error_feedback_conserves_mass(name):
-    memory, compressor = ResidualMemory(), make_compressor(name)
+def _running_gaps(name: str, memory, steps: int = 200, **params) -> tuple[float, float]:
+    """Relative gap ||sum of gradients - sum of what was sent|| / ||sum of gradients|| after
+    ``steps // 2`` and ``steps`` steps of gradients = fixed signal + noise (like SGD's)."""
+    compressor = make_compressor(name, **params)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(5):
-        grad = torch.randn(64, 48, generator=gen)
-        old = memory.residual("w")
-        old = torch.zeros_like(grad) if old is None else old.clone()
+    signal = 0.1 * torch.randn(64, 48, generator=gen)
+    true_sum, sent_sum = torch.zeros(64, 48), torch.zeros(64, 48)
+    gaps = []
+    for step in range(steps):
+        grad = signal + 0.3 * torch.randn(64, 48, generator=gen)
         compensated = memory.compensate("w", grad)
         sent = compressor.decompress(compressor.compress(compensated))
         memory.update("w", compensated, sent, compressor.sparse)
-        # what was sent + new residual == gradient + old residual
-        torch.testing.assert_close(sent + memory.residual("w"), grad + old, rtol=0, atol=1e-6)
+        true_sum += grad
+        sent_sum += sent
+        if step + 1 in (steps // 2, steps):
+            gaps.append(float((true_sum - sent_sum).norm() / true_sum.norm()))
+    return gaps[0], gaps[1]
+
+
+# Measured here (seeded): relative gap at T = 100 -> 200 steps.
+#                      with error feedback      without
+#   topk (1%)          0.339 -> 0.191           0.92
+#   dgc_topk (1%)      0.341 -> 0.192           0.92
+#   threshold (0.5)    0.022 -> 0.011           0.53
+#   randomk (1%)       0.716 -> 0.543           0.99
+#   sign               0.038 -> 0.024           0.38
+#   powersgd (rank 1)  0.306 -> 0.161           0.96
+# (gap at T with EF below, its shrink factor T/2 -> T below, gap without EF above)
+EF_BOUNDS = {
+    "topk": (0.21, 0.6, 0.9, {}),
+    "dgc_topk": (0.21, 0.6, 0.9, {}),
+    "threshold": (0.013, 0.6, 0.5, {"threshold": 0.5}),
+    "randomk": (0.6, 0.8, 0.97, {}),
+    "sign": (0.027, 0.7, 0.36, {}),
+    "powersgd": (0.18, 0.6, 0.94, {}),
+}
+
+
+@pytest.mark.parametrize("name", EF_BOUNDS)
+def test_error_feedback_delays_dropped_mass_but_never_loses_it(name):
+    # sum of sent == sum of gradients - current residual: with a bounded residual the
+    # relative gap falls like 1/T; without memory what was dropped is gone for good
+    max_gap, shrink, min_lost, params = EF_BOUNDS[name]
+    half, full = _running_gaps(name, ResidualMemory(), **params)
+    _, lost = _running_gaps(name, NoMemory(), **params)
+    print(f"{name}: with EF {half:.3f} -> {full:.3f}, without {lost:.3f}")
+    assert full < max_gap
+    assert full < shrink * half
+    assert lost > min_lost
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: QSGD's variance (sqrt(512)/7 = 3.2 x ||x||^2 per "
+                   "bucket) is not a contraction, so the residual grows geometrically under error "
+                   "feedback (measured: 155x the gradient sum after 100 steps, 2,679x after 200)")
+def test_error_feedback_with_qsgd_stays_bounded():
+    half, full = _running_gaps("qsgd", ResidualMemory())
+    assert full < half < 1.0
 
 
 def test_dense_send_clears_the_residual_and_state_round_trips():

@@ -1,22 +1,45 @@
 """Real training: DDP + the raycomp hook on sklearn digits across 2 gloo processes.
 
-Top-K 1% with error feedback and PowerSGD rank 2 must reach dense accuracy within one
-point while putting at least 30x fewer bytes on the wire.
+Measured here (2 ranks, 20 epochs, SGD lr 0.05 momentum 0.9; the test set has 360 digits,
+so one point is 3.6 digits):
+
+    seed                        0                1
+    epochs                    10      20       10      20
+    dense                   0.9638  0.9749   0.9276  0.9499
+    Top-K 1%    + EF        0.9554  0.9749   0.9053  0.9694    42.8x fewer bytes
+    Top-K 1%    without EF  0.9610  0.9694
+    PowerSGD r2 + EF        0.9694  0.9749   0.9304  0.9471    57.0x
+    PowerSGD r2 without EF  0.9192  0.9526   0.8942  0.9192
+    Top-K 0.1%  + EF        0.9415  0.9777   0.8997  0.9471    184x
+    Top-K 0.1%  without EF  0.8189  0.9415   0.8440  0.9304
+
+Top-K 1% *without* error feedback reaches 0.9694, within a point of dense: on this
+workload Top-K 1% cannot show what error feedback is for, so that comparison runs at 0.1%,
+where dropping the residuals costs 12.3 / 5.6 points after 10 epochs and 3.6 / 1.7 points
+after 20 (seeds 0 / 1). The tests run seed 0; their bounds also hold for seed 1.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from jobs.demo import PLANS, train_digits
+from raycomp import CompressionState, Plan, compression_hook
+from raycomp.data import digits
+from raycomp.models import accuracy, mlp
 from tests.distributed import run_distributed
 
 EPOCHS = 20
+DENSE_FLOOR = 0.965  # dense measures 0.9749 (seed 0)
 
 
 @pytest.fixture(scope="module")
 def dense():
-    return run_distributed(train_digits, 2, PLANS["dense"].to_dict(), EPOCHS)[0]
+    result = run_distributed(train_digits, 2, PLANS["dense"].to_dict(), EPOCHS)[0]
+    assert result["accuracy"] > DENSE_FLOOR  # the workload itself learns
+    return result
 
 
 @pytest.mark.parametrize("method", ["topk_1pct_ef", "powersgd_r2"])
@@ -24,8 +47,47 @@ def test_compressed_training_matches_dense_accuracy_with_30x_fewer_bytes(dense, 
     result = run_distributed(train_digits, 2, PLANS[method].to_dict(), EPOCHS)[0]
     print(f"{method}: accuracy {result['accuracy']:.4f} (dense {dense['accuracy']:.4f}), "
           f"wire {result['wire_bytes']:.0f} B vs dense {dense['wire_bytes']:.0f} B")
-    assert dense["accuracy"] > 0.93  # the workload itself learns
     assert result["accuracy"] >= dense["accuracy"] - 0.01
     assert result["steps"] == dense["steps"]
     assert result["dense_bytes"] == dense["wire_bytes"]  # same dense-equivalent accounting
     assert dense["wire_bytes"] / result["wire_bytes"] >= 30
+
+
+def _train(rank: int, world_size: int, plan: dict, memory: str, epochs: int = EPOCHS, seed: int = 0) -> dict:
+    """jobs.demo's loop, with the error-feedback memory as a parameter."""
+    torch.manual_seed(seed)
+    train, test = digits(seed=seed)
+    shard = train.shard(rank, world_size)
+    model = DDP(mlp())
+    state = CompressionState(model, Plan.from_dict(plan), memory=memory)
+    model.register_comm_hook(state, compression_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    order_gen = torch.Generator().manual_seed(seed + 1)
+    halfway = None
+    for epoch in range(epochs):
+        order = torch.randperm(len(shard), generator=order_gen)
+        for i in range(0, len(shard) - 32 + 1, 32):
+            idx = order[i : i + 32]
+            loss = torch.nn.functional.cross_entropy(model(shard.x[idx]), shard.y[idx])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if epoch + 1 == epochs // 2:
+            halfway = accuracy(model.module, test.x, test.y)
+    state.close()
+    return {"accuracy": accuracy(model.module, test.x, test.y), "halfway": halfway,
+            "wire_bytes": state.ledger.wire_total}
+
+
+def test_top_k_one_in_a_thousand_trains_to_dense_accuracy_only_with_error_feedback(dense):
+    plan = Plan.uniform("topk", ratio=0.001).to_dict()
+    with_ef = run_distributed(_train, 2, plan, "residual")[0]
+    without = run_distributed(_train, 2, plan, "none")[0]
+    print(f"Top-K 0.1%: with EF {with_ef['halfway']:.4f} -> {with_ef['accuracy']:.4f}, without "
+          f"{without['halfway']:.4f} -> {without['accuracy']:.4f}, dense {dense['accuracy']:.4f}; "
+          f"{dense['wire_bytes'] / with_ef['wire_bytes']:.0f}x fewer bytes")
+    assert with_ef["accuracy"] >= dense["accuracy"] - 0.01  # measured +0.3 (seed 1: -0.3)
+    assert without["halfway"] <= with_ef["halfway"] - 0.04  # measured -12.3 (seed 1: -5.6)
+    assert without["accuracy"] <= with_ef["accuracy"] - 0.015  # measured -3.6 (seed 1: -1.7)
+    assert without["wire_bytes"] == with_ef["wire_bytes"]  # same bytes: only the memory differs
+    assert dense["wire_bytes"] / with_ef["wire_bytes"] >= 150

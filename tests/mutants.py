@@ -1,0 +1,440 @@
+"""Mutation check: does the test suite notice when the code is broken on purpose?
+
+    python -m tests.mutants              # every mutant (scripts/mutants.sh is the same)
+    python -m tests.mutants --list       # names, files, test selections, whether the snippet is found
+    python -m tests.mutants --only NAME  # one mutant (repeatable)
+    python -m tests.mutants --baseline   # also run each selection unmutated first
+
+For every mutant the repository's files (tracked, plus untracked files git does not ignore,
+as they are in the working tree) are copied into a fresh temporary directory, the mutant's
+edits are applied to the copy, and the mutant's test selection runs there with
+``PYTHONPATH`` pointing at the copy (Ray workers get it too: ``tests/conftest.py`` passes
+the repository the tests live in). Outcomes:
+
+* ``KILLED``   pytest reported a failure (exit 1), or the selection ran past its time limit
+* ``SURVIVED`` the selection passed with the code broken: a test is missing
+* ``STALE``    an edit's original snippet is not in the file exactly once: the code moved;
+               re-point the entry (each mutant is a data-only entry below)
+* ``ERROR``    anything else (a selected test file is missing, nothing collected, pytest
+               usage error, the unmutated selection fails under ``--baseline``)
+
+The exit status is 0 only when every mutant run was KILLED.
+
+A mutant is an honest bug someone could write; its test selection is the smallest set of
+the normal suite's tests that should catch it. No test may be written to match a mutant's
+text: a mutant that survives means a behavioural test is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the repository root
+    edits: tuple[tuple[str, str], ...]  # (exact original snippet, replacement), applied in order
+    tests: tuple[str, ...]  # pytest arguments (paths, -k expressions)
+    why: str  # the bug in one line
+    timeout_s: int = DEFAULT_TIMEOUT_S
+
+
+def mutant(name: str, file: str, original: str, replacement: str, tests: str, why: str,
+           *more_edits: tuple[str, str], timeout_s: int = DEFAULT_TIMEOUT_S) -> Mutant:
+    return Mutant(name, file, ((original, replacement), *more_edits), tuple(tests.split()), why, timeout_s)
+
+
+# Each entry: name, file, original snippet (must occur exactly once), replacement, test
+# selection, what the bug is. Snippets in raycomp/session.py and raycomp/guard.py will move
+# when the session becomes the raycomp/train/ package: re-point them there.
+MUTANTS: tuple[Mutant, ...] = (
+    # --- error feedback -----------------------------------------------------------------
+    mutant(
+        "ef-update-removed", "raycomp/memory.py",
+        "        self.residuals[name] = compensated.float() - sent.float()\n",
+        "        self.residuals.pop(name, None)\n",
+        "tests/test_memory.py",
+        "ResidualMemory.update never stores the residual: error feedback does nothing",
+    ),
+    mutant(
+        "ef-skipped-for-sparse", "raycomp/reducer.py",
+        "                self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
+        "                if not compressor.sparse:\n"
+        "                    self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
+        "tests/test_error_feedback.py",
+        "the reducer skips the memory update for sparse compressors (Top-K, DGC, threshold, Random-K)",
+    ),
+    mutant(
+        "dgc-momentum-masking-removed", "raycomp/memory.py",
+        "            self.velocity[name].masked_fill_(sent != 0, 0.0)\n",
+        "            pass\n",
+        "tests/test_memory.py",
+        "DGC momentum-factor masking: the velocity of sent coordinates is not reset",
+    ),
+    mutant(
+        "dgc-momentum-correction-removed", "raycomp/memory.py",
+        "        u = g.clone() if u is None else u.mul_(self.momentum).add_(g)\n",
+        "        u = g.clone()\n",
+        "tests/test_memory.py",
+        "DGC accumulates the raw gradient instead of the momentum-corrected velocity",
+    ),
+    mutant(
+        "state-dict-drops-ef-residuals", "raycomp/reducer.py",
+        '            "memory": self.memory.state_dict(),\n',
+        '            "memory": type(self.memory)().state_dict(),\n',
+        "tests/test_hook.py -k state_dict_resume",
+        "CompressedReducer.state_dict saves an empty memory: resume loses the residuals",
+    ),
+    mutant(
+        "checkpoint-drops-ef-residuals", "raycomp/session.py",
+        '            "compression": self.state.state_dict(), "guard": self.guard.state_dict(),\n',
+        '            "compression": {**self.state.state_dict(), "memory": {"residuals": {}}},\n'
+        '            "guard": self.guard.state_dict(),\n',
+        "tests/test_train_job.py -k resume_after_a_killed_worker",
+        "the Ray Train checkpoint (rank*.pt) drops the error-feedback residuals",
+    ),
+    # --- collectives --------------------------------------------------------------------
+    mutant(
+        "sparse-also-sends-dense", "raycomp/collectives.py",
+        "    gathered = group.all_gather(buffer)\n    overhead += (w - 1) * (padded - own.numel())\n",
+        "    group.all_reduce_(torch.cat([t.detach().reshape(-1).float() for t in tensors]))\n"
+        "    gathered = group.all_gather(buffer)\n    overhead += (w - 1) * (padded - own.numel())\n",
+        "tests/test_wire.py tests/test_collectives.py",
+        "the sparse all-gather path also all-reduces the dense tensor (wire grows, ledger unchanged)",
+    ),
+    mutant(
+        "dense-mean-divided-twice", "raycomp/collectives.py",
+        "        group.all_reduce_(flat)\n",
+        "        group.all_reduce_(flat).div_(group.size)\n",
+        "tests/test_collectives.py",
+        "dense all-reduce divides by the world size before and after summing",
+    ),
+    mutant(
+        "summable-not-divided", "raycomp/collectives.py",
+        "    payloads = [c.compress(t / w) for t, c in zip(tensors, compressors, strict=True)]\n",
+        "    payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]\n",
+        "tests/test_hook.py::test_lossless_settings_of_every_transport_give_ddps_mean",
+        "casts/Random-K all-reduce the sum, not the mean",
+    ),
+    mutant(
+        "powersgd-no-orthogonalisation", "raycomp/collectives.py",
+        "        c.orthogonalize(p.reshape(ref.shape).clone())\n",
+        "        p.reshape(ref.shape).clone()\n",
+        "tests/test_hook.py::test_powersgd_recovers_an_exactly_low_rank_mean_across_ranks",
+        "distributed PowerSGD skips the Gram-Schmidt step between its two all-reduces",
+    ),
+    mutant(
+        "scalable-server-ef-removed", "raycomp/collectives.py",
+        "                self.server_residuals[name] = average - comp.decompress(payload).float()\n",
+        "                pass\n",
+        "tests/test_error_feedback.py",
+        "the scalable all-reduce (sign/int8/QSGD) keeps no server-side error feedback",
+    ),
+    # --- compressors --------------------------------------------------------------------
+    mutant(
+        "randomk-ranks-draw-different-indices", "raycomp/compressors/randomk.py",
+        "    shared_randomness = True\n",
+        "    shared_randomness = False\n",
+        "tests/test_collectives.py",
+        "Random-K seeds its indices per rank: the all-reduce sums values of different coordinates",
+    ),
+    mutant(
+        "topk-picks-smallest", "raycomp/compressors/topk.py",
+        "        indices = torch.topk(flat.abs(), k, sorted=False).indices\n",
+        "        indices = torch.topk(flat.abs(), k, largest=False, sorted=False).indices\n",
+        "tests/test_compressors.py",
+        "Top-K keeps the k smallest magnitudes",
+    ),
+    mutant(
+        "sparse-decompress-off-by-one", "raycomp/compressors/sparse.py",
+        "    out.index_put_((indices.long(),), values.to(payload.dtype), accumulate=True)\n",
+        "    out.index_put_(((indices.long() + 1) % payload.numel,), values.to(payload.dtype), accumulate=True)\n",
+        "tests/test_compressors.py",
+        "sparse decompress scatters every value one position too far",
+    ),
+    mutant(
+        "int8-scale-wrong", "raycomp/compressors/int8.py",
+        "(high - low) / 255)\n",
+        "(high - low) / 256)\n",
+        "tests/test_compressors.py",
+        "int8 dequantisation uses 256 steps where quantisation used 255",
+    ),
+    mutant(
+        "sign-scale-l2", "raycomp/compressors/sign.py",
+        "vector_norm(flat.float(), ord=1)",
+        "vector_norm(flat.float(), ord=2)",
+        "tests/test_compressors.py",
+        "scaled sign uses the L2 norm / N as its scale instead of the mean magnitude",
+    ),
+    mutant(
+        "bitpack-shift-off-by-one", "raycomp/bitpack.py",
+        "        out |= grid[:, i] << (i * bits)\n",
+        "        out |= grid[:, i] << (i * bits - 1)\n",
+        "tests/test_bitpack.py",
+        "multi-bit packing puts codes 2.. one bit too low",
+    ),
+    mutant(
+        "qsgd-always-rounds-down", "raycomp/compressors/qsgd.py",
+        "        level = (scaled + noise).floor_().clamp_(max=self.levels)",
+        "        level = (scaled + 0 * noise).floor_().clamp_(max=self.levels)",
+        "tests/test_compressors.py",
+        "QSGD drops the stochastic rounding: biased",
+    ),
+    # --- reducer / hook -----------------------------------------------------------------
+    mutant(
+        "plan-installed-one-step-late-on-one-rank", "raycomp/reducer.py",
+        "        if self._in_step:\n            self._pending = plan\n",
+        "        if self._in_step or self.group.rank == 1:\n            self._pending = plan\n",
+        "tests/test_hook.py -k plan_swapped",
+        "rank 1 defers a plan set between steps to the end of the next step",
+        ("        if self._pending is not None:\n            self._plan, self._pending = self._pending, None\n"
+         "        self._in_step = True\n",
+         "        if self._pending is not None and self.group.rank != 1:\n"
+         "            self._plan, self._pending = self._pending, None\n        self._in_step = True\n"),
+    ),
+    mutant(
+        "hook-never-ends-step", "raycomp/hook.py",
+        "        if last:\n            state.end_step()\n",
+        "        if False:\n            state.end_step()\n",
+        "tests/test_hook.py",
+        "the DDP hook never closes the step: plans never install, the step counter stands still",
+    ),
+    # --- worker guard and session (these snippets move with raycomp/train/) -------------
+    mutant(
+        "guard-ignores-nonfinite", "raycomp/guard.py",
+        '        if nonfinite or loss != loss or loss in (float("inf"), float("-inf")):\n',
+        "        if False:\n",
+        "tests/test_guard.py",
+        "the guard never falls back (or skips) on NaN/Inf gradients or loss",
+    ),
+    mutant(
+        "guard-never-recovers", "raycomp/guard.py",
+        "            if self.clean_steps >= self.stable_steps:\n",
+        "            if self.clean_steps > 10 ** 9:\n",
+        "tests/test_guard.py",
+        "after a fallback the guard never resumes compression",
+    ),
+    mutant(
+        "skipped-step-applied", "raycomp/session.py",
+        "        if applied:\n            self._optimizer_step()\n",
+        "        if True:\n            self._optimizer_step()\n",
+        "tests/test_train_job.py -k nan_gradients",
+        "a step the guard skips (NaN/Inf gradients) still reaches the optimizer",
+    ),
+    mutant(
+        "plan-digest-check-removed", "raycomp/session.py",
+        "    return [float(digest >> 32), float(digest & 0xFFFFFFFF), float(plan.version)]\n",
+        "    return [0.0, 0.0, float(plan.version)]\n",
+        "tests/test_faults.py -k forced_plan_disagreement",
+        "ranks compare a constant instead of the plan's fingerprint: disagreement goes unnoticed",
+    ),
+    # --- controller and policies --------------------------------------------------------
+    mutant(
+        "controller-accepts-nan-stats", "raycomp/plan.py",
+        '        for key in _STATS_FLOATS:\n            _finite(f"stats.{key}", data.get(key))\n',
+        '        for key in _STATS_FLOATS:\n            pass\n',
+        "tests/test_controller.py",
+        "GradStats.from_dict lets NaN/Inf/missing run-level statistics through",
+    ),
+    mutant(
+        "controller-accepts-nan-layer-stats", "raycomp/plan.py",
+        "            if type(value) is bool or not isfinite(value):\n                return False\n",
+        "            if type(value) is bool:\n                return False\n",
+        "tests/test_controller.py",
+        "per-layer statistics with NaN/Inf pass the controller's fast check",
+    ),
+    mutant(
+        "fallback-gate-removed", "controllers/policies/guard.py",
+        "        if run.fallback_active:\n",
+        "        if False:\n",
+        "tests/test_policies.py",
+        "the controller publishes compressed plans while the workers are in fallback",
+    ),
+    mutant(
+        "error-budget-rounds-down", "controllers/policies/error_budget.py",
+        "max(0, math.ceil(e / unit))",
+        "max(0, math.floor(e / unit))",
+        "tests/test_policies.py",
+        "the error-budget DP rounds errors down: the real total can exceed the budget",
+    ),
+    mutant(
+        "critical-regime-inverted", "controllers/policies/critical.py",
+        "                critical = abs(prev - cur) / prev >= self.threshold\n",
+        "                critical = abs(prev - cur) / prev < self.threshold\n",
+        "tests/test_policies.py",
+        "Accordion's critical-regime test is inverted",
+    ),
+)
+
+
+def repo_files(repo: Path) -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=repo, check=True, capture_output=True,
+    ).stdout.decode()
+    return [f for f in out.split("\0") if f and (repo / f).is_file()]
+
+
+def copy_repo(repo: Path, files: list[str], dest: Path) -> None:
+    for f in files:
+        target = dest / f
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / f, target)
+
+
+def snippet_problems(m: Mutant, root: Path) -> list[str]:
+    """Why the mutant cannot be applied under ``root`` (empty: it can)."""
+    path = root / m.file
+    if not path.is_file():
+        return [f"{m.file} does not exist"]
+    text = path.read_text()
+    problems = []
+    for original, replacement in m.edits:
+        count = text.count(original)
+        if count != 1:
+            first = original.strip().splitlines()[0]
+            problems.append(f"{m.file}: snippet {first!r} found {count} times (expected once)")
+        else:
+            text = text.replace(original, replacement)
+    return problems
+
+
+def apply(m: Mutant, root: Path) -> None:
+    path = root / m.file
+    text = path.read_text()
+    for original, replacement in m.edits:
+        text = text.replace(original, replacement)
+    path.write_text(text)
+
+
+def missing_test_files(m: Mutant, root: Path) -> list[str]:
+    paths = [a.split("::")[0] for i, a in enumerate(m.tests)
+             if not a.startswith("-") and (i == 0 or m.tests[i - 1] not in ("-k", "-m"))]
+    return [p for p in paths if not (root / p).exists()]
+
+
+@dataclass
+class Outcome:
+    mutant: Mutant
+    status: str
+    seconds: float
+    detail: str = ""
+
+
+def run_selection(tests: tuple[str, ...], root: Path, timeout_s: int, log: Path) -> tuple[int | None, str]:
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1",
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    with log.open("w") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the whole session: pytest, its gloo children, Ray
+            proc.wait()
+            rc = None
+    tail = log.read_text().strip().splitlines()
+    return rc, tail[-1] if tail else ""
+
+
+def run_mutant(m: Mutant, repo: Path, files: list[str], log_dir: Path, keep: bool,
+               baseline: bool) -> Outcome:
+    started = time.monotonic()
+    problems = snippet_problems(m, repo)
+    if problems:
+        return Outcome(m, "STALE", 0.0, "; ".join(problems))
+    root = Path(tempfile.mkdtemp(prefix=f"raycomp-mutant-{m.name}-"))
+    try:
+        copy_repo(repo, files, root)
+        missing = missing_test_files(m, root)
+        if missing:
+            return Outcome(m, "ERROR", time.monotonic() - started,
+                           f"test files not in the repository: {', '.join(missing)}")
+        if baseline:
+            rc, tail = run_selection(m.tests, root, m.timeout_s, log_dir / f"{m.name}.baseline.log")
+            if rc != 0:
+                return Outcome(m, "ERROR", time.monotonic() - started,
+                               f"the selection fails without the mutant (rc {rc}): {tail}")
+        apply(m, root)
+        rc, tail = run_selection(m.tests, root, m.timeout_s, log_dir / f"{m.name}.log")
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    seconds = time.monotonic() - started
+    if rc is None:
+        return Outcome(m, "KILLED", seconds, f"timed out after {m.timeout_s} s")
+    if rc == 1:
+        return Outcome(m, "KILLED", seconds, tail)
+    if rc == 0:
+        return Outcome(m, "SURVIVED", seconds, tail)
+    return Outcome(m, "ERROR", seconds, f"pytest exit status {rc}: {tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutants", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutant (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and whether each applies")
+    parser.add_argument("--baseline", action="store_true",
+                        help="run each selection unmutated first (it must pass)")
+    parser.add_argument("--keep", action="store_true", help="keep the mutated copies")
+    parser.add_argument("--log-dir", type=Path, help="where pytest output goes (default: a temp dir)")
+    args = parser.parse_args(argv)
+
+    names = [m.name for m in MUTANTS]
+    if len(set(names)) != len(names):
+        parser.error("duplicate mutant names")
+    selected = list(MUTANTS)
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            parser.error(f"unknown mutant {unknown[0]!r}; known: {', '.join(names)}")
+        selected = [m for m in MUTANTS if m.name in args.only]
+
+    if args.list:
+        for m in selected:
+            problems = snippet_problems(m, REPO)
+            state = "STALE: " + "; ".join(problems) if problems else "applies"
+            print(f"{m.name:<42} {m.file:<38} {' '.join(m.tests):<55} {state}")
+            print(f"{'':<42} {m.why}")
+        return 1 if any(snippet_problems(m, REPO) for m in selected) else 0
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="raycomp-mutants-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    files = repo_files(REPO)
+    print(f"{len(selected)} mutants; copies of {len(files)} files; pytest logs in {log_dir}", flush=True)
+    outcomes = []
+    started = time.monotonic()
+    for m in selected:
+        outcome = run_mutant(m, REPO, files, log_dir, args.keep, args.baseline)
+        outcomes.append(outcome)
+        print(f"{outcome.status:<9} {outcome.seconds:7.1f} s  {m.name:<42} {' '.join(m.tests)}", flush=True)
+        if outcome.status != "KILLED" or outcome.detail.startswith("timed out"):
+            print(f"{'':<20}{outcome.detail}", flush=True)
+        if outcome.status == "STALE":
+            print(f"{'':<20}!!! STALE MUTANT {m.name}: the code it targets moved; re-point its snippet "
+                  f"in tests/mutants.py !!!", flush=True)
+    total = time.monotonic() - started
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("KILLED", "SURVIVED", "STALE", "ERROR")}
+    print(f"\n{', '.join(f'{n} {s.lower()}' for s, n in counts.items())} in {total:.0f} s")
+    return 0 if counts["KILLED"] == len(outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
