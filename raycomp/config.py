@@ -532,8 +532,8 @@ def check_cluster_fits(config: JobConfig, address: str | None) -> None:
 
         gpus = torch.cuda.device_count()
         if gpus < s.num_workers:
-            raise ConfigError(f"scaling.use_gpu: {s.num_workers} workers need a GPU each; this machine "
-                              f"has {gpus}")
+            raise ConfigError(f"scaling.use_gpu: needs {s.num_workers} GPUs (one per worker, "
+                              f"scaling.num_workers); this machine has {gpus}")
 
 
 def check_controller_paths(config: JobConfig, address: str | None, default_sd_dir: str) -> None:
