@@ -190,9 +190,13 @@ CASE_IDS = list(_cases("/tmp/x"))
 
 
 @pytest.fixture(scope="module")
-def slipped_inputs(tmp_path_factory):
-    """Run every case at once (each is a fresh interpreter: slow to start on a busy machine)."""
+def slipped_inputs(request, tmp_path_factory):
+    """Run every selected case at once (each is a fresh interpreter: slow to start on a busy
+    machine)."""
     import socket
+
+    selected = {item.callspec.params["case"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_bad_input_exits_2_with_one_line_before_ray_starts"}
 
     tmp = tmp_path_factory.mktemp("bad-input")
     (tmp / "a-file").write_text("not a directory\n")
@@ -203,7 +207,7 @@ def slipped_inputs(tmp_path_factory):
         busy = str(holder.getsockname()[1])
         running = {}
         for case, (module, argv, message) in _cases(str(tmp)).items():
-            if _skip_reason(case):
+            if case not in selected or _skip_reason(case):
                 continue
             ray_tmp = tmp / f"ray-{case}"
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
