@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -521,19 +522,25 @@ def check_cluster_fits(config: JobConfig, address: str | None) -> None:
     if address:
         return
     s = config.scaling
-    cpus = local_cpus()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # the run will use this process's cluster
+        resources = ray.cluster_resources()
+        cpus, gpus, where = resources.get("CPU", 0), resources.get("GPU", 0), "the Ray cluster of this process"
+    else:
+        cpus, gpus, where = local_cpus(), None, "this machine"
     if s.num_workers * s.cpus_per_worker > cpus:
         raise ConfigError(
             f"scaling.num_workers: {s.num_workers} workers x {s.cpus_per_worker:g} CPU each "
-            f"(scaling.cpus_per_worker) need {s.num_workers * s.cpus_per_worker:g} CPUs; this machine "
-            f"has {cpus} (set RAY_ADDRESS to use a cluster)")
+            f"(scaling.cpus_per_worker) need {s.num_workers * s.cpus_per_worker:g} CPUs; {where} "
+            f"has {cpus:g} (set RAY_ADDRESS to use a cluster)")
     if s.use_gpu:
-        import torch
+        if gpus is None:
+            import torch
 
-        gpus = torch.cuda.device_count()
+            gpus = torch.cuda.device_count()
         if gpus < s.num_workers:
             raise ConfigError(f"scaling.use_gpu: needs {s.num_workers} GPUs (one per worker, "
-                              f"scaling.num_workers); this machine has {gpus}")
+                              f"scaling.num_workers); {where} has {gpus:g}")
 
 
 def check_controller_paths(config: JobConfig, address: str | None, default_sd_dir: str) -> None:
