@@ -21,7 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raycomp.config import ConfigError, JobConfig, check_resources, load_config
+from raycomp.config import (
+    ConfigError,
+    JobConfig,
+    check_metrics_endpoint,
+    check_resources,
+    check_writable_dir,
+    load_config,
+)
 
 log = logging.getLogger("raycomp.train")
 EXIT_BAD_INPUT = 2
@@ -46,17 +53,16 @@ def prepare(argv: list[str] | None = None) -> tuple[JobConfig, str, Path]:
     run_id = args.run_id or f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     if not all(c.isalnum() or c in "-_." for c in run_id):
         raise ConfigError(f"--run-id: only letters, digits, '-', '_' and '.' are allowed, got {run_id!r}")
-    storage = Path(config.run.storage_path).expanduser().resolve()
-    output = Path(args.output).expanduser().resolve() if args.output else storage / run_id
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"--output: {str(output)!r} exists and is not a directory")
+    # the directory the run writes into (summary, step logs, checkpoints): creatable/writable
+    if args.output:
+        output = check_writable_dir("--output", args.output)
+    else:
+        output = check_writable_dir("run.storage_path", config.run.storage_path) / run_id
+        if output.exists() and not output.is_dir():
+            raise ConfigError(f"--run-id: {str(output)!r} exists and is not a directory")
     c = config.controller
-    if c.metrics_enabled and c.metrics_port and not os.environ.get("RAY_ADDRESS"):
-        from controllers.exporter import port_holder
-
-        if port_holder(c.metrics_host, c.metrics_port):
-            raise ConfigError(f"controller.metrics_port: {c.metrics_port} on {c.metrics_host} is in use by "
-                              "another program; choose a free port (0 picks one)")
+    if c.metrics_enabled and not os.environ.get("RAY_ADDRESS"):
+        check_metrics_endpoint(c.metrics_host, c.metrics_port)  # the exporter binds it on this machine
     return config, run_id, output
 
 

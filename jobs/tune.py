@@ -38,7 +38,11 @@ from raycomp.config import (
     ConfigError,
     JobConfig,
     apply_overrides,
+    check_cluster_fits,
+    check_metrics_endpoint,
     check_resources,
+    check_sizes,
+    check_writable_dir,
     load_config,
     one_line,
     read_yaml_mapping,
@@ -147,6 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_tune_config(path: str | Path, overrides: list[str] = (), output: str | None = None,
                      name: str | None = None) -> TunePlan:
     """Read, validate and resolve a tune config; raises ConfigError (one line)."""
+    path = Path(path)
     data = apply_overrides(read_yaml_mapping(path, "tune config"), list(overrides))
     if output is not None:
         data["output_dir"] = output
@@ -182,12 +187,21 @@ def load_tune_config(path: str | Path, overrides: list[str] = (), output: str | 
     for key, (kind, args) in search.items():
         for value in domain_values(kind, args):
             try:
-                validate(set_key(copy.deepcopy(base), key, value))
+                trial = validate(set_key(copy.deepcopy(base), key, value))
+                check_sizes(trial)  # e.g. a batch size the data cannot fill
+                check_cluster_fits(trial, os.environ.get("RAY_ADDRESS"))  # workers this machine lacks
             except ConfigError as error:
                 raise ConfigError(f"search.{key}: {value!r} is not a valid value ({error})") from None
-    exp_dir = Path(spec.output_dir).expanduser().resolve() / spec.name
-    if exp_dir.exists() and not exp_dir.is_dir():
-        raise ConfigError(f"output_dir: {str(exp_dir)!r} exists and is not a directory")
+    # where the search writes (tuner state, every trial's run): creatable/writable, checked last
+    # so that a config error is reported before a path problem
+    exp_dir = check_writable_dir("--output" if output is not None else "output_dir",
+                                 Path(spec.output_dir).expanduser() / spec.name)
+    c = base_config.controller
+    if c.metrics_enabled and not os.environ.get("RAY_ADDRESS"):
+        try:
+            check_metrics_endpoint(c.metrics_host, c.metrics_port)  # the trials' controller binds it here
+        except ConfigError as error:
+            raise ConfigError(f"base: {error}") from None
     return TunePlan(spec=spec, base=base, search=search, exp_dir=exp_dir)
 
 
@@ -811,7 +825,13 @@ def prepare(argv: list[str] | None = None) -> TunePlan:
     plan = load_tune_config(args.config, args.overrides, args.output, args.name)
     saved = plan.exp_dir / "tune_config.json"
     if saved.exists():
-        before = json.loads(saved.read_text())
+        try:
+            before = json.loads(saved.read_text())
+        except (OSError, ValueError):
+            before = None
+        if not (isinstance(before, dict) and isinstance(before.get("spec"), dict) and "base" in before):
+            raise ConfigError(f"output: {str(saved)!r} is unreadable or not a tune config; use another "
+                              "--name or --output, or delete that folder to start over")
         if before != json.loads(json.dumps(plan.fingerprint())):
             changed = sorted(k for k in before["spec"] if before["spec"].get(k) != plan.fingerprint()["spec"].get(k))
             if before["base"] != plan.fingerprint()["base"]:

@@ -111,3 +111,158 @@ def test_unreadable_dataset_is_rejected(tmp_path):
     (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
     with pytest.raises(ConfigError, match=r"train-images-idx3-ubyte.gz is unreadable"):
         prepare(["--config", DIGITS, "workload.name=fashion_mnist", f"workload.data_dir={tmp_path}"])
+
+
+# --- bad input that used to slip through to Ray (issue 11, item 5) -----------------------
+# Each case runs the real command in a fresh interpreter with no RAY_ADDRESS (so the checks
+# for an embedded cluster on this machine apply) and a private RAY_TMPDIR: had the command
+# got as far as ray.init, a session directory would appear there.
+BUSY = "{busy}"  # replaced by a port held open by this test process
+
+
+def _cases(tmp: str) -> dict[str, tuple[str, list[str], str]]:
+    """id -> (module, argv, what the one line must say)."""
+    from raycomp.config import local_cpus
+
+    blocker = f"{tmp}/a-file"
+    tune = ["--config", str(REPO / "jobs" / "configs" / "tune_digits.yaml")]
+    return {
+        "host-five-octets": ("jobs.train", ["controller.metrics_host=0.0.0.0.0"],
+                             "controller.metrics_host: '0.0.0.0.0' is not a valid IPv4 address"),
+        "host-octet-range": ("jobs.train", ["controller.metrics_host=256.1.1.1"],
+                             "controller.metrics_host: '256.1.1.1' is not a valid IPv4 address"),
+        "host-syntax": ("jobs.train", ["controller.metrics_host=bad_host!"],
+                        "controller.metrics_host: must be an IPv4 or IPv6 address"),
+        "host-brackets": ("jobs.train", ["controller.metrics_host='[::1]'"],
+                          "controller.metrics_host: must be an IPv4 or IPv6 address"),
+        "host-unresolvable": ("jobs.train", ["controller.metrics_host=no-such-host.invalid"],
+                              "controller.metrics_host: cannot resolve 'no-such-host.invalid'"),
+        "host-not-local": ("jobs.train", ["controller.metrics_host=192.0.2.1"],  # TEST-NET-1
+                           "controller.metrics_host: cannot listen on '192.0.2.1' on this machine"),
+        "port-in-use": ("jobs.train", [f"controller.metrics_port={BUSY}"],
+                        f"controller.metrics_port: {BUSY} on 127.0.0.1 is in use by another program"),
+        "storage-under-proc": ("jobs.train", ["run.storage_path=/proc/raycomp-test"],
+                               "run.storage_path: '/proc/raycomp-test' is not a writable directory"),
+        "storage-under-file": ("jobs.train", [f"run.storage_path={blocker}/runs"],
+                               f"run.storage_path: cannot create '{blocker}/runs': '{blocker}' is not a directory"),
+        "output-under-proc": ("jobs.train", ["--output", "/proc/raycomp-test/run"],
+                              "--output: '/proc/raycomp-test/run' is not a writable directory"),
+        "snapshot-under-proc": ("jobs.train", ["controller.snapshot_dir=/proc/raycomp-test"],
+                                "controller.snapshot_dir: '/proc/raycomp-test' is not a writable directory"),
+        "sd-file-under-proc": ("jobs.train", ["controller.metrics_sd_file=/proc/raycomp-test.json"],
+                               "controller.metrics_sd_file: '/proc/raycomp-test.json' cannot be written"),
+        "sd-file-is-dir": ("jobs.train", [f"controller.metrics_sd_file={tmp}"],
+                           f"controller.metrics_sd_file: '{tmp}' is a directory"),
+        "batch-exceeds-data": ("jobs.train", ["workload.batch_size=1000"],
+                               "workload.batch_size: 1000 x 2 workers (scaling.num_workers) exceeds the 1438"),
+        "workers-exceed-cpus": ("jobs.train", [f"scaling.num_workers={local_cpus() + 1}"],
+                                f"scaling.num_workers: {local_cpus() + 1} workers x 1 CPU each"),
+        "cpus-per-worker": ("jobs.train", ["scaling.num_workers=1", f"scaling.cpus_per_worker={local_cpus() + 0.5}"],
+                            f"need {local_cpus() + 0.5:g} CPUs; this machine has {local_cpus()}"),
+        "gpu-missing": ("jobs.train", ["scaling.num_workers=1", "scaling.use_gpu=true"],
+                        "scaling.use_gpu: needs 1 GPUs (one per worker, scaling.num_workers); this machine has 0"),
+        "kjv-block": ("jobs.train", ["workload.name=kjv", "workload.max_chars=10000", "workload.block=600"],
+                      "workload.block: 600 is too long for the 500-character test split"),
+        "tune-output-under-proc": ("jobs.tune", [*tune, "--output", "/proc/raycomp-test"],
+                                   "--output: '/proc/raycomp-test/digits-schedules' is not a writable directory"),
+        "tune-base-host": ("jobs.tune", [*tune, "base.overrides=[controller.metrics_host=0.0.0.0.0]"],
+                           "base: controller.metrics_host: '0.0.0.0.0' is not a valid IPv4 address"),
+        "tune-search-batch": ("jobs.tune", [*tune, "search={workload: {batch_size: {randint: [16, 2000]}}}"],
+                              "search.workload.batch_size: 2000 is not a valid value (workload.batch_size: 2000 x 2"),
+    }
+
+
+def _skip_reason(case: str) -> str | None:
+    import shutil
+
+    import torch
+
+    from raycomp import data
+
+    if case == "gpu-missing" and torch.cuda.is_available():
+        return "this machine has a GPU"
+    if case == "kjv-block" and shutil.which("bible") is None and not data.kjv_cache_file().is_file():
+        return "kjv text not installed (Debian packages bible-kjv, bible-kjv-text)"
+    return None
+
+
+CASE_IDS = list(_cases("/tmp/x"))
+
+
+@pytest.fixture(scope="module")
+def slipped_inputs(request, tmp_path_factory):
+    """Run every selected case at once (each is a fresh interpreter: slow to start on a busy
+    machine)."""
+    import socket
+
+    selected = {item.callspec.params["case"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_bad_input_exits_2_with_one_line_before_ray_starts"}
+
+    tmp = tmp_path_factory.mktemp("bad-input")
+    (tmp / "a-file").write_text("not a directory\n")
+    results = {}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = str(holder.getsockname()[1])
+        running = {}
+        for case, (module, argv, message) in _cases(str(tmp)).items():
+            if case not in selected or _skip_reason(case):
+                continue
+            ray_tmp = tmp / f"ray-{case}"
+            env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+            env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=str(ray_tmp))
+            argv = [a.replace(BUSY, busy) for a in argv]
+            if module == "jobs.train":
+                argv = ["--config", DIGITS, *argv]
+            process = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            running[case] = (process, ray_tmp, message.replace(BUSY, busy))
+        for case, (process, ray_tmp, message) in running.items():
+            try:
+                out, err = process.communicate(timeout=240)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                out, err = process.communicate()
+            results[case] = (process.returncode, out, err, ray_tmp, message)
+    return results
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_bad_input_exits_2_with_one_line_before_ray_starts(slipped_inputs, case):
+    if _skip_reason(case):
+        pytest.skip(_skip_reason(case))
+    code, out, err, ray_tmp, message = slipped_inputs[case]
+    lines = err.strip().splitlines()
+    assert code == 2, f"exit {code}\nstdout:\n{out[-2000:]}\nstderr:\n{err[-3000:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert message in lines[0], (message, lines[0])
+    assert "Started a local Ray instance" not in out + err
+    sessions = list(ray_tmp.glob("session_*")) if ray_tmp.exists() else []
+    assert not sessions, f"a Ray session was started: {sessions}"
+
+
+def test_good_hosts_and_paths_pass(tmp_path):
+    from raycomp.config import host_literal
+
+    for host in ("127.0.0.1", "0.0.0.0", "::1", "::", "fe80::1%lo", "localhost", "node-1.example.com",
+                 "example.com."):
+        assert host_literal(host) == host
+    for host in ("0.0.0.0.0", "1.2.3", "256.0.0.1", "-node", "a..b", "x" * 64, "[::1]", "host:9478", ""):
+        with pytest.raises(ValueError):
+            host_literal(host)
+    storage = tmp_path / "deep" / "runs"
+    config, _, output = prepare(["--config", DIGITS, "--run-id", "r1", f"run.storage_path={storage}",
+                                 "controller.metrics_host=localhost", "controller.metrics_port=0",
+                                 f"controller.snapshot_dir={tmp_path / 'snap'}",
+                                 f"controller.metrics_sd_file={tmp_path / 'sd' / 'targets.json'}"])
+    assert output == storage / "r1"
+    assert not (tmp_path / "deep").exists() and not (tmp_path / "snap").exists() and not (tmp_path / "sd").exists()
+    assert list(tmp_path.iterdir()) == [], "the writability probes left something behind"
+
+
+def test_digits_size_matches_the_data():
+    from raycomp import data
+    from raycomp.config import DIGITS_TRAIN_EXAMPLES
+
+    assert len(data.digits()[0]) == DIGITS_TRAIN_EXAMPLES

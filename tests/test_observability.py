@@ -81,17 +81,18 @@ def _ready(base: str) -> bool:
 def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometheus, tmp_path):
     base, sd_file = prometheus
     run_id = f"prom-{tmp_path.name}"
+    name = f"ctl-prom-{tmp_path.name}"[:60]  # unique: the detached actor outlives this test in the session's cluster
     config, run_id, output = prepare([
         "--config", DIGITS, "--output", str(tmp_path / "run"), "--run-id", run_id,
         "workload.epochs=3", "faults.nan_at_step=30", "compression.guard.stable_steps=10",
-        "controller.name=raycomp-controller-prom", "controller.metrics_port=0",
+        f"controller.name={name}", "controller.metrics_port=0",
         f"controller.metrics_sd_file={sd_file}",
     ])
     summary = run(config, run_id, output)
     assert summary["status"] == "succeeded"
     import ray
 
-    controller = ray.get_actor("raycomp-controller-prom", namespace=config.controller.namespace)
+    controller = ray.get_actor(name, namespace=config.controller.namespace)
     ray.get(controller.ingest.remote({"run_id": "no-such-run"}))  # a malformed report: counted
     ray.get(controller.ingest.remote({**report(run_id, 0, 999), "loss": float("nan")}))
 

@@ -1,14 +1,23 @@
-"""Ray Jobs against a real `ray start --head` cluster (token auth on, as by default).
+"""Ray Jobs against a real `ray start --head` cluster with token authentication on.
 
-The cluster is this module's own: its own ports and temp dir, so an embedded test cluster
-or anyone else's Ray on the machine is left alone, and it is torn down (its processes
-only, by process id) even when a test fails.
+The cluster is this module's own: its own ports, temp dir and auth token, so an embedded
+test cluster or anyone else's Ray on the machine is left alone, and it is torn down (its
+processes only, by process id) even when a test fails.
+
+Token auth is switched on explicitly (`RAY_AUTH_MODE=token` and a token file of its own for
+`ray start`): left to itself, `ray start` turns it on only if `~/.ray/auth_token` happens
+to exist, so the test would check auth on one machine and not on another. The client sends
+that token explicitly in its `Authorization` header, as a user of a remote cluster does:
+the alternative, `RAY_AUTH_MODE=token` in this process, is read by Ray once at import
+(see tests/conftest.py) and would pick up this process's cached token (the embedded test
+cluster's, from `~/.ray/auth_token`) rather than this cluster's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -16,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -90,12 +101,19 @@ def _stop_cluster(temp_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def head_node():
-    """`ray start --head` with a dashboard (the job API) on free ports; yields its address."""
+    """`ray start --head` with a dashboard (the job API) on free ports and token auth with a
+    token of its own; yields (address, token)."""
     temp_dir = tempfile.mkdtemp(prefix="rcjobs-", dir="/tmp")  # short: Unix socket paths
     gcs, dashboard, *others = _free_ports(10)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
-    # `python` in an entrypoint is the venv's, as for a user who activated it
-    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0")
+    token = secrets.token_hex(32)
+    token_file = Path(temp_dir) / "auth_token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH", "RAY_AUTH_TOKEN")}
+    # `python` in an entrypoint is the venv's, as for a user who activated it; the cluster's
+    # processes (and so the job's driver) inherit the auth settings
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0",
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
     flags = dict(zip(("--ray-client-server-port", "--dashboard-agent-listen-port",
                       "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
                       "--metrics-export-port", "--node-manager-port", "--object-manager-port"),
@@ -104,18 +122,32 @@ def head_node():
                "--dashboard-host", "127.0.0.1", "--include-dashboard=true", "--num-cpus", "2",
                "--temp-dir", temp_dir, "--disable-usage-stats",
                *[item for pair in flags.items() for item in pair]]
-    monkey = pytest.MonkeyPatch()
     try:
         started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
         assert started.returncode == 0, f"ray start failed:\n{started.stdout}\n{started.stderr}"
-        # the client side of token auth (the token is in ~/.ray/auth_token, made by `ray start`)
-        monkey.setenv("RAY_AUTH_MODE", "token")
-        yield f"http://127.0.0.1:{dashboard}"
+        yield f"http://127.0.0.1:{dashboard}", token
     finally:
-        monkey.undo()
         _stop_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert not _cluster_pids(temp_dir), "the test cluster left processes behind"
+
+
+def _client(head_node):
+    from ray.job_submission import JobSubmissionClient
+
+    address, token = head_node
+    return JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"})
+
+
+def test_the_job_api_refuses_requests_without_the_token(head_node):
+    address, token = head_node
+    for headers, status in (({}, 401), ({"Authorization": "Bearer " + "0" * 64}, 403)):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(f"{address}/api/jobs/", headers=headers), timeout=30)
+        assert refused.value.code == status, (headers, refused.value)
+    request = urllib.request.Request(f"{address}/api/jobs/", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        assert answer.status == 200
 
 
 def _wait(client, job_id: str, timeout_s: float = 420) -> str:
@@ -138,9 +170,7 @@ def _runtime_env() -> dict:
 
 
 def test_training_job_succeeds_and_writes_its_summary(head_node, tmp_path):
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(head_node)
+    client = _client(head_node)
     output = tmp_path / "job-output"
     job_id = client.submit_job(
         entrypoint="python -c 'import raycomp; print(\"raycomp from\", raycomp.__file__)' && "
@@ -164,9 +194,7 @@ def test_training_job_succeeds_and_writes_its_summary(head_node, tmp_path):
 
 
 def test_bad_config_job_fails_with_the_validation_message(head_node):
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(head_node)
+    client = _client(head_node)
     job_id = client.submit_job(
         entrypoint="python -m jobs.train --config jobs/configs/digits.yaml compression.policy=magic",
         runtime_env={"working_dir": str(REPO), "env_vars": JOB_ENV},
