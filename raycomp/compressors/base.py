@@ -46,6 +46,18 @@ class Compressor(ABC):
     #: Lossless (or cast-only) compressors need no error feedback.
     lossy: ClassVar[bool] = True
 
+    @property
+    def error_feedback(self) -> bool:
+        """Whether error feedback applies to this compressor: only lossy *biased* ones.
+
+        Error feedback converges for contractive compressors, ``E||C(x) - x||^2 <= (1 - d)
+        ||x||^2`` (Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019): Top-K,
+        sign, PowerSGD, unscaled Random-K. An unbiased quantizer needs no correction (its
+        error averages out), and with variance ``w > 1`` (QSGD at its defaults: w ~ 3.2)
+        feeding the error back makes the residual grow geometrically: training diverges.
+        """
+        return self.lossy and not self.unbiased
+
     def compress(self, tensor: torch.Tensor) -> Payload:
         check_float_tensor(tensor)
         return self._compress(tensor.detach().reshape(-1), tensor.shape, tensor.dtype)
