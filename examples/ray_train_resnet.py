@@ -20,7 +20,7 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 import raycomp.train
-from raycomp.config import CompressionSection, ControllerSection
+from raycomp.config import CompressionSection, ControllerSection, CriticalPolicy
 
 
 class Block(nn.Module):
@@ -45,7 +45,7 @@ def synthetic(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     templates = torch.randn(10, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(seed)
     y = torch.randint(0, 10, (n,), generator=gen)
-    return templates[y] + 1.5 * torch.randn(n, 1, 16, 16, generator=gen), y
+    return templates[y] + torch.randn(n, 1, 16, 16, generator=gen), y
 
 
 def train_func(config: dict) -> dict:
@@ -55,7 +55,7 @@ def train_func(config: dict) -> dict:
     model = resnet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     options = raycomp.train.TrainOptions(
-        compression=CompressionSection(policy="critical", warmup_steps=5),
+        compression=CompressionSection(policy="critical", warmup_steps=5, critical=CriticalPolicy(window_steps=10)),
         controller=ControllerSection(name=config["controller"], interval_steps=5),
         output_dir=config["output_dir"], progress_every=10)
     model = raycomp.train.prepare_model(model, optimizer, options=options)

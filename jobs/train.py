@@ -119,13 +119,9 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
 def quiet_worker_logs(ray_logs: bool) -> None:
     """raycomp's own lines (progress, guard events) at INFO; Ray's per-report chatter only
     when ``run.ray_logs`` is set."""
-    logger = logging.getLogger("raycomp")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    from raycomp.train.step_log import show_progress
+
+    show_progress()
     if not ray_logs:
         for name in ("ray.train", "ray.data", "ray.tune"):
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -240,9 +236,9 @@ def build_summary(config: JobConfig, run_id: str, status: str, error: str | None
 
 def write_summary(summary: dict[str, Any], output: Path) -> None:
     """``summary.json``, replaced atomically."""
-    tmp = output / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, output / "summary.json")
+    from raycomp.train.summary import write_summary as write
+
+    write(summary, output)
 
 
 def write_outputs(summary: dict[str, Any], output: Path) -> None:

@@ -29,6 +29,9 @@ def test_own_resnet_on_ray_train(ray_cluster, tmp_path):
     evals = (tmp_path / f"resnet-{tmp_path.name}" / "evals.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in evals] == [15, 30]
     assert any(p.name.startswith("checkpoint_") for p in (tmp_path / f"resnet-{tmp_path.name}").iterdir())
+    summary = json.loads((tmp_path / f"resnet-{tmp_path.name}" / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["compression_ratio"] > 1
+    assert summary["policy"]["name"] == "critical" and "control_overhead" in summary
 
 
 def test_plain_ddp_hook_without_ray():

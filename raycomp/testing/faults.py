@@ -47,14 +47,14 @@ class FaultInjector:
 
             loop.step = step
         if f.force_plan_mismatch_at_step is not None and self.rank == loop.world_size - 1:
-            original_check = loop.check_agreement
+            original_sync = loop.sync_plan
 
-            def check_agreement() -> None:
+            def sync_plan(offer: Any) -> Any:
                 if loop.global_step >= f.force_plan_mismatch_at_step:
                     loop.state.set_plan(loop.state.plan.with_version(loop.state.plan.version + 1000))
-                original_check()
+                return original_sync(offer)
 
-            loop.check_agreement = check_agreement
+            loop.sync_plan = sync_plan
         if f.crash_while_checkpointing_epoch is not None and self.rank == 0:
             original_shared = loop.save_shared
 

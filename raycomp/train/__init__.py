@@ -92,13 +92,33 @@ def save_state(directory: str | Path) -> None:
 
 
 def finish() -> dict[str, Any]:
-    """Run totals over all ranks (a collective), then close this worker's loop."""
+    """Run totals over all ranks (a collective), then close this worker's loop; rank 0 also
+    tells the controller the run is done and writes ``<output_dir>/summary.json``."""
     global _loop
     loop = current()
     totals = loop.totals()
     loop.close()
     _loop = None
+    if loop.rank == 0:
+        _write_summary(loop, totals)
     return totals
+
+
+def _write_summary(loop: TrainLoop, totals: dict[str, Any]) -> None:
+    import logging
+
+    import ray
+
+    from raycomp.train.summary import worker_summary, write_summary
+
+    controller: dict[str, Any] = {}
+    try:
+        if loop.plans.controller is not None:
+            controller = ray.get(loop.plans.controller.finish_run.remote(loop.run_id, "succeeded"), timeout=30)
+        write_summary(worker_summary(totals, loop.run_id, loop.world_size, loop.options.compression.policy,
+                                     controller, loop.output_dir), loop.output_dir)
+    except Exception as error:  # noqa: BLE001 - the totals are returned either way
+        logging.getLogger("raycomp.train").warning("summary.json not written: %s", error)
 
 
 def _find_controller(options: TrainOptions) -> Any:

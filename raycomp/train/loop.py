@@ -6,8 +6,8 @@ from the reduced gradient and those rows (:mod:`raycomp.train.guard_step`); the 
 steps unless the guard skips; the step is logged. Nothing else talks to other ranks.
 
 Every ``interval_steps`` (a control boundary): statistics go to the controller
-(:mod:`raycomp.train.reporter`), rank 0's newest plan is broadcast and installed for the
-next step, and the ranks prove they hold the same plan and guard state
+(:mod:`raycomp.train.reporter`), the ranks prove they hold the same plan and guard state,
+and rank 0's newest plan is broadcast and installed for the next step
 (:mod:`raycomp.train.plan_sync`). Every ``checkpoint.every_steps`` steps, and at epoch
 ends, the model, optimizer and every rank's compression state go into a Ray Train
 checkpoint (:mod:`raycomp.train.checkpoint`).
@@ -31,6 +31,7 @@ from raycomp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
 from raycomp.train import checkpoint
 from raycomp.train.guard_step import GuardStep
+from raycomp.train.lr_ramp import LrRamp
 from raycomp.train.options import TrainOptions
 from raycomp.train.plan_sync import PlanSync
 from raycomp.train.reporter import Outages, StatsReporter
@@ -86,7 +87,7 @@ class TrainLoop:
         self.restored_from: int | None = None
         self.control_seconds = self.step_seconds = 0.0  # the controller's share of a rank's time
         self.boundary_seconds = 0.0  # the part of control_seconds spent at boundaries
-        self._lr_ramp_from: int | None = None
+        self.lr_ramp = LrRamp(c.lr_scaling)
         self._lr_used = 0.0
         layers = {name: p.numel() for name, p in module.named_parameters() if p.requires_grad}
         self.controller_plan = self.plans.register(layers, options, options.eval_kind)
@@ -125,9 +126,9 @@ class TrainLoop:
         applied = not verdict.skip_update
         self.guard.stage(loss_value, applied)
         self.control_seconds += time.perf_counter() - started
-        self._lr_used = self.optimizer.param_groups[0]["lr"] * self._lr_factor()
+        self._lr_used = self.optimizer.param_groups[0]["lr"] * self.lr_ramp.factor(self.global_step)
         if applied:
-            self._optimizer_step()
+            self.lr_ramp.optimizer_step(self.optimizer, self.global_step)
         else:
             self.skipped_steps += 1
             self.state.discard_step()
@@ -162,37 +163,21 @@ class TrainLoop:
         self._comm_at_step_start = self.state.comm_seconds
         self._step_started = time.perf_counter()
 
-    def _optimizer_step(self) -> None:
-        factor = self._lr_factor()
-        saved = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] *= factor
-        self.optimizer.step()
-        for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
-            g["lr"] = lr
-
-    def _lr_factor(self) -> float:
-        ramp = self.options.compression.lr_scaling
-        if not ramp.enabled or self._lr_ramp_from is None:
-            return 1.0
-        done = (self.global_step - self._lr_ramp_from) / ramp.warmup_steps
-        return 1.0 if done >= 1 else ramp.start_factor + (1 - ramp.start_factor) * done
-
     # --- control boundary -------------------------------------------------------------------
     def _boundary(self) -> None:
         self.log.flush()
         self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active)
-        new_plan = self.plans.broadcast(self.plans.poll(self.controller_plan.version))
+        new_plan = self.sync_plan(self.plans.poll(self.controller_plan.version))
         if new_plan is not None and new_plan.version > self.controller_plan.version:
             self.controller_plan = new_plan
             self.plan_switches += 1
             self._install(new_plan)
-        self.check_agreement()
 
-    def check_agreement(self) -> None:
+    def sync_plan(self, offer: Plan | None) -> Plan | None:
+        """Agreement check of plan and guard state; rank 0's ``offer`` on every rank."""
         guard = self.guard.guard
-        self.plans.check_agreement(self.state.plan, (float(self.skipped_steps), float(guard.active),
-                                                     float(len(guard.events))), self.global_step)
+        state = (float(self.skipped_steps), float(guard.active), float(len(guard.events)))
+        return self.plans.sync(self.state.plan, state, offer, self.global_step)
 
     def _install(self, controller_plan: Plan) -> None:
         """Install the effective plan (the guard's dense override, or the controller's)."""
@@ -200,7 +185,7 @@ class TrainLoop:
         plan = Plan(version=controller_plan.version, dense=True, reason=f"guard: {guard.reason}") \
             if guard.active else controller_plan
         if _is_dense(self.state.plan) and not _is_dense(plan):
-            self._lr_ramp_from = self.global_step  # compression (re)starts: ramp the LR
+            self.lr_ramp.started_at = self.global_step  # compression (re)starts: ramp the LR
         self.state.set_plan(plan)
 
     # --- evaluations, reports, checkpoints ---------------------------------------------------
@@ -239,7 +224,7 @@ class TrainLoop:
             "compression": self.state.state_dict(), "guard": self.guard.state_dict(),
             "controller_plan": self.controller_plan.to_dict(), "rng": torch.get_rng_state(),
             "counters": {"plan_switches": self.plan_switches, "outages": self.outages.count,
-                         "skipped_steps": self.skipped_steps, "lr_ramp_from": self._lr_ramp_from},
+                         "skipped_steps": self.skipped_steps, "lr_ramp_from": self.lr_ramp.started_at},
         })
         if self.rank == 0:
             self.save_shared(directory)
@@ -270,7 +255,7 @@ class TrainLoop:
                 torch.set_rng_state(own["rng"])
                 counters = own["counters"]
                 self.plan_switches, self.outages.count = counters["plan_switches"], counters["outages"]
-                self.skipped_steps, self._lr_ramp_from = counters["skipped_steps"], counters["lr_ramp_from"]
+                self.skipped_steps, self.lr_ramp.started_at = counters["skipped_steps"], counters["lr_ramp_from"]
         self.global_step = self.restored_from = meta["global_step"]
         log.info("resumed from step %d", self.global_step)
 

@@ -1,5 +1,6 @@
-"""Every rank on the same plan: rank 0 asks the controller (never blocking), a broadcast at
-each control boundary hands the answer to every rank, and the ranks prove they agree."""
+"""Every rank on the same plan: rank 0 asks the controller (never blocking); at each control
+boundary one all-gather proves the ranks agree and announces rank 0's answer, which a
+broadcast then hands to every rank."""
 
 from __future__ import annotations
 
@@ -69,28 +70,28 @@ class PlanSync:
         return plan
 
     def broadcast(self, plan: Plan | None) -> Plan | None:
-        """Rank 0's ``plan`` (or None) on every rank."""
+        """Rank 0's ``plan`` (or None) on every rank (at registration)."""
         if self.world_size == 1:
             return plan
-        if self.rank == 0 and plan is not None:
-            data = torch.frombuffer(bytearray(plan.to_json().encode()), dtype=torch.uint8)
-        else:
-            data = torch.empty(0, dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
+        data = plan.to_json().encode() if self.rank == 0 and plan is not None else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(size, src=0, group=self.group)
-        if int(size) == 0:
-            return None
-        if self.rank != 0:
-            data = torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(data, src=0, group=self.group)
-        return Plan.from_json(bytes(data.tolist()).decode())
+        return self._receive(data, int(size))
 
-    def check_agreement(self, plan: Plan, guard_state: tuple[float, ...], step: int) -> None:
-        """Raise :class:`PlanMismatchError` unless every rank installed the same plan and took
-        the same guard decisions (``guard_state``: skipped steps, fallback active, events)."""
-        digest = plan.digest()  # 63 bits: two exact float64 halves
-        row = torch.tensor([*guard_state, float(digest >> 32), float(digest & 0xFFFFFFFF), float(plan.version)],
-                           dtype=torch.float64)
+    def sync(self, installed: Plan, guard_state: tuple[float, ...], offer: Plan | None, step: int) -> Plan | None:
+        """A control boundary: prove agreement, then hand out rank 0's ``offer`` (or None).
+
+        One all-gather carries every rank's guard state (skipped steps, fallback active,
+        events) and the digest of its installed plan, and rank 0's offer size; a broadcast
+        of the offer's JSON follows only when there is one. Raises
+        :class:`PlanMismatchError` unless all rows agree. The offer then needs no check of
+        its own: every rank installs it from the same bytes, on the same (verified) guard
+        state, before any gradient moves under it.
+        """
+        data = offer.to_json().encode() if self.rank == 0 and offer is not None else b""
+        digest = installed.digest()  # 63 bits: two exact float64 halves
+        row = torch.tensor([*guard_state, float(digest >> 32), float(digest & 0xFFFFFFFF),
+                            float(installed.version), float(len(data))], dtype=torch.float64)
         rows = [row]
         if self.world_size > 1:
             rows = [torch.empty_like(row) for _ in range(self.world_size)]
@@ -104,5 +105,14 @@ class PlanSync:
         if len({tuple(r[n:n + 2]) for r in table}) > 1:
             raise PlanMismatchError(
                 f"ranks disagree on the plan installed for step {step}: "
-                + ", ".join(f"rank {i}: version {int(r[-1])}" for i, r in enumerate(table))
+                + ", ".join(f"rank {i}: version {int(r[n + 2])}" for i, r in enumerate(table))
                 + "; refusing to communicate under different plans")
+        return self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer
+
+    def _receive(self, data: bytes, size: int) -> Plan | None:
+        if size == 0:
+            return None
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 \
+            else torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(buffer, src=0, group=self.group)
+        return Plan.from_json(bytes(buffer.tolist()).decode())

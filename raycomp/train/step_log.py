@@ -24,6 +24,8 @@ class StepLog:
         self._file: Any = None
         self._progress_at = (time.perf_counter(), 0, 0)  # (time, step, samples)
         self._samples = 0
+        if progress_every and rank == 0:
+            show_progress()
 
     def open(self, resume_step: int | None) -> int:
         """Start the log; after a resume keep only steps before ``resume_step`` and return
@@ -38,6 +40,7 @@ class StepLog:
 
     def write(self, record: dict[str, Any], samples: int) -> None:
         self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # ~10 us: a crash loses no logged step (resume counts replays from it)
         self._samples += samples
         step = record["step"] + 1
         if self.rank == 0 and self.progress_every and step % self.progress_every == 0:
@@ -71,6 +74,19 @@ class StepLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def show_progress() -> None:
+    """Make the ``raycomp`` logger's INFO lines visible in this worker (Ray streams a worker's
+    stderr to the driver), unless the application configured it already."""
+    logger = logging.getLogger("raycomp")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def truncate(path: Path, next_step: int) -> int:
