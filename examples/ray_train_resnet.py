@@ -45,7 +45,7 @@ def synthetic(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     templates = torch.randn(10, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(seed)
     y = torch.randint(0, 10, (n,), generator=gen)
-    return templates[y] + torch.randn(n, 1, 16, 16, generator=gen), y
+    return 3 * templates[y] + torch.randn(n, 1, 16, 16, generator=gen), y
 
 
 def train_func(config: dict) -> dict:

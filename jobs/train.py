@@ -122,9 +122,10 @@ def quiet_worker_logs(ray_logs: bool) -> None:
     from raycomp.train.step_log import show_progress
 
     show_progress()
-    if not ray_logs:
-        for name in ("ray.train", "ray.data", "ray.tune"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    if not ray_logs:  # some Ray Train modules name their logger by file path
+        for name in ["ray.train", "ray.data", "ray.tune", *logging.root.manager.loggerDict]:
+            if name.startswith(("ray.train", "ray.data", "ray.tune")) or "/ray/train/" in name:
+                logging.getLogger(name).setLevel(logging.WARNING)
 
 
 # --- the driver ------------------------------------------------------------------------
