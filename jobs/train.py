@@ -66,48 +66,72 @@ def prepare(argv: list[str] | None = None) -> tuple[JobConfig, str, Path]:
     return config, run_id, output
 
 
-# --- the worker loop -------------------------------------------------------------------
+# --- the worker loop: a user of the public API, raycomp.train ---------------------------
 def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
-    import ray
-    import ray.train
-
-    from jobs.workloads import build, optimizer_for
-    from raycomp.config import JobConfig
-    from raycomp.plan import Plan
-    from raycomp.session import Session
-
-    config = JobConfig.model_validate(loop_config["config"])
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    torch_threads = max(1, int(config.scaling.cpus_per_worker))
     import torch
 
-    torch.set_num_threads(torch_threads)
-    workload = build(config.workload, rank, world, config.run.seed)
-    total_steps = workload.steps_per_epoch * config.workload.epochs
-    optimizer, scheduler = optimizer_for(config.workload, workload.model, total_steps)
-    controller = None
-    try:
-        controller = ray.get_actor(config.controller.name, namespace=config.controller.namespace)
-    except ValueError:
-        logging.getLogger("raycomp.train").warning("no controller actor: training on the warm-up plan")
-    session = Session(workload.model, optimizer, scheduler, config=config, run_id=loop_config["run_id"],
-                      output_dir=loop_config["output_dir"], controller=controller,
-                      initial_plan=Plan.from_dict(loop_config["initial_plan"]),
-                      steps_per_epoch=workload.steps_per_epoch)
-    model = session.model
-    metric = None
-    for epoch in session.epochs():
-        for x, y in workload.batches(epoch, session.step_in_epoch):
-            loss = session.poison(workload.loss(model(x), y))
+    import raycomp.train
+    from jobs.workloads import build, optimizer_for
+    from raycomp.config import FaultsSection, JobConfig
+
+    config = JobConfig.model_validate(loop_config["config"])
+    quiet_worker_logs(config.run.ray_logs)
+    import ray.train
+
+    context = ray.train.get_context()
+    torch.set_num_threads(max(1, int(config.scaling.cpus_per_worker)))
+    workload = build(config.workload, context.get_world_rank(), context.get_world_size(), config.run.seed)
+    optimizer, scheduler = optimizer_for(config.workload, workload.model,
+                                         workload.steps_per_epoch * config.workload.epochs)
+    options = raycomp.train.TrainOptions(
+        compression=config.compression, controller=config.controller, checkpoint=config.checkpoint,
+        output_dir=loop_config["output_dir"], run_id=loop_config["run_id"], seed=config.run.seed,
+        progress_every=config.run.progress_every_steps, eval_kind="loss" if workload.metric == "loss" else "accuracy")
+    model = raycomp.train.prepare_model(workload.model, optimizer, scheduler, options=options)
+    loop = raycomp.train.current()
+    loss_fn = workload.loss
+    if config.faults != FaultsSection():  # test-only machinery, wrapped around the loop
+        from raycomp.testing.faults import FaultInjector
+
+        injector = FaultInjector(config.faults, loop.rank, Path(loop_config["output_dir"]))
+        injector.install(loop)
+        loss_fn = injector.wrap_loss(loss_fn, lambda: loop.global_step)
+    name, every = f"eval_{workload.metric}", config.workload.eval_every_steps
+    metric, evaluated_at = None, -1
+
+    def evaluate() -> float:
+        nonlocal evaluated_at
+        value = workload.evaluate(getattr(model, "module", model))
+        raycomp.train.record_eval({name: value}, value)
+        evaluated_at = loop.global_step
+        return value
+
+    for epoch in loop.epochs(config.workload.epochs, workload.steps_per_epoch):
+        for x, y in workload.batches(epoch, loop.step_in_epoch):
+            loss = loss_fn(model(x), y)
             loss.backward()
-            session.step(loss, samples=len(y))
-        metric = workload.evaluate(getattr(model, "module", model))
-        session.end_epoch({f"eval_{workload.metric}": metric}, eval_metric=metric)
-    totals = session.totals()
-    session.close()
-    return {**totals, "epochs": config.workload.epochs, "world_size": world,
+            raycomp.train.step(loss, samples=len(y))
+            if every and loop.global_step % every == 0:
+                metric = evaluate()
+        last = epoch + 1 == config.workload.epochs
+        if (not every or last) and evaluated_at != loop.global_step:
+            metric = evaluate()  # once per epoch; with eval_every_steps, at the end as well
+        raycomp.train.report({name: metric} if metric is not None else {})
+    totals = raycomp.train.finish()
+    return {**totals, "epochs": config.workload.epochs, "world_size": context.get_world_size(),
             f"final_eval_{workload.metric}": metric}
+
+
+def quiet_worker_logs(ray_logs: bool) -> None:
+    """raycomp's own lines (progress, guard events) at INFO; Ray's per-report chatter only
+    when ``run.ray_logs`` is set."""
+    from raycomp.train.step_log import show_progress
+
+    show_progress()
+    if not ray_logs:  # some Ray Train modules name their logger by file path
+        for name in ["ray.train", "ray.data", "ray.tune", *logging.root.manager.loggerDict]:
+            if name.startswith(("ray.train", "ray.data", "ray.tune")) or "/ray/train/" in name:
+                logging.getLogger(name).setLevel(logging.WARNING)
 
 
 # --- the driver ------------------------------------------------------------------------
@@ -135,26 +159,17 @@ def run(config: JobConfig, run_id: str, output: Path, callbacks: list[Any] | Non
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from jobs.workloads import layer_sizes
-
     output.mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
         # "local": a fresh embedded cluster, never one that `ray start` left on this machine
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
                  if not os.environ.get("RAY_ADDRESS") else None)
-    controller = controller_for(config, output.parent)
-    compression = config.compression
-    initial_plan = ray.get(controller.register_run.remote(
-        run_id, config.scaling.num_workers, layer_sizes(config.workload, config.run.seed),
-        compression.policy, compression.policy_options(), compression.warmup_steps,
-        config.controller.interval_steps, compression.min_compress_numel,
-        "loss" if config.workload.name == "kjv" else "accuracy",
-    ))
+    controller = controller_for(config, output.parent)  # the workers register the run
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"config": config.model_dump(mode="json"), "run_id": run_id,
-                           "output_dir": str(output), "initial_plan": initial_plan},
+                           "output_dir": str(output)},
         scaling_config=ScalingConfig(num_workers=config.scaling.num_workers, use_gpu=config.scaling.use_gpu,
                                      resources_per_worker={"CPU": config.scaling.cpus_per_worker},
                                      placement_strategy=config.scaling.placement_strategy),
@@ -203,6 +218,8 @@ def build_summary(config: JobConfig, run_id: str, status: str, error: str | None
         "steps_per_second": steps / wall if wall > 0 else 0.0,
         "controller_outages": worker.get("controller_outages", 0),
         "control_overhead": worker.get("control_overhead"),
+        "control_seconds": worker.get("control_seconds"),
+        "control_boundary_seconds": worker.get("control_boundary_seconds"),  # of control_seconds
         "stats_dropped": worker.get("stats_dropped", 0),
         "replayed_steps": worker.get("replayed_steps", 0),
         "restored_from_step": worker.get("restored_from_step"),
@@ -226,9 +243,9 @@ def build_summary(config: JobConfig, run_id: str, status: str, error: str | None
 
 def write_summary(summary: dict[str, Any], output: Path) -> None:
     """``summary.json``, replaced atomically."""
-    tmp = output / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, output / "summary.json")
+    from raycomp.train.summary import write_summary as write
+
+    write(summary, output)
 
 
 def write_outputs(summary: dict[str, Any], output: Path) -> None:

@@ -5,11 +5,11 @@ This package is the part that runs inside every training worker; it never needs 
 
 from raycomp.compressors import COMPRESSORS, Compressor, make_compressor
 from raycomp.hook import CompressionState, compression_hook
+from raycomp.ledger import WireLedger
 from raycomp.payload import Payload
 from raycomp.plan import DENSE, CompressorSpec, Plan
 from raycomp.reducer import CompressedReducer
 from raycomp.stats import LayerStats
-from raycomp.wire import WireLedger
 
 __version__ = "0.1.0"
 

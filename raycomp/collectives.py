@@ -71,15 +71,30 @@ class Group:
         return out
 
 
-def dense_allreduce(tensors: Sequence[torch.Tensor], group: Group) -> list[Reduced]:
-    """Plain all-reduce mean; divides before summing, as DDP does, so results match it."""
+def dense_allreduce(
+    tensors: Sequence[torch.Tensor], group: Group, *, control: torch.Tensor | None = None
+) -> list[Reduced]:
+    """Plain all-reduce mean; divides before summing, as DDP does, so results match it.
+
+    ``control`` (optional, 1-D): a few floats that ride along and are *summed* over ranks in
+    place — appended, after the division, to the collective of its dtype, or all-reduced on
+    their own if no tensor has that dtype. The gradients' values are unaffected by it.
+    """
     out: list[Reduced | None] = [None] * len(tensors)
     for members in _by_dtype(tensors):
         flat = torch.cat([tensors[i].reshape(-1) for i in members]).div_(group.size)
+        carried = control is not None and flat.dtype == control.dtype and flat.device == control.device
+        if carried:
+            flat = torch.cat([flat, control])
         group.all_reduce_(flat)
+        if carried:
+            control.copy_(flat[-control.numel():])  # type: ignore[union-attr]
+            control = None
         for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):
             t = tensors[i]
             out[i] = Reduced(mean, t, group.allreduce_bytes(t.numel() * t.element_size()))
+    if control is not None:  # no tensor of its dtype: a collective of its own
+        group.all_reduce_(control)
     return out  # type: ignore[return-value]
 
 

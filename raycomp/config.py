@@ -68,6 +68,10 @@ class RunSection(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")] = "raycomp"
     storage_path: str = "outputs"
     seed: Annotated[int, Field(ge=0)] = 0
+    #: rank 0 logs one status line (step, loss, ratio, plan, samples/s) every this many steps (0: off)
+    progress_every_steps: Annotated[int, Field(ge=0)] = 50
+    #: show Ray Train's own per-report log lines from the workers (noisy)
+    ray_logs: bool = False
 
 
 class WorkloadSection(_Strict):

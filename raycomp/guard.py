@@ -1,8 +1,10 @@
 """The worker-side guard: fall back to dense all-reduce when training goes wrong.
 
-Every rank runs the same :class:`Guard` on the same inputs — the per-step control vector
-that all ranks all-gather (non-finite flag, loss, worst compression error) — so every
-rank takes the same decision in the same step without asking the controller:
+Every rank runs the same :class:`Guard` on the same inputs — the norm of the reduced
+gradient (the same tensor on every rank) and a few floats of every rank that rode inside
+the step's gradient collective (non-finite flag; loss and worst compression error, one
+step late) — so every rank takes the same decision in the same step without asking the
+controller and without a collective of its own (see ``raycomp.session.Session._guard_step``):
 
 * a non-finite gradient; a gradient norm above ``grad_norm_factor`` x the recent norms;
   a loss spike over a window: the mean loss of the last ``spike_steps`` steps above
@@ -70,8 +72,10 @@ class Guard:
         self.clean_steps = 0
         self.events: list[GuardEvent] = []
 
-    def observe(self, step: int, nonfinite: bool, loss: float, max_error: float | None,
+    def observe(self, step: int, nonfinite: bool, loss: float | None, max_error: float | None,
                 grad_norm: float = 0.0) -> Verdict:
+        """One step's decision. ``loss`` None: no loss to judge at this step (the first step,
+        or the loss belonged to a skipped step); ``max_error`` None: not measured."""
         if not self.enabled:
             return Verdict(skip_update=nonfinite, changed=False)
         trigger = self._trigger(nonfinite, loss, max_error, grad_norm)
@@ -84,7 +88,8 @@ class Guard:
             self.clean_steps = 0
             skip = reason in ("nonfinite_gradient", "gradient_explosion")
             return Verdict(skip_update=skip, changed=changed)
-        self.losses.append(loss)
+        if loss is not None:
+            self.losses.append(loss)
         self.grad_norms.append(grad_norm)
         if self.active:
             self.clean_steps += 1
@@ -95,16 +100,17 @@ class Guard:
                 return Verdict(skip_update=False, changed=True)
         return Verdict(skip_update=False, changed=False)
 
-    def _trigger(self, nonfinite: bool, loss: float, max_error: float | None,
+    def _trigger(self, nonfinite: bool, loss: float | None, max_error: float | None,
                  grad_norm: float) -> tuple[str, str] | None:
-        if nonfinite or loss != loss or loss in (float("inf"), float("-inf")):
+        if nonfinite or (loss is not None and (loss != loss or loss in (float("inf"), float("-inf")))):
             return "nonfinite_gradient", "NaN/Inf in gradients or loss"
         if (level := self._spike(grad_norm, self.grad_norms, self.grad_norm_factor)) is not None:
             return "gradient_explosion", (
                 f"gradient norm {grad_norm:.4g} > {self.grad_norm_factor} x recent level {level:.4g}")
-        self.recent_losses.append(loss)
-        recent = sum(self.recent_losses) / len(self.recent_losses)
-        if (level := self._spike(recent, self.losses, self.loss_spike_factor)) is not None:
+        if loss is not None:
+            self.recent_losses.append(loss)
+        recent = sum(self.recent_losses) / len(self.recent_losses) if self.recent_losses else 0.0
+        if loss is not None and (level := self._spike(recent, self.losses, self.loss_spike_factor)) is not None:
             return "loss_spike", (f"mean loss of the last {len(self.recent_losses)} steps {recent:.4g} > "
                                   f"{self.loss_spike_factor} x recent level {level:.4g}")
         if max_error is not None and max_error > self.max_compression_error:

@@ -70,7 +70,7 @@ class CompressionState(CompressedReducer):
     def allreduce_gradients(self) -> None:
         """Replace every parameter's ``.grad`` by its compressed mean across ranks."""
         params = [p for p in self.parameters if p.grad is not None]
-        means = self.reduce([self.name_of(p) for p in params], [p.grad for p in params])
+        means = self.reduce([self.name_of(p) for p in params], [p.grad for p in params], closes_step=True)
         for p, mean in zip(params, means, strict=True):
             p.grad.copy_(mean)
         self.end_step()
@@ -94,6 +94,12 @@ class CompressionState(CompressedReducer):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
+    def __enter__(self) -> "CompressionState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("CompressionState holds threads and a process group; save state_dict() instead")
 
@@ -108,7 +114,7 @@ def compression_hook(
     last = bucket.is_last()
 
     def reduce_bucket() -> torch.Tensor:
-        means = state.reduce(names, grads)
+        means = state.reduce(names, grads, closes_step=last)
         out = torch.cat([m.reshape(-1) for m in means]) if means else buffer
         if out.numel() != buffer.numel():
             raise RuntimeError(f"bucket buffer has {buffer.numel()} elements, gradients {out.numel()}")

@@ -12,6 +12,16 @@ For every layer of a reduction call the reducer
 
 A plan set with :meth:`set_plan` is installed when the next step begins, never in the
 middle of a step.
+
+Non-finite gradients cost no host sync per layer: each layer's ``isfinite().all()`` stays a
+tensor, folded into one flag read once, at :meth:`end_step`. A step with a non-finite
+gradient leaves the error-feedback memory reset (it must not carry NaN/Inf into later
+steps), as :meth:`discard_step` does.
+
+Control values (:meth:`stage_control`) ride inside the last reduction of the next step —
+appended to its dense fp32 all-reduce, or a tiny all-reduce of their own — so that a
+caller can learn a few numbers from every rank without a collective of its own. Each
+rank's row also carries its local non-finite flag. See :mod:`raycomp.train.guard_step`.
 """
 
 from __future__ import annotations
@@ -25,10 +35,10 @@ import torch
 from raycomp import collectives
 from raycomp.collectives import Group, Reduced
 from raycomp.compressors import Compressor, Transport
+from raycomp.ledger import WireLedger
 from raycomp.memory import DGCMemory, Memory, NoMemory, ResidualMemory
 from raycomp.plan import CompressorSpec, Plan
 from raycomp.stats import LayerStats, layer_stats
-from raycomp.wire import WireLedger
 
 MEMORIES = ("residual", "dgc", "none")
 
@@ -89,7 +99,10 @@ class CompressedReducer:
         self.stats: list[LayerStats] = []  # of the latest statistics step
         self.stats_step = -1  # the step those statistics were measured at
         self.comm_seconds = 0.0  # running total of time spent in reductions
-        self.nonfinite_layers: list[str] = []  # of the current step
+        self.local_nonfinite = False  # this rank's gradients held NaN/Inf at the last step
+        self._finite: torch.Tensor | None = None  # all gradients of this step finite so far
+        self._control: torch.Tensor | None = None  # staged: rides with the next step's last reduction
+        self.control_rows: torch.Tensor | None = None  # (world, n) rows of every rank, after that
 
     # --- plan and step boundaries -----------------------------------------------------
     @property
@@ -109,7 +122,8 @@ class CompressedReducer:
         if self._pending is not None:
             self._plan, self._pending = self._pending, None
         self._in_step = True
-        self.nonfinite_layers = []
+        self._finite = None
+        self.control_rows = None
         if self.collecting_stats:
             self.stats = []
             self.stats_step = self.step
@@ -117,6 +131,10 @@ class CompressedReducer:
     def end_step(self) -> None:
         self._in_step = False
         self.step += 1
+        # the step's one host sync for finiteness
+        self.local_nonfinite = self._finite is not None and not bool(self._finite)
+        if self.local_nonfinite:
+            self.discard_step()
         if self._pending is not None:
             self._plan, self._pending = self._pending, None
 
@@ -143,28 +161,49 @@ class CompressedReducer:
             return Transport.DENSE
         return compressor.transport
 
-    def reduce(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The mean over ranks of each gradient, compressed as the plan says."""
+    def stage_control(self, values: Sequence[float]) -> None:
+        """Sum ``[local non-finite flag, *values]`` of every rank in the next step's last reduction.
+
+        After that step :attr:`control_rows` holds one row per rank (rank ``r``'s values in
+        row ``r``: a sum of one-hot rows is an all-gather). Every rank must stage the same
+        number of values, every step it wants them; nothing staged, nothing carried.
+        """
+        n = 1 + len(values)
+        row = torch.zeros(self.group.size * n, dtype=torch.float32)
+        start = self.group.rank * n
+        row[start + 1:start + n] = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        self._control = row
+
+    def reduce(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
+               closes_step: bool = False) -> list[torch.Tensor]:
+        """The mean over ranks of each gradient, compressed as the plan says.
+
+        ``closes_step``: this is the step's last reduction (the DDP hook's last bucket):
+        staged control values ride with it.
+        """
         started = time.perf_counter()
         self.begin_step()
         routes: dict[Transport, list[int]] = {}
         compensated: list[torch.Tensor] = []
-        finite: list[bool] = []
         for i, (name, grad) in enumerate(zip(names, grads, strict=True)):
             if not grad.is_floating_point():
                 raise ValueError(f"gradient {name!r}: dtype {grad.dtype} is not floating point")
             routes.setdefault(self.transport_for(name, grad.shape), []).append(i)
-            ok = bool(torch.isfinite(grad).all())
-            finite.append(ok)
-            if not ok:
-                self.nonfinite_layers.append(name)
-            # a non-finite gradient must not poison the memory: it travels as it is
-            compensated.append(self.memory.compensate(name, grad) if ok else grad)
+            compensated.append(self.memory.compensate(name, grad))
+        if grads:  # no host sync here: read once per step, at end_step
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            self._finite = finite if self._finite is None else self._finite & finite
+        control = self._take_control(grads) if closes_step else None
 
         reduced: list[Reduced | None] = [None] * len(grads)
         for transport, members in routes.items():
-            for i, result in zip(members, self._run(transport, members, names, compensated), strict=True):
+            carry = control if transport is Transport.DENSE else None
+            control = None if transport is Transport.DENSE else control
+            for i, result in zip(members, self._run(transport, members, names, compensated, carry),
+                                 strict=True):
                 reduced[i] = result
+        if control is not None:  # no dense layer in this reduction: a tiny collective of its own
+            self.group.all_reduce_(control)
 
         for i, name in enumerate(names):
             result = reduced[i]
@@ -172,10 +211,9 @@ class CompressedReducer:
             compressor = self.compressor_for(name)
             dense = self.group.allreduce_bytes(grads[i].numel() * grads[i].element_size())
             self.ledger.add(name, result.wire_bytes, dense)
-            if finite[i]:
-                lossy = result.sent is not compensated[i] and compressor.lossy
-                sent = result.sent if lossy else compensated[i]
-                self.memory.update(name, compensated[i], sent, compressor.sparse)
+            lossy = result.sent is not compensated[i] and compressor.lossy
+            sent = result.sent if lossy else compensated[i]
+            self.memory.update(name, compensated[i], sent, compressor.sparse)
             if self.collecting_stats:
                 kind = compressor.name if result.sent is not compensated[i] else "none"
                 self.stats.append(
@@ -186,12 +224,24 @@ class CompressedReducer:
         self.comm_seconds += time.perf_counter() - started
         return [r.mean for r in reduced]  # type: ignore[union-attr]
 
+    def _take_control(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The staged control row, with this rank's non-finite flag filled in (no sync)."""
+        if self._control is None:
+            return None
+        control, self._control = self._control.to(grads[0].device if grads else "cpu"), None
+        n = control.numel() // self.group.size
+        if self._finite is not None:
+            control[self.group.rank * n] = (~self._finite).to(control.dtype)
+        self.control_rows = control.view(self.group.size, n)
+        return control
+
     def _run(
-        self, transport: Transport, members: list[int], names: Sequence[str], tensors: list[torch.Tensor]
+        self, transport: Transport, members: list[int], names: Sequence[str], tensors: list[torch.Tensor],
+        control: torch.Tensor | None = None,
     ) -> list[Reduced]:
         group_tensors = [tensors[i] for i in members]
         if transport is Transport.DENSE:
-            return collectives.dense_allreduce(group_tensors, self.group)
+            return collectives.dense_allreduce(group_tensors, self.group, control=control)
         compressors = [self.compressor_for(names[i]) for i in members]
         if transport is Transport.ALLREDUCE:
             return collectives.summable_allreduce(group_tensors, compressors, self.group)

@@ -143,6 +143,19 @@ def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(uninterr
     assert_same_training(crashed, uninterrupted)
 
 
+def test_step_checkpoints_resume_mid_epoch_and_replay_fewer_than_n_steps(uninterrupted, tmp_path):
+    every = 5
+    crashed = train(tmp_path, "steps", *RESUME, f"checkpoint.every_steps={every}",
+                    "faults.kill_rank_at_step=27", "faults.kill_rank=1", "workload.eval_every_steps=10")
+    assert crashed["restored_from_step"] == 25  # the step checkpoint, mid-epoch 1 (steps 22-43)
+    # rank 0 finished step 27 (the killed rank's collectives of it were done) and replays 25-27
+    assert 1 <= crashed["replayed_steps"] < every
+    assert_same_training(crashed, uninterrupted)
+    evals = [json.loads(line) for line in (Path(crashed["output_dir"]) / "evals.jsonl").read_text().splitlines()]
+    assert {e["step"] for e in evals} == {10, 20, 30, 40, 50, 60, 66}  # every 10 steps, and the end
+    assert all({"time", "step", "epoch", "eval_accuracy"} <= e.keys() for e in evals)
+
+
 @pytest.mark.slow
 def test_fashion_mnist_adaptive_reaches_85_percent_at_20x(ray_cluster, tmp_path):
     fashion = str(REPO / "jobs" / "configs" / "fashion_mnist.yaml")

@@ -1,0 +1,98 @@
+"""Fault injection for tests and drills, wrapped around a :class:`~raycomp.train.TrainLoop`.
+
+The production step never looks at fault settings: the job, when ``faults.*`` is set,
+builds a :class:`FaultInjector` and lets it wrap the loop's methods and the loss function::
+
+    injector = FaultInjector(config.faults, rank, output_dir)
+    injector.install(loop)               # kill/hang before a step, plan mismatch, crash mid-save
+    loss_fn = injector.wrap_loss(loss_fn, lambda: loop.global_step)   # NaN / spike
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raycomp.config import FaultsSection
+
+log = logging.getLogger("raycomp.testing.faults")
+
+
+class FaultInjector:
+    """Args:
+        faults: which faults, at which step and rank (all off by default).
+        rank: this worker's rank.
+        output_dir: where "already happened" markers go, so that a restarted run goes on.
+    """
+
+    def __init__(self, faults: FaultsSection, rank: int, output_dir: Path) -> None:
+        self.faults, self.rank, self.output_dir = faults, rank, Path(output_dir)
+
+    def install(self, loop: Any) -> None:
+        f = self.faults
+        if f.kill_rank_at_step is not None or f.hang_rank_at_step is not None:
+            original_step = loop.step
+
+            @functools.wraps(original_step)
+            def step(loss: torch.Tensor, samples: int = 0) -> bool:
+                self.before_step(loop.global_step, loop)
+                return original_step(loss, samples)
+
+            loop.step = step
+        if f.force_plan_mismatch_at_step is not None and self.rank == loop.world_size - 1:
+            original_sync = loop.sync_plan
+
+            def sync_plan(offer: Any) -> Any:
+                if loop.global_step >= f.force_plan_mismatch_at_step:
+                    loop.state.set_plan(loop.state.plan.with_version(loop.state.plan.version + 1000))
+                return original_sync(offer)
+
+            loop.sync_plan = sync_plan
+        if f.crash_while_checkpointing_epoch is not None and self.rank == 0:
+            original_shared = loop.save_shared
+
+            def save_shared(directory: Path) -> None:
+                if loop.epoch == f.crash_while_checkpointing_epoch:
+                    self.crash_once(f"checkpoint-{loop.epoch}", loop)  # rank0.pt written, shared.pt not
+                original_shared(directory)
+
+            loop.save_shared = save_shared
+
+    def wrap_loss(self, loss_fn: Callable[..., torch.Tensor], global_step: Callable[[], int]) -> Callable[..., torch.Tensor]:
+        """``loss_fn`` whose loss is NaN (hence NaN gradients) or scaled at the configured step."""
+        f = self.faults
+
+        def poisoned(*args: Any) -> torch.Tensor:
+            loss, step = loss_fn(*args), global_step()
+            if f.nan_at_step == step and f.nan_rank == self.rank:
+                return loss * float("nan")
+            if f.loss_scale_at_step == step:
+                return loss * f.loss_scale
+            return loss
+
+        return poisoned
+
+    def before_step(self, step: int, loop: Any) -> None:
+        f = self.faults
+        if f.hang_rank_at_step == step and f.hang_rank == self.rank:
+            log.warning("fault injection: rank %d stops communicating at step %d", self.rank, step)
+            time.sleep(24 * 3600)  # the others' next collective must time out, not wait forever
+        if f.kill_rank_at_step == step and f.kill_rank == self.rank:
+            self.crash_once(f"killed-at-{step}", loop)
+
+    def crash_once(self, name: str, loop: Any) -> None:
+        marker = self.output_dir / "faults" / name
+        if marker.exists():
+            return  # the injected fault already happened; the restarted run goes on
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(os.getpid()))
+        loop.log.flush()
+        log.warning("fault injection: rank %d crashes (%s)", self.rank, name)
+        os._exit(17)  # a crash, not an exception: no cleanup, like a killed process

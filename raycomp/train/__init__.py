@@ -1,0 +1,135 @@
+"""raycomp for Ray Train users: adaptive gradient compression in a few lines.
+
+::
+
+    import raycomp.train
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def train_func(config):
+        model, optimizer = MyModel(), torch.optim.SGD(...)
+        model = raycomp.train.prepare_model(model, optimizer)   # DDP + hook + controller link
+        loop = raycomp.train.current()
+        for epoch in loop.epochs(num_epochs, steps_per_epoch):  # resumes mid-epoch
+            for x, y in my_batches(epoch, start=loop.step_in_epoch):
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                raycomp.train.step(loss, samples=len(y))       # guard, optimizer, boundary
+            raycomp.train.report({"accuracy": evaluate(model)})  # + checkpoint with raycomp state
+        return raycomp.train.finish()                          # run totals (rank 0's is returned)
+
+    TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=2),
+                 run_config=RunConfig(name="my-run",
+                                      callbacks=[raycomp.train.ControllerCallback()])).fit()
+
+:class:`ControllerCallback` starts (or finds) the controller service when it is built, on
+the driver. Options: :class:`TrainOptions`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raycomp.train.callback import ControllerCallback
+from raycomp.train.loop import TrainLoop
+from raycomp.train.options import TrainOptions
+from raycomp.train.plan_sync import PlanMismatchError
+
+__all__ = ["ControllerCallback", "PlanMismatchError", "TrainLoop", "TrainOptions", "current", "finish",
+           "prepare_model", "record_eval", "report", "save_state", "step"]
+
+_loop: TrainLoop | None = None
+
+
+def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
+                  options: TrainOptions | None = None) -> torch.nn.Module:
+    """Wrap ``model`` in DDP (``ray.train.torch.prepare_model``) with raycomp's comm hook,
+    link this worker to the controller, restore from ``ray.train.get_checkpoint()`` if it
+    holds raycomp state, and return the model to train.
+
+    Args:
+        model: your model, on this worker's device; ``optimizer`` and ``scheduler`` (optional,
+            stepped once per step) over its parameters — raycomp steps them in :func:`step`.
+        options: see :class:`TrainOptions` (default: the critical-regime policy, K=10).
+    """
+    global _loop
+    options = options or TrainOptions()
+    controller = _find_controller(options)
+    _loop = TrainLoop(model, optimizer, scheduler, options=options, controller=controller)
+    return _loop.model
+
+
+def current() -> TrainLoop:
+    """This worker's :class:`TrainLoop` (after :func:`prepare_model`)."""
+    if _loop is None:
+        raise RuntimeError("call raycomp.train.prepare_model(...) first, in the training function")
+    return _loop
+
+
+def step(loss: torch.Tensor, samples: int = 0) -> bool:
+    """After ``loss.backward()``: guard, optimizer step unless skipped, control boundary.
+    ``samples``: this rank's batch size (for samples/s). Returns whether the step applied."""
+    return current().step(loss, samples)
+
+
+def record_eval(metrics: dict[str, float], value: float | None = None) -> None:
+    """Log an evaluation (rank 0's ``evals.jsonl``); ``value`` is what the controller sees."""
+    current().record_eval(metrics, value)
+
+
+def report(metrics: dict[str, Any], checkpoint: bool | None = None) -> None:
+    """``ray.train.report`` with byte totals; the checkpoint holds the model, optimizer and
+    every rank's compressor/error-feedback state (None: at the epoch ends the options name)."""
+    current().report(metrics, checkpoint)
+
+
+def save_state(directory: str | Path) -> None:
+    """Write raycomp's checkpoint files into your own checkpoint directory."""
+    current().save_state(Path(directory))
+
+
+def finish() -> dict[str, Any]:
+    """Run totals over all ranks (a collective), then close this worker's loop; rank 0 also
+    tells the controller the run is done and writes ``<output_dir>/summary.json``."""
+    global _loop
+    loop = current()
+    totals = loop.totals()
+    loop.close()
+    _loop = None
+    if loop.rank == 0:
+        _write_summary(loop, totals)
+    return totals
+
+
+def _write_summary(loop: TrainLoop, totals: dict[str, Any]) -> None:
+    import logging
+
+    import ray
+
+    from raycomp.train.summary import worker_summary, write_summary
+
+    controller: dict[str, Any] = {}
+    try:
+        if loop.plans.controller is not None:
+            controller = ray.get(loop.plans.controller.finish_run.remote(loop.run_id, "succeeded"), timeout=30)
+        write_summary(worker_summary(totals, loop.run_id, loop.world_size, loop.options.compression.policy,
+                                     controller, loop.output_dir), loop.output_dir)
+    except Exception as error:  # noqa: BLE001 - the totals are returned either way
+        logging.getLogger("raycomp.train").warning("summary.json not written: %s", error)
+
+
+def _find_controller(options: TrainOptions) -> Any:
+    import logging
+
+    import ray
+
+    try:
+        return ray.get_actor(options.controller.name, namespace=options.controller.namespace)
+    except ValueError:
+        logging.getLogger("raycomp.train").warning(
+            "no controller service %r: training on the dense warm-up plan "
+            "(add raycomp.train.ControllerCallback() to the RunConfig's callbacks)", options.controller.name)
+        return None

@@ -1,0 +1,42 @@
+"""The typed options of :func:`raycomp.train.prepare_model`, each with its default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from raycomp.config import CheckpointSection, CompressionSection, ControllerSection
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How raycomp steers one Ray Train run.
+
+    Args:
+        compression: the policy the controller runs (``policy``: static, schedule, critical,
+            error_budget, bandwidth; each with its own section), the dense warm-up, the
+            error-feedback memory, the guard's thresholds and the LR ramp — see
+            :class:`raycomp.config.CompressionSection`.
+        controller: ``interval_steps`` (K: statistics, plan sync and agreement checks happen
+            every K steps, never in between) and which controller service to talk to.
+        checkpoint: ``every_steps`` also checkpoints (through ``ray.train.report``) every this
+            many steps, so a crash mid-epoch replays fewer than that many steps;
+            ``every_epochs`` is used by :func:`raycomp.train.report`'s default.
+        output_dir: where per-rank step logs (``steps/rank<r>.jsonl``) and rank 0's
+            ``evals.jsonl`` go (default: ``<tmp>/raycomp/<run_id>``).
+        run_id: the run's key at the controller (default: the Ray Train run name, stable
+            across worker restarts).
+        seed: base seed of the compressors' random draws (same on every rank).
+        progress_every: rank 0 logs one status line every this many steps (0: never).
+        eval_kind: "accuracy" (higher is better) or "loss" (lower): how the controller reads
+            the evaluation metric you report.
+    """
+
+    compression: CompressionSection = field(default_factory=CompressionSection)
+    controller: ControllerSection = field(default_factory=ControllerSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    output_dir: str | None = None
+    run_id: str | None = None
+    seed: int = 0
+    progress_every: int = 0
+    eval_kind: Literal["accuracy", "loss"] = "accuracy"

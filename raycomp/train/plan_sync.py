@@ -1,0 +1,118 @@
+"""Every rank on the same plan: rank 0 asks the controller (never blocking); at each control
+boundary one all-gather proves the ranks agree and announces rank 0's answer, which a
+broadcast then hands to every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raycomp.plan import Plan
+from raycomp.train.reporter import Outages
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks hold different plans (or guard states): continuing would desynchronise them."""
+
+
+class PlanSync:
+    """Args:
+        controller: the controller actor handle (None: train on the initial plan).
+        group: the process group of control messages (gloo; None: the default group).
+    """
+
+    def __init__(self, rank: int, world_size: int, group: Any, controller: Any, run_id: str,
+                 outages: Outages) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.controller, self.run_id, self.outages = controller, run_id, outages
+        self._poll: Any = None
+
+    def register(self, layers: dict[str, int], options: Any, eval_kind: str) -> Plan:
+        """Rank 0 registers the run (idempotent: a restarted run keeps its controller state);
+        every rank gets the controller's current plan."""
+        import ray
+
+        plan = None
+        if self.rank == 0 and self.controller is not None:
+            c = options.compression
+            try:
+                plan = Plan.from_dict(ray.get(self.controller.register_run.remote(
+                    self.run_id, self.world_size, layers, c.policy, c.policy_options(), c.warmup_steps,
+                    options.controller.interval_steps, c.min_compress_numel, eval_kind), timeout=60))
+            except Exception as error:  # noqa: BLE001 - the controller is optional
+                self.outages.add(error, 0)
+        return self.broadcast(plan or Plan(reason="warm-up: dense")) or Plan(reason="warm-up: dense")
+
+    def poll(self, known_version: int) -> Plan | None:
+        """Rank 0: the answer to the poll sent at the previous boundary, if it is in; sends the next."""
+        import ray
+
+        if self.controller is None or self.rank != 0:
+            return None
+        plan = None
+        if self._poll is not None:
+            ready, _ = ray.wait([self._poll], timeout=0)
+            if not ready:
+                return None  # still in flight: never wait for it
+            try:
+                answer = ray.get(self._poll)
+                plan = None if answer is None else Plan.from_dict(answer)
+            except Exception as error:  # noqa: BLE001
+                self.outages.add(error, known_version)
+            self._poll = None
+        try:
+            # a long poll: answers as soon as a newer plan exists; checked, never awaited
+            self._poll = self.controller.plan.remote(self.run_id, known_version, 30.0)
+        except Exception as error:  # noqa: BLE001
+            self.outages.add(error, known_version)
+        return plan
+
+    def broadcast(self, plan: Plan | None) -> Plan | None:
+        """Rank 0's ``plan`` (or None) on every rank (at registration)."""
+        if self.world_size == 1:
+            return plan
+        data = plan.to_json().encode() if self.rank == 0 and plan is not None else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        return self._receive(data, int(size))
+
+    def sync(self, installed: Plan, guard_state: tuple[float, ...], offer: Plan | None, step: int) -> Plan | None:
+        """A control boundary: prove agreement, then hand out rank 0's ``offer`` (or None).
+
+        One all-gather carries every rank's guard state (skipped steps, fallback active,
+        events) and the digest of its installed plan, and rank 0's offer size; a broadcast
+        of the offer's JSON follows only when there is one. Raises
+        :class:`PlanMismatchError` unless all rows agree. The offer then needs no check of
+        its own: every rank installs it from the same bytes, on the same (verified) guard
+        state, before any gradient moves under it.
+        """
+        data = offer.to_json().encode() if self.rank == 0 and offer is not None else b""
+        digest = installed.digest()  # 63 bits: two exact float64 halves
+        row = torch.tensor([*guard_state, float(digest >> 32), float(digest & 0xFFFFFFFF),
+                            float(installed.version), float(len(data))], dtype=torch.float64)
+        rows = [row]
+        if self.world_size > 1:
+            rows = [torch.empty_like(row) for _ in range(self.world_size)]
+            dist.all_gather(rows, row, group=self.group)
+        table = [r.tolist() for r in rows]
+        n = len(guard_state)
+        if len({tuple(r[:n]) for r in table}) > 1:
+            raise PlanMismatchError(
+                f"ranks' guards disagree at step {step} (skipped steps, fallback active, events): "
+                + ", ".join(f"rank {i}: {r[:n]}" for i, r in enumerate(table)))
+        if len({tuple(r[n:n + 2]) for r in table}) > 1:
+            raise PlanMismatchError(
+                f"ranks disagree on the plan installed for step {step}: "
+                + ", ".join(f"rank {i}: version {int(r[n + 2])}" for i, r in enumerate(table))
+                + "; refusing to communicate under different plans")
+        return self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer
+
+    def _receive(self, data: bytes, size: int) -> Plan | None:
+        if size == 0:
+            return None
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 \
+            else torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(buffer, src=0, group=self.group)
+        return Plan.from_json(bytes(buffer.tolist()).decode())

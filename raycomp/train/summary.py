@@ -1,0 +1,24 @@
+"""``summary.json``: what a run did, in one file (the job's driver writes a fuller one over it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from raycomp.train.checkpoint import atomic_write
+
+
+def worker_summary(totals: dict[str, Any], run_id: str, world_size: int, policy: str,
+                   controller: dict[str, Any], output_dir: Path) -> dict[str, Any]:
+    """The keys of the job's ``summary.json`` that the workers know, from rank 0's totals."""
+    wire, dense = totals["wire_bytes_total"], totals["dense_bytes_total"]
+    return {"run_id": run_id, "status": "succeeded", "error": None, "world_size": world_size, **totals,
+            "compression_ratio": dense / wire if wire else None,
+            "policy": {"name": policy, **controller}, "output_dir": str(output_dir)}
+
+
+def write_summary(summary: dict[str, Any], output_dir: Path) -> None:
+    """``<output_dir>/summary.json``, replaced atomically."""
+    atomic_write(Path(output_dir) / "summary.json",
+                 lambda p: p.write_text(json.dumps(summary, indent=2, default=str)))

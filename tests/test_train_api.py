@@ -1,0 +1,71 @@
+"""The per-step guard on real gloo processes: every rank takes the same decision from what
+it already holds after the gradient collectives, with no collective of its own."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from raycomp import CompressionState, Plan, compression_hook
+from raycomp.guard import Guard
+from raycomp.train.guard_step import GuardStep
+from tests.distributed import run_distributed
+
+NAN_STEP = 3
+
+
+def _guarded_steps(rank: int, world_size: int, plan: dict):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets: control rides with the last one
+    state = CompressionState(ddp, Plan.from_dict(plan), min_compress_numel=0, async_comm=False)
+    ddp.register_comm_hook(state, compression_hook)
+    guard = GuardStep(Guard(stable_steps=100, loss_window=3), state, rank, world_size)
+    calls = {"n": 0}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    out = []
+    for step in range(6):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        if step == NAN_STEP and rank == 1:
+            loss = loss * float("nan")  # only this rank's gradients are poisoned
+        loss.backward()
+        for name in originals:
+            setattr(dist, name, counted(originals[name]))
+        try:
+            verdict = guard.decide(step, list(model.parameters()))
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        guard.stage(float(loss.detach()), not verdict.skip_update)
+        if verdict.skip_update:
+            state.discard_step()
+        residuals = state.memory.state_dict().get("residuals", {})
+        out.append((verdict.skip_update, guard.guard.active, guard.guard.reason,
+                    all(torch.isfinite(r).all() for r in residuals.values())))
+        ddp.zero_grad()
+    state.close()
+    return out, calls["n"]
+
+
+def test_one_rank_nan_skips_the_same_step_everywhere_without_a_control_collective():
+    # topk: the compressed mean need not carry the NaN; the flag in the control rows must
+    for plan in (Plan.uniform("topk", ratio=0.1), Plan()):
+        results = run_distributed(_guarded_steps, 2, plan.to_dict())
+        (rank0, calls0), (rank1, calls1) = results
+        assert rank0 == rank1, "ranks decided differently"
+        assert calls0 == calls1 == 0, "the guard issued a collective of its own"
+        skips = [s for s, (skip, *_) in enumerate(rank0) if skip]
+        assert skips == [NAN_STEP]
+        assert rank0[NAN_STEP][1:3] == (True, "nonfinite_gradient")
+        assert all(finite for *_, finite in rank0), "a NaN reached the error-feedback memory"
