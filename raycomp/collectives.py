@@ -136,9 +136,10 @@ def sparse_allgather(
     overhead = 0.0
     if any(c.variable_size for c in compressors):
         counts = torch.tensor(
-            [t.numel() for p in payloads for t in p.tensors.values()], dtype=torch.int64
+            [t.numel() for p in payloads for t in p.tensors.values()], dtype=torch.int64,
+            device=tensors[0].device,  # NCCL has no CPU tensors
         )
-        peer_counts = [c.tolist() for c in group.all_gather(counts)]
+        peer_counts = torch.stack(group.all_gather(counts)).tolist()  # one host sync
         overhead += (w - 1) * counts.numel() * counts.element_size()
         layouts = [_layout_with_counts(payloads, pc) for pc in peer_counts]
     else:
@@ -223,10 +224,10 @@ class ScalableAllreduce:
         recompressed = []
         for i, (name, comp) in enumerate(zip(names, compressors, strict=True)):
             average = sum(comp.decompress(r[i]).float() for r in from_ranks) / w
-            if self.error_feedback and comp.lossy:
+            if self.error_feedback and comp.error_feedback:
                 residual = self.server_residuals.get(name)
                 if residual is not None and residual.shape == average.shape:
-                    average = average + residual
+                    average = average + residual.to(average.device)
                 payload = comp.compress(average)
                 self.server_residuals[name] = average - comp.decompress(payload).float()
             else:

@@ -211,7 +211,7 @@ class CompressedReducer:
             compressor = self.compressor_for(name)
             dense = self.group.allreduce_bytes(grads[i].numel() * grads[i].element_size())
             self.ledger.add(name, result.wire_bytes, dense)
-            lossy = result.sent is not compensated[i] and compressor.lossy
+            lossy = result.sent is not compensated[i] and compressor.error_feedback
             sent = result.sent if lossy else compensated[i]
             self.memory.update(name, compensated[i], sent, compressor.sparse)
             if self.collecting_stats:

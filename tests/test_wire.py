@@ -210,10 +210,33 @@ def _sent(compensated: torch.Tensor, residual: torch.Tensor | None) -> torch.Ten
     return compensated if residual is None else compensated - residual
 
 
+def _replica(state: CompressedReducer, name: str):
+    """A copy of the layer's compressor as it stands now (same seed, same draws so far)."""
+    replica = state.plan.spec_for(name).build(name, state.group.rank, state.seed)
+    if name in state._compressors:
+        replica.load_state_dict(state._compressors[name][1].state_dict())
+    return replica
+
+
+def _replayed_sent(replica, transport: Transport, compensated: torch.Tensor, w: int) -> torch.Tensor:
+    """What a compressor without error feedback sent: no residual records it, so replay the
+    rank's own compression on a replica (the transports' documented chunking)."""
+    if transport is Transport.SCALABLE:  # W near-equal chunks, the larger ones first
+        chunks = torch.tensor_split(compensated.reshape(-1), w)
+        return torch.cat([replica.decompress(replica.compress(c)).reshape(-1) for c in chunks]).view_as(compensated)
+    assert transport is Transport.ALLREDUCE, transport  # divided by W before compression
+    return replica.decompress(replica.compress(compensated / w)) * w
+
+
 def _record_step(recorder: WireRecorder, state: CompressedReducer, names, grads, run) -> dict:
     """Run one reduction (``run()``) with the recorder on; what it sent, cost and carried."""
     before = _residuals(state, names)
     compensated = [g if before[n] is None else g + before[n] for n, g in zip(names, grads, strict=True)]
+    replay = {}
+    for n, g in zip(names, grads, strict=True):
+        replica, transport = _replica(state, n), state.transport_for(n, g.shape)
+        if transport is not Transport.DENSE and replica.lossy and not replica.error_feedback:
+            replay[n] = (replica, transport)
     mark, ledger = recorder.mark(), state.ledger.wire_total
     means = run()
     after = _residuals(state, names)
@@ -221,7 +244,8 @@ def _record_step(recorder: WireRecorder, state: CompressedReducer, names, grads,
         "calls": recorder.since(mark),
         "ledger": state.ledger.wire_total - ledger,
         "compensated": dict(zip(names, compensated, strict=True)),
-        "sent": {n: _sent(c, after[n]) for n, c in zip(names, compensated, strict=True)},
+        "sent": {n: _replayed_sent(*replay[n], c, state.group.size) if n in replay else _sent(c, after[n])
+                 for n, c in zip(names, compensated, strict=True)},
         "mean": dict(zip(names, means, strict=True)),
     }
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycomp.baselines import register_torch_hook
+from raycomp.baselines import ddp_kwargs, register_torch_hook
 from raycomp.guard import Guard
 from raycomp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
@@ -57,7 +57,8 @@ class TrainLoop:
         self.options, self.interval = options, options.controller.interval_steps
         self.run_id = options.run_id or context.get_experiment_name()
         self.output_dir = Path(options.output_dir or Path(tempfile.gettempdir()) / "raycomp" / self.run_id)
-        self.model = ray.train.torch.prepare_model(model)
+        self.model = ray.train.torch.prepare_model(
+            model, parallel_strategy_kwargs=ddp_kwargs(options.compression) or None)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         module = getattr(self.model, "module", self.model)
@@ -89,7 +90,8 @@ class TrainLoop:
         self.boundary_seconds = 0.0  # the part of control_seconds spent at boundaries
         self.lr_ramp = LrRamp(c.lr_scaling)
         self._lr_used = 0.0
-        layers = {name: p.numel() for name, p in module.named_parameters() if p.requires_grad}
+        # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
+        layers = {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
         self.controller_plan = self.plans.register(layers, options, options.eval_kind)
         self.state.set_plan(self.controller_plan)
         self._restore()

@@ -29,7 +29,7 @@ class PlanSync:
         self.controller, self.run_id, self.outages = controller, run_id, outages
         self._poll: Any = None
 
-    def register(self, layers: dict[str, int], options: Any, eval_kind: str) -> Plan:
+    def register(self, layers: dict[str, list[int]], options: Any, eval_kind: str) -> Plan:
         """Rank 0 registers the run (idempotent: a restarted run keeps its controller state);
         every rank gets the controller's current plan."""
         import ray
