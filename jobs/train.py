@@ -98,6 +98,8 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         loss_fn = injector.wrap_loss(loss_fn, lambda: loop.global_step)
     name, every = f"eval_{workload.metric}", config.workload.eval_every_steps
     metric, evaluated_at = None, -1
+    stop = TargetStop(config.workload.stop_at_target, config.workload.stop_consecutive,
+                      lower_is_better=workload.metric == "loss", group=loop.control_group)
 
     def evaluate() -> float:
         nonlocal evaluated_at
@@ -113,13 +115,41 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             raycomp.train.step(loss, samples=len(y))
             if every and loop.global_step % every == 0:
                 metric = evaluate()
-        last = epoch + 1 == config.workload.epochs
+                if stop.held(metric):
+                    break
+        last = epoch + 1 == config.workload.epochs or stop.stopped
         if (not every or last) and evaluated_at != loop.global_step:
             metric = evaluate()  # once per epoch; with eval_every_steps, at the end as well
         raycomp.train.report({name: metric} if metric is not None else {})
+        if stop.stopped:
+            break
     totals = raycomp.train.finish()
     return {**totals, "epochs": config.workload.epochs, "world_size": context.get_world_size(),
             f"final_eval_{workload.metric}": metric}
+
+
+class TargetStop:
+    """``workload.stop_at_target``: stop once the evaluation metric has reached ``target``
+    at ``consecutive`` evaluations in a row (benchmarks measure time to target). Rank 0
+    decides and broadcasts, so every rank leaves the loop after the same step."""
+
+    def __init__(self, target: float | None, consecutive: int, *, lower_is_better: bool, group: Any) -> None:
+        self.target, self.consecutive, self.lower = target, consecutive, lower_is_better
+        self.group, self.count, self.stopped = group, 0, False
+
+    def held(self, metric: float) -> bool:
+        if self.target is None:
+            return False
+        import torch
+        import torch.distributed as dist
+
+        reached = metric <= self.target if self.lower else metric >= self.target
+        self.count = self.count + 1 if reached else 0
+        decision = torch.tensor([float(self.count >= self.consecutive)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(decision, src=0, group=self.group)
+        self.stopped = bool(decision.item())
+        return self.stopped
 
 
 def quiet_worker_logs(ray_logs: bool) -> None:

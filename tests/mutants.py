@@ -57,8 +57,8 @@ def mutant(name: str, file: str, original: str, replacement: str, tests: str, wh
 
 
 # Each entry: name, file, original snippet (must occur exactly once), replacement, test
-# selection, what the bug is. Snippets in raycomp/session.py and raycomp/guard.py will move
-# when the session becomes the raycomp/train/ package: re-point them there.
+# selection, what the bug is. A snippet that no longer occurs exactly once is reported STALE:
+# the code moved, and the entry must be re-pointed.
 MUTANTS: tuple[Mutant, ...] = (
     # --- error feedback -----------------------------------------------------------------
     mutant(
@@ -70,9 +70,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "ef-skipped-for-sparse", "raycomp/reducer.py",
+        "            self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
+        "            if not compressor.sparse:\n"
         "                self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
-        "                if not compressor.sparse:\n"
-        "                    self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
         "tests/test_error_feedback.py",
         "the reducer skips the memory update for sparse compressors (Top-K, DGC, threshold, Random-K)",
     ),
@@ -85,7 +85,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "dgc-momentum-correction-removed", "raycomp/memory.py",
-        "        u = g.clone() if u is None else u.mul_(self.momentum).add_(g)\n",
+        "        u = g.clone() if u is None else u.to(g.device).mul_(self.momentum).add_(g)\n",
         "        u = g.clone()\n",
         "tests/test_memory.py",
         "DGC accumulates the raw gradient instead of the momentum-corrected velocity",
@@ -98,7 +98,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "CompressedReducer.state_dict saves an empty memory: resume loses the residuals",
     ),
     mutant(
-        "checkpoint-drops-ef-residuals", "raycomp/session.py",
+        "checkpoint-drops-ef-residuals", "raycomp/train/loop.py",
         '            "compression": self.state.state_dict(), "guard": self.guard.state_dict(),\n',
         '            "compression": {**self.state.state_dict(), "memory": {"residuals": {}}},\n'
         '            "guard": self.guard.state_dict(),\n',
@@ -211,10 +211,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_hook.py",
         "the DDP hook never closes the step: plans never install, the step counter stands still",
     ),
-    # --- worker guard and session (these snippets move with raycomp/train/) -------------
+    # --- worker guard and training loop (raycomp/guard.py, raycomp/train/) --------------
     mutant(
         "guard-ignores-nonfinite", "raycomp/guard.py",
-        '        if nonfinite or loss != loss or loss in (float("inf"), float("-inf")):\n',
+        '        if nonfinite or (loss is not None and (loss != loss or loss in (float("inf"), float("-inf")))):\n',
         "        if False:\n",
         "tests/test_guard.py",
         "the guard never falls back (or skips) on NaN/Inf gradients or loss",
@@ -227,29 +227,29 @@ MUTANTS: tuple[Mutant, ...] = (
         "after a fallback the guard never resumes compression",
     ),
     mutant(
-        "skipped-step-applied", "raycomp/session.py",
-        "        if applied:\n            self._optimizer_step()\n",
-        "        if True:\n            self._optimizer_step()\n",
+        "skipped-step-applied", "raycomp/train/loop.py",
+        "        if applied:\n            self.lr_ramp.optimizer_step(self.optimizer, self.global_step)\n",
+        "        if True:\n            self.lr_ramp.optimizer_step(self.optimizer, self.global_step)\n",
         "tests/test_train_job.py -k nan_gradients",
         "a step the guard skips (NaN/Inf gradients) still reaches the optimizer",
     ),
     mutant(
-        "plan-digest-check-removed", "raycomp/session.py",
-        "    return [float(digest >> 32), float(digest & 0xFFFFFFFF), float(plan.version)]\n",
-        "    return [0.0, 0.0, float(plan.version)]\n",
+        "plan-digest-check-removed", "raycomp/train/plan_sync.py",
+        "        digest = installed.digest()  # 63 bits: two exact float64 halves\n",
+        "        digest = 0  # every rank reports the same constant\n",
         "tests/test_faults.py -k forced_plan_disagreement",
         "ranks compare a constant instead of the plan's fingerprint: disagreement goes unnoticed",
     ),
     # --- controller and policies --------------------------------------------------------
     mutant(
-        "controller-accepts-nan-stats", "raycomp/plan.py",
+        "controller-accepts-nan-stats", "raycomp/messages.py",
         '        for key in _STATS_FLOATS:\n            _finite(f"stats.{key}", data.get(key))\n',
         '        for key in _STATS_FLOATS:\n            pass\n',
         "tests/test_controller.py",
         "GradStats.from_dict lets NaN/Inf/missing run-level statistics through",
     ),
     mutant(
-        "controller-accepts-nan-layer-stats", "raycomp/plan.py",
+        "controller-accepts-nan-layer-stats", "raycomp/messages.py",
         "            if type(value) is bool or not isfinite(value):\n                return False\n",
         "            if type(value) is bool:\n                return False\n",
         "tests/test_controller.py",

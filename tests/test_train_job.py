@@ -168,3 +168,17 @@ def test_fashion_mnist_adaptive_reaches_85_percent_at_20x(ray_cluster, tmp_path)
     assert summary["policy"]["name"] == "critical"
     assert summary["final_eval_accuracy"] >= 0.85
     assert summary["compression_ratio"] >= 20
+
+
+def test_stop_at_target_leaves_after_the_second_consecutive_evaluation_on_every_rank(ray_cluster, tmp_path):
+    summary = train(tmp_path, "stop", "workload.eval_every_steps=5", "workload.stop_at_target=0.6",
+                    "workload.stop_consecutive=2")
+    output = Path(summary["output_dir"])
+    evals = [json.loads(line) for line in (output / "evals.jsonl").read_text().splitlines()]
+    held = [i for i in range(1, len(evals))
+            if evals[i - 1]["eval_accuracy"] >= 0.6 and evals[i]["eval_accuracy"] >= 0.6]
+    assert held, evals
+    stop_step = evals[held[0]]["step"]
+    assert summary["steps"] == stop_step == evals[-1]["step"]  # no step and no evaluation after it
+    assert stop_step < 66  # the digits config trains 66 steps
+    assert [len(log) for log in step_logs(output)] == [stop_step, stop_step]  # both ranks stopped there
