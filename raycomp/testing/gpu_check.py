@@ -476,13 +476,19 @@ def checkpoint_to_cpu_resume_whole(device: torch.device, prefix: str) -> None:
 
 
 def nccl_cpu_tensor_demo(prefix: str) -> None:
-    def one() -> str:
-        counts = torch.tensor([3, 4], dtype=torch.int64)  # as collectives.sparse_allgather builds them
-        out = [torch.empty_like(counts)]
-        dist.all_gather(out, counts)
-        return "NCCL accepted a CPU tensor"
+    """NCCL refuses CPU tensors: why ``collectives.sparse_allgather`` keeps its element
+    counts on the payloads' device (it built them on the CPU before the first GPU run)."""
 
-    guarded(f"{prefix}/all_gather(CPU int64 counts) [what sparse_allgather does at W>1]", one)
+    def one() -> str:
+        counts = torch.tensor([3, 4], dtype=torch.int64)  # on the CPU
+        out = [torch.empty_like(counts)]
+        try:
+            dist.all_gather(out, counts)
+        except RuntimeError as error:
+            return f"refused as expected ({str(error)[:80]})"
+        raise AssertionError("NCCL accepted a CPU tensor")
+
+    guarded(f"{prefix}/NCCL refuses CPU count tensors (sparse counts live on the device)", one)
 
 
 # --- 3. training -----------------------------------------------------------------------
