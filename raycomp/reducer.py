@@ -194,6 +194,8 @@ class CompressedReducer:
             finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
             self._finite = finite if self._finite is None else self._finite & finite
         control = self._take_control(grads) if closes_step else None
+        if control is not None:  # the carried floats are on the wire too: charge them as overhead
+            self.ledger.add(collectives.OVERHEAD, self.group.allreduce_bytes(control.numel() * control.element_size()))
 
         reduced: list[Reduced | None] = [None] * len(grads)
         for transport, members in routes.items():

@@ -480,3 +480,36 @@ def test_mean_is_the_mean_of_what_the_ranks_sent(results, name):
 
 def _chunks(t: torch.Tensor, w: int) -> list[torch.Tensor]:
     return list(t.reshape(-1).split(_chunk_sizes(t.numel(), w)))
+
+
+# --- the guard's control values, carried in the step's last reduction ------------------
+def _control_runs(rank: int, w: int) -> dict:
+    out = {}
+    for label, layers in (("with a dense layer", LAYERS), ("all compressed", [LAYERS[0], LAYERS[2]])):
+        names = [n for n, _ in layers]
+        reducer = CompressedReducer(Plan.uniform("topk", ratio=0.02), min_compress_numel=MIN_COMPRESS_NUMEL)
+        steps = []
+        with WireRecorder() as recorder:
+            for step in range(2):
+                reducer.stage_control([10.0 * rank + step, 1.0])
+                gen = torch.Generator().manual_seed(100 * rank + step)
+                grads = [torch.randn(shape, generator=gen) for _, shape in layers]
+                mark, ledger = recorder.mark(), reducer.ledger.wire_total
+                reducer.reduce(names, grads, closes_step=True)
+                reducer.end_step()
+                steps.append({"recorded": sum(transmitted_bytes(c) for c in recorder.since(mark)),
+                              "ledger": reducer.ledger.wire_total - ledger,
+                              "rows": reducer.control_rows.tolist()})
+        out[label] = steps
+    return out
+
+
+def test_carried_control_values_reach_every_rank_and_are_charged_to_the_ledger():
+    per_rank = run_distributed(_control_runs, 2)
+    for label in per_rank[0]:
+        for step in range(2):
+            expected_rows = [[0.0, 10.0 * r + step, 1.0] for r in range(2)]  # [non-finite flag, values]
+            for rank, runs in enumerate(per_rank):
+                entry = runs[label][step]
+                assert entry["rows"] == expected_rows, (label, step, rank)
+                assert math.isclose(entry["recorded"], entry["ledger"], rel_tol=1e-12), (label, step, rank, entry)
