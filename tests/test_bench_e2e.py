@@ -244,7 +244,7 @@ def _root_with_netns() -> bool:
     return os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("tc"))
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark  # two Ray nodes over a throttled veth: minutes; `pytest -m benchmark`
 @pytest.mark.skipif(not _root_with_netns(), reason="needs root and iproute2 (network namespaces)")
 def test_tiny_real_run_over_the_throttled_link(tmp_path):
     """2 Ray nodes in namespaces, the digits MLP, dense and raycomp Top-K, 44 steps each."""
