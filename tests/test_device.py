@@ -1,4 +1,4 @@
-"""Device propagation, checked without a GPU (the CUDA run is raycomp/testing/gpu_check.py).
+"""Device propagation, checked without a GPU (the CUDA run is jobs/gpu_check.py).
 
 Tensors on the ``meta`` device have a shape, a dtype and a device but no data. A
 compressor run on meta tensors therefore shows (a) that every tensor it creates follows

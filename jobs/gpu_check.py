@@ -2,7 +2,7 @@
 
 Run on a machine with a CUDA device (no Ray, no pydantic needed)::
 
-    PYTHONUNBUFFERED=1 python -m raycomp.testing.gpu_check --out $OUT
+    PYTHONUNBUFFERED=1 python -m jobs.gpu_check --out $OUT
 
 It prints a PASS/FAIL table and writes ``results.json`` (and the same table) under
 ``--out``. ``--device cpu --quick`` runs the same logic on CPU with gloo (to check the

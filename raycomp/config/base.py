@@ -1,0 +1,59 @@
+"""The base of every config model: strict, frozen, one-line errors; compressors by name."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from raycomp.plan import CompressorSpec
+
+POLICIES = ("static", "schedule", "critical", "error_budget", "bandwidth", "adaptive")
+WORKLOADS = ("digits", "fashion_mnist", "kjv")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
+
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str()`` is one line naming the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class CompressorConfig(_Strict):
+    """A compressor by registry name with its parameters, e.g. ``{name: topk, ratio: 0.01}``."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str
+
+    @model_validator(mode="after")
+    def _known(self) -> CompressorConfig:
+        self.spec()  # raises ValueError naming the parameter
+        return self
+
+    def spec(self) -> CompressorSpec:
+        return CompressorSpec.of(self.name, **(self.model_extra or {}))
+
+
+def compressor(name: str, **params: Any) -> CompressorConfig:
+    return CompressorConfig(name=name, **params)
+
+
+def one_line(error: ValidationError, prefix: str = "") -> str:
+    """The first problem of a validation error as ``<prefix><dotted key>: <what is wrong>``."""
+    first = error.errors()[0]
+    key = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif first["type"] == "literal_error":
+        expected = first.get("ctx", {}).get("expected", "")
+        message = f"must be one of {expected}, got {first['input']!r}"
+    elif first["type"] == "missing":
+        message = "required"
+    elif "input" in first and first["type"] not in ("value_error", "assertion_error"):
+        message = f"{message} (got {first['input']!r})"
+    return f"{prefix}{key or 'config'}: {message}"

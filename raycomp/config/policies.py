@@ -1,0 +1,135 @@
+"""The options of each built-in policy (``compression.<policy>``), typed and documented."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import (
+    Field,
+    field_validator,
+)
+
+from raycomp.config.base import CompressorConfig, _Strict, compressor
+
+
+def _distinct_ratios(ratios: list[float], descending: bool = False) -> list[float]:
+    if not ratios:
+        raise ValueError("at least one ratio is required")
+    return sorted(set(ratios), reverse=descending)
+
+
+class StaticPolicy(_Strict):
+    compressor: CompressorConfig = compressor("topk", ratio=0.01)
+
+
+class ScheduleStage(_Strict):
+    start_step: Annotated[int, Field(ge=0)]
+    compressor: CompressorConfig
+
+
+class SchedulePolicy(_Strict):
+    """Piecewise plan by step, e.g. DGC's exponential density warm-up."""
+
+    stages: list[ScheduleStage] = [
+        ScheduleStage(start_step=0, compressor=compressor("topk", ratio=0.25)),
+        ScheduleStage(start_step=50, compressor=compressor("topk", ratio=0.06)),
+        ScheduleStage(start_step=100, compressor=compressor("topk", ratio=0.015)),
+        ScheduleStage(start_step=150, compressor=compressor("topk", ratio=0.004)),
+    ]
+
+    @field_validator("stages")
+    @classmethod
+    def _increasing(cls, stages: list[ScheduleStage]) -> list[ScheduleStage]:
+        if not stages:
+            raise ValueError("at least one stage is required")
+        starts = [s.start_step for s in stages]
+        if starts != sorted(set(starts)):
+            raise ValueError(f"start_step values must strictly increase, got {starts}")
+        return stages
+
+
+class CriticalPolicy(_Strict):
+    """Accordion: layers whose gradient norm changes fast are in a critical regime."""
+
+    low: CompressorConfig = compressor("topk", ratio=0.1)  # light compression (critical)
+    high: CompressorConfig = compressor("topk", ratio=0.01)  # heavy compression
+    threshold: Annotated[float, Field(gt=0)] = 0.5  # relative norm change
+    window_steps: Annotated[int, Field(ge=1)] = 50  # detection interval
+
+
+class ErrorBudgetPolicy(_Strict):
+    """L-GreCo: per-layer Top-K ratios minimising bytes under a total error budget."""
+
+    ratios: list[Annotated[float, Field(gt=0, le=1)]] = [0.001, 0.003, 0.01, 0.03, 0.1]
+    reference_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # budget = its total error
+    slack: Annotated[float, Field(ge=0, le=10)] = 0.0
+    every_steps: Annotated[int, Field(ge=1)] = 50
+
+    _ratios = field_validator("ratios")(lambda cls, r: _distinct_ratios(r))
+
+
+class BandwidthPolicy(_Strict):
+    """Compress just enough that communication hides behind computation."""
+
+    ratios: list[Annotated[float, Field(gt=0, le=1)]] = [1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001]
+    target_overlap: Annotated[float, Field(gt=0, le=10)] = 1.0  # comm time / compute time
+
+    _ratios = field_validator("ratios")(lambda cls, r: _distinct_ratios(r, descending=True))
+
+
+class AdaptivePolicy(_Strict):
+    """The default: measure the link, model each candidate plan's step time, pick the
+    lightest compression that is (nearly) the fastest, and lighter still for layers in a
+    critical regime (Accordion) or whose measured error is too high. "Dense" is one of the
+    candidates: on a fast link it usually wins (Agarwal et al., MLSys'22: compression paid
+    off in only 6 of 200+ data-center setups). Decision rule: ``controllers/policies/adaptive.py``.
+    """
+
+    #: PowerSGD ranks for matrices, heaviest first (Vogels et al., NeurIPS'19: rank 1-4
+    #: matches dense accuracy on ResNet/LSTM with error feedback). Payload per layer is
+    #: (rows + cols) x rank fp32, all-reduced. Drop 1 if your model trains worse at rank 1;
+    #: add 16 or 32 for very wide layers.
+    ranks: list[Annotated[int, Field(ge=1, le=1024)]] = [1, 2, 4, 8]
+    #: Top-K densities for compressible tensors PowerSGD cannot take (1-D, or shapes whose
+    #: factors are not smaller), heaviest first. Top-K is all-gathered: its bytes grow with
+    #: the number of ranks, which the cost model accounts for.
+    topk_ratios: list[Annotated[float, Field(gt=0, le=1)]] = [0.01, 0.1]
+    #: Accordion's eta: relative change of a layer's mean gradient norm between two windows
+    #: at or above this is a critical regime (Agarwal et al., MLSys'21 use 0.5). Lower it to
+    #: protect more layers (less compression), raise it to compress through more change.
+    threshold: Annotated[float, Field(gt=0)] = 0.5
+    #: Steps per regime window (Accordion detects every few epochs; here, in steps). Use
+    #: about an epoch or 5-10 control intervals; it is also how often error is re-judged.
+    window_steps: Annotated[int, Field(ge=1)] = 50
+    #: How many rungs lighter a critical layer goes (rank 1 -> rank 4 with the default
+    #: ranks, Accordion's heavy/light PowerSGD pair). 0 turns regime detection off.
+    critical_boost: Annotated[int, Field(ge=0, le=16)] = 2
+    #: A layer whose measured relative compression error ||c - sent|| / ||c|| over a window
+    #: exceeds this moves one rung lighter for the rest of the run (never back: no
+    #: flapping). With error feedback PowerSGD runs at 0.7-0.93 on the digits MLP and still
+    #: matches dense accuracy; above 0.95 less than 10% of the gradient's energy is sent
+    #: per step. Lower it (e.g. 0.8) for models sensitive to compression.
+    max_error: Annotated[float, Field(gt=0, le=1)] = 0.95
+    #: Among candidate plans take the lightest whose predicted step time is within this
+    #: fraction of the fastest; dense counts as the lightest, so compression must save more
+    #: than this to be used. It is also the hysteresis band: the current plan is kept while
+    #: it stays within it. Raise it on noisy shared machines; lower it to squeeze the link.
+    slack: Annotated[float, Field(ge=0, le=10)] = 0.1
+    #: Seconds each extra collective round of a compressed plan costs (latency plus
+    #: compression and decompression) until the run has measured it. NCCL on one node:
+    #: ~1e-4; gloo over TCP: ~1e-3; shared CPUs: more. Learned from the first compressed
+    #: control interval on.
+    round_seconds: Annotated[float, Field(ge=0, le=10)] = 0.001
+    #: Link bandwidth in bytes per second per rank to plan for, instead of measuring it on
+    #: dense steps (warm-up, guard fallbacks). Set it when you know the link better than a
+    #: short warm-up can measure it, or to plan for a target link (100 Mbit/s: 12.5e6).
+    bandwidth: Annotated[float, Field(gt=0)] | None = None
+
+    @field_validator("ranks", "topk_ratios")
+    @classmethod
+    def _ladder(cls, values: list[Any]) -> list[Any]:
+        if not values:
+            raise ValueError("at least one value is required")
+        return sorted(set(values))  # heaviest first
+
+
