@@ -17,7 +17,6 @@ validated by the policy's options model (a pydantic model: the ``options`` argum
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
@@ -33,6 +32,7 @@ from controllers.policies.schedule import SchedulePolicy
 from controllers.policies.static import StaticPolicy
 from raycomp.compressors import IMPORT_PATH, NAME
 from raycomp.config import CompressionSection, one_line
+from raycomp.imports import import_object
 
 POLICIES: dict[str, type[Policy]] = {
     "static": StaticPolicy,
@@ -116,15 +116,10 @@ def make_policy(name: str, options: dict[str, Any], guard: bool = True) -> Polic
 def _import(name: str, path: str) -> type[Policy]:
     cls = _IMPORTED.get(path)
     if cls is None:
-        module_name, _, qualname = path.partition(":")
         try:
-            obj: Any = importlib.import_module(module_name)
-        except ImportError as error:
-            raise ValueError(f"compression.policy {name!r}: cannot import {module_name!r} ({error})") from None
-        for part in qualname.split("."):
-            if not hasattr(obj, part):
-                raise ValueError(f"compression.policy {name!r}: module {module_name!r} has no {qualname!r}")
-            obj = getattr(obj, part)
+            obj = import_object(path)
+        except ValueError as error:
+            raise ValueError(f"compression.policy {name!r}: {error}") from None
         cls = _IMPORTED[path] = _check_class(name, obj)
     return cls
 

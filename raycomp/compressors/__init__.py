@@ -11,7 +11,6 @@ A compressor is named in a plan or config by one of:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 from typing import Any
@@ -27,6 +26,7 @@ from raycomp.compressors.sign import ScaledSign
 from raycomp.compressors.terngrad import TernGrad
 from raycomp.compressors.threshold import Threshold
 from raycomp.compressors.topk import SampledTopK, TopK
+from raycomp.imports import import_object
 
 COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls
@@ -121,15 +121,10 @@ def compressor_class(name: str) -> type[Compressor]:
 def _import(name: str, path: str) -> type[Compressor]:
     cls = _IMPORTED.get(path)
     if cls is None:
-        module_name, _, qualname = path.partition(":")
         try:
-            obj: Any = importlib.import_module(module_name)
-        except ImportError as error:
-            raise ValueError(f"compressor {name!r}: cannot import {module_name!r} ({error})") from None
-        for part in qualname.split("."):
-            if not hasattr(obj, part):
-                raise ValueError(f"compressor {name!r}: module {module_name!r} has no {qualname!r}")
-            obj = getattr(obj, part)
+            obj = import_object(path)
+        except ValueError as error:
+            raise ValueError(f"compressor {name!r}: {error}") from None
         cls = _IMPORTED[path] = _check_class(name, obj)
     return cls
 

@@ -24,6 +24,7 @@ from raycomp.config.policies import (
     SchedulePolicy,
     StaticPolicy,
 )
+from raycomp.imports import import_object
 
 
 class RunSection(_Strict):
@@ -100,19 +101,9 @@ _ENTRYPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A
 
 def resolve_entrypoint(path: str) -> Any:
     """``package.module:callable`` -> the callable; ValueError with one line otherwise."""
-    import importlib
-
     if not _ENTRYPOINT.match(path):
         raise ValueError(f"expected 'package.module:function', got {path!r}")
-    module_name, attr = path.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - any import failure is a bad entry point
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ValueError(f"cannot import {module_name!r} ({message})") from None
-    target = getattr(module, attr, None)
-    if target is None:
-        raise ValueError(f"module {module_name!r} has no {attr!r}")
+    target = import_object(path)
     if not callable(target):
         raise ValueError(f"{path!r} is not callable")
     return target
