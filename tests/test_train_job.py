@@ -156,7 +156,7 @@ def test_step_checkpoints_resume_mid_epoch_and_replay_fewer_than_n_steps(uninter
     assert all({"time", "step", "epoch", "eval_accuracy"} <= e.keys() for e in evals)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~130 s on 2 cores: scripts/long-checks.sh, result in docs/testing.md
 def test_fashion_mnist_adaptive_reaches_85_percent_at_20x(ray_cluster, tmp_path):
     fashion = str(REPO / "jobs" / "configs" / "fashion_mnist.yaml")
     config, run_id, output = prepare(["--config", fashion, "--output", str(tmp_path / "fashion"),
