@@ -59,6 +59,8 @@ COLLECTIVES = (
     "broadcast",
     "reduce_scatter_tensor",
     "reduce_scatter",
+    "reduce_scatter_single",  # torch >= 2.12: FSDP2's default reduce-scatter
+    "all_gather_single",  # torch >= 2.12: FSDP2's default all-gather
 )
 
 #: Environment that enables gloo's flight recorder (set before ``init_process_group``).
@@ -74,6 +76,8 @@ _FR_OPS = {
     "broadcast": "gloo:broadcast",
     "reduce_scatter_tensor": "gloo:all_reduce",  # gloo runs it as an all-reduce
     "reduce_scatter": "gloo:reduce_scatter",
+    "reduce_scatter_single": "gloo:all_reduce",  # as reduce_scatter_tensor
+    "all_gather_single": "gloo:all_gather",
 }
 _FR_DTYPES = {
     torch.float32: "Float",
@@ -133,9 +137,10 @@ def transmitted_bytes(call: Call) -> float:
         return 0.0
     if call.op == "all_reduce":
         return 2 * (w - 1) / w * call.nbytes
-    if call.op in ("all_gather", "all_gather_into_tensor"):
+    if call.op in ("all_gather", "all_gather_into_tensor", "all_gather_single"):
         return float((w - 1) * call.nbytes)
-    if call.op in ("all_to_all_single", "all_to_all", "reduce_scatter_tensor", "reduce_scatter"):
+    if call.op in ("all_to_all_single", "all_to_all", "reduce_scatter_tensor", "reduce_scatter",
+                   "reduce_scatter_single"):
         assert call.splits is not None
         return float(sum(s for j, s in enumerate(call.splits) if j != call.rank) * call.element_size)
     if call.op == "broadcast":
@@ -160,9 +165,9 @@ def _describe(op: str, args: dict[str, Any]) -> Call:
         tensor = args["tensor"]
     elif op == "all_gather":
         tensor = args["tensor"]
-    elif op == "all_gather_into_tensor":
+    elif op in ("all_gather_into_tensor", "all_gather_single"):
         tensor = args["input_tensor"]
-    elif op in ("all_to_all_single", "reduce_scatter_tensor"):
+    elif op in ("all_to_all_single", "reduce_scatter_tensor", "reduce_scatter_single"):
         tensor = args["input"]
         sizes = args.get("input_split_sizes")
         if sizes:
@@ -213,7 +218,9 @@ class WireRecorder:
             raise RuntimeError("WireRecorder is already active")
         self._fr_start = _next_record_id()
         for op in COLLECTIVES:
-            original = getattr(c10d, op)
+            original = getattr(c10d, op, None)
+            if original is None:  # not in this torch
+                continue
             wrapper = self._wrap(op, original)
             for module in (dist, c10d):
                 if getattr(module, op, None) is original:
