@@ -222,7 +222,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _run(args: argparse.Namespace, argv: Sequence[str], settings: dict[str, Any], started: float,
          info: dict[str, Any], load_start: tuple[float, float, float]) -> int:
-    from jobs._report import command_line, eprint
+    from jobs._report import eprint
     from jobs.netns import ThrottledLink
 
     rate = None if settings["link"] == "fast" else args.link
@@ -245,6 +245,8 @@ def _run(args: argparse.Namespace, argv: Sequence[str], settings: dict[str, Any]
                     "netns_inodes": {s: os.stat(f"/run/netns/{link.ns[s]}").st_ino for s in ("a", "b")},
                     "ray_temp_a": str(temp["a"]), "addresses": dict(link.addr)}
             (work / "spec.json").write_text(json.dumps(spec, indent=2))
+            # written now and again at the end: a run stopped early can still be re-analysed
+            _write_meta(work, settings, link.shaping(), check, argv, info, None, load_start)
             env = {**os.environ, **RAY_ENV, "PYTHONPATH": _pythonpath(),
                    "RAY_ADDRESS": spec["address"], "GLOO_SOCKET_IFNAME": link.dev["a"]}
             driver = link.popen("a", [sys.executable, "-m", "jobs.bench_e2e", "--driver",
@@ -267,17 +269,25 @@ def _run(args: argparse.Namespace, argv: Sequence[str], settings: dict[str, Any]
                     shutil.copytree(logs, work / f"ray-logs-{side}", dirs_exist_ok=True,
                                     ignore_dangling_symlinks=True)
                 shutil.rmtree(path, ignore_errors=True)
-    meta = {"settings": settings, "shaping": shaping, "check": check,
-            "command": command_line("jobs.bench", argv), "machine": info,
-            "benchmark_seconds": time.time() - started,
-            "load_average": {"start": list(load_start), "end": list(os.getloadavg())}}
-    (work / "meta.json").write_text(json.dumps(meta, indent=2))
+    meta = _write_meta(work, settings, shaping, check, argv, info, time.time() - started, load_start)
     results = results_from(work, meta)
     paths = write_reports(results, Path(args.output_dir))
     eprint(f"e2e: wrote {', '.join(map(str, paths))} in {time.time() - started:.0f} s")
     for g in results["goals"]:
         eprint(f"e2e: {'PASS' if g['ok'] else 'MISS'} {g['goal']}: {_f(g['value'])}")
     return 0
+
+
+def _write_meta(work: Path, settings: dict[str, Any], shaping: dict[str, Any], check: dict[str, Any],
+                argv: Sequence[str], info: dict[str, Any], seconds: float | None,
+                load_start: tuple[float, float, float]) -> dict[str, Any]:
+    from jobs._report import command_line
+
+    meta = {"settings": settings, "shaping": shaping, "check": check,
+            "command": command_line("jobs.bench", argv), "machine": info, "benchmark_seconds": seconds,
+            "load_average": {"start": list(load_start), "end": list(os.getloadavg()) if seconds else None}}
+    (work / "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta
 
 
 def results_from(work: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -782,7 +792,8 @@ def analyze(raw: dict[str, Any], settings: dict[str, Any], shaping: dict[str, An
                  "shaping": shaping, "check": check, "idle_ray_bytes_per_s": idle_rate},
         "target": {"metric": raw["metric"], "value": target["value"], "lower_is_better": lower,
                    "source": target["source"], "consecutive": CONSECUTIVE},
-        "seeds": settings["seeds"],
+        "seeds": [s for s in settings["seeds"] if any(r["seed"] == s for r in runs)],
+        "seeds_requested": settings["seeds"],
         "compute_step_s": compute[0]["step_s"] if compute else None,
         "methods": methods,
         "mode": settings["mode"],
@@ -891,6 +902,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     )
     failures = [f"- {m['name']}: {e}" for m in methods for e in m["errors"]]
     load = results.get("load_average") or {}
+    requested = results.get("seeds_requested") or results["seeds"]
     measured = link["measured_mbit_s"]
     check = link["check"]
     parts = [
@@ -903,6 +915,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         f"```\n{results.get('command', '')}\n```",
         "",
+        *([f"**Stopped early: {len(results['seeds'])} of the {len(requested)} requested seeds "
+            f"({', '.join(map(str, requested))}) ran**; the medians below are over those.", ""]
+          if len(results["seeds"]) < len(requested) else []),
         f"Mode **{results['mode']}**; the whole benchmark took {_f(results.get('benchmark_seconds'), '{:.0f}')} s "
         f"(load average {_f((load.get('start') or [None])[0], '{:.1f}')} at the start, "
         f"{_f((load.get('end') or [None])[0], '{:.1f}')} at the end).",

@@ -236,6 +236,24 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     assert json.loads(paths[0].read_text())["methods"][1]["name"] == "raycomp_adaptive"
 
 
+def test_a_run_stopped_early_reports_the_seeds_that_ran(tmp_path):
+    settings = {"workload": "gpt", "config": "jobs/configs/gpt_kjv.yaml", "mode": "full", "steps": 40,
+                "eval_every": 10, "seeds": [0, 1, 2], "target": None, "warmup": 20, "link": "100mbit",
+                "stop_at_target": False}
+    raw = {"layers": {"w": [100, 2]}, "metric": "loss", "interval_steps": 10, "bucket_cap_mb": 1.0,
+           "default_policy": "adaptive", "idle": [],
+           "runs": [_raw_run("dense", 0, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0),
+                    _raw_run("dense", 1, [3.0, 2.7, 2.5, 2.3], 1.0, 800.0),
+                    _raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.45, 2.4], 0.3, 8.0)]}  # stopped here
+    check = {"a_to_b": {"bits_per_s": 95.7e6}, "b_to_a": {"bits_per_s": 95.6e6}, "rtt": {"median_s": 2e-5}}
+    results = e2e.analyze(raw, settings, {"qdisc": {"a": "tbf"}, "rate": "100mbit"}, check)
+    assert results["seeds"] == [0, 1] and results["seeds_requested"] == [0, 1, 2]
+    assert results["methods"][1]["time_to_target_s_seeds"] == [pytest.approx(0.3 * 29)]
+    text = e2e.render_markdown({**results, "command": "x"})
+    assert "over a 100mbit link, 2 seeds" in text
+    assert "**Stopped early: 2 of the 3 requested seeds (0, 1, 2) ran**" in text
+
+
 # --- a tiny real run ------------------------------------------------------------------------------
 def _root_with_netns() -> bool:
     import os
