@@ -41,6 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+
+# FSDP2's comm interface (``set_custom_reduce_scatter`` takes one); torch 2.13 does not
+# export it from torch.distributed.fsdp, and older torch has neither: this module needs a
+# torch with ``FSDPModule.set_custom_reduce_scatter`` (the rest of raycomp does not import it)
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from raycomp.compressors import Transport, compressor_class
@@ -187,4 +191,3 @@ def compress_fsdp(model: torch.nn.Module, spec: CompressorSpec | Mapping[str, Co
 
 
 __all__ = ["CompressedReduceScatter", "ROW_TRANSPORTS", "check_sharded_spec", "compress_fsdp"]
-
