@@ -11,15 +11,19 @@ It combines three measurements the controller already has (options:
     ladder per compressible layer (heaviest first, dense last):
         matrix: powersgd r for r in ranks (only ranks whose factors are smaller)
         other (1-D, or PowerSGD cannot shrink it): topk ratio for ratio in topk_ratios
+        then the near-lossless rungs (near_lossless: int8, bf16), then dense
     regime (every window_steps; Accordion, per layer):
         cur, prev = mean grad norm over the last two windows
         critical = no prev  or  |prev - cur| / prev >= threshold
-        the measured compression error of the window > max_error  =>  error_floor += 1
+        the measured compression error of the window > max_error  =>  the layer leaves the
+            lossy rungs for good: error_floor = max(error_floor + 1, first near-lossless rung)
         floor = error_floor + (critical_boost if critical else 0)
     candidates s = 0, 1, ..., S (S: every layer dense):  rung(l, s) = min(floor_l + s, dense)
         predicted(s) = compute + bytes(s) / bw + extra_rounds(s) * overhead
-        bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k
-        extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer
+        bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k;
+               int8 2(W-1)/W * (n + 8 n / 2048); bf16 2(W-1)/W * 2n
+        extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer, 2 with any
+               int8 layer (all-to-all and all-gather), 1 with any bf16 layer (its own all-reduce)
     choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted)
         first decision, or floors changed (regime or error, at most every window): target;
         otherwise keep the current s while it is within that band, else switch to target
@@ -49,7 +53,11 @@ PATIENCE = 2  # consecutive boundaries outside the band before a link-driven swi
 SMOOTHING = 0.5  # EMA weight of the newest measurement
 DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
 HISTORY = 32
+INT8_CHUNK = 2048  # raycomp's int8 default chunk_size
 LOWRANK, ALLGATHER, DENSE_FAMILY = "powersgd", "topk", "none"
+QUANTIZED, CASTS = "int8", ("bf16", "fp16")  # the near-lossless rungs
+#: extra collective rounds per family, beyond the dense all-reduce the measured bandwidth includes
+EXTRA_ROUNDS = {LOWRANK: 2, ALLGATHER: 1, QUANTIZED: 2, **dict.fromkeys(CASTS, 1)}
 
 
 class AdaptivePolicy(Policy):
@@ -59,6 +67,7 @@ class AdaptivePolicy(Policy):
         super().__init__(options)
         self.ranks = sorted({int(r) for r in options["ranks"]})
         self.ratios = sorted({float(r) for r in options["topk_ratios"]})
+        self.near_lossless = [str(n) for n in options["near_lossless"]]
         self.threshold = float(options["threshold"])
         self.window = int(options["window_steps"])
         self.boost = int(options["critical_boost"])
@@ -180,26 +189,31 @@ class AdaptivePolicy(Policy):
                             self.rung_since[name] + 2 * run.interval_steps)
                 error = _mean([e for s, e in h.compression_error if s > since and e > 0])
                 if error is not None and error > self.max_error:
-                    self.error_floor[name] = self.error_floor.get(name, 0) + 1
+                    raised = self.error_floor.get(name, 0) + 1
+                    lossy = len(self._ladder(run, h)) - 1 - len(self.near_lossless)
+                    if self.near_lossless and self.rungs[name] < lossy:  # out of the lossy rungs
+                        raised = max(raised, lossy)
+                    self.error_floor[name] = raised
         self.last_detect = step
 
     # --- the cost model ---------------------------------------------------------------------
     def _compressible(self, run: RunState) -> dict[str, LayerHistory]:
         return {n: h for n, h in run.layers.items() if h.numel >= max(1, self.min_numel)}
 
-    def _spec(self, family: str, value: float) -> CompressorSpec:
+    def _spec(self, family: str, value: float | None = None) -> CompressorSpec:
         key = (family, value)
         if key not in self._specs:
-            self._specs[key] = (CompressorSpec.of(LOWRANK, rank=int(value)) if family == LOWRANK
-                                else CompressorSpec.of(ALLGATHER, ratio=value))
+            self._specs[key] = (CompressorSpec.of(LOWRANK, rank=int(value)) if family == LOWRANK  # type: ignore[arg-type]
+                                else CompressorSpec.of(ALLGATHER, ratio=value) if family == ALLGATHER
+                                else CompressorSpec.of(family))
         return self._specs[key]
 
     def _ladder(self, run: RunState, h: LayerHistory) -> list[CompressorSpec]:
         rows, cols = _matrix(h)
         ranks = [r for r in self.ranks if (rows + cols) * min(r, rows, cols) < rows * cols]
-        if ranks:
-            return [*(self._spec(LOWRANK, r) for r in ranks), DENSE]
-        return [*(self._spec(ALLGATHER, r) for r in self.ratios), DENSE]
+        lossy = ([self._spec(LOWRANK, r) for r in ranks] if ranks
+                 else [self._spec(ALLGATHER, r) for r in self.ratios])
+        return [*lossy, *(self._spec(n) for n in self.near_lossless), DENSE]
 
     def _predict(self, run: RunState, layers: dict[str, LayerHistory],
                  ladders: dict[str, list[CompressorSpec]], floors: dict[str, int], shift: int) -> float:
@@ -221,6 +235,10 @@ class AdaptivePolicy(Policy):
             elif spec.name == ALLGATHER:
                 k = max(1, min(h.numel, math.ceil(dict(spec.params)["ratio"] * h.numel)))
                 total += (w - 1) * k * (element + 4)
+            elif spec.name == QUANTIZED:  # one byte per element, an fp32 (min, max) per chunk
+                total += allreduce * (h.numel + 8 * math.ceil(h.numel / INT8_CHUNK))
+            elif spec.name in CASTS:
+                total += allreduce * 2 * h.numel
             else:
                 total += allreduce * element * h.numel
         assert self.bw is not None and self.compute is not None
@@ -300,7 +318,7 @@ def _mean(values: list[float]) -> float | None:
 
 def _extra_rounds(families: set[str]) -> int:
     """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes)."""
-    return 2 * (LOWRANK in families) + 1 * (ALLGATHER in families)
+    return sum(EXTRA_ROUNDS.get(f, 0) for f in families)
 
 
 def _matrix(h: LayerHistory) -> tuple[int, int]:
@@ -328,4 +346,4 @@ def _label(spec: CompressorSpec) -> str:
         return f"powersgd r={params['rank']}"
     if spec.name == ALLGATHER:
         return f"topk {params['ratio']:g}"
-    return str(spec)
+    return spec.name
