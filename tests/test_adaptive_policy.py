@@ -197,6 +197,18 @@ def test_layers_whose_measured_error_is_too_high_leave_the_lossy_rungs_for_good(
     assert sim.details()["error_floor"] == {"fc1.weight": 4, "fc2.weight": 4, "out.weight": 4}
 
 
+def test_layers_leaving_for_error_do_not_push_the_others_heavier():
+    # on a 4x link the plan is rank 2 and Top-K 10% (shift 1); at step 59 the matrices'
+    # rank-2 error is too high: they leave the lossy rungs, and the vector keeps its 10%
+    sim = Sim(errors={"powersgd r=2": 0.97, "topk": 0.6})
+    sim.run(8, MEDIUM)
+    assert ranks(sim.plan) == {"fc1.weight": 2, "fc2.weight": 2, "out.weight": 2, "norm.weight": 0.1}
+    moved = sim.run(4, MEDIUM)
+    # one rung above the floor (int8) with the shift kept: bf16; not Top-K 1% for the vector
+    assert ranks(moved) == {"fc1.weight": "bf16", "fc2.weight": "bf16", "out.weight": "bf16", "norm.weight": 0.1}
+    assert sim.details()["shift"] == 1
+
+
 def test_without_near_lossless_rungs_a_high_error_layer_goes_one_rung_lighter():
     sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.8, "topk": 0.6}, near_lossless=[])
     sim.run(8, SLOW)

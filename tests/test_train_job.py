@@ -32,8 +32,11 @@ def latest_checkpoint(output: Path) -> Path:
     return sorted(p for p in output.glob("checkpoint_*") if p.is_dir())[-1]
 
 
-def test_critical_policy_switches_plans_and_every_rank_uses_the_same_plan(ray_cluster, tmp_path):
-    summary = train(tmp_path, "critical")
+def test_critical_policy_switches_plans_every_rank_uses_the_same_plan_and_lr_ramps(ray_cluster, tmp_path):
+    # one fit checks two things (each Ray Train fit costs ~16 s of start-up on 2 cores): the
+    # critical policy's plans on every rank, and the learning-rate ramp after compression starts
+    summary = train(tmp_path, "critical", "workload.lr_schedule=constant", "compression.lr_scaling.enabled=true",
+                    "compression.lr_scaling.warmup_steps=20", "compression.lr_scaling.start_factor=0.5")
     assert summary["status"] == "succeeded"
     assert summary["plan_switches"] >= 3, summary["policy"]
     logs = step_logs(Path(summary["output_dir"]))
@@ -46,6 +49,15 @@ def test_critical_policy_switches_plans_and_every_rank_uses_the_same_plan(ray_cl
     assert summary["compression_ratio"] > 1
     assert summary["wire_bytes_total"] < summary["dense_bytes_total"]
     assert (Path(summary["output_dir"]) / "plot.png").stat().st_size > 10_000
+    # the learning rate: the base rate through the dense warm-up, then start_factor x base
+    # at the first compressed step, back to the base rate linearly over 20 steps
+    records = logs[0]
+    start = next(r["step"] for r in records if not r["dense"])
+    assert start >= 10  # compression.warmup_steps of the digits config
+    assert all(r["lr"] == pytest.approx(0.05) for r in records[:start])
+    assert records[start]["lr"] == pytest.approx(0.025)
+    assert records[start + 10]["lr"] == pytest.approx(0.0375)
+    assert all(r["lr"] == pytest.approx(0.05) for r in records[start + 20:])
 
 
 def test_nan_gradients_fall_back_to_dense_in_the_same_step_and_recover(ray_cluster, tmp_path):
@@ -86,19 +98,6 @@ def test_other_policies_run_end_to_end(ray_cluster, tmp_path, policy):
         assert details and summary["final_plan"]["layers"], details
     if policy == "schedule":
         assert summary["final_plan"]["default"] == {"name": "int8"}
-
-
-def test_learning_rate_ramps_after_compression_starts(ray_cluster, tmp_path):
-    summary = train(tmp_path, "lr", "compression.policy=static", "compression.warmup_steps=10",
-                    "workload.lr_schedule=constant", "compression.lr_scaling.enabled=true",
-                    "compression.lr_scaling.warmup_steps=20", "compression.lr_scaling.start_factor=0.5")
-    records = step_logs(Path(summary["output_dir"]))[0]
-    start = next(r["step"] for r in records if not r["dense"])
-    assert start >= 10
-    assert all(r["lr"] == pytest.approx(0.05) for r in records[:start])
-    assert records[start]["lr"] == pytest.approx(0.025)  # start_factor x base
-    assert records[start + 10]["lr"] == pytest.approx(0.0375)
-    assert all(r["lr"] == pytest.approx(0.05) for r in records[start + 20:])
 
 
 RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.epochs=3",

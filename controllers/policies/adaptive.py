@@ -25,7 +25,8 @@ It combines three measurements the controller already has (options:
         extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer, 2 with any
                int8 layer (all-to-all and all-gather), 1 with any bf16 layer (its own all-reduce)
     choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted)
-        first decision, or floors changed (regime or error, at most every window): target;
+        first decision: target; floors changed (regime or error, at most every window):
+        max(target, current s), so layers that move lighter never push the others heavier;
         otherwise keep the current s while it is within that band, else switch to target
         once PATIENCE consecutive boundaries say so
 
@@ -116,8 +117,12 @@ class AdaptivePolicy(Policy):
         within = [s for s, t in enumerate(self.predicted) if t <= (1 + self.slack) * best]
         target = max(within)
         current = None if self.shift is None else (top if self.dense_chosen else min(self.shift, top))
-        if current is None or floors != self.floors:
-            current, self.strikes = target, 0  # first decision, or a regime/error change
+        if current is None:
+            current, self.strikes = target, 0  # the first decision
+        elif floors != self.floors:
+            # a regime or error change moves the layers it concerns; it must not make the
+            # others heavier (a lower shift): that waits for the link-driven rule below
+            current, self.strikes = max(target, current), 0
         elif current in within:
             self.strikes = 0
         else:
