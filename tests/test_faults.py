@@ -1,6 +1,6 @@
 """Faults on a real local Ray: the controller dies (and comes back, or not), ranks
-disagree on the plan, a rank stops communicating, gradients explode. Training goes on or
-fails clearly and quickly — never hangs, never applies a bad step."""
+disagree on the plan, a rank stops communicating. Training goes on or fails clearly and
+quickly — never hangs. (NaN and exploding gradients: tests/test_train_job.py.)"""
 
 from __future__ import annotations
 
@@ -86,18 +86,6 @@ def test_a_rank_that_stops_communicating_fails_by_the_timeout_not_a_hang(ray_clu
     assert summary["status"] == "failed"
     assert "timed out" in summary["error"].lower() or "timeout" in summary["error"].lower(), summary["error"]
     assert elapsed < 150, f"took {elapsed:.0f} s"
-
-
-def test_exploding_gradients_are_skipped_and_fall_back(ray_cluster, tmp_path):
-    summary = train(tmp_path, "run", "compression.policy=static", "compression.warmup_steps=0",
-                    "faults.loss_scale_at_step=30", "faults.loss_scale=1000", "compression.guard.stable_steps=5")
-    assert summary["status"] == "succeeded"
-    first = summary["fallback_events"][0]
-    assert (first["step"], first["reason"]) == (30, "gradient_explosion")
-    assert summary["skipped_steps"] == 1
-    for records in step_logs(Path(summary["output_dir"])):
-        assert not {r["step"]: r for r in records}[30]["applied"]
-    assert summary["final_eval_accuracy"] > 0.5
 
 
 def test_controller_created_inside_a_placement_group_outlives_it(ray_cluster, tmp_path):

@@ -60,23 +60,29 @@ def test_critical_policy_switches_plans_every_rank_uses_the_same_plan_and_lr_ram
     assert all(r["lr"] == pytest.approx(0.05) for r in records[start + 20:])
 
 
-def test_nan_gradients_fall_back_to_dense_in_the_same_step_and_recover(ray_cluster, tmp_path):
-    nan_step, stable = 30, 10
+def test_nan_gradients_and_an_explosion_fall_back_to_dense_in_the_same_step_and_recover(ray_cluster, tmp_path):
+    # one fit, two guard triggers (each Ray Train fit costs ~16 s of start-up on 2 cores):
+    # NaN gradients on rank 1 at step 30, then a loss spike x1000 on every rank at step 60
+    nan_step, spike_step, stable = 30, 60, 10
     summary = train(tmp_path, "nan", "compression.policy=static", "compression.warmup_steps=0",
                     f"faults.nan_at_step={nan_step}", "faults.nan_rank=1",
+                    f"faults.loss_scale_at_step={spike_step}", "faults.loss_scale=1000",
                     f"compression.guard.stable_steps={stable}")
     assert summary["status"] == "succeeded"
     events = summary["fallback_events"]
     assert events[0] == {"step": nan_step, "kind": "fallback", "reason": "nonfinite_gradient",
                          "detail": "NaN/Inf in gradients or loss"}
     assert events[1]["kind"] == "recovered" and events[1]["step"] == nan_step + stable
-    assert summary["skipped_steps"] == 1
+    assert (events[2]["step"], events[2]["kind"], events[2]["reason"]) == (spike_step, "fallback", "gradient_explosion")
+    assert events[3]["kind"] == "recovered" and events[3]["step"] == spike_step + stable
+    assert summary["skipped_steps"] == 2
     for records in step_logs(Path(summary["output_dir"])):
         by_step = {r["step"]: r for r in records}
-        assert not by_step[nan_step]["applied"]  # the NaN step never reached the weights
-        assert not by_step[nan_step - 1]["dense"]
-        assert all(by_step[s]["dense"] for s in range(nan_step + 1, nan_step + stable + 1))
-        assert any(not by_step[s]["dense"] for s in range(nan_step + stable + 1, summary["steps"]))
+        for bad in (nan_step, spike_step):
+            assert not by_step[bad]["applied"]  # the bad step never reached the weights
+            assert not by_step[bad - 1]["dense"]
+            assert all(by_step[s]["dense"] for s in range(bad + 1, bad + stable + 1))
+            assert any(not by_step[s]["dense"] for s in range(bad + stable + 1, bad + stable + 11))
     shared = torch.load(latest_checkpoint(Path(summary["output_dir"])) / "shared.pt", weights_only=False)
     assert all(torch.isfinite(t).all() for t in shared["model"].values())
     assert summary["final_eval_accuracy"] > 0.5
