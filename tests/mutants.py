@@ -276,6 +276,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_policies.py",
         "Accordion's critical-regime test is inverted",
     ),
+    mutant(
+        "adaptive-error-moves-one-rank", "controllers/policies/adaptive.py",
+        "                        raised = max(raised, lossy)\n",
+        "                        pass\n",
+        "tests/test_adaptive_policy.py",
+        "a layer whose PowerSGD error is too high moves one rank up instead of to int8",
+    ),
+    mutant(
+        "adaptive-floor-change-lowers-shift", "controllers/policies/adaptive.py",
+        "            current, self.strikes = max(target, current), 0\n",
+        "            current, self.strikes = target, 0\n",
+        "tests/test_adaptive_policy.py",
+        "layers leaving the lossy rungs for error push the other layers heavier",
+    ),
 )
 
 
