@@ -209,6 +209,17 @@ def test_layers_leaving_for_error_do_not_push_the_others_heavier():
     assert sim.details()["shift"] == 1
 
 
+def test_error_is_judged_at_every_boundary_not_only_at_the_regime_window():
+    sim = Sim(errors={"powersgd r=1": 0.97, "topk": 0.6})
+    sim.run(12, FAST)  # dense through step 59 (regime windows end at 19, 39, 59, 79, 99)
+    sim.run(2, SLOW)  # the link slowed: rank 1 from the boundary at step 69
+    assert ranks(sim.plan)["fc1.weight"] == 1
+    sim.run(3, SLOW)  # 74, 79, 84: one settled sample of rank 1 (step 84) is not enough
+    assert ranks(sim.plan)["fc1.weight"] == 1
+    judged = sim.run(1, SLOW)  # 89: two samples over 0.9, between two regime windows
+    assert ranks(judged)["fc1.weight"] == "int8"
+
+
 def test_without_near_lossless_rungs_a_high_error_layer_goes_one_rung_lighter():
     sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.8, "topk": 0.6}, near_lossless=[])
     sim.run(8, SLOW)

@@ -15,8 +15,10 @@ It combines three measurements the controller already has (options:
     regime (every window_steps; Accordion, per layer):
         cur, prev = mean grad norm over the last two windows
         critical = no prev  or  |prev - cur| / prev >= threshold
-        the measured compression error of the window > max_error  =>  the layer leaves the
-            lossy rungs for good: error_floor = max(error_floor + 1, first near-lossless rung)
+    error (every boundary, per layer): the mean measured compression error of its rung over
+        the last window (>= 2 samples taken after the rung arrived) > max_error  =>  the
+        layer leaves the lossy rungs for good: error_floor = max(error_floor + 1, first
+        near-lossless rung)
         floor = error_floor + (critical_boost if critical else 0)
     candidates s = 0, 1, ..., S (S: every layer dense):  rung(l, s) = min(floor_l + s, dense)
         predicted(s) = compute + bytes(s) / bw + extra_rounds(s) * overhead
@@ -55,6 +57,7 @@ SMOOTHING = 0.5  # EMA weight of the newest measurement
 DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
 HISTORY = 32
 INT8_CHUNK = 2048  # raycomp's int8 default chunk_size
+ERROR_SAMPLES = 2  # error samples of a rung (one per control interval) before it is judged
 LOWRANK, ALLGATHER, DENSE_FAMILY = "powersgd", "topk", "none"
 QUANTIZED, CASTS = "int8", ("bf16", "fp16")  # the near-lossless rungs
 #: extra collective rounds per family, beyond the dense all-reduce the measured bandwidth includes
@@ -107,6 +110,7 @@ class AdaptivePolicy(Policy):
             return Plan(reason="adaptive: dense until a dense interval has timed the link")
         if self.last_detect is None or run.step - self.last_detect >= self.window:
             self._detect(run, layers)
+        self._judge_errors(run, layers)
         ladders = {name: self._ladder(run, h) for name, h in layers.items()}
         floors = {name: min(len(ladders[name]) - 1,
                             self.error_floor.get(name, 0) + (self.boost if self.critical.get(name) else 0))
@@ -177,7 +181,7 @@ class AdaptivePolicy(Policy):
                     self.overhead_measured = True
 
     def _detect(self, run: RunState, layers: dict[str, LayerHistory]) -> None:
-        """Accordion's regime per layer, and the error check of the window that ended."""
+        """Accordion's regime per layer, over the window that ended."""
         step, w = run.step, self.window
         for name, h in layers.items():
             cur = _mean([v for s, v in h.grad_norm if step - w < s <= step])
@@ -189,17 +193,26 @@ class AdaptivePolicy(Policy):
                     self.critical[name] = abs(prev - cur) / prev >= self.threshold
                 else:
                     self.critical[name] = cur > 0
-            if name in self.rungs:  # error of the current rung, measured after it arrived
-                since = max(self.last_detect if self.last_detect is not None else -1,
-                            self.rung_since[name] + 2 * run.interval_steps)
-                error = _mean([e for s, e in h.compression_error if s > since and e > 0])
-                if error is not None and error > self.max_error:
-                    raised = self.error_floor.get(name, 0) + 1
-                    lossy = len(self._ladder(run, h)) - 1 - len(self.near_lossless)
-                    if self.near_lossless and self.rungs[name] < lossy:  # out of the lossy rungs
-                        raised = max(raised, lossy)
-                    self.error_floor[name] = raised
         self.last_detect = step
+
+    def _judge_errors(self, run: RunState, layers: dict[str, LayerHistory]) -> None:
+        """At every boundary: a layer whose current rung's error, averaged over the samples
+        of the last window taken after the rung arrived (at least ERROR_SAMPLES of them),
+        exceeds max_error gets a higher floor. No need to wait for the regime window: the
+        error of a rung does not depend on a comparison between windows."""
+        for name, h in layers.items():
+            if name not in self.rungs:
+                continue
+            since = max(run.step - self.window, self.rung_since[name] + 2 * run.interval_steps)
+            samples = [e for s, e in h.compression_error if s > since and e > 0]
+            if len(samples) < ERROR_SAMPLES or _mean(samples) <= self.max_error:  # type: ignore[operator]
+                continue
+            ladder = self._ladder(run, h)
+            raised = min(self.error_floor.get(name, 0) + 1, len(ladder) - 1)
+            lossy = len(ladder) - 1 - len(self.near_lossless)
+            if self.near_lossless and self.rungs[name] < lossy:  # out of the lossy rungs
+                raised = max(raised, lossy)
+            self.error_floor[name] = raised
 
     # --- the cost model ---------------------------------------------------------------------
     def _compressible(self, run: RunState) -> dict[str, LayerHistory]:
