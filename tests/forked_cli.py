@@ -38,7 +38,9 @@ def _child(module: str, argv: list[str], env: dict[str, str], cwd: str, out: int
         sys.argv = [module, *argv]
         try:
             code = importlib.import_module(module).main(argv)
-        except SystemExit as exit_:
+        except SystemExit as exit_:  # as the interpreter handles it: a message goes to stderr
+            if exit_.code is not None and not isinstance(exit_.code, int):
+                print(exit_.code, file=sys.stderr)
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         except BaseException:  # noqa: BLE001 - what the interpreter would print, then exit 1
             import traceback

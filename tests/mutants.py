@@ -278,7 +278,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "adaptive-error-moves-one-rank", "controllers/policies/adaptive.py",
-        "                        raised = max(raised, lossy)\n",
+        "                raised = max(raised, lossy)\n",
         "                        pass\n",
         "tests/test_adaptive_policy.py",
         "a layer whose PowerSGD error is too high moves one rank up instead of to int8",

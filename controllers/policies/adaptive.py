@@ -27,8 +27,9 @@ It combines three measurements the controller already has (options:
         extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer, 2 with any
                int8 layer (all-to-all and all-gather), 1 with any bf16 layer (its own all-reduce)
     choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted)
-        first decision: target; floors changed (regime or error, at most every window):
-        max(target, current s), so layers that move lighter never push the others heavier;
+        first decision: target; floors changed (a regime window ended, or a layer's error
+        moved it): max(target, current s), so layers that move lighter never push the
+        others heavier;
         otherwise keep the current s while it is within that band, else switch to target
         once PATIENCE consecutive boundaries say so
 
@@ -50,13 +51,14 @@ from typing import Any
 
 from controllers.policies.base import Policy
 from controllers.state import LayerHistory, RunState
+from raycomp.compressors.int8 import MinMaxInt8
 from raycomp.plan import DENSE, CompressorSpec, Plan
 
 PATIENCE = 2  # consecutive boundaries outside the band before a link-driven switch
 SMOOTHING = 0.5  # EMA weight of the newest measurement
 DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
 HISTORY = 32
-INT8_CHUNK = 2048  # raycomp's int8 default chunk_size
+INT8_CHUNK = MinMaxInt8().chunk_size  # the int8 rung's chunk (its default): 2 fp32 bounds each
 ERROR_SAMPLES = 2  # error samples of a rung (one per control interval) before it is judged
 LOWRANK, ALLGATHER, DENSE_FAMILY = "powersgd", "topk", "none"
 QUANTIZED, CASTS = "int8", ("bf16", "fp16")  # the near-lossless rungs
@@ -205,7 +207,7 @@ class AdaptivePolicy(Policy):
                 continue
             since = max(run.step - self.window, self.rung_since[name] + 2 * run.interval_steps)
             samples = [e for s, e in h.compression_error if s > since and e > 0]
-            if len(samples) < ERROR_SAMPLES or _mean(samples) <= self.max_error:  # type: ignore[operator]
+            if len(samples) < ERROR_SAMPLES or sum(samples) / len(samples) <= self.max_error:
                 continue
             ladder = self._ladder(run, h)
             raised = min(self.error_floor.get(name, 0) + 1, len(ladder) - 1)
@@ -218,12 +220,15 @@ class AdaptivePolicy(Policy):
     def _compressible(self, run: RunState) -> dict[str, LayerHistory]:
         return {n: h for n, h in run.layers.items() if h.numel >= max(1, self.min_numel)}
 
-    def _spec(self, family: str, value: float | None = None) -> CompressorSpec:
+    def _spec(self, family: str, value: float = 0.0) -> CompressorSpec:
         key = (family, value)
         if key not in self._specs:
-            self._specs[key] = (CompressorSpec.of(LOWRANK, rank=int(value)) if family == LOWRANK  # type: ignore[arg-type]
-                                else CompressorSpec.of(ALLGATHER, ratio=value) if family == ALLGATHER
-                                else CompressorSpec.of(family))
+            if family == LOWRANK:
+                self._specs[key] = CompressorSpec.of(LOWRANK, rank=int(value))
+            elif family == ALLGATHER:
+                self._specs[key] = CompressorSpec.of(ALLGATHER, ratio=value)
+            else:  # a near-lossless rung: no parameter
+                self._specs[key] = CompressorSpec.of(family)
         return self._specs[key]
 
     def _ladder(self, run: RunState, h: LayerHistory) -> list[CompressorSpec]:
