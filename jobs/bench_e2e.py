@@ -285,7 +285,8 @@ def _write_meta(work: Path, settings: dict[str, Any], shaping: dict[str, Any], c
 
     meta = {"settings": settings, "shaping": shaping, "check": check,
             "command": command_line("jobs.bench", argv), "machine": info, "benchmark_seconds": seconds,
-            "load_average": {"start": list(load_start), "end": list(os.getloadavg()) if seconds else None}}
+            "load_average": {"start": list(load_start),
+                             "end": None if seconds is None else list(os.getloadavg())}}
     (work / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 
