@@ -102,7 +102,7 @@ MUTANTS: tuple[Mutant, ...] = (
         '            "compression": self.state.state_dict(), "guard": self.guard.state_dict(),\n',
         '            "compression": {**self.state.state_dict(), "memory": {"residuals": {}}},\n'
         '            "guard": self.guard.state_dict(),\n',
-        "tests/test_train_job.py -k resume_after_a_killed_worker",
+        "tests/test_train_job.py -k step_checkpoints_resume_mid_epoch",
         "the Ray Train checkpoint (rank*.pt) drops the error-feedback residuals",
     ),
     # --- collectives --------------------------------------------------------------------

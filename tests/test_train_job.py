@@ -62,9 +62,13 @@ def test_critical_policy_switches_plans_every_rank_uses_the_same_plan_and_lr_ram
 
 def test_nan_gradients_and_an_explosion_fall_back_to_dense_in_the_same_step_and_recover(ray_cluster, tmp_path):
     # one fit, two guard triggers (each Ray Train fit costs ~16 s of start-up on 2 cores):
-    # NaN gradients on rank 1 at step 30, then a loss spike x1000 on every rank at step 60
+    # NaN gradients on rank 1 at step 30, then a loss spike x1000 on every rank at step 60.
+    # It runs the schedule policy end to end as well (Top-K, then int8 from step 25): the
+    # guard falls back from whatever plan is in force and returns to it
     nan_step, spike_step, stable = 30, 60, 10
-    summary = train(tmp_path, "nan", "compression.policy=static", "compression.warmup_steps=0",
+    summary = train(tmp_path, "nan", "compression.policy=schedule", "compression.warmup_steps=0",
+                    "compression.schedule.stages=[{start_step: 0, compressor: {name: topk, ratio: 0.1}},"
+                    " {start_step: 25, compressor: {name: int8}}]",
                     f"faults.nan_at_step={nan_step}", "faults.nan_rank=1",
                     f"faults.loss_scale_at_step={spike_step}", "faults.loss_scale=1000",
                     f"compression.guard.stable_steps={stable}")
@@ -86,13 +90,13 @@ def test_nan_gradients_and_an_explosion_fall_back_to_dense_in_the_same_step_and_
     shared = torch.load(latest_checkpoint(Path(summary["output_dir"])) / "shared.pt", weights_only=False)
     assert all(torch.isfinite(t).all() for t in shared["model"].values())
     assert summary["final_eval_accuracy"] > 0.5
+    assert summary["plan_switches"] >= 1 and summary["final_plan"]["default"] == {"name": "int8"}
 
 
-@pytest.mark.parametrize("policy", ["schedule", "error_budget", "bandwidth"])
+# the schedule policy runs end to end in the guard's fit above
+@pytest.mark.parametrize("policy", ["error_budget", "bandwidth"])
 def test_other_policies_run_end_to_end(ray_cluster, tmp_path, policy):
     summary = train(tmp_path, policy, f"compression.policy={policy}", "workload.epochs=2",
-                    "compression.schedule.stages=[{start_step: 0, compressor: {name: topk, ratio: 0.1}},"
-                    " {start_step: 25, compressor: {name: int8}}]",
                     "compression.error_budget.every_steps=10", "compression.bandwidth.ratios=[1.0, 0.01]",
                     # loopback is fast: only a tiny overlap target makes compression worth it
                     "compression.bandwidth.target_overlap=0.001")
@@ -102,10 +106,13 @@ def test_other_policies_run_end_to_end(ray_cluster, tmp_path, policy):
     details = summary["policy"]["policy_details"]
     if policy == "error_budget":  # the per-layer error profiles reached the DP
         assert details and summary["final_plan"]["layers"], details
-    if policy == "schedule":
-        assert summary["final_plan"]["default"] == {"name": "int8"}
 
 
+# Two faulted runs against one uninterrupted reference (each Ray Train fit costs ~16 s of
+# start-up on 2 cores): a crash while writing an epoch checkpoint resumes from the previous
+# end-of-epoch checkpoint, and a killed worker resumes from a mid-epoch step checkpoint.
+# A killed worker resuming from an epoch checkpoint is the union of the two (same restore
+# path as the first, same fault as the second), so it has no fit of its own.
 RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.epochs=3",
           "compression.static.compressor={name: topk, ratio: 0.05}")
 
@@ -131,13 +138,6 @@ def assert_same_training(crashed: dict, reference: dict) -> None:
         assert all(torch.equal(residuals_a[k], residuals_b[k]) for k in residuals_a)
         assert ra["step"] == rb["step"] == 66
     assert crashed["final_eval_accuracy"] == reference["final_eval_accuracy"]
-
-
-def test_resume_after_a_killed_worker_is_exact(uninterrupted, tmp_path):
-    crashed = train(tmp_path, "crashed", *RESUME, "faults.kill_rank_at_step=29", "faults.kill_rank=1")
-    assert crashed["restored_from_step"] == 22  # the end-of-epoch-0 checkpoint
-    assert crashed["replayed_steps"] >= 1  # logged after the checkpoint, dropped on resume
-    assert_same_training(crashed, uninterrupted)
 
 
 def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(uninterrupted, tmp_path):

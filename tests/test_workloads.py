@@ -241,6 +241,9 @@ def test_batches_are_fixed_by_seed_epoch_and_rank(name, request):
 @pytest.mark.parametrize("name", ["gpt", "cnn"])
 def test_evaluation_is_deterministic_and_training_lowers_the_loss(name, request):
     config = request.getfixturevalue(name)
+    if name == "cnn":  # a quarter of its validation set: evaluation runs four times here, and
+        # the gain it must show (accuracy 0.10 -> 0.68, bound +0.2) dwarfs the noise of 500 images
+        config = config.model_copy(update={"eval_examples": 500})
     torch.set_num_threads(1)
     workload = build(config, 0, 1, seed=0)
     model = workload.model
