@@ -5,7 +5,10 @@ Run on a machine with a CUDA device (no Ray, no pydantic needed)::
     PYTHONUNBUFFERED=1 python -m jobs.gpu_check --out $OUT
 
 It prints a PASS/FAIL table and writes ``results.json`` (and the same table) under
-``--out``. ``--device cpu --quick`` runs the same logic on CPU with gloo (to check the
+``--out``. Also covered: the guard's control rows riding in the last reduction, the DDP
+hook while the plan walks the adaptive policy's ladder (PowerSGD/Top-K, int8, bf16,
+dense), and the FSDP2 compressed reduce-scatter (``raycomp.sharded``); a check this torch
+cannot run is SKIP with the reason. ``--device cpu --quick`` runs the same logic on CPU with gloo (to check the
 script itself; sync counts and CUDA timings are then skipped). Findings are written up in
 ``docs/gpu.md``.
 """
@@ -16,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import socket
 import statistics
 import tempfile
@@ -57,15 +61,29 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 RESULTS: list[dict[str, Any]] = []
 
 
-def record(check: str, ok: bool, note: str = "") -> None:
-    RESULTS.append({"check": check, "ok": bool(ok), "note": note})
-    print(f"[{'PASS' if ok else 'FAIL'}] {check}{': ' + note if note else ''}", flush=True)
+class Skip(Exception):  # noqa: N818 - a verdict, not an error
+    """A check that cannot run here (an API this torch lacks, say): SKIP with the reason, not FAIL."""
+
+
+def record(check: str, ok: bool, note: str = "", status: str = "") -> None:
+    status = status or ("PASS" if ok else "FAIL")
+    RESULTS.append({"check": check, "ok": bool(ok), "status": status, "note": note})
+    print(f"[{status}] {check}{': ' + note if note else ''}", flush=True)
+    if _SINK:  # a gloo worker: keep what is done even if the process dies later
+        with open(_SINK[0], "w") as f:
+            json.dump(RESULTS, f)
+
+
+def skip(check: str, reason: str) -> None:
+    record(check, True, reason, status="SKIP")
 
 
 def guarded(check: str, fn: Callable[[], str | None]) -> None:
     try:
         note = fn()
         record(check, True, note or "")
+    except Skip as reason:
+        skip(check, str(reason))
     except Exception as error:  # noqa: BLE001 - every failure is a finding
         tb = traceback.format_exc(limit=6)
         print(tb, flush=True)
@@ -491,6 +509,394 @@ def nccl_cpu_tensor_demo(prefix: str) -> None:
     guarded(f"{prefix}/NCCL refuses CPU count tensors (sparse counts live on the device)", one)
 
 
+# --- 2b. control rows, the adaptive ladder's rungs --------------------------------------------
+
+
+def control_checks(device: torch.device, prefix: str, rank: int, world: int) -> None:
+    """The guard's control floats (``stage_control``) ride in the step's last reduction:
+    appended to the dense all-reduce when the reduction has a dense layer, else in a small
+    all-reduce of their own. Every rank must read every rank's row; the gradients' means
+    must not change; a NaN on one rank must raise that rank's flag on every rank."""
+    from raycomp.reducer import CompressedReducer
+
+    plan = Plan.uniform("int8", **PARAMS["int8"])
+    cases = (("carried-in-dense", ["w", "b"], False), ("own-allreduce", ["w"], False),
+             ("nan-on-last-rank", ["w", "b"], True))
+    for label, names, nan in cases:
+        def one(names: list[str] = names, nan: bool = nan) -> str:
+            gen = torch.Generator().manual_seed(rank + 1)
+            grads = [torch.randn(256, 64, generator=gen).to(device), torch.randn(64, generator=gen).to(device)]
+            grads = grads[: len(names)]
+            if nan and rank == world - 1:
+                grads[0][3, 5] = float("nan")
+            with_control = CompressedReducer(plan, min_compress_numel=256)
+            without = CompressedReducer(plan, min_compress_numel=256)
+            with_control.stage_control([rank + 0.5, 7.0])
+            means = with_control.reduce(names, [g.clone() for g in grads], closes_step=True)
+            rows = with_control.control_rows
+            assert rows is not None, "no control rows after the closing reduction"
+            plain = without.reduce(names, [g.clone() for g in grads], closes_step=True)
+            n_sync = ""
+            if device.type == "cuda":
+                probe = CompressedReducer(plan, min_compress_numel=256)
+                probe.stage_control([1.0, 2.0])
+                k, msgs = count_syncs(lambda: probe.reduce(names, [g.clone() for g in grads], closes_step=True))
+                n_sync = f"; syncs in reduce with control={k} [{sites(msgs)}]"
+            got = rows.detach().cpu()
+            flags = [1.0 if nan and r == world - 1 else 0.0 for r in range(world)]
+            expected = torch.tensor([[flags[r], r + 0.5, 7.0] for r in range(world)])
+            assert torch.equal(got, expected), f"control rows {got.tolist()} != {expected.tolist()}"
+            if not nan:
+                for a, b in zip(means, plain, strict=True):
+                    assert torch.equal(a, b), "the carried control changed a gradient's mean"
+            with_control.end_step()
+            assert with_control.local_nonfinite == (nan and rank == world - 1)
+            return f"rows on {rows.device}, {got.tolist()}{n_sync}"
+
+        guarded(f"{prefix}/control-rows/{label}", one)
+
+
+LADDER = [  # plans the adaptive policy can hand out, lossy rungs to dense, one per step
+    ["powersgd1"] * 6,
+    ["powersgd2", "topk", "int8", "bf16", "int8", "none"],
+    ["int8"] * 6,
+    ["bf16"] * 6,
+    ["bf16", "int8", "none", "powersgd2", "bf16", "int8"],
+    ["none"] * 6,
+    ["int8"] * 6,
+]
+RUNGS = {"powersgd1": CompressorSpec.of("powersgd", rank=1), "powersgd2": CompressorSpec.of("powersgd", rank=2),
+         "topk": CompressorSpec.of("topk", ratio=0.01), "int8": CompressorSpec.of("int8"),
+         "bf16": CompressorSpec.of("bf16"), "none": DENSE}
+
+
+def ladder_checks(device: torch.device, prefix: str, rank: int, world: int) -> None:
+    """The DDP hook while the plan moves down and up the adaptive policy's ladder (PowerSGD,
+    Top-K, then the near-lossless int8 and bf16 rungs, then dense), one plan per step, with
+    error feedback carried across the switches. Syncs per step are counted per rung."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raycomp.hook import CompressionState, compression_hook
+
+    def run() -> str:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.Tanh())],
+                              nn.Linear(128, 10)).to(device)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        state = CompressionState(ddp, Plan(), min_compress_numel=256, async_comm=False)
+        ddp.register_comm_hook(state, compression_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        x_all = torch.randn(len(LADDER) * 32, 128, generator=gen).to(device)
+        y_all = torch.randint(0, 10, (len(LADDER) * 32,), generator=gen).to(device)
+        syncs: dict[str, int] = {}
+        losses = []
+        for step, rungs in enumerate(LADDER):
+            state.set_plan(Plan.per_layer({f"{2 * i}.weight": RUNGS[r] for i, r in enumerate(rungs)},
+                                          default=DENSE))
+            x, y = x_all[step * 32:(step + 1) * 32], y_all[step * 32:(step + 1) * 32]
+
+            def one_step(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                loss = nn.functional.cross_entropy(ddp(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                return loss.detach()
+
+            if device.type == "cuda":
+                box: list[Any] = []
+                syncs["/".join(sorted(set(rungs)))], _ = count_syncs(
+                    lambda f=one_step, out=box: out.append(f()))
+                losses.append(float(box[0]))
+            else:
+                losses.append(float(one_step()))
+        state.close()
+        assert all(math.isfinite(v) for v in losses), f"non-finite loss {losses}"
+        for p in model.parameters():
+            assert torch.isfinite(p).all(), "non-finite parameter"
+        if world > 1:
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(gathered, flat)
+            assert all(torch.equal(gathered[0], t) for t in gathered), "parameters diverged across ranks"
+        note = f"{len(LADDER)} plans, loss {losses[0]:.3f}->{losses[-1]:.3f}"
+        if syncs:
+            note += "; syncs/step: " + ", ".join(f"{k}={v}" for k, v in syncs.items())
+        return note
+
+    guarded(f"{prefix}/ddp-hook-ladder(int8/bf16 rungs, plan per step)", run)
+
+
+# --- 2c. sharded data parallel (FSDP2, raycomp.sharded) -------------------------------------
+
+SHARDED_TOL = {"none": 1e-6, "fp16": 1e-3, "bf16": 1e-2, "int8": 3e-2}  # rel. error of the mean shard
+SHARDED_OTHERS = ("sign", "qsgd", "terngrad")  # lossy: finite, on the device, error noted
+
+
+def sharded_api(fsdp: bool = False) -> str:
+    """Why raycomp.sharded (and, with ``fsdp``, FSDP2's custom reduce-scatter) cannot run
+    on this torch, or '' if it can."""
+    try:
+        import raycomp.sharded  # noqa: F401
+    except ImportError as error:
+        return f"torch {torch.__version__}: raycomp.sharded does not import ({error})"
+    from torch.distributed.fsdp import FSDPModule
+
+    if fsdp and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        return f"torch {torch.__version__}: FSDPModule has no set_custom_reduce_scatter"
+    return ""
+
+
+def _rs_input(rank: int, world: int, n: int, step: int = 0) -> torch.Tensor:
+    return torch.randn(world * n, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def sharded_comm_checks(device: torch.device, prefix: str, rank: int, world: int) -> None:
+    """:class:`raycomp.sharded.CompressedReduceScatter` called as FSDP2 calls it: the shard
+    each rank receives against the true mean of every rank's input (computed here, no
+    collective), on ``device``; on gloo also against the same comm run on CPU tensors."""
+    reason = sharded_api()
+    if reason:
+        skip(f"{prefix}/sharded/comm", reason)
+        return
+    from raycomp.sharded import CompressedReduceScatter
+
+    n = 4099  # per shard; not a multiple of the int8 chunk, odd byte rows
+    group = dist.group.WORLD
+    cpu_twin = dist.get_backend() == "gloo"
+    truth = sum(_rs_input(r, world, n) for r in range(world)) / world
+    mine = truth.view(world, n)[rank]
+    for name in (*SHARDED_TOL, *SHARDED_OTHERS):
+        def one(name: str = name) -> str:
+            spec = CompressorSpec.of(name, **PARAMS[name])
+            comm = CompressedReduceScatter(spec, name="unit", rank=rank)
+            out = comm.allocate((n,), dtype=torch.float32, device=device)
+            comm(out, _rs_input(rank, world, n).to(device), group, dist.ReduceOp.AVG)
+            assert out.device == device, f"output on {out.device}"
+            assert torch.isfinite(out).all(), "non-finite shard"
+            if comm.residual is not None:
+                assert comm.residual.device == device, f"residual on {comm.residual.device}"
+            e = rel_err(mine, out)
+            if name in SHARDED_TOL:
+                assert e <= SHARDED_TOL[name], f"mean off by {e:.2e} > {SHARDED_TOL[name]}"
+            notes = [f"rel. error of the mean {e:.2e}"]
+            if cpu_twin:
+                twin = CompressedReduceScatter(spec, name="unit", rank=rank)
+                out_cpu = torch.empty(n)
+                twin(out_cpu, _rs_input(rank, world, n), group, dist.ReduceOp.AVG)
+                d = rel_err(out_cpu, out)
+                notes.append(f"vs CPU run {d:.2e}")
+                if name in ("none", "fp16", "bf16"):
+                    assert d < 1e-6, f"CPU and {device.type} differ by {d:.2e}"
+            if name == "none":
+                total = comm.allocate((n,), dtype=torch.float32, device=device)
+                comm(total, _rs_input(rank, world, n).to(device), group, dist.ReduceOp.SUM)
+                e_sum = rel_err(mine * world, total)
+                assert e_sum < 1e-6, f"SUM off by {e_sum:.2e}"
+            if device.type == "cuda":
+                x = _rs_input(rank, world, n).to(device)
+                k, msgs = count_syncs(lambda: comm(out, x, group, dist.ReduceOp.AVG))
+                notes.append(f"syncs/call={k}" + (f" [{sites(msgs)}]" if k else ""))
+            if world > 1:
+                notes.append(f"wire {comm.sent_bytes / comm.dense_bytes:.3f} of fp32")
+            return ", ".join(notes)
+
+        guarded(f"{prefix}/sharded/comm/{name}", one)
+
+    def half() -> str:  # FSDP with reduce_dtype=bf16 hands the comm bf16 tensors
+        comm = CompressedReduceScatter(CompressorSpec.of("int8"), name="unit", rank=rank)
+        out = comm.allocate((n,), dtype=torch.bfloat16, device=device)
+        comm(out, _rs_input(rank, world, n).to(device, torch.bfloat16), group, dist.ReduceOp.AVG)
+        assert out.dtype == torch.bfloat16 and out.device == device, f"output {out.dtype} on {out.device}"
+        e = rel_err(mine, out)
+        assert e <= 3e-2, f"mean off by {e:.2e}"
+        return f"rel. error of the mean {e:.2e}"
+
+    guarded(f"{prefix}/sharded/comm/int8 (bf16 in and out)", half)
+
+    for name in ("sign", "qsgd"):  # residual (sign) and random-draw state (qsgd)
+        def resume(name: str = name) -> str:
+            spec = CompressorSpec.of(name, **PARAMS[name])
+            first = CompressedReduceScatter(spec, name="unit", rank=rank)
+            for step in range(2):
+                first(first.allocate((n,), dtype=torch.float32, device=device),
+                      _rs_input(rank, world, n, step).to(device), group, dist.ReduceOp.AVG)
+            again = CompressedReduceScatter(CompressorSpec.of("int8"), name="unit", rank=rank)
+            again.load_state_dict(_cpu_copy(first.state_dict()))  # a checkpoint loaded on the CPU
+            x = _rs_input(rank, world, n, 2).to(device)
+            a, b = torch.empty(n, device=device), torch.empty(n, device=device)
+            first(a, x.clone(), group, dist.ReduceOp.AVG)
+            again(b, x.clone(), group, dist.ReduceOp.AVG)
+            assert torch.equal(a, b), f"resumed shard differs (rel {rel_err(a, b):.2e})"
+            return "bit-identical to the run that never stopped"
+
+        guarded(f"{prefix}/sharded/resume-cpu-state/{name}", resume)
+
+
+def _sharded_model(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 96), nn.ReLU(), nn.Linear(96, 80), nn.ReLU(), nn.Linear(80, 8)).to(device)
+
+
+def _sharded_batch(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 24, generator=g)
+    w = torch.randn(24, 8, generator=torch.Generator().manual_seed(5)) / 5  # a learnable target
+    return x.to(device), (x @ w + 0.05 * torch.randn(16, 8, generator=g)).to(device)
+
+
+def _full(t: torch.Tensor, world: int) -> torch.Tensor:
+    """A DTensor sharded evenly on dim 0, whole, gathered with the list form of all_gather
+    (``full_tensor()`` killed both gloo processes with SIGSEGV on CUDA tensors, torch
+    2.11.0+cu130, 2026-11-23; the probe of it records whether it still does)."""
+    local = t.to_local().contiguous()
+    if world == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    return torch.cat(parts)
+
+
+def list_all_gather() -> Any:
+    """FSDP2's parameter all-gather through the list form of ``all_gather``: a stand-in,
+    for this test only, where the backend cannot all-gather CUDA tensors into one tensor."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    class ListAllGather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, async_op: bool = False) -> Any:
+            world = dist.get_world_size(group)
+            return dist.all_gather(list(output_tensor.chunk(world)), input_tensor.contiguous(),
+                                   group=group, async_op=async_op)
+
+    return ListAllGather()
+
+
+FSDP_VARIANTS = [  # (label, compressor or None for FSDP's own reduce-scatter, bf16 parameters)
+    ("plain", None, False), ("plain+bf16-params", None, True),
+    ("none", "none", False), ("bf16", "bf16", False), ("int8", "int8", False),
+    ("int8+bf16-params", "int8", True),
+]
+
+
+def sharded_fsdp_checks(device: torch.device, prefix: str, rank: int, world: int, steps: int = 6,
+                        own_all_gather: bool = False, plain_reason: str = "") -> None:
+    """``fully_shard`` per layer + ``compress_fsdp``, SGD for a few steps. Against a local
+    replica trained on the mean of every rank's gradient (computed here, no collective):
+    the first step's full gradients, the loss (finite, falling) and the parameters after
+    the last step; parameters gathered from every rank must be identical. "plain" runs are
+    FSDP's own reduce-scatter: a compressed run that fails exactly as its plain run does is
+    SKIP (torch's failure, not raycomp's). ``own_all_gather``: FSDP's parameter all-gather
+    goes through :func:`list_all_gather`; ``plain_reason``: why plain runs cannot run here."""
+    reason = sharded_api(fsdp=True)
+    if reason:
+        skip(f"{prefix}/sharded/fsdp", reason)
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from raycomp.sharded import compress_fsdp
+
+    if own_all_gather and not hasattr(FSDPModule, "set_custom_all_gather"):
+        skip(f"{prefix}/sharded/fsdp", f"torch {torch.__version__}: the backend cannot all-gather "
+             "into one tensor here and FSDPModule has no set_custom_all_gather")
+        return
+    mesh = init_device_mesh(device.type, (world,))
+    lr = 0.2
+
+    reference = _sharded_model(device)  # local replica: SGD on the true mean gradient
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    ref_grads, ref_losses = [], []
+    for step in range(steps):
+        ref_opt.zero_grad()
+        losses = []
+        for r in range(world):
+            x, y = _sharded_batch(r, 0, device)  # one fixed batch per rank: the loss falls steadily
+            loss = nn.functional.mse_loss(reference(x).float(), y) / world
+            loss.backward()
+            losses.append(float(loss.detach()) * world)
+        ref_losses.append(losses[rank])
+        if step == 0:
+            ref_grads = [p.grad.detach().clone() for p in reference.parameters()]
+        ref_opt.step()
+    ref_params = [p.detach().clone() for p in reference.parameters()]
+
+    plain_errors: dict[bool, str] = {}
+    for label, name, bf16_params in FSDP_VARIANTS:
+        check = f"{prefix}/sharded/fsdp-train/{label}"
+        if name is None and plain_reason:
+            skip(check, plain_reason)
+            continue
+
+        def one(name: str | None = name, bf16_params: bool = bf16_params) -> str:
+            model = _sharded_model(device)
+            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if bf16_params else MixedPrecisionPolicy())
+            units = []
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    units.append(fully_shard(layer, mesh=mesh, mp_policy=mp))
+            units.append(fully_shard(model, mesh=mesh, mp_policy=mp))
+            if own_all_gather:
+                for unit in units:
+                    unit.set_custom_all_gather(list_all_gather())
+            comms = compress_fsdp(model, CompressorSpec.of(name, **PARAMS[name])) if name else {}
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            losses = []
+            grad_err = 0.0
+            for step in range(steps):
+                x, y = _sharded_batch(rank, 0, device)
+                loss = nn.functional.mse_loss(model(x).float(), y)  # bf16 parameters: bf16 output
+                opt.zero_grad()
+                try:
+                    loss.backward()
+                except Exception as error:
+                    if name is None:
+                        plain_errors[bf16_params] = f"{type(error).__name__}: {error}"
+                    elif plain_errors.get(bf16_params) == f"{type(error).__name__}: {error}":
+                        raise Skip(f"torch's own FSDP (no raycomp comm) fails the same way here: "
+                                   f"{type(error).__name__}: {error}") from error
+                    raise
+                if step == 0:
+                    for p, ref in zip(model.parameters(), ref_grads, strict=True):
+                        full = _full(p.grad, world)
+                        assert full.device == device, f"gradient on {full.device}"
+                        grad_err = max(grad_err, rel_err(ref, full))
+                opt.step()
+                losses.append(float(loss))
+            full = [_full(p.detach(), world) for p in model.parameters()]
+            param_err = max(rel_err(r, f) for r, f in zip(ref_params, full, strict=True))
+            flat = torch.cat([f.float().reshape(-1) for f in full])
+            if world > 1:
+                gathered = [torch.empty_like(flat) for _ in range(world)]
+                dist.all_gather(gathered, flat)
+                assert all(torch.equal(gathered[0], t) for t in gathered), "parameters differ across ranks"
+            calls = sum(c.calls for c in comms.values())
+            assert all(math.isfinite(v) for v in losses), f"non-finite loss {losses}"
+            assert losses[-1] < losses[0], f"loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})"
+            bound = 5e-2 if bf16_params else SHARDED_TOL[name or "none"]
+            if world > 1:
+                if name:
+                    assert calls == steps * 3, f"the compressed reduce-scatter ran {calls} times, expected {steps * 3}"
+                assert grad_err <= bound, f"first-step gradient off the true mean by {grad_err:.2e} > {bound}"
+            if name in (None, "none") and not bf16_params:
+                assert param_err < 1e-5, f"parameters off the replica by {param_err:.2e}"
+            note = (f"loss {losses[0]:.4f}->{losses[-1]:.4f} (replica {ref_losses[0]:.4f}->{ref_losses[-1]:.4f}), "
+                    f"grad err {grad_err:.2e}, params vs replica {param_err:.2e}")
+            if name:
+                note += f", comm calls {calls}"
+                if world == 1 and calls == 0:
+                    note += " (FSDP skips the reduce-scatter at world size 1)"
+            if own_all_gather:
+                note += "; FSDP's all-gather via list all_gather (test stand-in)"
+            return note
+
+        guarded(check, one)
+
+
 # --- 3. training -----------------------------------------------------------------------
 
 
@@ -516,6 +922,8 @@ def training_runs(device: torch.device, quick: bool, only: str = "") -> list[dic
         ("hook, dense plan", Plan()),
         ("hook, powersgd r=2", Plan.uniform("powersgd", rank=2)),
         ("hook, topk 1%", Plan.uniform("topk", ratio=0.01)),
+        ("hook, int8", Plan.uniform("int8")),
+        ("hook, bf16", Plan.uniform("bf16")),
     ]
     rows = []
     for label, plan in configs:
@@ -563,9 +971,19 @@ def training_runs(device: torch.device, quick: bool, only: str = "") -> list[dic
 # --- 4. gloo, two ranks, CUDA tensors ----------------------------------------------------------
 
 
-def _gloo_worker(rank: int, world: int, port: int, device_type: str, outdir: str) -> None:
+_SINK: list[str] = []  # in a gloo worker: the file its results go to, after every check
+
+
+def _gloo_worker(rank: int, world: int, port: int, device_type: str, outdir: str, part: str,
+                 options: dict[str, Any]) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash inside a collective prints the Python stack
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    _SINK.append(os.path.join(outdir, f"{part}-rank{rank}.json"))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    with open(os.path.join(outdir, f"{part}-rank{rank}.started"), "w"):
+        pass  # the group is up: a later death is the checks', not the start's
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -575,37 +993,110 @@ def _gloo_worker(rank: int, world: int, port: int, device_type: str, outdir: str
         guarded(f"{prefix}/op/{name}", lambda: (fn(), "")[1])
 
     t = torch.arange(8, dtype=torch.float32, device=device) + rank
-    op("all_reduce", lambda: dist.all_reduce(t.clone()))
-    op("broadcast", lambda: dist.broadcast(t.clone(), 0))
-    op("all_gather", lambda: dist.all_gather([torch.empty_like(t) for _ in range(world)], t))
-    op("all_gather uint8", lambda: dist.all_gather(
-        [torch.empty(5, dtype=torch.uint8, device=device) for _ in range(world)],
-        torch.ones(5, dtype=torch.uint8, device=device)))
-    op("all_to_all_single", lambda: dist.all_to_all_single(
-        torch.empty(8, device=device), t, [4] * world, [4] * world))
-    reducer_checks(device, prefix, rank, world)
-    ddp_checks(device, prefix, rank, world, steps=3)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(RESULTS, f)
+    if part == "main":
+        op("all_reduce", lambda: dist.all_reduce(t.clone()))
+        op("broadcast", lambda: dist.broadcast(t.clone(), 0))
+        op("all_gather", lambda: dist.all_gather([torch.empty_like(t) for _ in range(world)], t))
+        op("all_gather uint8", lambda: dist.all_gather(
+            [torch.empty(5, dtype=torch.uint8, device=device) for _ in range(world)],
+            torch.ones(5, dtype=torch.uint8, device=device)))
+        op("all_to_all_single", lambda: dist.all_to_all_single(
+            torch.empty(8, device=device), t, [4] * world, [4] * world))
+        reducer_checks(device, prefix, rank, world)
+        ddp_checks(device, prefix, rank, world, steps=3)
+        control_checks(device, prefix, rank, world)
+        ladder_checks(device, prefix, rank, world)
+        sharded_comm_checks(device, prefix, rank, world)
+    elif part.startswith("probe"):  # one collective FSDP2 itself needs from the backend
+        name = list(PROBES)[int(part.removeprefix("probe"))]
+        op(name, lambda: PROBES[name](t, world))
+    else:
+        sharded_fsdp_checks(device, prefix, rank, world, **options)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def gloo_two_ranks(device: torch.device) -> None:
+def _probe_full_tensor(t: torch.Tensor, world: int) -> torch.Tensor:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh(t.device.type, (world,))
+    return DTensor.from_local(t, mesh, [Shard(0)]).full_tensor()
+
+
+PROBE_AG = "all_gather_into_tensor (FSDP2's all-gather)"
+PROBE_RS = "reduce_scatter_tensor (FSDP2's own reduce-scatter)"
+PROBES: dict[str, Callable[[torch.Tensor, int], Any]] = {
+    PROBE_AG: lambda t, world: dist.all_gather_into_tensor(torch.empty(world * t.numel(), device=t.device), t),
+    PROBE_RS: lambda t, world: dist.reduce_scatter_tensor(torch.empty(t.numel() // world, device=t.device),
+                                                          t.clone()),
+    # the checks gather full tensors with the list all_gather instead (see _full)
+    "DTensor.full_tensor() (functional all-gather; not used by raycomp)": _probe_full_tensor,
+}
+
+
+def _spawn(device: torch.device, outdir: str, part: str, options: dict[str, Any] | None = None) -> str:
+    """Run one part of the gloo checks on two processes; '' or how the spawn failed. A
+    spawn whose process group never came up is tried once more (on a fresh port)."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as outdir:
+    for attempt in (1, 2):
         try:
-            mp.spawn(_gloo_worker, args=(2, free_port(), device.type, outdir), nprocs=2, join=True)
+            mp.spawn(_gloo_worker, args=(2, free_port(), device.type, outdir, part, options or {}),
+                     nprocs=2, join=True)
+            return ""
         except Exception as error:  # noqa: BLE001
-            record(f"gloo-w2-{device.type}/spawn", False, f"{type(error).__name__}: {str(error)[:400]}")
-        for rank in (0, 1):
-            path = os.path.join(outdir, f"rank{rank}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    for r in json.load(f):
-                        if rank == 0 or not r["ok"]:
-                            RESULTS.append({**r, "check": r["check"] + ("" if rank == 0 else " (rank1)")})
+            text = f"{type(error).__name__}: {error}"
+            print(f"spawn {part} (attempt {attempt}) failed: {text}", flush=True)
+            started = all(os.path.exists(os.path.join(outdir, f"{part}-rank{r}.started")) for r in (0, 1))
+            if started or attempt == 2:
+                last = [line.strip() for line in text.strip().splitlines() if line.strip()][-1]
+                kind = "" if last.startswith(type(error).__name__) else f"{type(error).__name__}: "
+                return (f"{kind}{last[:300]}"
+                        + ("" if started else " (the process group did not come up, twice)"))
+    return ""
+
+
+def _collect(outdir: str, part: str) -> list[dict[str, Any]]:
+    """Rank 0's results of one part, and rank 1's failures."""
+    rows = []
+    for rank in (0, 1):
+        path = os.path.join(outdir, f"{part}-rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                for r in json.load(f):
+                    if rank == 0 or r.get("status") == "FAIL":
+                        rows.append({**r, "check": r["check"] + ("" if rank == 0 else " (rank1)")})
+    return rows
+
+
+def gloo_two_ranks(device: torch.device) -> None:
+    """Separate spawns, so that a crash in one (a segfault in a collective, say) costs only
+    its own checks: the main checks, one probe per collective FSDP2 needs, then FSDP2 (with
+    a stand-in all-gather if the backend failed the all-gather probe)."""
+    prefix = f"gloo-w2-{device.type}"
+    with tempfile.TemporaryDirectory() as outdir:
+        failed = _spawn(device, outdir, "main")
+        RESULTS.extend(_collect(outdir, "main"))
+        if failed:
+            record(f"{prefix}/spawn(main)", False, failed)
+
+        broken: dict[str, str] = {}
+        for i, name in enumerate(PROBES):  # one spawn each: a crash must not hide the next probe
+            failed = _spawn(device, outdir, f"probe{i}")
+            probed = _collect(outdir, f"probe{i}")
+            RESULTS.extend(probed)
+            if failed and not probed:
+                record(f"{prefix}/op/{name}", False, f"the process died in it: {failed}")
+            if failed or any(r["status"] == "FAIL" for r in probed):
+                broken[name] = failed or next(r["note"] for r in probed if r["status"] == "FAIL")
+        options: dict[str, Any] = {"own_all_gather": PROBE_AG in broken}
+        if PROBE_RS in broken:
+            options["plain_reason"] = f"gloo, {device.type} tensors: reduce_scatter_tensor: {broken[PROBE_RS]}"
+        failed = _spawn(device, outdir, "fsdp", options)
+        RESULTS.extend(_collect(outdir, "fsdp"))
+        if failed:
+            record(f"{prefix}/spawn(fsdp)", False, failed)
 
 
 # --- main ---------------------------------------------------------------------------------
@@ -621,7 +1112,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     skip = set(filter(None, args.skip.split(",")))
-    info: dict[str, Any] = {"torch": torch.__version__, "device": str(device)}
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
@@ -653,6 +1144,11 @@ def main() -> None:
             ddp_checks(device, prefix, 0, 1)
             checkpoint_to_cpu_resume(device, prefix)
             checkpoint_to_cpu_resume_whole(device, prefix)
+            control_checks(device, prefix, 0, 1)
+            ladder_checks(device, prefix, 0, 1)
+        if "sharded" not in skip:
+            sharded_comm_checks(device, prefix, 0, 1)
+            sharded_fsdp_checks(device, prefix, 0, 1)
         if "train" not in skip:
             train_rows = training_runs(device, args.quick, args.train_only)
         dist.destroy_process_group()
@@ -662,8 +1158,10 @@ def main() -> None:
     print("\n==== SUMMARY ====")
     width = max(len(r["check"]) for r in RESULTS)
     for r in RESULTS:
-        print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['check']:<{width}}  {r['note']}")
-    print(f"{sum(r['ok'] for r in RESULTS)} passed, {sum(not r['ok'] for r in RESULTS)} failed")
+        print(f"{r['status']}  {r['check']:<{width}}  {r['note']}")
+    counts = {k: sum(r["status"] == k for r in RESULTS) for k in ("PASS", "FAIL", "SKIP")}
+    print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    info["counts"] = counts
     if bench:
         print("\ncompressor | syncs c/d | HtoD/DtoH/item/nonzero (c+d, 1M) | 16M compress ms | decompress ms | GB/s")
         for b in bench:

@@ -119,7 +119,7 @@ class CompressedReduceScatter(ReduceScatter):
             if self.residual.shape != rows.shape:
                 raise ValueError(f"reduce-scatter of {self.name!r}: the unit's gradient changed "
                                  f"size ({tuple(self.residual.shape)} -> {tuple(rows.shape)})")
-            rows = rows + self.residual  # compensate
+            rows = rows + self.residual.to(rows.device)  # compensate (a CPU-loaded checkpoint's too)
         payloads = [self.compressor.compress(row) for row in rows]  # compress, one per destination
         self.residual = (rows - torch.stack([self.compressor.decompress(p).float() for p in payloads])
                          if self.error_feedback else None)  # update memory

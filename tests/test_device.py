@@ -123,3 +123,43 @@ def test_powersgd_sync_free_path_matches_the_cpu_path(monkeypatch: pytest.Monkey
     revived = device_path.compress(x)
     assert device_path.state_dict()["q"].abs().sum(dim=0).gt(0).all()
     assert torch.linalg.vector_norm(device_path.decompress(revived)) > 0
+
+
+@pytest.fixture
+def loopback_all_to_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """raycomp.sharded's collective without a process group: two ranks whose all-to-all
+    hands every row back unchanged (device-agnostic, meta tensors included)."""
+    import raycomp.sharded as sharded
+
+    monkeypatch.setattr(sharded.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(sharded.dist, "all_to_all_single",
+                        lambda output, input, group=None: output.copy_(input))
+
+
+@pytest.mark.parametrize("name", ["int8", "sign", "bf16", "qsgd"])
+@pytest.mark.usefixtures("meta_generators", "loopback_all_to_all")
+def test_sharded_reduce_scatter_follows_the_input_device_without_host_syncs(name: str) -> None:
+    from raycomp.sharded import CompressedReduceScatter
+
+    comm = CompressedReduceScatter(CompressorSpec.of(name), name="unit")
+    for _ in range(2):  # the second call compensates with the residual (sign)
+        out = torch.empty(4099, device=META)
+        comm(out, torch.empty(2 * 4099, device=META), None, torch.distributed.ReduceOp.AVG)
+    assert comm.residual is None or comm.residual.device == META
+
+
+@pytest.mark.usefixtures("meta_generators", "loopback_all_to_all")
+def test_sharded_residual_from_a_cpu_checkpoint_follows_the_gradient_device() -> None:
+    """A checkpoint loaded with map_location="cpu" resumes on CUDA (first seen on an H100:
+    'Expected all tensors to be on the same device' in CompressedReduceScatter.__call__)."""
+    from raycomp.sharded import CompressedReduceScatter
+
+    trained = CompressedReduceScatter(CompressorSpec.of("sign"), name="unit")
+    trained(torch.empty(500), torch.randn(1000), None, torch.distributed.ReduceOp.AVG)
+    state = trained.state_dict()
+    assert state["residual"].device.type == "cpu"
+    resumed = CompressedReduceScatter(CompressorSpec.of("sign"), name="unit")
+    resumed.load_state_dict(state)
+    out = torch.empty(500, device=META)
+    resumed(out, torch.empty(1000, device=META), None, torch.distributed.ReduceOp.AVG)
+    assert resumed.residual is not None and resumed.residual.device == META
