@@ -209,6 +209,42 @@ def test_layers_leaving_for_error_do_not_push_the_others_heavier():
     assert sim.details()["shift"] == 1
 
 
+def test_a_lighter_shift_kept_for_error_is_not_undone_while_the_link_is_the_same():
+    # the scenario above, later: keeping shift 1 put the matrices on bf16, where int8 (shift
+    # 0) would predict a step >10% faster; going there would also cut the vector to Top-K
+    # 1%, trading its progress per step for a faster step. Without a dearer link, it stays
+    sim = Sim(errors={"powersgd r=2": 0.97, "topk": 0.6})
+    sim.run(12, MEDIUM)
+    predicted = sim.details()["predicted_step_s"]
+    assert predicted[0] < predicted[1] / 1.1  # shift 1 is out of the band
+    kept = sim.run(10, MEDIUM)
+    assert ranks(kept) == {"fc1.weight": "bf16", "fc2.weight": "bf16", "out.weight": "bf16", "norm.weight": 0.1}
+    assert sim.details()["switches"] == 0
+    # compute halves (the link is measured on dense steps only, compute on every step):
+    # communication is now dearer relative to compute by more than the slack -> heavier,
+    # after patience
+    dearer = Link(bandwidth=MEDIUM.bandwidth, compute=MEDIUM.compute / 2)
+    assert sim.run(1, dearer).layers == kept.layers
+    heavier = sim.run(2, dearer)
+    assert ranks(heavier) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": 0.01}
+    assert sim.details()["switches"] == 1
+
+
+def test_a_critical_layer_over_its_error_limit_goes_to_bf16_not_dense():
+    # error moved the matrices to int8 (floor 4 of r1, r2, r4, r8, int8, bf16, dense); then
+    # fc2 turns critical: floor + boost 2 would be dense, a floor stops at bf16
+    sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.8, "topk": 0.6, "int8": 0.004})
+    sim.run(12, SLOW)
+    assert ranks(sim.plan)["fc2.weight"] == "int8"
+
+    def burst(step: int, name: str) -> float:  # fc2's gradient norm triples from step 60
+        return 3.0 if name == "fc2.weight" and step >= 60 else 1.0
+
+    critical = sim.run(4, SLOW, burst)  # step 79: window (59, 79] vs (39, 59]
+    assert ranks(critical) == {"fc1.weight": "int8", "fc2.weight": "bf16", "out.weight": "int8", "norm.weight": 0.01}
+    assert "(1 critical, 3 lighter for error)" in critical.reason
+
+
 def test_error_is_judged_at_every_boundary_not_only_at_the_regime_window():
     sim = Sim(errors={"powersgd r=1": 0.97, "topk": 0.6})
     sim.run(12, FAST)  # dense through step 59 (regime windows end at 19, 39, 59, 79, 99)

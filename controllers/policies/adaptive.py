@@ -19,7 +19,7 @@ It combines three measurements the controller already has (options:
         the last window (>= 2 samples taken after the rung arrived) > max_error  =>  the
         layer leaves the lossy rungs for good: error_floor = max(error_floor + 1, first
         near-lossless rung)
-        floor = error_floor + (critical_boost if critical else 0)
+        floor = min(error_floor + (critical_boost if critical else 0), lightest near-lossless rung)
     candidates s = 0, 1, ..., S (S: every layer dense):  rung(l, s) = min(floor_l + s, dense)
         predicted(s) = compute + bytes(s) / bw + extra_rounds(s) * overhead
         bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k;
@@ -31,7 +31,11 @@ It combines three measurements the controller already has (options:
         moved it): max(target, current s), so layers that move lighter never push the
         others heavier;
         otherwise keep the current s while it is within that band, else switch to target
-        once PATIENCE consecutive boundaries say so
+        once PATIENCE consecutive boundaries say so; a switch to a heavier s (lower) needs
+        the link to have got dearer: (1/bw) / compute > (1 + slack) x its value when the
+        current s was chosen (not only the cost model's estimates drifting)
+    floors stop at the lightest near-lossless rung (bf16): dense is never a floor, only the
+        link rule's choice (or the guard's fallback)
 
 Dense is the last candidate, so "don't compress" is an outcome whenever compression saves
 less than ``slack`` (Agarwal et al., "On the Utility of Gradient Compression in Distributed
@@ -95,6 +99,7 @@ class AdaptivePolicy(Policy):
         self.floors: dict[str, int] = {}  # layer -> floor rung at the latest decision
         # the choice
         self.shift: int | None = None  # None: nothing decided yet
+        self.chosen_comm_ratio: float | None = None  # _comm_ratio() when the current shift was chosen
         self.dense_chosen = False
         self.strikes = 0
         self.switches = 0
@@ -114,7 +119,7 @@ class AdaptivePolicy(Policy):
             self._detect(run, layers)
         self._judge_errors(run, layers)
         ladders = {name: self._ladder(run, h) for name, h in layers.items()}
-        floors = {name: min(len(ladders[name]) - 1,
+        floors = {name: min(self._highest_floor(ladders[name]),
                             self.error_floor.get(name, 0) + (self.boost if self.critical.get(name) else 0))
                   for name in layers}
         top = max(len(ladders[n]) - 1 - floors[n] for n in layers)  # the all-dense shift
@@ -129,13 +134,15 @@ class AdaptivePolicy(Policy):
             # a regime or error change moves the layers it concerns; it must not make the
             # others heavier (a lower shift): that waits for the link-driven rule below
             current, self.strikes = max(target, current), 0
-        elif current in within:
+        elif current in within or (target < current and not self._link_slowed()):
             self.strikes = 0
         else:
             self.strikes += 1
             if self.strikes >= PATIENCE:
                 current, self.strikes = target, 0
                 self.switches += 1
+        if current != self.shift:
+            self.chosen_comm_ratio = self._comm_ratio()
         self.shift, self.dense_chosen, self.floors = current, current == top, floors
         chosen: dict[str, CompressorSpec] = {}
         for name in layers:
@@ -147,6 +154,27 @@ class AdaptivePolicy(Policy):
         reason = self._reason(run, layers, chosen, floors, current, top)
         self.history.append([run.step, current if current < top else "dense", reason])
         return Plan.per_layer(chosen, reason=reason)
+
+    def _highest_floor(self, ladder: list[CompressorSpec]) -> int:
+        """Floors (error, critical) stop at the lightest near-lossless rung: dense is the
+        guard's fallback and the link rule's choice, never a floor (bf16 and int8 reached
+        dense's loss to 4 digits on the transformer; dense cost 1.5x their step at 100 Mbit/s)."""
+        return len(ladder) - (2 if self.near_lossless else 1)
+
+    def _comm_ratio(self) -> float:
+        """Seconds per byte on the link over compute seconds per step: what makes a heavier
+        plan worth its error."""
+        assert self.bw is not None and self.compute is not None
+        return 1 / (self.bw * max(self.compute, 1e-9))
+
+    def _link_slowed(self) -> bool:
+        """Has communication got dearer, relative to compute, by more than the slack since
+        the current shift was chosen? Only then may the link rule make the plan heavier: a
+        drift of the cost model's estimates alone (the round overhead, measured on
+        compressed steps) must not trade progress per step for a faster step late in a run."""
+        if self.chosen_comm_ratio is None:
+            return True
+        return self._comm_ratio() > (1 + self.slack) * self.chosen_comm_ratio
 
     # --- measurements ----------------------------------------------------------------------
     def _measure(self, run: RunState) -> None:
@@ -309,7 +337,7 @@ class AdaptivePolicy(Policy):
             "compute": self.compute, "seen_step": self.seen_step, "last_detect": self.last_detect,
             "critical": dict(self.critical), "error_floor": dict(self.error_floor),
             "rungs": dict(self.rungs), "rung_since": dict(self.rung_since), "floors": dict(self.floors),
-            "shift": self.shift,
+            "shift": self.shift, "chosen_comm_ratio": self.chosen_comm_ratio,
             "dense_chosen": self.dense_chosen, "strikes": self.strikes, "switches": self.switches,
             "history": [list(h) for h in self.history],
         }
@@ -327,6 +355,7 @@ class AdaptivePolicy(Policy):
         self.rung_since = {k: int(v) for k, v in state["rung_since"].items()}
         self.floors = {k: int(v) for k, v in state["floors"].items()}
         self.shift, self.dense_chosen = state["shift"], bool(state["dense_chosen"])
+        self.chosen_comm_ratio = state.get("chosen_comm_ratio")  # None: from before it was kept
         self.strikes, self.switches = int(state["strikes"]), int(state["switches"])
         self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
 
