@@ -280,9 +280,13 @@ class ControllerService:
                     log.error("controller snapshots failing (%d so far), runs keep their last saved "
                               "state on disk: %s", failures, error)
 
-    def register_run(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def register_run(self, run_id: str, world_size: int, layers: dict[str, int | list[int]], policy: str,
+                     options: dict[str, Any], warmup_steps: int, interval_steps: int,
+                     min_compress_numel: int, eval_kind: str = "accuracy") -> dict[str, Any]:
+        """:meth:`Controller.register_run`, under the service's lock."""
         with self.lock:
-            return self.controller.register_run(*args, **kwargs)
+            return self.controller.register_run(run_id, world_size, layers, policy, options, warmup_steps,
+                                                interval_steps, min_compress_numel, eval_kind)
 
     @ray.method(concurrency_group="ingest")
     def ingest(self, report: Any) -> bool:

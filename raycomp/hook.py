@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raycomp.memory import Memory
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
 
@@ -39,16 +40,25 @@ class CompressionState(CompressedReducer):
     Args:
         model: the model (DDP-wrapped or not); parameter names come from
             ``named_parameters()`` with DDP's ``module.`` prefix removed.
-        async_comm: run bucket reductions on a background thread (DDP hook only).
-        reducer_options: ``process_group``, ``memory``, ``min_compress_numel``, ``seed``,
-            ``stats_every``, ``profile_ratios`` — see :class:`CompressedReducer`.
+        plan: initial plan (default: everything dense); change it with ``set_plan``.
+        async_comm: run bucket reductions on a background thread (DDP hook only), so
+            backward computes the next buckets while this one communicates. Turn it off
+            to debug a hook step by step; it costs that overlap.
+        process_group, memory, min_compress_numel, seed, stats_every, profile_ratios: as
+            in :class:`CompressedReducer`. In short: ``memory="residual"`` is error
+            feedback, which every biased compressor needs to keep dense accuracy;
+            ``min_compress_numel`` keeps small layers (biases, norms) dense, where the
+            extra collective round costs more than their bytes.
     """
 
     def __init__(
         self, model: torch.nn.Module, plan: Plan | None = None, *, async_comm: bool = True,
-        **reducer_options: Any,
+        process_group: Any = None, memory: str | Memory = "residual", min_compress_numel: int = 1024,
+        seed: int = 0, stats_every: int = 0, profile_ratios: tuple[float, ...] = (),
     ) -> None:
-        super().__init__(plan, **reducer_options)
+        super().__init__(plan, process_group=process_group, memory=memory,
+                         min_compress_numel=min_compress_numel, seed=seed, stats_every=stats_every,
+                         profile_ratios=profile_ratios)
         module = getattr(model, "module", model)
         self.parameters = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}

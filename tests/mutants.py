@@ -290,6 +290,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_adaptive_policy.py",
         "layers leaving the lossy rungs for error push the other layers heavier",
     ),
+    mutant(
+        "adaptive-floor-reaches-dense", "controllers/policies/adaptive.py",
+        "        return len(ladder) - (2 if self.near_lossless else 1)\n",
+        "        return len(ladder) - 1\n",
+        "tests/test_adaptive_policy.py",
+        "a critical layer over its error limit is floored at dense, not at bf16",
+    ),
+    mutant(
+        "adaptive-critical-stays-lossy", "controllers/policies/adaptive.py",
+        "                floor = max(floor, len(ladder) - 1 - len(self.near_lossless))\n",
+        "                pass\n",
+        "tests/test_adaptive_policy.py",
+        "a critical layer gets critical_boost lossy rungs lighter, not the first near-lossless rung",
+    ),
 )
 
 

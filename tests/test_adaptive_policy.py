@@ -132,9 +132,10 @@ def test_warm_up_is_dense_then_critical_start_then_heavy_on_a_slow_link():
     sim.run(3, SLOW)  # boundaries 4, 9, 14: warm-up
     assert [p.dense or not p.layers for p in sim.plans] == [True] * 3
     first = sim.run(1, SLOW)  # step 19: first decision; no previous window: all critical
-    # critical: two rungs lighter; the vector's Top-K ladder (1%, 10%) goes on to int8
-    assert ranks(first) == {"fc1.weight": 4, "fc2.weight": 4, "out.weight": 4, "norm.weight": "int8"}
-    assert first.reason.startswith("slow link 1.2 MB/s, comm 20x compute → powersgd r=4 on 3; int8 on 1 (4 critical)")
+    # critical: light compression, the first near-lossless rung (not PowerSGD rank 4, two
+    # rungs lighter than rank 1: that is what critical_boost alone would give)
+    assert ranks(first) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": "int8"}
+    assert first.reason.startswith("slow link 1.2 MB/s, comm 20x compute → int8 on 4 (4 critical)")
     assert sim.details()["bandwidth_bytes_per_s"] == pytest.approx(1.2e6)
     # step 39: gradient norms did not move over the window: heavy compression everywhere
     heavy = sim.run(4, SLOW)
@@ -174,10 +175,10 @@ def test_critical_layers_get_lighter_and_return_to_heavy_after_recovery():
     sim.run(3, SLOW, burst)  # steps 44, 49, 54: no detection yet (every 20 steps)
     assert ranks(sim.plan)["fc2.weight"] == 1
     critical = sim.run(1, SLOW, burst)  # step 59: window (39, 59] vs (19, 39]: 3x -> critical
-    assert ranks(critical) == {"fc1.weight": 1, "fc2.weight": 4, "out.weight": 1, "norm.weight": 0.01}
+    assert ranks(critical) == {"fc1.weight": 1, "fc2.weight": "int8", "out.weight": 1, "norm.weight": 0.01}
     assert "(1 critical)" in critical.reason
     # step 79: the norm fell back (3 -> 1: a change of 67%, still critical, as in Accordion)
-    assert ranks(sim.run(4, SLOW, burst))["fc2.weight"] == 4
+    assert ranks(sim.run(4, SLOW, burst))["fc2.weight"] == "int8"
     # step 99: stable again: heavy
     recovered = sim.run(4, SLOW, burst)
     assert ranks(recovered) == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1, "norm.weight": 0.01}
@@ -209,31 +210,11 @@ def test_layers_leaving_for_error_do_not_push_the_others_heavier():
     assert sim.details()["shift"] == 1
 
 
-def test_a_lighter_shift_kept_for_error_is_not_undone_while_the_link_is_the_same():
-    # the scenario above, later: keeping shift 1 put the matrices on bf16, where int8 (shift
-    # 0) would predict a step >10% faster; going there would also cut the vector to Top-K
-    # 1%, trading its progress per step for a faster step. Without a dearer link, it stays
-    sim = Sim(errors={"powersgd r=2": 0.97, "topk": 0.6})
-    sim.run(12, MEDIUM)
-    predicted = sim.details()["predicted_step_s"]
-    assert predicted[0] < predicted[1] / 1.1  # shift 1 is out of the band
-    kept = sim.run(10, MEDIUM)
-    assert ranks(kept) == {"fc1.weight": "bf16", "fc2.weight": "bf16", "out.weight": "bf16", "norm.weight": 0.1}
-    assert sim.details()["switches"] == 0
-    # compute halves (the link is measured on dense steps only, compute on every step):
-    # communication is now dearer relative to compute by more than the slack -> heavier,
-    # after patience
-    dearer = Link(bandwidth=MEDIUM.bandwidth, compute=MEDIUM.compute / 2)
-    assert sim.run(1, dearer).layers == kept.layers
-    heavier = sim.run(2, dearer)
-    assert ranks(heavier) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": 0.01}
-    assert sim.details()["switches"] == 1
-
-
 def test_a_critical_layer_over_its_error_limit_goes_to_bf16_not_dense():
     # error moved the matrices to int8 (floor 4 of r1, r2, r4, r8, int8, bf16, dense); then
-    # fc2 turns critical: floor + boost 2 would be dense, a floor stops at bf16
-    sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.8, "topk": 0.6, "int8": 0.004})
+    # fc2 turns critical: floor + boost 2 would be dense, a floor stops at bf16 (slack 0:
+    # the fastest shift, so that the others stay where their own floors put them)
+    sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.8, "topk": 0.6, "int8": 0.004}, slack=0.0)
     sim.run(12, SLOW)
     assert ranks(sim.plan)["fc2.weight"] == "int8"
 
@@ -299,8 +280,8 @@ def test_compression_that_costs_more_than_it_saves_is_measured_and_dropped():
     # "PowerSGD made my training slower": 40 ms per extra round of codec and latency
     sim = Sim()
     slow_codec = Link(bandwidth=20e6, overhead=0.04)
-    sim.run(4, slow_codec)  # first decision on the 1 ms prior: compress
-    assert ranks(sim.plan)["fc2.weight"] == 8
+    sim.run(4, slow_codec)  # first decision on the 1 ms prior: compress (critical start: int8)
+    assert ranks(sim.plan)["fc2.weight"] == "int8"
     sim.run(3, slow_codec)  # the compressed intervals measure the overhead; dense wins twice
     details = sim.details()
     assert details["round_overhead_measured"] and details["round_overhead_s"] == pytest.approx(0.04, rel=0.05)
@@ -320,7 +301,7 @@ def test_no_warm_up_starts_dense_to_measure_the_link():
 def test_assumed_bandwidth_overrides_the_measurement():
     sim = Sim(bandwidth=1.2e6)
     sim.run(4, FAST)  # measured on a fast link, planned for a slow one
-    assert ranks(sim.plan)["fc2.weight"] == 4
+    assert ranks(sim.plan)["fc2.weight"] == "int8"
     assert sim.details()["bandwidth_assumed"] is True
 
 

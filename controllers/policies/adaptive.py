@@ -31,11 +31,7 @@ It combines three measurements the controller already has (options:
         moved it): max(target, current s), so layers that move lighter never push the
         others heavier;
         otherwise keep the current s while it is within that band, else switch to target
-        once PATIENCE consecutive boundaries say so; a switch to a heavier s (lower) needs
-        the link to have got dearer: (1/bw) / compute > (1 + slack) x its value when the
-        current s was chosen (not only the cost model's estimates drifting)
-    floors stop at the lightest near-lossless rung (bf16): dense is never a floor, only the
-        link rule's choice (or the guard's fallback)
+        once PATIENCE consecutive boundaries say so
 
 Dense is the last candidate, so "don't compress" is an outcome whenever compression saves
 less than ``slack`` (Agarwal et al., "On the Utility of Gradient Compression in Distributed
@@ -99,7 +95,6 @@ class AdaptivePolicy(Policy):
         self.floors: dict[str, int] = {}  # layer -> floor rung at the latest decision
         # the choice
         self.shift: int | None = None  # None: nothing decided yet
-        self.chosen_comm_ratio: float | None = None  # _comm_ratio() when the current shift was chosen
         self.dense_chosen = False
         self.strikes = 0
         self.switches = 0
@@ -119,11 +114,11 @@ class AdaptivePolicy(Policy):
             self._detect(run, layers)
         self._judge_errors(run, layers)
         ladders = {name: self._ladder(run, h) for name, h in layers.items()}
-        floors = {name: min(self._highest_floor(ladders[name]),
-                            self.error_floor.get(name, 0) + (self.boost if self.critical.get(name) else 0))
-                  for name in layers}
-        top = max(len(ladders[n]) - 1 - floors[n] for n in layers)  # the all-dense shift
-        self.predicted = [self._predict(run, layers, ladders, floors, s) for s in range(top + 1)]
+        floors = {name: self._floor(name, ladders[name]) for name in layers}
+        # the all-dense shift: one past the shift that puts every layer on its lightest
+        # compressed rung (with near-lossless rungs: bf16 everywhere is a candidate of its own)
+        top = max(self._cap(ladders[n]) - floors[n] for n in layers) + (1 if self.near_lossless else 0)
+        self.predicted = [self._predict(run, layers, ladders, floors, s, top) for s in range(top + 1)]
         best = min(self.predicted)
         within = [s for s, t in enumerate(self.predicted) if t <= (1 + self.slack) * best]
         target = max(within)
@@ -134,19 +129,17 @@ class AdaptivePolicy(Policy):
             # a regime or error change moves the layers it concerns; it must not make the
             # others heavier (a lower shift): that waits for the link-driven rule below
             current, self.strikes = max(target, current), 0
-        elif current in within or (target < current and not self._link_slowed()):
+        elif current in within:
             self.strikes = 0
         else:
             self.strikes += 1
             if self.strikes >= PATIENCE:
                 current, self.strikes = target, 0
                 self.switches += 1
-        if current != self.shift:
-            self.chosen_comm_ratio = self._comm_ratio()
         self.shift, self.dense_chosen, self.floors = current, current == top, floors
         chosen: dict[str, CompressorSpec] = {}
         for name in layers:
-            rung = min(floors[name] + current, len(ladders[name]) - 1)
+            rung = self._rung(ladders[name], floors[name], current, top)
             if self.rungs.get(name) != rung:
                 self.rungs[name], self.rung_since[name] = rung, run.step
             if not ladders[name][rung].is_dense:
@@ -155,26 +148,27 @@ class AdaptivePolicy(Policy):
         self.history.append([run.step, current if current < top else "dense", reason])
         return Plan.per_layer(chosen, reason=reason)
 
-    def _highest_floor(self, ladder: list[CompressorSpec]) -> int:
-        """Floors (error, critical) stop at the lightest near-lossless rung: dense is the
-        guard's fallback and the link rule's choice, never a floor (bf16 and int8 reached
-        dense's loss to 4 digits on the transformer; dense cost 1.5x their step at 100 Mbit/s)."""
+    def _cap(self, ladder: list[CompressorSpec]) -> int:
+        """The lightest rung a floor or a compressed shift reaches: the last near-lossless
+        rung (bf16). Dense is only the all-dense candidate (and the guard's fallback): bf16
+        and int8 reached dense's loss to 4 digits on the transformer, at 2/3 of its step at
+        100 Mbit/s. Without near-lossless rungs, dense."""
         return len(ladder) - (2 if self.near_lossless else 1)
 
-    def _comm_ratio(self) -> float:
-        """Seconds per byte on the link over compute seconds per step: what makes a heavier
-        plan worth its error."""
-        assert self.bw is not None and self.compute is not None
-        return 1 / (self.bw * max(self.compute, 1e-9))
+    def _floor(self, name: str, ladder: list[CompressorSpec]) -> int:
+        """error floor, raised for a critical layer: critical_boost rungs, and with
+        near-lossless rungs at least the first of them (Accordion's "light compression in a
+        critical regime"; on the transformer PowerSGD rank 8 through the critical start,
+        steps 20-40, cost 0.006 of validation loss that the run never made up)."""
+        floor = self.error_floor.get(name, 0)
+        if self.critical.get(name):
+            floor += self.boost
+            if self.near_lossless and self.boost:
+                floor = max(floor, len(ladder) - 1 - len(self.near_lossless))
+        return min(floor, self._cap(ladder))
 
-    def _link_slowed(self) -> bool:
-        """Has communication got dearer, relative to compute, by more than the slack since
-        the current shift was chosen? Only then may the link rule make the plan heavier: a
-        drift of the cost model's estimates alone (the round overhead, measured on
-        compressed steps) must not trade progress per step for a faster step late in a run."""
-        if self.chosen_comm_ratio is None:
-            return True
-        return self._comm_ratio() > (1 + self.slack) * self.chosen_comm_ratio
+    def _rung(self, ladder: list[CompressorSpec], floor: int, shift: int, top: int) -> int:
+        return len(ladder) - 1 if shift >= top else min(floor + shift, self._cap(ladder))
 
     # --- measurements ----------------------------------------------------------------------
     def _measure(self, run: RunState) -> None:
@@ -267,7 +261,7 @@ class AdaptivePolicy(Policy):
         return [*lossy, *(self._spec(n) for n in self.near_lossless), DENSE]
 
     def _predict(self, run: RunState, layers: dict[str, LayerHistory],
-                 ladders: dict[str, list[CompressorSpec]], floors: dict[str, int], shift: int) -> float:
+                 ladders: dict[str, list[CompressorSpec]], floors: dict[str, int], shift: int, top: int) -> float:
         w = max(1, run.world_size)
         allreduce = 2 * (w - 1) / w
         families = set()
@@ -278,7 +272,7 @@ class AdaptivePolicy(Policy):
                 total += allreduce * element * h.numel
                 families.add(DENSE_FAMILY)
                 continue
-            spec = ladders[name][min(floors[name] + shift, len(ladders[name]) - 1)]
+            spec = ladders[name][self._rung(ladders[name], floors[name], shift, top)]
             families.add(spec.name)
             if spec.name == LOWRANK:
                 rows, cols = _matrix(h)
@@ -337,7 +331,7 @@ class AdaptivePolicy(Policy):
             "compute": self.compute, "seen_step": self.seen_step, "last_detect": self.last_detect,
             "critical": dict(self.critical), "error_floor": dict(self.error_floor),
             "rungs": dict(self.rungs), "rung_since": dict(self.rung_since), "floors": dict(self.floors),
-            "shift": self.shift, "chosen_comm_ratio": self.chosen_comm_ratio,
+            "shift": self.shift,
             "dense_chosen": self.dense_chosen, "strikes": self.strikes, "switches": self.switches,
             "history": [list(h) for h in self.history],
         }
@@ -355,7 +349,6 @@ class AdaptivePolicy(Policy):
         self.rung_since = {k: int(v) for k, v in state["rung_since"].items()}
         self.floors = {k: int(v) for k, v in state["floors"].items()}
         self.shift, self.dense_chosen = state["shift"], bool(state["dense_chosen"])
-        self.chosen_comm_ratio = state.get("chosen_comm_ratio")  # None: from before it was kept
         self.strikes, self.switches = int(state["strikes"]), int(state["switches"])
         self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
 
