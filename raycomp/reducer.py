@@ -230,7 +230,12 @@ class CompressedReducer:
         """The staged control row, with this rank's non-finite flag filled in (no sync)."""
         if self._control is None:
             return None
-        control, self._control = self._control.to(grads[0].device if grads else "cpu"), None
+        control, self._control = self._control, None
+        device = grads[0].device if grads else torch.device("cpu")
+        if device.type == "cuda":  # pinned and asynchronous: no host sync on the hot path
+            control = control.pin_memory().to(device, non_blocking=True)
+        else:
+            control = control.to(device)
         n = control.numel() // self.group.size
         if self._finite is not None:
             control[self.group.rank * n] = (~self._finite).to(control.dtype)
