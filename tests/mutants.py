@@ -278,7 +278,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "adaptive-error-moves-one-rank", "controllers/policies/adaptive.py",
-        "                raised = max(raised, lossy)\n",
+        "                raised = max(raised, first)\n",
         "                        pass\n",
         "tests/test_adaptive_policy.py",
         "a layer whose PowerSGD error is too high moves one rank up instead of to int8",
@@ -299,7 +299,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "adaptive-critical-stays-lossy", "controllers/policies/adaptive.py",
-        "                floor = max(floor, len(ladder) - 1 - len(self.near_lossless))\n",
+        "                floor = max(floor, self._first_near_lossless(ladder))\n",
         "                pass\n",
         "tests/test_adaptive_policy.py",
         "a critical layer gets critical_boost lossy rungs lighter, not the first near-lossless rung",

@@ -19,8 +19,11 @@ It combines three measurements the controller already has (options:
         the last window (>= 2 samples taken after the rung arrived) > max_error  =>  the
         layer leaves the lossy rungs for good: error_floor = max(error_floor + 1, first
         near-lossless rung)
-        floor = min(error_floor + (critical_boost if critical else 0), lightest near-lossless rung)
-    candidates s = 0, 1, ..., S (S: every layer dense):  rung(l, s) = min(floor_l + s, dense)
+    floor = error_floor, and for a critical layer + critical_boost and at least the first
+        near-lossless rung (int8); never above cap = the last near-lossless rung (bf16)
+    candidates s = 0, 1, ..., S - 1:  rung(l, s) = min(floor_l + s, cap_l); s = S: every
+        layer dense (S = max(cap_l - floor_l) + 1; without near-lossless rungs cap_l is
+        dense and rung(l, s) = min(floor_l + s, dense) up to S = max(dense_l - floor_l))
         predicted(s) = compute + bytes(s) / bw + extra_rounds(s) * overhead
         bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k;
                int8 2(W-1)/W * (n + 8 n / 2048); bf16 2(W-1)/W * 2n
@@ -155,8 +158,12 @@ class AdaptivePolicy(Policy):
         100 Mbit/s. Without near-lossless rungs, dense."""
         return len(ladder) - (2 if self.near_lossless else 1)
 
+    def _first_near_lossless(self, ladder: list[CompressorSpec]) -> int:
+        """The first near-lossless rung (int8), right after the lossy ones."""
+        return len(ladder) - 1 - len(self.near_lossless)
+
     def _floor(self, name: str, ladder: list[CompressorSpec]) -> int:
-        """error floor, raised for a critical layer: critical_boost rungs, and with
+        """The error floor, raised for a critical layer: critical_boost rungs, and with
         near-lossless rungs at least the first of them (Accordion's "light compression in a
         critical regime"; on the transformer PowerSGD rank 8 through the critical start,
         steps 20-40, cost 0.006 of validation loss that the run never made up)."""
@@ -164,7 +171,7 @@ class AdaptivePolicy(Policy):
         if self.critical.get(name):
             floor += self.boost
             if self.near_lossless and self.boost:
-                floor = max(floor, len(ladder) - 1 - len(self.near_lossless))
+                floor = max(floor, self._first_near_lossless(ladder))
         return min(floor, self._cap(ladder))
 
     def _rung(self, ladder: list[CompressorSpec], floor: int, shift: int, top: int) -> int:
@@ -233,9 +240,9 @@ class AdaptivePolicy(Policy):
                 continue
             ladder = self._ladder(run, h)
             raised = min(self.error_floor.get(name, 0) + 1, len(ladder) - 1)
-            lossy = len(ladder) - 1 - len(self.near_lossless)
-            if self.near_lossless and self.rungs[name] < lossy:  # out of the lossy rungs
-                raised = max(raised, lossy)
+            first = self._first_near_lossless(ladder)
+            if self.near_lossless and self.rungs[name] < first:  # out of the lossy rungs
+                raised = max(raised, first)
             self.error_floor[name] = raised
 
     # --- the cost model ---------------------------------------------------------------------
