@@ -82,7 +82,21 @@ METHODS: dict[str, list[str]] = {
 TORCH_HOOKS = {"dense": "allreduce", "torch_fp16": "fp16", "torch_bf16": "bf16",
                **{f"torch_powersgd_r{r}": "powersgd" for r in (1, 2, 4)}}
 TORCH_BASELINE_OVERRIDES = ["compression.policy=static", "compression.static.compressor={name: none}"]
+#: ``--strategy fsdp`` (issue 14): FSDP2 runs, the same names for the same roles. dense and
+#: torch_bf16 are FSDP's own reduce-scatter (fp32; ``MixedPrecisionPolicy(reduce_dtype=bf16)``,
+#: which FSDP cannot switch on mid-run: bf16 from step 0, no dense warm-up); raycomp_* replace
+#: it with the compressed all-to-all, adaptive choosing int8/bf16/dense per unit
+FSDP_METHODS: dict[str, list[str]] = {
+    "dense": ["compression.baseline_hook=torch_fsdp"],
+    "torch_bf16": ["compression.baseline_hook=torch_fsdp_bf16"],
+    "raycomp_bf16": ["compression.policy=static", "compression.static.compressor={name: bf16}"],
+    "raycomp_int8": ["compression.policy=static", "compression.static.compressor={name: int8}"],
+    "raycomp_adaptive": [],
+}
+#: FSDP's own reduce-scatter: the byte model's dtype (bytes per element)
+FSDP_BASELINES = {"dense": 4, "torch_bf16": 2}
 QUICK_METHODS = ["dense", "torch_powersgd_r2", "raycomp_topk", "raycomp_adaptive"]
+FSDP_QUICK_METHODS = ["dense", "raycomp_int8", "raycomp_adaptive"]
 COMPUTE = "compute_only"
 
 #: per workload: config file, step budget, eval cadence, dense warm-up W (first compressed
@@ -149,6 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-at-target", action="store_true",
                         help="let runs stop once the target held twice (workload.stop_at_target; needs "
                              "a fixed --target and a training loop that honours it)")
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
+                        help="ddp (default: DDP, the 14 methods) or fsdp (FSDP2: FSDP's own reduce-scatter "
+                             "fp32/bf16 against raycomp's compressed one; reports fsdp-<workload>-<link>.*)")
     parser.add_argument("--methods", default=None,
                         help="comma-separated subset, or 'all' (default: all; quick: "
                              f"{','.join(QUICK_METHODS)})")
@@ -160,16 +177,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rebuild the reports from a finished run's raw traces (no training)")
 
 
-def parse_methods(text: str | None, quick: bool) -> list[str]:
+def methods_of(strategy: str) -> dict[str, list[str]]:
+    return FSDP_METHODS if strategy == "fsdp" else METHODS
+
+
+def parse_methods(text: str | None, quick: bool, strategy: str = "ddp") -> list[str]:
+    methods = methods_of(strategy)
     if text is None:
-        return list(QUICK_METHODS if quick else METHODS)
+        return list((FSDP_QUICK_METHODS if strategy == "fsdp" else QUICK_METHODS) if quick else methods)
     if text.strip() == "all":
-        return list(METHODS)
+        return list(methods)
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in METHODS]
+    unknown = [n for n in names if n not in methods]
     if unknown or not names:
-        raise SystemExit(f"error: --methods: unknown {unknown or text!r}; allowed: {', '.join(METHODS)}")
-    return [n for n in METHODS if n in names]
+        raise SystemExit(f"error: --methods: unknown {unknown or text!r}; allowed with --strategy {strategy}: "
+                         f"{', '.join(methods)}")
+    return [n for n in methods if n in names]
 
 
 def settings_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -192,7 +215,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     return {"workload": args.workload, "config": spec["config"], "extra": spec.get("overrides", []),
             "mode": mode, "steps": steps, "eval_every": eval_every, "seeds": seeds, "target": target,
             "stop_at_target": bool(args.stop_at_target), "warmup": warmup,
-            "methods": parse_methods(args.methods, args.quick),
+            "methods": parse_methods(args.methods, args.quick, args.strategy), "strategy": args.strategy,
             "link": rate_label(parse_rate(args.link)), "idle_s": 3.0 if args.quick else 10.0,
             "link_check_s": 1.0 if args.quick else 2.0}
 
@@ -419,6 +442,11 @@ def method_overrides(name: str, settings: dict[str, Any], seed: int, interval: i
     if name == COMPUTE:  # one worker, no DDP, no communication; raycomp's plan stays dense
         return [*overrides, "scaling.num_workers=1", *TORCH_BASELINE_OVERRIDES,
                 f"compression.warmup_steps={10 * steps}"]
+    if settings.get("strategy") == "fsdp":
+        overrides += ["scaling.strategy=fsdp", *FSDP_METHODS[name]]
+        if name in FSDP_BASELINES:
+            overrides += TORCH_BASELINE_OVERRIDES
+        return overrides
     overrides += METHODS[name]
     if name in TORCH_HOOKS:
         overrides += TORCH_BASELINE_OVERRIDES
@@ -479,7 +507,7 @@ def driver(spec_path: str) -> int:
         output.mkdir(parents=True, exist_ok=True)
         sampler = NicSampler(spec["dev"])
         cpu_before = _cpu_seconds(controller_pid)
-        _log(f"{name} seed {seed}: {' '.join(METHODS.get(name, ['scaling.num_workers=1']))}")
+        _log(f"{name} seed {seed}: {' '.join(methods_of(settings.get('strategy', 'ddp')).get(name, ['scaling.num_workers=1']))}")
         load_before = os.getloadavg()[0]
         t_start = time.time()
         sampler.start()
@@ -694,7 +722,12 @@ def analyze_run(run: dict[str, Any], raw: dict[str, Any], settings: dict[str, An
     eval_steps = [e["step"] for e in series]
     clock = training_clock(steps, eval_steps)
     done = len(steps)
-    if name in TORCH_HOOKS:
+    sharded = settings.get("strategy") == "fsdp"
+    numel = sum(math.prod(shape) for shape in raw["layers"].values())
+    if sharded and name in FSDP_BASELINES:  # FSDP's own reduce-scatter: the ideal one's bytes
+        wire = world * done * (world - 1) / world * FSDP_BASELINES[name] * numel
+        first = 0 if name != "dense" else None
+    elif name in TORCH_HOOKS and not sharded:
         start = settings["warmup"] if name != "dense" else 0
         rank = int(name[-1]) if name.startswith("torch_powersgd") else 2
         per_step = torch_hook_bytes(TORCH_HOOKS[name], raw["layers"], world, done, rank, start)
@@ -705,6 +738,8 @@ def analyze_run(run: dict[str, Any], raw: dict[str, Any], settings: dict[str, An
             (world * float(steps[-1]["wire_bytes"]) if steps else 0.0)
         first = first_compressed_step(steps)
     dense = world * sum(torch_hook_bytes("allreduce", raw["layers"], world, done)) if world > 1 else 0.0
+    if sharded:  # an fp32 reduce-scatter sends half of an all-reduce's bytes
+        dense = world * done * (world - 1) / world * 4 * numel if world > 1 else 0.0
     nic = None
     times = sorted(float(r["time"]) for r in steps if r.get("time") is not None)
     if len(times) > 1 and run["nic"]:
@@ -781,7 +816,7 @@ def analyze(raw: dict[str, Any], settings: dict[str, Any], shaping: dict[str, An
     runs = [r for r in runs if r["method"] != COMPUTE]
     target = resolve_target(runs, settings, raw["metric"])
     methods = [aggregate([r for r in runs if r["method"] == name], target["value"], lower)
-               for name in METHODS if any(r["method"] == name for r in runs)]
+               for name in methods_of(settings.get("strategy", "ddp")) if any(r["method"] == name for r in runs)]
     measured = [check[k]["bits_per_s"] / 1e6 for k in ("a_to_b", "b_to_a") if "bits_per_s" in check.get(k, {})]
     results = {
         "workload": {"name": settings["workload"], "parameters": sum(math.prod(s) for s in raw["layers"].values()),
@@ -797,7 +832,7 @@ def analyze(raw: dict[str, Any], settings: dict[str, Any], shaping: dict[str, An
         "seeds_requested": settings["seeds"],
         "compute_step_s": compute[0]["step_s"] if compute else None,
         "methods": methods,
-        "mode": settings["mode"],
+        "mode": settings["mode"], "strategy": settings.get("strategy", "ddp"),
         "controller": raw.get("controller"),
     }
     results["goals"] = goals(results)
@@ -824,6 +859,17 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"goal": text, "value": value, "ok": bool(ok and value is not None)})
 
     best_name = f" ({best['name']})" if best else ""
+    if results.get("strategy") == "fsdp":  # issue 14: dense FSDP's target, fewer bytes on the NIC
+        dense = by.get("dense") or {}
+        value = _ratio(dense.get("time_to_target_s"), t)
+        goal("FSDP: adaptive reaches the target dense FSDP reaches (speed-up vs dense)", value, value is not None)
+        ratio = _ratio(dense.get("nic_bytes_per_step"), ada["nic_bytes_per_step"])
+        goal("FSDP: adaptive NIC bytes per step fewer than dense FSDP's (ratio)", ratio,
+             ratio is not None and ratio > 1)
+        value = _ratio(t, best["time_to_target_s"] if best else None)
+        goal(f"FSDP: adaptive time to target not slower than the best other method{best_name} (ratio)",
+             value, value is not None and value <= 1.0)
+        return out
     if results["link"]["rate"] == "fast":
         value = _ratio(t, best["time_to_target_s"] if best else None)
         goal(f"fast link: adaptive time to target within {GOAL_FAST_LINK - 1:.0%} of the fastest other "
@@ -874,7 +920,27 @@ def _seeds(values: Sequence[Any], fmt: str = "{:.1f}") -> str:
 
 
 def report_stem(results: dict[str, Any]) -> str:
-    return f"e2e-{results['workload']['name']}-{results['link']['rate']}"
+    prefix = "fsdp" if results.get("strategy") == "fsdp" else "e2e"
+    return f"{prefix}-{results['workload']['name']}-{results['link']['rate']}"
+
+
+def modeled(results: dict[str, Any], name: str) -> bool:
+    """Whether ``name``'s wire bytes come from a byte model (torch's hooks, FSDP's own)."""
+    return name in (FSDP_BASELINES if results.get("strategy") == "fsdp" else TORCH_HOOKS)
+
+
+def _fsdp_setup(wl: dict[str, Any]) -> list[str]:
+    return [
+        "- Strategy **FSDP2** (`scaling.strategy=fsdp`): `fully_shard` on every transformer block, then the "
+        "root; parameters are all-gathered fp32 in forward and backward by every method alike (FSDP's default "
+        "`reshard_after_forward=True`): only the gradients' reduce-scatter differs.",
+        "- `dense`: FSDP's own fp32 reduce-scatter (gloo runs it as an all-reduce: twice the bytes of the "
+        "ideal reduce-scatter that the wire column models); `torch_bf16`: FSDP's "
+        "`MixedPrecisionPolicy(reduce_dtype=bf16)`, which cannot be switched on mid-run, so it casts from step "
+        "0 (no dense warm-up); `raycomp_*`: raycomp's compressed all-to-all per unit, dense (fp32 rows) until "
+        f"step {wl['warmup_steps']}, then bf16 / int8 / the adaptive policy (int8, bf16 or dense per unit).",
+        "- Compute-only step: 1 worker without FSDP (FSDP at one worker adds local copies, no communication).",
+    ]
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -893,7 +959,7 @@ def render_markdown(results: dict[str, Any]) -> str:
          "compressed from"],
         [[m["name"], _f(m["time_to_target_s"], "{:.1f}"), _seeds(m["time_to_target_s_seeds"]),
           _f(_ratio(dense_t, m["time_to_target_s"]), "{:.2f}x"), _seeds(m["steps_to_target_seeds"], "{}"),
-          _f(m["final_metric"], mfmt), _f(m["wire_bytes"], "{:,.0f}") + ("*" if m["name"] in TORCH_HOOKS else ""),
+          _f(m["final_metric"], mfmt), _f(m["wire_bytes"], "{:,.0f}") + ("*" if modeled(results, m["name"]) else ""),
           _f(m["nic_bytes"], "{:,.0f}"), _f(m["nic_bytes_per_step"], "{:,.0f}"),
           _f(m["step_s"] * 1e3 if m["step_s"] else None, "{:.0f}"),
           _f(_ratio(m["step_s"], compute), "{:.2f}x"),
@@ -937,13 +1003,14 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"{_f(check.get('a_to_b', {}).get('bits_per_s', 0) / 1e6, '{:.1f}')} / "
         f"{_f(check.get('b_to_a', {}).get('bits_per_s', 0) / 1e6, '{:.1f}')} Mbit/s of payload "
         f"(min {_f(measured, '{:.1f}')}), TCP round trip median {_f(check.get('rtt', {}).get('median_s', 0) * 1e6, '{:.0f}')} µs.",
-        f"- Dense warm-up: every method starts compressing at step {wl['warmup_steps']} (raycomp: "
-        f"`compression.warmup_steps` = {wl['warmup_steps']} - control interval; torch PowerSGD: "
-        f"`start_powerSGD_iter`; fp16/bf16: fp32 all-reduce first). *compressed from* shows where each "
-        "raycomp run really started (first step whose ledger bytes fell below dense).",
-        f"- torch PowerSGD: one DDP bucket (`bucket_cap_mb={wl['torch_powersgd_bucket_cap_mb']}`, above the "
-        "model's fp32 size; with several buckets `powerSGD_hook` aborts or hangs on gloo). Other methods: "
-        "DDP's default buckets.",
+        *(_fsdp_setup(wl) if results.get("strategy") == "fsdp" else [
+            f"- Dense warm-up: every method starts compressing at step {wl['warmup_steps']} (raycomp: "
+            f"`compression.warmup_steps` = {wl['warmup_steps']} - control interval; torch PowerSGD: "
+            f"`start_powerSGD_iter`; fp16/bf16: fp32 all-reduce first). *compressed from* shows where each "
+            "raycomp run really started (first step whose ledger bytes fell below dense).",
+            f"- torch PowerSGD: one DDP bucket (`bucket_cap_mb={wl['torch_powersgd_bucket_cap_mb']}`, above the "
+            "model's fp32 size; with several buckets `powerSGD_hook` aborts or hangs on gloo). Other methods: "
+            "DDP's default buckets."]),
         f"- `raycomp_adaptive` = the shipped default policy (`{wl['adaptive_policy']}`), untuned.",
         f"- Target: validation {metric} {'<=' if target['lower_is_better'] else '>='} "
         f"**{_f(target['value'], mfmt)}** ({target['source']}). Time to target: training wall time from the "
@@ -952,8 +1019,11 @@ def render_markdown(results: dict[str, Any]) -> str:
         "infinitely slow (— when most seeds missed).",
         f"- Compute-only step (1 worker, no DDP, same per-worker batch, same loop): "
         f"**{_f(compute * 1e3 if compute else None, '{:.0f}')} ms**.",
-        "- Wire bytes: all ranks, raycomp's ledger; * = torch hooks, byte model of the hook (ring all-reduce "
-        "2(N-1)/N x payload). NIC bytes: veth tx+rx in namespace a from the end of step 0 to the last step, "
+        ("- Wire bytes: all ranks, raycomp's ledger (the gradients' reduce-scatter only); * = FSDP's own, byte "
+         "model of an ideal reduce-scatter ((N-1)/N x payload). NIC bytes:" if results.get("strategy") == "fsdp" else
+         "- Wire bytes: all ranks, raycomp's ledger; * = torch hooks, byte model of the hook (ring all-reduce "
+         "2(N-1)/N x payload). NIC bytes:")
+        + " veth tx+rx in namespace a from the end of step 0 to the last step, "
         f"minus idle Ray traffic ({link['idle_ray_bytes_per_s']:,.0f} B/s) x that time. Step time: mean "
         "step gap after compression started + one control interval, evaluation gaps excluded. Control "
         "share: the session's control time / step time.",
@@ -984,7 +1054,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         color = plt.cm.tab20(i % 20)
         for j, run in enumerate(m["runs"]):
             pts = [p for p in run["curve"] if p["train_s"] is not None]
-            ax.plot([p["train_s"] for p in pts], [p["value"] for p in pts], "--" if m["name"] in TORCH_HOOKS else "-",
+            ax.plot([p["train_s"] for p in pts], [p["value"] for p in pts], "--" if modeled(results, m["name"]) else "-",
                     color=color, lw=1, alpha=0.8, label=m["name"] if j == 0 else None)
     if results["target"]["value"] is not None:
         ax.axhline(results["target"]["value"], color="grey", lw=0.8, ls=":")

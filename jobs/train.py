@@ -86,7 +86,8 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     options = raycomp.train.TrainOptions(
         compression=config.compression, controller=config.controller, checkpoint=config.checkpoint,
         output_dir=loop_config["output_dir"], run_id=loop_config["run_id"], seed=config.run.seed,
-        progress_every=config.run.progress_every_steps, eval_kind="loss" if workload.metric == "loss" else "accuracy")
+        progress_every=config.run.progress_every_steps, eval_kind="loss" if workload.metric == "loss" else "accuracy",
+        strategy=config.scaling.strategy)
     model = raycomp.train.prepare_model(workload.model, optimizer, scheduler, options=options)
     loop = raycomp.train.current()
     loss_fn = workload.loss

@@ -226,6 +226,14 @@ class CompressedReducer:
         self.comm_seconds += time.perf_counter() - started
         return [r.mean for r in reduced]  # type: ignore[union-attr]
 
+    def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
+        """The norm of the reduced gradients of ``parameters``: the same on every rank (the
+        same mean, the same ops in the same order); non-finite if any element is."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
     def _take_control(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The staged control row, with this rank's non-finite flag filled in (no sync)."""
         if self._control is None:

@@ -36,7 +36,7 @@ Use::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,26 +47,38 @@ from torch.distributed.fsdp import FSDPModule
 # torch with ``FSDPModule.set_custom_reduce_scatter`` (the rest of raycomp does not import it)
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from raycomp.compressors import Transport, compressor_class
+from raycomp.compressors import ROW_TRANSPORTS, fits_a_shard, shardable
 from raycomp.payload import pack, unpack_like
 from raycomp.plan import CompressorSpec
-
-#: transports whose payloads have a fixed size per row (all-to-all needs equal splits)
-ROW_TRANSPORTS = (Transport.SCALABLE, Transport.ALLREDUCE)
 
 
 def check_sharded_spec(spec: CompressorSpec) -> CompressorSpec:
     """``spec`` if it can compress a reduce-scatter row, else ValueError naming it."""
-    if spec.is_dense:
-        return spec
-    cls = compressor_class(spec.name)
-    if cls.transport not in ROW_TRANSPORTS or cls.variable_size or cls.shared_randomness:
+    if not fits_a_shard(spec.name):
         raise ValueError(
             f"compressor: {spec.name!r} cannot compress a reduce-scatter shard (its payload "
-            "size is not fixed, or it needs a second round); allowed: none, fixed-size "
-            "quantizers and casts (int8, qsgd, terngrad, sign, fp16, bf16)"
+            f"size is not fixed, or it needs a second round); allowed: {', '.join(shardable())}"
         )
     return spec
+
+
+class CallObserver(Protocol):
+    """What a :class:`CompressedReduceScatter` tells its owner during a call."""
+
+    def begin_call(self, comm: CompressedReduceScatter) -> bool:
+        """A call starts; returns whether :meth:`reduced` needs what was sent (statistics)."""
+
+    def control_bytes(self, comm: CompressedReduceScatter, grads: torch.Tensor) -> torch.Tensor | None:
+        """uint8 bytes to send to every rank with this call's rows, or None."""
+
+    def received_control(self, rows: torch.Tensor) -> None:
+        """Every source's control bytes (one row per source rank), after the all-to-all."""
+
+    def reduced(self, comm: CompressedReduceScatter, grads: torch.Tensor, compensated: torch.Tensor,
+                sent: torch.Tensor | None, wire: float, dense: float) -> None:
+        """After the call: this rank's unit gradient (W rows), the compensated rows, what
+        they decompress to (None unless error feedback or :meth:`begin_call` asked), the payload
+        bytes this rank put on the wire and what an fp32 reduce-scatter would have sent."""
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -82,11 +94,16 @@ class CompressedReduceScatter(ReduceScatter):
             differ per rank, as in the DDP path).
         error_feedback: keep the unsent part for the next step when the compressor is
             lossy and biased (``Compressor.error_feedback``); ``False`` turns it off.
+        seed: base seed of random compressors' draws (with the unit name and the rank).
+        observer: told about every call (:class:`CallObserver`): the training loop's
+            :class:`raycomp.sharded_state.ShardedState` keeps the byte ledger and
+            statistics there, and rides its control floats on the all-to-all.
     """
 
     def __init__(self, spec: CompressorSpec, name: str = "", rank: int = 0,
-                 error_feedback: bool = True) -> None:
-        self.name, self.rank, self.use_error_feedback = name, rank, error_feedback
+                 error_feedback: bool = True, seed: int = 0, observer: CallObserver | None = None) -> None:
+        self.name, self.rank, self.use_error_feedback, self.seed = name, rank, error_feedback, seed
+        self.observer = observer
         self.residual: torch.Tensor | None = None
         self.sent_bytes = 0.0  # this rank's bytes on the wire, whole run
         self.dense_bytes = 0.0  # what an fp32 reduce-scatter of the same inputs would send
@@ -98,7 +115,7 @@ class CompressedReduceScatter(ReduceScatter):
         not yet sent, whatever compressor dropped it, and goes out with the next call (in
         full, if the new compressor keeps no residual of its own)."""
         self.spec = check_sharded_spec(spec)
-        self.compressor = spec.build(f"fsdp:{self.name}", self.rank)
+        self.compressor = spec.build(f"fsdp:{self.name}", self.rank, self.seed)
 
     @property
     def error_feedback(self) -> bool:
@@ -109,34 +126,46 @@ class CompressedReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+        watching = self.observer is not None and self.observer.begin_call(self)
         world = dist.get_world_size(group)
         divisor = _divisor(op, world)
-        rows = input_tensor.view(world, -1).float()
-        if rows.shape[1] != output_tensor.numel():
+        grads = input_tensor.view(world, -1).float()
+        if grads.shape[1] != output_tensor.numel():
             raise ValueError(f"reduce-scatter of {self.name!r}: input of {input_tensor.numel()} "
                              f"elements is not {world} x the output's {output_tensor.numel()}")
+        rows = grads
         if self.residual is not None:
             if self.residual.shape != rows.shape:
                 raise ValueError(f"reduce-scatter of {self.name!r}: the unit's gradient changed "
                                  f"size ({tuple(self.residual.shape)} -> {tuple(rows.shape)})")
             rows = rows + self.residual.to(rows.device)  # compensate (a CPU-loaded checkpoint's too)
         payloads = [self.compressor.compress(row) for row in rows]  # compress, one per destination
-        self.residual = (rows - torch.stack([self.compressor.decompress(p).float() for p in payloads])
-                         if self.error_feedback else None)  # update memory
+        sent = (torch.stack([self.compressor.decompress(p).float() for p in payloads])
+                if self.error_feedback or watching else None)
+        self.residual = rows - sent if self.error_feedback else None  # update memory
         send = torch.stack([pack([p]) for p in payloads])  # W rows of equal byte size
+        payload_bytes = send.shape[1]
+        control = self.observer.control_bytes(self, grads) if self.observer is not None else None
+        if control is not None:  # the same few bytes to every destination: an all-gather inside
+            send = torch.cat([send, control.to(send.device).expand(world, -1)], dim=1)
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=group)
+        if control is not None:
+            self.observer.received_control(received[:, payload_bytes:])
         template = payloads[0]
         total = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
         for source in range(world):
-            (payload,) = unpack_like(received[source], [template])
+            (payload,) = unpack_like(received[source, :payload_bytes], [template])
             total += self.compressor.decompress(payload).float()
         if divisor != 1:
             total /= divisor
         output_tensor.copy_(total)
-        self.sent_bytes += (world - 1) * send[0].numel()
-        self.dense_bytes += (world - 1) * rows.shape[1] * 4
+        wire, dense = (world - 1) * payload_bytes, (world - 1) * rows.shape[1] * 4
+        self.sent_bytes += wire
+        self.dense_bytes += dense
         self.calls += 1
+        if self.observer is not None:
+            self.observer.reduced(self, grads, rows, sent, wire, dense)
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -190,4 +219,4 @@ def compress_fsdp(model: torch.nn.Module, spec: CompressorSpec | Mapping[str, Co
     return comms
 
 
-__all__ = ["CompressedReduceScatter", "ROW_TRANSPORTS", "check_sharded_spec", "compress_fsdp"]
+__all__ = ["CallObserver", "CompressedReduceScatter", "ROW_TRANSPORTS", "check_sharded_spec", "compress_fsdp"]

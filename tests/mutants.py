@@ -304,6 +304,49 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_adaptive_policy.py",
         "a critical layer gets critical_boost lossy rungs lighter, not the first near-lossless rung",
     ),
+    mutant(
+        "adaptive-sharded-keeps-lossy-rungs", "controllers/policies/adaptive.py",
+        "        lossy = ([] if self.sharded else",
+        "        lossy = ([] if False else",
+        "tests/test_adaptive_policy.py",
+        "a sharded run is planned PowerSGD/Top-K, which its reduce-scatter cannot carry",
+    ),
+    mutant(
+        "adaptive-sharded-priced-as-allreduce", "controllers/policies/adaptive.py",
+        "        allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w",
+        "        allreduce = 2 * (w - 1) / w",
+        "tests/test_adaptive_policy.py",
+        "a sharded run's bytes are priced as an all-reduce's: its fp32 gradient looks like bf16",
+    ),
+    # --- sharded data parallel (FSDP2) -------------------------------------------------------
+    mutant(
+        "sharded-control-never-rides", "raycomp/sharded_state.py",
+        "        if self._calls != len(self.comms) or self._control is None:\n",
+        "        if True:\n",
+        "tests/test_sharded.py",
+        "the guard's control floats never ride in the last unit's all-to-all: an extra collective per step",
+    ),
+    mutant(
+        "sharded-plan-not-installed", "raycomp/sharded_state.py",
+        "            if spec != comm.spec:\n                comm.set_spec(spec)\n",
+        "            pass\n",
+        "tests/test_sharded.py",
+        "a new plan never reaches the units' comms: FSDP stays on its first plan",
+    ),
+    mutant(
+        "sharded-norm-of-one-rank", "raycomp/sharded_state.py",
+        "        return math.sqrt(math.fsum(n * n for n in self.rank_norms) / len(self.rank_norms))\n",
+        "        return self.rank_norms[0]\n",
+        "tests/test_sharded.py",
+        "the guard watches rank 0's gradient norm only",
+    ),
+    mutant(
+        "sharded-resume-drops-residuals", "raycomp/sharded.py",
+        "        self.residual = None if residual is None else residual.clone()\n",
+        "        self.residual = None\n",
+        "tests/test_fsdp_job.py -k bit_for_bit",
+        "a resumed sharded run loses every unit's error-feedback residual",
+    ),
 )
 
 

@@ -63,6 +63,9 @@ class Sim:
         self.errors = errors or {}  # "powersgd r=1" -> relative error the workers measure
         self.rng = random.Random(0)
         self.plans: list[Plan] = []  # the plan in force at each boundary
+        # a sharded (FSDP) run: a reduce-scatter sends each element (W-1)/W times, half an
+        # all-reduce's 2(W-1)/W, in one all-to-all per unit whatever it carries
+        self.sharded = bool(options.get("sharded"))
 
     @property
     def plan(self) -> Plan:
@@ -77,16 +80,17 @@ class Sim:
                 spec = plan.spec_for(name)
                 kind = spec.name if numel(shape) >= 1024 and not spec.is_dense else "none"
                 kinds.add(kind)
-                b = layer_bytes(name, kind, dict(spec.params))
+                b = layer_bytes(name, kind, dict(spec.params)) * (0.5 if self.sharded else 1)
                 wire += b
                 label = f"powersgd r={dict(spec.params)['rank']}" if kind == "powersgd" else kind
                 layers.append({"layer": name, "compressor": kind, "numel": numel(shape),
                                "grad_norm": norm(self.step, name),
                                "compression_error": self.errors.get(label, 0.5) if kind != "none" else 0.0,
                                "residual_norm": 0.0, "wire_bytes": b * W,
-                               "dense_bytes": layer_bytes(name, "none", {})})
-            dense = sum(layer_bytes(n, "none", {}) for n in SHAPES)
-            extra = 2 * ("powersgd" in kinds) + ("topk" in kinds) + 2 * ("int8" in kinds) + ("bf16" in kinds)
+                               "dense_bytes": layer_bytes(name, "none", {}) * (0.5 if self.sharded else 1)})
+            dense = sum(layer_bytes(n, "none", {}) for n in SHAPES) * (0.5 if self.sharded else 1)
+            extra = 0 if self.sharded else \
+                2 * ("powersgd" in kinds) + ("topk" in kinds) + 2 * ("int8" in kinds) + ("bf16" in kinds)
             jitter = lambda: 1 + self.rng.uniform(-link.noise, link.noise)  # noqa: E731
             comm = (wire / link.bandwidth + extra * link.overhead) * jitter()
             compute = link.compute * jitter()
@@ -142,6 +146,23 @@ def test_warm_up_is_dense_then_critical_start_then_heavy_on_a_slow_link():
     assert ranks(heavy) == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1, "norm.weight": 0.01}
     assert heavy.reason.startswith("slow link 1.2 MB/s, comm 20x compute → powersgd r=1 on 3; topk 0.01 on 1;")
     assert "critical" not in heavy.reason
+
+
+def test_a_sharded_run_gets_int8_on_a_slow_link_and_dense_on_a_fast_one():
+    # what a FSDP run registers (raycomp.train.sharding.sharded_options): a reduce-scatter row
+    # carries int8 or bf16, never PowerSGD or Top-K
+    slow = Sim(sharded=True)
+    slow.run(8, SLOW)  # past the critical start: the layers are calm now
+    assert ranks(slow.plan) == {name: "int8" for name in (*MATRICES, "norm.weight")}
+    assert all(spec.name == "int8" for _, spec in slow.plan.layers)
+    # priced as a reduce-scatter: the all-dense candidate is the step the sim's dense step takes
+    dense_comm = sum(layer_bytes(n, "none", {}) for n in SHAPES) / 2 / SLOW.bandwidth
+    assert slow.details()["predicted_step_s"][-1] == pytest.approx(SLOW.compute + dense_comm, rel=1e-6)
+    fast = Sim(sharded=True)
+    fast.run(12, FAST)
+    assert fast.plan.layers == () and fast.details()["dense"] is True
+    with pytest.raises(config.ConfigError, match=r"^compression\.adaptive: .*sharded: true needs"):
+        config.validate({"compression": {"adaptive": {"sharded": True, "near_lossless": []}}})
 
 
 def test_medium_link_picks_the_lightest_plan_within_slack_of_the_fastest():

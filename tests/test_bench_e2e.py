@@ -177,6 +177,36 @@ def test_every_method_gets_the_same_budget_seed_cadence_and_warmup():
     assert (config.workload.stop_at_target, config.workload.stop_consecutive) == (1.9, 2)
 
 
+def test_fsdp_methods_share_the_budget_and_differ_only_in_the_reduce_scatter():
+    settings = {"extra": [], "steps": 160, "eval_every": 20, "warmup": 20, "stop_at_target": False,
+                "target": None, "strategy": "fsdp"}
+    seen = {}
+    for name in e2e.FSDP_METHODS:
+        config = load_config(REPO / "jobs/configs/gpt_kjv.yaml", e2e.method_overrides(name, settings, 2, 10, 16.0))
+        w, c = config.workload, config.compression
+        assert config.scaling.strategy == "fsdp", name
+        assert (config.run.seed, w.steps_per_epoch * w.epochs, w.eval_every_steps, c.warmup_steps) == (2, 160, 20, 10)
+        seen[name] = (c.baseline_hook, c.policy, c.static.compressor.name if c.policy == "static" else None)
+    assert seen == {"dense": ("torch_fsdp", "static", "none"), "torch_bf16": ("torch_fsdp_bf16", "static", "none"),
+                    "raycomp_bf16": ("none", "static", "bf16"), "raycomp_int8": ("none", "static", "int8"),
+                    "raycomp_adaptive": ("none", "adaptive", None)}
+    with pytest.raises(SystemExit, match="allowed with --strategy fsdp: dense, torch_bf16, raycomp_bf16"):
+        e2e.parse_methods("raycomp_topk", quick=False, strategy="fsdp")
+
+
+def test_fsdp_goals_and_report_names():
+    rows = [_row("dense", 300.0, nic=20e6), _row("torch_bf16", 250.0), _row("raycomp_adaptive", 240.0, nic=14e6)]
+    results = {**_results(rows), "strategy": "fsdp"}
+    goals = e2e.goals(results)
+    assert [g["value"] for g in goals] == [pytest.approx(1.25), pytest.approx(20 / 14), pytest.approx(0.96)]
+    assert [g["ok"] for g in goals] == [True, True, True] and "FSDP" in goals[0]["goal"]
+    rows[-1].update(time_to_target_s=None, nic_bytes_per_step=21e6)
+    assert [g["ok"] for g in e2e.goals(results)] == [False, False, False]
+    assert e2e.report_stem({**results, "link": {"rate": "100mbit"}}) == "fsdp-gpt-100mbit"
+    assert e2e.modeled(results, "dense") and not e2e.modeled(results, "raycomp_int8")
+    assert not e2e.modeled(results, "torch_powersgd_r1")
+
+
 # --- schema ---------------------------------------------------------------------------------
 def _raw_run(method, seed, values, step_s, wire_per_step, every=10):
     n = every * len(values)
@@ -234,6 +264,11 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     text = paths[1].read_text()
     assert "MISS" in text and "raycomp_adaptive" in text
     assert json.loads(paths[0].read_text())["methods"][1]["name"] == "raycomp_adaptive"
+    # FSDP: dense's bytes are an ideal fp32 reduce-scatter's, half an all-reduce's
+    sharded = e2e.analyze(raw, {**settings, "strategy": "fsdp"}, shaping, check)
+    assert sharded["strategy"] == "fsdp"
+    assert sharded["methods"][0]["wire_bytes"] == pytest.approx(2 * 4 * 202 * 40 / 2)
+    assert "FSDP2" in e2e.render_markdown({**sharded, "command": "x"})
 
 
 def test_a_run_stopped_early_reports_the_seeds_that_ran(tmp_path):

@@ -4,6 +4,8 @@ error feedback's effect, state round trip, and the errors for what cannot work."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -236,3 +238,113 @@ def test_compressors_without_a_fixed_row_size_are_refused(spec, message):
 def test_a_model_without_fully_shard_is_refused():
     with pytest.raises(ValueError, match="no fully_shard unit found"):
         compress_fsdp(_model(), CompressorSpec.of("int8"))
+
+
+# --- ShardedState: the plan over units, the ledger, statistics and the guard's rows ------------
+def _local_norm(rank: int, step: int) -> float:
+    """This rank's own (unreduced) gradient norm, computed without any collective."""
+    model = _model()
+    x, y = _batch(rank, step)
+    nn.functional.mse_loss(model(x), y).backward()
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+
+
+def _state_steps(rank, world):
+    from raycomp.plan import Plan
+    from raycomp.sharded_state import ShardedState
+    from raycomp.testing.wire import WireRecorder
+
+    model = _sharded(_model(), world)
+    state = ShardedState(model, stats_every=2)
+    out = {"sizes": dict(state.sizes), "steps": []}
+    plans = [Plan(), Plan.per_layer({"0": CompressorSpec.of("int8"), "2": CompressorSpec.of("bf16"),
+                                     "4": CompressorSpec.of("int8")}), None]
+    for step, plan in enumerate(plans):
+        if plan is not None:
+            state.set_plan(plan)
+        state.stage_control([10.0 * rank + step, 1.0, 0.5])  # (loss, has loss, worst error)
+        x, y = _batch(rank, 0)
+        if step == 2 and rank == 1:
+            x = x * float("nan")
+        loss = nn.functional.mse_loss(model(x), y)
+        wire_before = state.ledger.wire_total
+        with WireRecorder() as wire:
+            loss.backward()
+            state.end_backward()
+        grads = [c for c in wire.calls if not c.op.startswith("all_gather")]
+        out["steps"].append({
+            "calls": [(c.op, str(c.dtype), c.numel, c.transmitted) for c in grads],
+            "ledger": state.ledger.wire_total - wire_before,
+            "rows": state.control_rows.tolist(), "norm": state.gradient_norm([]),
+            "stats": [(s.layer, s.compressor, s.compression_error) for s in state.stats] if step == 1 else None,
+            "specs": {name: comm.spec.name for name, comm in state.comms.items()}})
+        model.zero_grad(set_to_none=True)
+    errors = []
+    for bad in (Plan.per_layer({"9": CompressorSpec.of("int8")}), Plan.per_layer({"0": CompressorSpec.of("topk", ratio=0.1)})):
+        try:
+            state.set_plan(bad)
+        except ValueError as error:
+            errors.append(str(error))
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def state_runs():
+    return run_distributed(_state_steps, 2, timeout=180)
+
+
+def test_sharded_state_applies_the_plan_per_unit_and_its_ledger_is_what_reached_the_wire(state_runs):
+    world = 2
+    sizes = state_runs[0]["sizes"]
+    assert sizes == {"0": IN * 96 + 96, "2": 96 * 80 + 80, "4": 80 * OUT + OUT}
+    for result in state_runs:
+        dense, compressed = result["steps"][0], result["steps"][1]
+        assert dense["specs"] == {"0": "none", "2": "none", "4": "none"}
+        # "4" has 648 elements, under min_compress_numel (1024): it stays fp32 whatever the plan
+        assert compressed["specs"] == {"0": "int8", "2": "bf16", "4": "none"}
+        for step in (dense, compressed):
+            # one all-to-all per unit and nothing else: the control floats rode inside them
+            assert [c[:2] for c in step["calls"]] == [("all_to_all_single", "torch.uint8")] * 3, step["calls"]
+            assert step["ledger"] == pytest.approx(sum(c[3] for c in step["calls"]))
+        # backward reduce-scatters the units last to first; the last ("0") carries the control floats
+        d, c = ({unit: call[3] for unit, call in zip(("4", "2", "0"), step["calls"], strict=True)}
+                for step in (dense, compressed))
+        assert d["2"] == (world - 1) / world * 4 * sizes["2"]  # fp32 rows of 3,880 elements
+        assert c["4"] == d["4"]  # fp32 in both steps
+        assert c["2"] == d["2"] / 2  # bf16
+        assert 0.25 * d["0"] < c["0"] < 0.26 * d["0"]  # int8: a byte per element, 2 fp32 per chunk
+
+
+def test_sharded_state_carries_every_ranks_control_floats_and_gradient_norm_in_the_all_to_all(state_runs):
+    for step in range(2):
+        rows = [r["steps"][step]["rows"] for r in state_runs]
+        assert rows[0] == rows[1]  # every rank holds every rank's row
+        assert [row[1] for row in rows[0]] == [step, 10.0 + step]  # the staged loss of ranks 0 and 1
+        assert all(row[0] == 0.0 and row[2:] == [1.0, 0.5] for row in rows[0])
+        norms = [r["steps"][step]["norm"] for r in state_runs]
+        assert norms[0] == norms[1]
+    # the norm the guard watches: the RMS of each rank's own gradient norm (step 0: dense)
+    own = [_local_norm(r, 0) for r in range(2)]
+    assert state_runs[0]["steps"][0]["norm"] == pytest.approx(math.sqrt((own[0] ** 2 + own[1] ** 2) / 2), rel=1e-5)
+    # rank 1's NaN gradient at step 2: flagged in its row on every rank, the norm non-finite
+    for result in state_runs:
+        last = result["steps"][2]
+        assert [row[0] for row in last["rows"]] == [0.0, 1.0]
+        assert not math.isfinite(last["norm"])
+
+
+def test_sharded_state_measures_each_units_compression_error_on_statistics_steps(state_runs):
+    for result in state_runs:
+        stats = {layer: (kind, error) for layer, kind, error in result["steps"][1]["stats"]}
+        assert set(stats) == {"0", "2", "4"}
+        assert stats["4"] == ("none", 0.0)
+        assert stats["0"][0] == "int8" and 1e-4 < stats["0"][1] < 0.05
+        assert stats["2"][0] == "bf16" and 1e-5 < stats["2"][1] < 0.01
+        assert result["steps"][0]["stats"] is None
+
+
+def test_sharded_state_refuses_unknown_units_and_compressors_that_do_not_fit_a_shard(state_runs):
+    unknown, topk = state_runs[0]["errors"]
+    assert unknown.startswith("plan: unknown unit '9'; units: '0', '2', '4'")
+    assert "'topk' cannot compress a reduce-scatter shard" in topk

@@ -12,6 +12,8 @@ It combines three measurements the controller already has (options:
         matrix: powersgd r for r in ranks (only ranks whose factors are smaller)
         other (1-D, or PowerSGD cannot shrink it): topk ratio for ratio in topk_ratios
         then the near-lossless rungs (near_lossless: int8, bf16), then dense
+        (sharded, i.e. FSDP: only the near-lossless rungs and dense, bytes at (W-1)/W per
+        element, no extra rounds: every unit sends one all-to-all whatever it carries)
     regime (every window_steps; Accordion, per layer):
         cur, prev = mean grad norm over the last two windows
         critical = no prev  or  |prev - cur| / prev >= threshold
@@ -77,6 +79,7 @@ class AdaptivePolicy(Policy):
         self.ranks = sorted({int(r) for r in options["ranks"]})
         self.ratios = sorted({float(r) for r in options["topk_ratios"]})
         self.near_lossless = [str(n) for n in options["near_lossless"]]
+        self.sharded = bool(options.get("sharded", False))
         self.threshold = float(options["threshold"])
         self.window = int(options["window_steps"])
         self.boost = int(options["critical_boost"])
@@ -205,7 +208,7 @@ class AdaptivePolicy(Policy):
                     self.bw = 1 / per_byte
             elif self.bw is not None and t is run.timings[-1]:
                 # the layers' compressor names are those of this (the latest) interval
-                extra = _extra_rounds({h.compressor for h in run.layers.values()})
+                extra = self._rounds({h.compressor for h in run.layers.values()})
                 if extra:
                     sample = max(0.0, t.comm_seconds - wire / self.bw) / extra
                     self.overhead = sample if not self.overhead_measured else _ema(self.overhead, sample)
@@ -263,14 +266,14 @@ class AdaptivePolicy(Policy):
     def _ladder(self, run: RunState, h: LayerHistory) -> list[CompressorSpec]:
         rows, cols = _matrix(h)
         ranks = [r for r in self.ranks if (rows + cols) * min(r, rows, cols) < rows * cols]
-        lossy = ([self._spec(LOWRANK, r) for r in ranks] if ranks
+        lossy = ([] if self.sharded else [self._spec(LOWRANK, r) for r in ranks] if ranks
                  else [self._spec(ALLGATHER, r) for r in self.ratios])
         return [*lossy, *(self._spec(n) for n in self.near_lossless), DENSE]
 
     def _predict(self, run: RunState, layers: dict[str, LayerHistory],
                  ladders: dict[str, list[CompressorSpec]], floors: dict[str, int], shift: int, top: int) -> float:
         w = max(1, run.world_size)
-        allreduce = 2 * (w - 1) / w
+        allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w  # times each element is sent
         families = set()
         total = 0.0
         for name, h in run.layers.items():
@@ -294,7 +297,11 @@ class AdaptivePolicy(Policy):
             else:
                 total += allreduce * element * h.numel
         assert self.bw is not None and self.compute is not None
-        return self.compute + total / self.bw + _extra_rounds(families) * self.overhead
+        return self.compute + total / self.bw + self._rounds(families) * self.overhead
+
+    def _rounds(self, families: set[str]) -> int:
+        """Collective rounds beyond dense's; none on the sharded path (one all-to-all a unit)."""
+        return 0 if self.sharded else _extra_rounds(families)
 
     def _reason(self, run: RunState, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec],
                 floors: dict[str, int], shift: int, top: int) -> str:

@@ -118,6 +118,24 @@ def compressor_class(name: str) -> type[Compressor]:
     return target if not isinstance(target, str) else _import(name, target)
 
 
+#: transports whose payloads have a fixed size per row, in one round (a reduce-scatter row)
+ROW_TRANSPORTS = (Transport.SCALABLE, Transport.ALLREDUCE)
+
+
+def fits_a_shard(name: str) -> bool:
+    """Whether compressor ``name`` can compress one row of a sharded run's reduce-scatter:
+    a payload of fixed size, one round, its own random draws (``none`` fits: fp32 rows)."""
+    if name == "none":
+        return True
+    cls = compressor_class(name)
+    return cls.transport in ROW_TRANSPORTS and not cls.variable_size and not cls.shared_randomness
+
+
+def shardable() -> list[str]:
+    """The built-in compressors that :func:`fits_a_shard`, ``none`` first."""
+    return ["none", *sorted(n for n in COMPRESSORS if n != "none" and fits_a_shard(n))]
+
+
 def _import(name: str, path: str) -> type[Compressor]:
     cls = _IMPORTED.get(path)
     if cls is None:
@@ -161,9 +179,12 @@ def make_compressor(name: str, **params: Any) -> Compressor:
 __all__ = [
     "COMPRESSORS",
     "Compressor",
+    "ROW_TRANSPORTS",
     "Transport",
     "compressor_class",
     "compressor_parameters",
+    "fits_a_shard",
+    "shardable",
     "make_compressor",
     "register",
     "registered",

@@ -42,6 +42,9 @@ def compressor(name: str, **params: Any) -> CompressorConfig:
     return CompressorConfig(name=name, **params)
 
 
+_NAMES_A_KEY = re.compile(r"^[a-z_]+(\.[A-Za-z0-9_\[\]]+)+:? ")
+
+
 def one_line(error: ValidationError, prefix: str = "") -> str:
     """The first problem of a validation error as ``<prefix><dotted key>: <what is wrong>``."""
     first = error.errors()[0]
@@ -56,4 +59,6 @@ def one_line(error: ValidationError, prefix: str = "") -> str:
         message = "required"
     elif "input" in first and first["type"] not in ("value_error", "assertion_error"):
         message = f"{message} (got {first['input']!r})"
+    if not key and _NAMES_A_KEY.match(message):  # a whole-config check that names its own keys
+        return f"{prefix}{message}"
     return f"{prefix}{key or 'config'}: {message}"

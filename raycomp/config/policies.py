@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     Field,
     field_validator,
+    model_validator,
 )
 
 from raycomp.config.base import CompressorConfig, _Strict, compressor
@@ -100,6 +101,12 @@ class AdaptivePolicy(_Strict):
     #: whose lossy error stays above ``max_error`` lands here instead of on dense, and a link
     #: too fast for PowerSGD but too slow for dense gets them too. ``[]``: lossy or dense.
     near_lossless: list[Literal["int8", "bf16", "fp16"]] = ["int8", "bf16"]
+    #: The run reduce-scatters its gradients (FSDP; raycomp sets it for ``strategy="fsdp"``):
+    #: the ladders hold only the near-lossless rungs and dense (what a reduce-scatter row can
+    #: carry; PowerSGD and Top-K cannot), bytes are priced at (W-1)/W per element instead of
+    #: an all-reduce's 2(W-1)/W, and no choice adds a round (every unit sends one all-to-all,
+    #: dense included). Needs ``near_lossless``.
+    sharded: bool = False
     #: Accordion's eta: relative change of a layer's mean gradient norm between two windows
     #: at or above this is a critical regime (Agarwal et al., MLSys'21 use 0.5). Lower it to
     #: protect more layers (less compression), raise it to compress through more change.
@@ -145,6 +152,12 @@ class AdaptivePolicy(_Strict):
         if not values:
             raise ValueError("at least one value is required")
         return sorted(set(values))  # heaviest first
+
+    @model_validator(mode="after")
+    def _some_rung(self) -> AdaptivePolicy:
+        if self.sharded and not self.near_lossless:
+            raise ValueError("sharded: true needs at least one near_lossless rung (int8, bf16, fp16)")
+        return self
 
     @field_validator("near_lossless")
     @classmethod

@@ -114,6 +114,10 @@ class ScalingSection(_Strict):
     use_gpu: bool = False
     cpus_per_worker: Annotated[float, Field(gt=0, le=256)] = 1.0
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    #: ``ddp``: every worker holds the whole model, gradients are all-reduced (compressed by
+    #: raycomp's DDP hook). ``fsdp``: FSDP2 (``fully_shard`` on each block and the root),
+    #: gradients are reduce-scattered, each destination shard compressed (int8, bf16, ...)
+    strategy: Literal["ddp", "fsdp"] = "ddp"
     #: a collective that cannot complete (a rank hung or gone) fails after this, never hangs
     collective_timeout_s: Annotated[float, Field(ge=5, le=86_400)] = 300.0
 
@@ -139,6 +143,10 @@ class LrScalingSection(_Strict):
     start_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
 
 
+#: the baselines of a sharded run: FSDP's own reduce-scatter, fp32 or bf16 (no raycomp comm)
+SHARDED_BASELINES = ("torch_fsdp", "torch_fsdp_bf16")
+
+
 class CompressionSection(_Strict):
     #: a built-in policy (``adaptive``, the default: see AdaptivePolicy), a name registered
     #: with ``controllers.policies.register_policy``, or an import path
@@ -161,7 +169,10 @@ class CompressionSection(_Strict):
     guard: GuardSection = GuardSection()
     lr_scaling: LrScalingSection = LrScalingSection()
     #: compare against torch's own DDP hooks instead of raycomp's (benchmarks)
-    baseline_hook: Literal["none", "torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd"] = "none"
+    #: (DDP hooks: torch_allreduce/fp16/bf16/powersgd; with scaling.strategy=fsdp: torch_fsdp,
+    #: FSDP's own fp32 reduce-scatter, or torch_fsdp_bf16, its MixedPrecisionPolicy(reduce_dtype=bf16))
+    baseline_hook: Literal["none", "torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd",
+                           "torch_fsdp", "torch_fsdp_bf16"] = "none"
     baseline_powersgd_rank: Annotated[int, Field(ge=1)] = 2
     baseline_powersgd_start_iter: Annotated[int, Field(ge=1)] = 10
     #: torch_fp16/torch_bf16: all-reduce fp32 for this many steps first (the dense warm-up
@@ -201,6 +212,32 @@ class CompressionSection(_Strict):
             except ValidationError as error:
                 raise ValueError(one_line(error, prefix="custom_options.")) from None
         return self
+
+    def check_sharded(self) -> None:
+        """ValueError (one line) unless this compression can run with ``strategy=fsdp``:
+        every compressor it may choose must fit a reduce-scatter row."""
+        from raycomp.compressors import fits_a_shard, shardable
+
+        allowed = ", ".join(shardable())
+        if self.policy not in ("adaptive", "static", "schedule") and self.policy in POLICIES:
+            raise ValueError(f"compression.policy: {self.policy!r} chooses Top-K, which cannot compress a "
+                             "reduce-scatter shard; allowed with scaling.strategy=fsdp: adaptive, static, schedule")
+        if self.baseline_hook not in ("none", *SHARDED_BASELINES):
+            raise ValueError(f"compression.baseline_hook: {self.baseline_hook!r} is a DDP hook; allowed with "
+                             f"scaling.strategy=fsdp: none, {', '.join(SHARDED_BASELINES)}")
+        if self.memory == "dgc":
+            raise ValueError("compression.memory: 'dgc' is not available with scaling.strategy=fsdp; "
+                             "allowed: residual, none")
+        if self.policy == "adaptive" and not self.adaptive.near_lossless:
+            raise ValueError("compression.adaptive.near_lossless: empty, but with scaling.strategy=fsdp the "
+                             "adaptive policy chooses among them only; allowed: int8, bf16, fp16")
+        named = ([("compression.static.compressor", self.static.compressor)] if self.policy == "static" else
+                 [(f"compression.schedule.stages[{i}].compressor", st.compressor)
+                  for i, st in enumerate(self.schedule.stages)] if self.policy == "schedule" else [])
+        for field, chosen in named:
+            if not fits_a_shard(chosen.name):
+                raise ValueError(f"{field}: {chosen.name!r} cannot compress a reduce-scatter shard; "
+                                 f"allowed with scaling.strategy=fsdp: {allowed}")
 
     def policy_options(self) -> dict[str, Any]:
         if self.policy not in POLICIES:
@@ -281,6 +318,15 @@ class JobConfig(_Strict):
     controller: ControllerSection = ControllerSection()
     checkpoint: CheckpointSection = CheckpointSection()
     faults: FaultsSection = FaultsSection()
+
+    @model_validator(mode="after")
+    def _sharded(self) -> JobConfig:
+        if self.scaling.strategy == "fsdp":
+            self.compression.check_sharded()
+        elif self.compression.baseline_hook in SHARDED_BASELINES:
+            raise ValueError(f"compression.baseline_hook: {self.compression.baseline_hook!r} needs "
+                             "scaling.strategy=fsdp")
+        return self
 
     @model_validator(mode="after")
     def _ranks_exist(self) -> JobConfig:

@@ -32,7 +32,9 @@ from raycomp.guard import Guard, Verdict
 class GuardStep:
     """Args:
         guard: the state machine (thresholds, hysteresis, events).
-        state: the rank's :class:`~raycomp.hook.CompressionState` (carries the control rows).
+        state: the rank's :class:`~raycomp.hook.CompressionState` or, for a sharded model,
+            :class:`~raycomp.sharded_state.ShardedState` (carries the control rows, knows the
+            norm every rank sees).
         group: process group for the fallback exchange when no raycomp reducer ran this
             step (torch's baseline hooks carry nothing).
     """
@@ -44,9 +46,7 @@ class GuardStep:
         self.state.stage_control(self.carry)
 
     def decide(self, step: int, parameters: list[torch.Tensor]) -> Verdict:
-        grads = [p.grad for p in parameters if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
-            if grads else 0.0
+        norm = self.state.gradient_norm(parameters)
         rows = self._rows()
         nonfinite = any(r[0] > 0 for r in rows) or not math.isfinite(norm)
         losses = [r[1] for r in rows if r[2] > 0]

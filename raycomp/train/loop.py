@@ -54,11 +54,21 @@ class TrainLoop:
 
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        self.sharded = options.strategy == "fsdp"
+        if self.sharded:  # FSDP2; the menu: what a reduce-scatter row can carry
+            from raycomp.sharded_state import ShardedState
+            from raycomp.train.sharding import shard_model, sharded_options
+
+            options = sharded_options(options)
         self.options, self.interval = options, options.controller.interval_steps
         self.run_id = options.run_id or context.get_experiment_name()
         self.output_dir = Path(options.output_dir or Path(tempfile.gettempdir()) / "raycomp" / self.run_id)
-        self.model = ray.train.torch.prepare_model(
-            model, parallel_strategy_kwargs=ddp_kwargs(options.compression) or None)
+        c = options.compression
+        if self.sharded:
+            self.model = shard_model(model, optimizer, ray.train.torch.get_device(),
+                                     torch.bfloat16 if c.baseline_hook == "torch_fsdp_bf16" else None)
+        else:
+            self.model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs(c) or None)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         module = getattr(self.model, "module", self.model)
@@ -67,11 +77,17 @@ class TrainLoop:
         backend = dist.get_backend() if dist.is_initialized() else None
         group = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
         self.control_group = group
-        c = options.compression
         profile = tuple(sorted({*c.error_budget.ratios, c.error_budget.reference_ratio})) \
             if c.policy == "error_budget" else ()
-        self.state = CompressionState(self.model, Plan(), memory=c.memory, min_compress_numel=c.min_compress_numel,
-                                      seed=options.seed, stats_every=self.interval, profile_ratios=profile)
+        self.state: Any
+        if self.sharded:
+            self.state = ShardedState(self.model, Plan(), min_compress_numel=c.min_compress_numel, seed=options.seed,
+                                      stats_every=self.interval, error_feedback=c.memory != "none",
+                                      install=c.baseline_hook == "none",  # else FSDP's own reduce-scatter
+                                      control_group=group)
+        else:
+            self.state = CompressionState(self.model, Plan(), memory=c.memory, min_compress_numel=c.min_compress_numel,
+                                          seed=options.seed, stats_every=self.interval, profile_ratios=profile)
         if self.ddp and c.baseline_hook != "none":
             register_torch_hook(self.model, c)  # raycomp stays out of the way
         elif self.ddp:
@@ -91,7 +107,8 @@ class TrainLoop:
         self.lr_ramp = LrRamp(c.lr_scaling)
         self._lr_used = 0.0
         # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
-        layers = {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
+        layers = ({name: [numel] for name, numel in self.state.sizes.items()} if self.sharded
+                  else {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad})
         self.controller_plan = self.plans.register(layers, options, options.eval_kind)
         self.state.set_plan(self.controller_plan)
         self._restore()
@@ -115,7 +132,9 @@ class TrainLoop:
     def step(self, loss: torch.Tensor, samples: int = 0) -> bool:
         """After ``loss.backward()``: guard, optimizer step (unless skipped), boundary.
         Returns whether the optimizer step was applied."""
-        if not self.ddp:
+        if self.sharded:
+            self.state.end_backward()  # FSDP reduce-scattered in backward; close the step
+        elif not self.ddp:
             self.state.allreduce_gradients()  # one process: local compression + memory
         loss_value = float(loss.detach())
         started = time.perf_counter()
@@ -228,12 +247,14 @@ class TrainLoop:
             "counters": {"plan_switches": self.plan_switches, "outages": self.outages.count,
                          "skipped_steps": self.skipped_steps, "lr_ramp_from": self.lr_ramp.started_at},
         })
+        if self.sharded:  # every rank writes its shards (a collective)
+            checkpoint.save_sharded(directory, self.model, self.optimizer)
         if self.rank == 0:
             self.save_shared(directory)
 
     def save_shared(self, directory: Path) -> None:
         meta = {"global_step": self.global_step, "epoch": self.epoch, "world_size": self.world_size}
-        checkpoint.save_shared(directory, self.model, self.optimizer, self.scheduler, meta)
+        checkpoint.save_shared(directory, None if self.sharded else self.model, self.optimizer, self.scheduler, meta)
 
     def _restore(self) -> None:
         import ray.train
@@ -246,7 +267,7 @@ class TrainLoop:
                 log.warning("the checkpoint holds no raycomp state: starting fresh")
                 return
             meta, own = checkpoint.load(Path(directory), self.rank, self.world_size, self.model,
-                                        self.optimizer, self.scheduler)
+                                        self.optimizer, self.scheduler, sharded=self.sharded)
             if own is None:
                 log.warning("checkpoint is from %d workers, now %d: compression state starts fresh",
                             meta["world_size"], self.world_size)

@@ -30,6 +30,13 @@ class TrainOptions:
         progress_every: rank 0 logs one status line every this many steps (0: never).
         eval_kind: "accuracy" (higher is better) or "loss" (lower): how the controller reads
             the evaluation metric you report.
+        strategy: "ddp" (DDP with raycomp's comm hook, compressed all-reduce) or "fsdp"
+            (FSDP2: ``fully_shard`` on every child of an ``nn.ModuleList``/``nn.Sequential``
+            that holds parameters, then the root, unless you sharded the model yourself;
+            each unit's reduce-scatter compressed per destination shard; the adaptive
+            policy then chooses int8, bf16 or dense per unit). With "fsdp" build the
+            optimizer over ``model.parameters()`` before :func:`raycomp.train.prepare_model`;
+            raycomp points it at the sharded parameters.
     """
 
     compression: CompressionSection = field(default_factory=CompressionSection)
@@ -40,3 +47,12 @@ class TrainOptions:
     seed: int = 0
     progress_every: int = 0
     eval_kind: Literal["accuracy", "loss"] = "accuracy"
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"strategy: must be 'ddp' or 'fsdp', got {self.strategy!r}")
+        if self.strategy == "fsdp":
+            self.compression.check_sharded()
+        elif self.compression.baseline_hook.startswith("torch_fsdp"):
+            raise ValueError(f"compression.baseline_hook: {self.compression.baseline_hook!r} needs strategy='fsdp'")

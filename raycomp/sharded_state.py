@@ -1,0 +1,265 @@
+"""The FSDP2 counterpart of :class:`raycomp.hook.CompressionState`: one plan over the
+``fully_shard`` units of a model, with the byte ledger, the controller's statistics and
+the guard's control rows.
+
+The training loop (:class:`raycomp.train.loop.TrainLoop`) uses either state the same way:
+``set_plan`` between steps, ``stage_control`` before a step, ``control_rows`` and
+``gradient_norm`` after it, ``stats`` at control boundaries, ``state_dict`` in checkpoints.
+
+A plan names *units* (a unit's module path; ``(root)`` for the root module), not
+parameters: FSDP reduce-scatters one flat gradient per unit, and that is what a
+:class:`~raycomp.sharded.CompressedReduceScatter` compresses. Only compressors with a fixed
+row size fit (:func:`~raycomp.sharded.check_sharded_spec`); the adaptive policy is told so
+at registration (``sharded=True``: int8, bf16 or dense per unit, priced as a reduce-scatter).
+
+No extra collective per step: the guard's control floats of every rank (non-finite flag,
+the previous step's loss and worst error, and this step's squared gradient norm) ride in
+the all-to-all of the step's last unit, as a few bytes appended to every row. Each rank
+holds only its shard of the reduced gradient, so the norm the guard watches is the RMS of
+the ranks' own (unreduced) gradient norms, the same number on every rank. When the units
+that reduce-scatter are not the ones expected (a unit without gradients this step), the
+rows go in one small all-reduce instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from raycomp import collectives
+from raycomp.ledger import WireLedger
+from raycomp.plan import DENSE, CompressorSpec, Plan
+from raycomp.sharded import CompressedReduceScatter, check_sharded_spec
+from raycomp.stats import LayerStats, layer_stats
+
+ROOT = "(root)"  # the root unit's name in plans and statistics (its module path is "")
+
+
+def fsdp_units(model: torch.nn.Module) -> dict[str, FSDPModule]:
+    """The ``fully_shard`` units of ``model`` that own parameters, by name (module path,
+    :data:`ROOT` for the root), in module order."""
+    units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    nested = {id(p) for name, m in units.items() if name for p in m.parameters()}
+    owned: dict[str, FSDPModule] = {}
+    for name, module in units.items():
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not name:  # the root owns what no nested unit owns
+            params = [p for p in params if id(p) not in nested]
+        else:
+            inner = {id(p) for n, m in units.items() if n.startswith(name + ".") for p in m.parameters()}
+            params = [p for p in params if id(p) not in inner]
+        if params:
+            owned[name or ROOT] = module
+    return owned
+
+
+def unit_sizes(model: torch.nn.Module) -> dict[str, int]:
+    """Element count of each unit's own gradient (unsharded): what the controller plans over."""
+    units = fsdp_units(model)
+    taken: set[int] = set()
+    sizes: dict[str, int] = {}
+    for name in sorted(units, key=lambda n: -n.count(".") if n != ROOT else 1):  # innermost first
+        params = [p for p in units[name].parameters() if p.requires_grad and id(p) not in taken]
+        taken.update(id(p) for p in params)
+        sizes[name] = sum(p.numel() for p in params)
+    return {name: sizes[name] for name in units}
+
+
+class ShardedState:
+    """Plan, ledger, statistics and control rows for a ``fully_shard`` model.
+
+    Args:
+        model: the model after ``fully_shard`` (its units and the root); a
+            :class:`~raycomp.sharded.CompressedReduceScatter` is installed on every unit
+            that owns parameters.
+        plan: initial plan over unit names (default: everything dense).
+        min_compress_numel: units with fewer gradient elements always go dense (fp32).
+        seed: base seed of random compressors' draws.
+        stats_every: measure :class:`~raycomp.stats.LayerStats` per unit on the step before
+            every multiple of this (0: never), as the DDP path does.
+        error_feedback: keep each biased compressor's unsent part per unit (its memory is
+            one fp32 copy of the unit's unsharded gradient).
+        install: ``False`` leaves FSDP's own reduce-scatter in place (the baselines of a
+            benchmark): plans are then not applied and nothing is counted on the wire.
+        control_group: the group of the control rows' fallback all-reduce (CPU tensors: a
+            gloo group when the gradients travel on NCCL; None: the default group).
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: Plan | None = None, *, min_compress_numel: int = 1024,
+                 seed: int = 0, stats_every: int = 0, error_feedback: bool = True, install: bool = True,
+                 control_group: Any = None) -> None:
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        units = fsdp_units(model)
+        if not units:
+            raise ValueError("model: no fully_shard unit owns parameters; apply "
+                             "torch.distributed.fsdp.fully_shard to the model (and its blocks) first")
+        self.sizes = unit_sizes(model)
+        self.min_compress_numel, self.stats_every = min_compress_numel, stats_every
+        self.control_group = control_group
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.comms: dict[str, CompressedReduceScatter] = {}
+        for name, module in units.items():
+            comm = CompressedReduceScatter(DENSE, name=name, rank=self.rank, error_feedback=error_feedback,
+                                           seed=seed, observer=self)
+            if install:
+                module.set_custom_reduce_scatter(comm)
+            self.comms[name] = comm
+        self.ledger = WireLedger()
+        self.step = 0
+        self.stats: list[LayerStats] = []
+        self.stats_step = -1
+        self.comm_seconds = 0.0
+        self.control_rows: torch.Tensor | None = None
+        self.rank_norms: list[float] = []  # every rank's own gradient norm, this step
+        self._plan = plan or Plan()
+        self._pending: Plan | None = None
+        self._in_step = False
+        self._calls = 0
+        self._control: list[float] | None = None  # staged: rides with the next step's last unit
+        self._norm_sq: torch.Tensor | None = None  # this rank's squared gradient norm so far
+        self._call_started = 0.0
+        self._install(self._plan)
+
+    # --- plan and step boundaries -----------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    def spec_for(self, unit: str) -> CompressorSpec:
+        """What ``unit`` sends under the current plan: dense below ``min_compress_numel``."""
+        if self.sizes[unit] < max(1, self.min_compress_numel):
+            return DENSE
+        return check_sharded_spec(self._plan.spec_for(unit))
+
+    def set_plan(self, plan: Plan) -> None:
+        """Install ``plan`` at the start of the next step (now, if between steps)."""
+        unknown = sorted({name for name, _ in plan.layers} - set(self.comms))
+        if unknown:
+            raise ValueError(f"plan: unknown unit {unknown[0]!r}; units: {', '.join(map(repr, self.comms))}")
+        if self._in_step:
+            self._pending = plan
+        else:
+            self._install(plan)
+
+    def _install(self, plan: Plan) -> None:
+        self._plan, self._pending = plan, None
+        for name, comm in self.comms.items():
+            spec = self.spec_for(name)
+            if spec != comm.spec:
+                comm.set_spec(spec)
+
+    @property
+    def collecting_stats(self) -> bool:
+        return self.stats_every > 0 and (self.step + 1) % self.stats_every == 0
+
+    def _begin(self) -> None:
+        if self._in_step:
+            return
+        self._in_step, self._calls, self._norm_sq = True, 0, None
+        self.control_rows, self.rank_norms = None, []
+        if self.collecting_stats:
+            self.stats, self.stats_step = [], self.step
+
+    def end_backward(self) -> None:
+        """After ``loss.backward()``: close the step's reduction. If the control floats did
+        not ride (no unit reduce-scattered last as expected, or one process), exchange them."""
+        if not self._in_step:
+            self._begin()
+        if self.control_rows is None and self._control is not None:
+            row = self._row(self._local_norm_sq())
+            rows = torch.zeros(self.world_size, row.numel())
+            rows[self.rank] = row
+            if self.world_size > 1:
+                dist.all_reduce(rows, group=self.control_group)
+            self._take_rows(rows)
+        self._in_step = False
+        self.step += 1
+        if self._pending is not None:
+            self._install(self._pending)
+
+    def discard_step(self) -> None:
+        """A skipped step: drop the residuals that folded its gradient in (as the DDP path)."""
+        for comm in self.comms.values():
+            comm.residual = None
+
+    # --- control rows (the guard's) ----------------------------------------------------
+    def stage_control(self, values: Sequence[float]) -> None:
+        """Carry ``[non-finite flag, *values, squared norm]`` of every rank with the next step."""
+        self._control = [float(v) for v in values]
+
+    def _row(self, norm_sq: torch.Tensor) -> torch.Tensor:
+        assert self._control is not None
+        norm_sq = norm_sq.float().reshape(1).cpu()
+        flag = (~torch.isfinite(norm_sq)).float()
+        return torch.cat([flag, torch.tensor(self._control, dtype=torch.float32), norm_sq])
+
+    def _take_rows(self, rows: torch.Tensor) -> None:
+        self.control_rows = rows[:, :-1]
+        self.rank_norms = [math.sqrt(v) if v >= 0 else v for v in rows[:, -1].tolist()]
+
+    def _local_norm_sq(self) -> torch.Tensor:
+        if self._norm_sq is not None:
+            return self._norm_sq
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in self.parameters if p.grad is not None]
+        return sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
+
+    def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
+        """What the guard compares with its window: the RMS over ranks of each rank's own
+        gradient norm (non-finite if any rank's gradient is)."""
+        if not self.rank_norms:
+            return 0.0
+        return math.sqrt(math.fsum(n * n for n in self.rank_norms) / len(self.rank_norms))
+
+    # --- what the comms tell us (raycomp.sharded.CallObserver) -----------------------------
+    def begin_call(self, comm: CompressedReduceScatter) -> bool:
+        self._begin()
+        self._call_started = time.perf_counter()
+        return self.collecting_stats
+
+    def control_bytes(self, comm: CompressedReduceScatter, grads: torch.Tensor) -> torch.Tensor | None:
+        square = grads.pow(2).sum()
+        self._norm_sq = square if self._norm_sq is None else self._norm_sq + square
+        self._calls += 1
+        if self._calls != len(self.comms) or self._control is None:
+            return None
+        row = self._row(self._norm_sq)  # one host sync per step, in the last unit
+        self.ledger.add(collectives.OVERHEAD, (self.world_size - 1) * row.numel() * 4)
+        return row.view(torch.uint8)
+
+    def received_control(self, rows: torch.Tensor) -> None:
+        self._take_rows(rows.contiguous().cpu().view(torch.float32).view(self.world_size, -1))
+
+    def reduced(self, comm: CompressedReduceScatter, grads: torch.Tensor, compensated: torch.Tensor,
+                sent: torch.Tensor | None, wire: float, dense: float) -> None:
+        self.ledger.add(comm.name, wire, dense)
+        self.comm_seconds += time.perf_counter() - self._call_started
+        if self.collecting_stats:
+            lossy = not comm.spec.is_dense and sent is not None
+            self.stats.append(layer_stats(comm.name, comm.spec.name if lossy else "none", grads, compensated,
+                                          sent if lossy else compensated, comm.residual, wire, dense))
+
+    # --- checkpointing -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "plan": self._plan.to_dict(),
+                "pending_plan": None if self._pending is None else self._pending.to_dict(),
+                "comms": {name: comm.state_dict() for name, comm in self.comms.items()},
+                "ledger": self.ledger.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self._install(Plan.from_dict(state["plan"]))
+        self._pending = None if state["pending_plan"] is None else Plan.from_dict(state["pending_plan"])
+        for name, comm in self.comms.items():
+            comm.load_state_dict(state["comms"][name])
+        self.ledger.load_state_dict(state["ledger"])
+
+    def close(self) -> None:
+        """Nothing to release (no thread): FSDP calls the comms on its own schedule."""
