@@ -138,6 +138,20 @@ def test_a_missing_number_is_a_miss():
     assert e2e.goals(_results([_row("dense", 1.0)])) == []  # no adaptive run: nothing to judge
 
 
+def test_torch_powersgd_that_never_reaches_the_target_counts_as_infinitely_slow():
+    rows = [_row("dense", 420.0), _row("torch_powersgd_r1", None), _row("torch_powersgd_r4", None),
+            _row("raycomp_adaptive", 84.0)]
+    goal = e2e.goals(_results(rows))[1]
+    assert goal["ok"] and goal["value"] is None
+    assert goal["note"].startswith("none of the 2 torch powerSGD ranks run reached the target")
+    rows[-1]["time_to_target_s"] = None  # adaptive missed too: no verdict in its favour
+    assert not e2e.goals(_results(rows))[1]["ok"]
+    rows[1]["time_to_target_s"] = 100.0  # one rank reached it: the ratio decides
+    rows[-1]["time_to_target_s"] = 84.0
+    assert e2e.goals(_results(rows))[1] == {**e2e.goals(_results(rows))[1], "value": pytest.approx(100 / 84),
+                                            "ok": False}
+
+
 def test_fast_link_and_cnn_goals():
     rows = [_row("dense", 100.0), _row("torch_bf16", 90.0), _row("raycomp_adaptive", 94.5)]
     fast = e2e.goals(_results(rows, rate="fast"))
