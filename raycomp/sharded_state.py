@@ -41,34 +41,19 @@ from raycomp.stats import LayerStats, layer_stats
 ROOT = "(root)"  # the root unit's name in plans and statistics (its module path is "")
 
 
-def fsdp_units(model: torch.nn.Module) -> dict[str, FSDPModule]:
-    """The ``fully_shard`` units of ``model`` that own parameters, by name (module path,
-    :data:`ROOT` for the root), in module order."""
+def unit_parameters(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
+    """The ``fully_shard`` units of ``model`` that own trainable parameters, by name (module
+    path, :data:`ROOT` for the root), in module order, each with the parameters it owns:
+    those of its subtree that no unit nested in it owns (what its reduce-scatter carries)."""
     units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
-    nested = {id(p) for name, m in units.items() if name for p in m.parameters()}
-    owned: dict[str, FSDPModule] = {}
+    owned: dict[str, list[torch.nn.Parameter]] = {}
     for name, module in units.items():
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not name:  # the root owns what no nested unit owns
-            params = [p for p in params if id(p) not in nested]
-        else:
-            inner = {id(p) for n, m in units.items() if n.startswith(name + ".") for p in m.parameters()}
-            params = [p for p in params if id(p) not in inner]
+        nested = {id(p) for other, m in units.items()
+                  if other != name and (not name or other.startswith(name + ".")) for p in m.parameters()}
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in nested]
         if params:
-            owned[name or ROOT] = module
+            owned[name or ROOT] = params
     return owned
-
-
-def unit_sizes(model: torch.nn.Module) -> dict[str, int]:
-    """Element count of each unit's own gradient (unsharded): what the controller plans over."""
-    units = fsdp_units(model)
-    taken: set[int] = set()
-    sizes: dict[str, int] = {}
-    for name in sorted(units, key=lambda n: -n.count(".") if n != ROOT else 1):  # innermost first
-        params = [p for p in units[name].parameters() if p.requires_grad and id(p) not in taken]
-        taken.update(id(p) for p in params)
-        sizes[name] = sum(p.numel() for p in params)
-    return {name: sizes[name] for name in units}
 
 
 class ShardedState:
@@ -96,20 +81,20 @@ class ShardedState:
                  control_group: Any = None) -> None:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        units = fsdp_units(model)
+        units = unit_parameters(model)
         if not units:
             raise ValueError("model: no fully_shard unit owns parameters; apply "
                              "torch.distributed.fsdp.fully_shard to the model (and its blocks) first")
-        self.sizes = unit_sizes(model)
+        self.sizes = {name: sum(p.numel() for p in params) for name, params in units.items()}
         self.min_compress_numel, self.stats_every = min_compress_numel, stats_every
         self.control_group = control_group
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.comms: dict[str, CompressedReduceScatter] = {}
-        for name, module in units.items():
+        for name in units:
             comm = CompressedReduceScatter(DENSE, name=name, rank=self.rank, error_feedback=error_feedback,
                                            seed=seed, observer=self)
             if install:
-                module.set_custom_reduce_scatter(comm)
+                model.get_submodule("" if name == ROOT else name).set_custom_reduce_scatter(comm)
             self.comms[name] = comm
         self.ledger = WireLedger()
         self.step = 0

@@ -85,3 +85,18 @@ def test_fsdp_refuses_what_a_sharded_reduce_scatter_cannot_carry_before_ray_star
     with pytest.raises(ConfigError, match=message):
         prepare(["--config", str(Path(__file__).parents[1] / "jobs" / "configs" / "digits.yaml"),
                  "--output", str(tmp_path), "scaling.strategy=fsdp", *policy, override])
+
+
+def test_train_options_check_the_strategy_as_job_configs_do():
+    from raycomp.config import CompressionSection, ConfigError, validate
+    from raycomp.train import TrainOptions
+
+    assert TrainOptions(strategy="fsdp").strategy == "fsdp"  # the default policy (adaptive) fits
+    with pytest.raises(ValueError, match=r"^compression\.policy: 'critical' chooses Top-K"):
+        TrainOptions(strategy="fsdp", compression=CompressionSection(policy="critical"))
+    with pytest.raises(ValueError, match=r"^compression\.baseline_hook: 'torch_fsdp' needs scaling\.strategy=fsdp"):
+        TrainOptions(compression=CompressionSection(baseline_hook="torch_fsdp"))
+    with pytest.raises(ConfigError, match=r"^compression\.baseline_hook: 'torch_fsdp_bf16' needs scaling"):
+        validate({"compression": {"baseline_hook": "torch_fsdp_bf16"}})
+    with pytest.raises(ValueError, match=r"^compression\.baseline_hook: 'torch_powersgd' is a DDP hook"):
+        TrainOptions(strategy="fsdp", compression=CompressionSection(baseline_hook="torch_powersgd"))

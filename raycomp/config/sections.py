@@ -213,9 +213,14 @@ class CompressionSection(_Strict):
                 raise ValueError(one_line(error, prefix="custom_options.")) from None
         return self
 
-    def check_sharded(self) -> None:
-        """ValueError (one line) unless this compression can run with ``strategy=fsdp``:
-        every compressor it may choose must fit a reduce-scatter row."""
+    def check_strategy(self, strategy: str) -> None:
+        """ValueError (one line) unless this compression can run with ``strategy``: with
+        ``fsdp`` every compressor it may choose must fit a reduce-scatter row; FSDP's own
+        baselines need ``fsdp``."""
+        if strategy != "fsdp":
+            if self.baseline_hook in SHARDED_BASELINES:
+                raise ValueError(f"compression.baseline_hook: {self.baseline_hook!r} needs scaling.strategy=fsdp")
+            return
         from raycomp.compressors import fits_a_shard, shardable
 
         allowed = ", ".join(shardable())
@@ -320,12 +325,8 @@ class JobConfig(_Strict):
     faults: FaultsSection = FaultsSection()
 
     @model_validator(mode="after")
-    def _sharded(self) -> JobConfig:
-        if self.scaling.strategy == "fsdp":
-            self.compression.check_sharded()
-        elif self.compression.baseline_hook in SHARDED_BASELINES:
-            raise ValueError(f"compression.baseline_hook: {self.compression.baseline_hook!r} needs "
-                             "scaling.strategy=fsdp")
+    def _strategy(self) -> JobConfig:
+        self.compression.check_strategy(self.scaling.strategy)
         return self
 
     @model_validator(mode="after")

@@ -52,7 +52,4 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "fsdp"):
             raise ValueError(f"strategy: must be 'ddp' or 'fsdp', got {self.strategy!r}")
-        if self.strategy == "fsdp":
-            self.compression.check_sharded()
-        elif self.compression.baseline_hook.startswith("torch_fsdp"):
-            raise ValueError(f"compression.baseline_hook: {self.compression.baseline_hook!r} needs strategy='fsdp'")
+        self.compression.check_strategy(self.strategy)
