@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "kernels": "jobs.bench_kernels",
     "e2e": "jobs.bench_e2e",
     "controller": "jobs.bench_controller",
+    "tune": "jobs.bench_tune",
 }
 
 

@@ -44,6 +44,7 @@ run stay in ``--work-dir`` (``--reanalyze WORK_DIR`` rebuilds the reports from t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -54,7 +55,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -253,27 +254,16 @@ def _run(args: argparse.Namespace, argv: Sequence[str], settings: dict[str, Any]
         work = Path(args.work_dir or REPO / "outputs" / "e2e" /
                     f"{settings['workload']}-{settings['link']}-{link.suffix}").resolve()
         work.mkdir(parents=True, exist_ok=True)
-        eprint(f"e2e: namespaces {link.ns_a} / {link.ns_b}, {link.shaping()['qdisc']['a']}, work {work}")
-        check = {"a_to_b": link.measure_throughput(settings["link_check_s"], "a"),
-                 "b_to_a": link.measure_throughput(settings["link_check_s"], "b"),
-                 "rtt": link.measure_rtt(20)}
-        eprint("e2e: link " + ", ".join(f"{k} {v['bits_per_s'] / 1e6:.1f} Mbit/s"
-                                        for k, v in check.items() if "bits_per_s" in v)
-               + f", rtt {check['rtt']['median_s'] * 1e6:.0f} us")
-        temp = {side: Path(f"/tmp/rcb-{link.suffix}-{side}") for side in ("a", "b")}
-        try:
-            port = start_cluster(link, temp, work)
-            spec = {"settings": settings, "work": str(work), "dev": link.dev["a"],
-                    "address": f"{link.addr_a}:{port}",
+        check = measure_link(link, settings["link_check_s"], work)
+        with ray_nodes(link, work) as address:
+            spec = {"settings": settings, "work": str(work), "dev": link.dev["a"], "address": address,
                     "netns_inodes": {s: os.stat(f"/run/netns/{link.ns[s]}").st_ino for s in ("a", "b")},
-                    "ray_temp_a": str(temp["a"]), "addresses": dict(link.addr)}
+                    "ray_temp_a": str(ray_temp(link)["a"]), "addresses": dict(link.addr)}
             (work / "spec.json").write_text(json.dumps(spec, indent=2))
             # written now and again at the end: a run stopped early can still be re-analysed
             _write_meta(work, settings, link.shaping(), check, argv, info, None, load_start)
-            env = {**os.environ, **RAY_ENV, "PYTHONPATH": _pythonpath(),
-                   "RAY_ADDRESS": spec["address"], "GLOO_SOCKET_IFNAME": link.dev["a"]}
             driver = link.popen("a", [sys.executable, "-m", "jobs.bench_e2e", "--driver",
-                                      str(work / "spec.json")], env=env, cwd=REPO)
+                                      str(work / "spec.json")], env=driver_env(link, address), cwd=REPO)
             timeout = DRIVER_TIMEOUT_S[settings["mode"]]
             try:
                 code = driver.wait(timeout=timeout)
@@ -284,14 +274,6 @@ def _run(args: argparse.Namespace, argv: Sequence[str], settings: dict[str, Any]
                 eprint(f"e2e: driver failed with exit code {code}; logs in {work}")
                 return 1
             shaping = link.shaping()
-        finally:
-            link.close()
-            for side, path in temp.items():  # keep Ray's logs with the run outputs
-                logs = path / "session_latest" / "logs"
-                if logs.is_dir():
-                    shutil.copytree(logs, work / f"ray-logs-{side}", dirs_exist_ok=True,
-                                    ignore_dangling_symlinks=True)
-                shutil.rmtree(path, ignore_errors=True)
     meta = _write_meta(work, settings, shaping, check, argv, info, time.time() - started, load_start)
     results = results_from(work, meta)
     paths = write_reports(results, Path(args.output_dir))
@@ -324,6 +306,47 @@ def results_from(work: Path, meta: dict[str, Any]) -> dict[str, Any]:
 
 def _pythonpath() -> str:
     return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
+def measure_link(link: Any, seconds: float, work: Path, label: str = NAME) -> dict[str, Any]:
+    """One bulk TCP flow each way and the round trip over ``link``, logged."""
+    from jobs._report import eprint
+
+    eprint(f"{label}: namespaces {link.ns_a} / {link.ns_b}, {link.shaping()['qdisc']['a']}, work {work}")
+    check = {"a_to_b": link.measure_throughput(seconds, "a"), "b_to_a": link.measure_throughput(seconds, "b"),
+             "rtt": link.measure_rtt(20)}
+    eprint(f"{label}: link " + ", ".join(f"{k} {v['bits_per_s'] / 1e6:.1f} Mbit/s"
+                                       for k, v in check.items() if "bits_per_s" in v)
+           + f", rtt {check['rtt']['median_s'] * 1e6:.0f} us")
+    return check
+
+
+def ray_temp(link: Any) -> dict[str, Path]:
+    return {side: Path(f"/tmp/rcb-{link.suffix}-{side}") for side in ("a", "b")}
+
+
+@contextlib.contextmanager
+def ray_nodes(link: Any, work: Path) -> Iterator[str]:
+    """A Ray head (namespace a) and a worker node (b), one CPU each, for the body; yields the
+    GCS address. On the way out the link and both nodes are torn down and Ray's logs are kept
+    in ``work/ray-logs-{a,b}``."""
+    temp = ray_temp(link)
+    try:
+        yield f"{link.addr_a}:{start_cluster(link, temp, work)}"
+    finally:
+        link.close()
+        for side, path in temp.items():  # keep Ray's logs with the run outputs
+            logs = path / "session_latest" / "logs"
+            if logs.is_dir():
+                shutil.copytree(logs, work / f"ray-logs-{side}", dirs_exist_ok=True,
+                                ignore_dangling_symlinks=True)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def driver_env(link: Any, address: str) -> dict[str, str]:
+    """The environment of a driver run in namespace a against :func:`ray_nodes`' cluster."""
+    return {**os.environ, **RAY_ENV, "PYTHONPATH": _pythonpath(), "RAY_ADDRESS": address,
+            "GLOO_SOCKET_IFNAME": link.dev["a"]}
 
 
 def start_cluster(link: Any, temp: dict[str, Path], work: Path, port: int = 6379) -> int:

@@ -56,7 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 METRIC = "objective"
 TIME_ATTR = "epochs_done"
 DOMAINS = ("choice", "uniform", "loguniform", "randint", "lograndint")
-OBJECTIVE_MODES = {"accuracy_at_budget": "max", "bytes_to_target": "min", "time_to_target": "min"}
+OBJECTIVE_MODES = {"accuracy_at_budget": "max", "loss_at_budget": "min", "bytes_to_target": "min",
+                   "time_to_target": "min"}
 TRIAL_RESOURCES = {"CPU": 0, "memory": 128 * 2**20}  # the trial function (a waiting driver)
 DENSE = {"compression.policy": "static", "compression.static.compressor": {"name": "none"},
          "compression.warmup_steps": 0}
@@ -75,21 +76,45 @@ class BaseSection(_Strict):
 class ObjectiveSection(_Strict):
     """What a trial is scored by, after every epoch (see docs/tune.md)."""
 
-    kind: Literal["accuracy_at_budget", "bytes_to_target", "time_to_target"] = "accuracy_at_budget"
+    kind: Literal["accuracy_at_budget", "loss_at_budget", "bytes_to_target", "time_to_target"] = \
+        "accuracy_at_budget"
     byte_budget: Annotated[float, Field(gt=0)] | None = None  # wire bytes, all ranks
-    target_accuracy: Annotated[float, Field(gt=0, le=1)] | None = None
+    target_accuracy: Annotated[float, Field(gt=0, le=1)] | None = None  # workloads that report accuracy
+    target_loss: Annotated[float, Field(gt=0)] | None = None  # workloads that report a loss (kjv)
 
     @model_validator(mode="after")
     def _needs(self) -> ObjectiveSection:
-        if self.kind == "accuracy_at_budget" and self.byte_budget is None:
-            raise ValueError("byte_budget is required for kind accuracy_at_budget")
-        if self.kind != "accuracy_at_budget" and self.target_accuracy is None:
-            raise ValueError(f"target_accuracy is required for kind {self.kind}")
+        if self.at_budget and self.byte_budget is None:
+            raise ValueError(f"byte_budget is required for kind {self.kind}")
+        if not self.at_budget and (self.target_accuracy is None) == (self.target_loss is None):
+            raise ValueError(f"kind {self.kind} needs one of target_accuracy (higher is better) "
+                             "or target_loss (lower is better)")
         return self
 
     @property
     def mode(self) -> str:
         return OBJECTIVE_MODES[self.kind]
+
+    @property
+    def at_budget(self) -> bool:
+        return self.kind.endswith("_at_budget")
+
+    @property
+    def metric(self) -> str:
+        """What the objective reads: the workload's "accuracy" or "loss"."""
+        if self.at_budget:  # a target given beside a budget is not read
+            return "loss" if self.kind == "loss_at_budget" else "accuracy"
+        return "loss" if self.target_loss is not None else "accuracy"
+
+    @property
+    def target(self) -> float | None:
+        if self.at_budget:
+            return None
+        return self.target_loss if self.target_loss is not None else self.target_accuracy
+
+    def scorer(self) -> dict[str, Any]:
+        """The arguments of :class:`Objective` (what each trial scores itself with)."""
+        return {"kind": self.kind, "metric": self.metric, "byte_budget": self.byte_budget, "target": self.target}
 
 
 class AshaSection(_Strict):
@@ -118,6 +143,11 @@ class TunePlan(BaseModel):
     base: dict[str, Any]  # the base JobConfig, as JSON data
     search: dict[str, tuple[str, Any]]  # dotted config key -> (domain kind, arguments)
     exp_dir: Path
+
+    @property
+    def metric_key(self) -> str:
+        """The column every trial reports its evaluation in: eval_accuracy or eval_loss."""
+        return f"eval_{self.spec.objective.metric}"
 
     @property
     def epochs(self) -> int:
@@ -172,9 +202,14 @@ def load_tune_config(path: str | Path, overrides: list[str] = (), output: str | 
         check_resources(base_config)
     except ConfigError as error:
         raise ConfigError(f"base: {error}") from None
-    if base_config.workload.name == "kjv":
-        raise ConfigError("base: workload.name: the objectives need an accuracy; kjv reports a loss "
-                          "(use digits or fashion_mnist)")
+    from jobs.workloads import metric_of
+
+    reported, wanted = metric_of(base_config.workload), spec.objective.metric
+    if reported != wanted:
+        use = ("kind loss_at_budget, or target_loss" if reported == "loss"
+               else "kind accuracy_at_budget, or target_accuracy")
+        raise ConfigError(f"objective: the base workload ({base_config.workload.name}) reports {reported}, "
+                          f"not {wanted}: use {use} with bytes_to_target / time_to_target")
     base = base_config.model_dump(mode="json")
     if spec.asha.enabled and spec.asha.grace_period > base["workload"]["epochs"]:
         raise ConfigError(f"asha.grace_period: must be <= workload.epochs of the base config "
@@ -290,32 +325,38 @@ def trial_config(base: dict[str, Any], variant: str, params: dict[str, Any]) -> 
 
 # --- the objective ---------------------------------------------------------------------
 class Objective:
-    """Scores a trial after each epoch from cumulative wire bytes and eval accuracy.
+    """Scores a trial after each epoch from cumulative wire bytes and its evaluation metric
+    (``metric``: "accuracy", higher is better, or "loss", lower is better).
 
-    ``accuracy_at_budget`` (maximise): the best ``accuracy * min(1, budget / wire_bytes)``
-    so far: accuracy counts in full while the trial is within the byte budget and is
-    discounted in proportion to the overshoot once it is not.
+    ``accuracy_at_budget`` (maximise) / ``loss_at_budget`` (minimise): the best so far of the
+    metric made worse in proportion to the byte overshoot, ``over = max(1, wire_bytes / budget)``:
+    ``accuracy / over`` or ``loss * over``. The metric counts in full while the trial is within
+    the byte budget.
     ``bytes_to_target`` / ``time_to_target`` (minimise): the wire bytes / seconds at the
-    first epoch that reached the target accuracy; before that, the linear projection
-    ``spent * target / accuracy``.
+    first epoch that reached the target; before that, the linear projection
+    ``spent * target / accuracy`` or ``spent * loss / target``.
     """
 
-    def __init__(self, kind: str, byte_budget: float | None = None, target_accuracy: float | None = None):
-        self.kind, self.budget, self.target = kind, byte_budget, target_accuracy
-        self.best = -math.inf
+    def __init__(self, kind: str, metric: str = "accuracy", byte_budget: float | None = None,
+                 target: float | None = None):
+        self.kind, self.budget, self.target = kind, byte_budget, target
+        self.lower = metric == "loss"
+        self.best = math.inf if self.lower else -math.inf
         self.reached: float | None = None
 
-    def update(self, accuracy: float, wire_bytes: float, elapsed_s: float) -> dict[str, Any]:
-        if self.kind == "accuracy_at_budget":
-            factor = min(1.0, self.budget / wire_bytes) if wire_bytes > 0 else 1.0
-            self.best = max(self.best, accuracy * factor)
+    def update(self, value: float, wire_bytes: float, elapsed_s: float) -> dict[str, Any]:
+        if self.kind.endswith("_at_budget"):
+            over = max(1.0, wire_bytes / self.budget)
+            score = value * over if self.lower else value / over
+            self.best = min(self.best, score) if self.lower else max(self.best, score)
             return {METRIC: self.best, "within_budget": wire_bytes <= self.budget}
         spent = wire_bytes if self.kind == "bytes_to_target" else elapsed_s
-        if self.reached is None and accuracy >= self.target:
+        if self.reached is None and (value <= self.target if self.lower else value >= self.target):
             self.reached = spent
         if self.reached is not None:
             return {METRIC: self.reached, "reached_target": True}
-        return {METRIC: spent * self.target / max(accuracy, 1e-3), "reached_target": False}
+        shortfall = value / self.target if self.lower else self.target / max(value, 1e-3)
+        return {METRIC: spent * shortfall, "reached_target": False}
 
 
 def _report_callback(objective: dict[str, Any], run_id: str, variant: str, registry: tuple[str, str]) -> Any:
@@ -331,6 +372,8 @@ def _report_callback(objective: dict[str, Any], run_id: str, variant: str, regis
         def __init__(self) -> None:
             super().__init__()
             self.objective = Objective(**objective)
+            self.key = f"eval_{objective['metric']}"
+            self.missing = math.inf if self.objective.lower else 0.0  # no evaluation reported
             self.started = time.time()
             self.registered = False
 
@@ -339,7 +382,7 @@ def _report_callback(objective: dict[str, Any], run_id: str, variant: str, regis
                 self.registered = _register_train_controller(registry, run_id)
             first = dict(metrics[0])
             elapsed = time.time() - self.started
-            first.update(self.objective.update(float(first.get("eval_accuracy", 0.0)),
+            first.update(self.objective.update(float(first.get(self.key, self.missing)),
                                                float(first.get("wire_bytes", 0.0)), elapsed))
             first.update({TIME_ATTR: int(first.get("epoch", -1)) + 1, "trial_elapsed_s": elapsed,
                           "run_id": run_id, "variant": variant})
@@ -523,9 +566,10 @@ def search(plan: TunePlan) -> Any:
     registry = ray.remote(RunRegistry).options(name=registry_id[0], namespace=registry_id[1],
                                                get_if_exists=True, num_cpus=0).remote()
     setup = {"name": spec.name, "base": plan.base, "runs_dir": str(plan.runs_dir),
-             "objective": spec.objective.model_dump(mode="json"), "registry": list(registry_id)}
+             "objective": spec.objective.scorer(), "registry": list(registry_id)}
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_RESOURCES)
-    callbacks = [_stop_train_runs_callback(spec.name, registry_id, plan.epochs), _progress_callback()]
+    callbacks = [_stop_train_runs_callback(spec.name, registry_id, plan.epochs),
+                 _progress_callback(plan.metric_key)]
 
     plan.runs_dir.mkdir(parents=True, exist_ok=True)
     ray.get(ensure_controller(plan).health.remote())  # up, outside any trial's placement group
@@ -561,7 +605,7 @@ def search(plan: TunePlan) -> Any:
         ray.kill(registry)
 
 
-def _progress_callback() -> Any:
+def _progress_callback(key: str) -> Any:
     from ray.tune import Callback
 
     class Progress(Callback):
@@ -569,7 +613,7 @@ def _progress_callback() -> Any:
 
         def on_trial_result(self, iteration, trials, trial, result, **info):  # noqa: ANN001
             print(f"[tune] {trial.trial_id} ({trial.config.get('variant')}) epoch {result.get(TIME_ATTR)}: "
-                  f"eval accuracy {result.get('eval_accuracy', float('nan')):.4f}, wire bytes "
+                  f"{key.replace('_', ' ')} {result.get(key, float('nan')):.4f}, wire bytes "
                   f"{result.get('wire_bytes', 0):.4g}, {METRIC} {result.get(METRIC, float('nan')):.6g}",
                   flush=True)
 
@@ -618,12 +662,12 @@ def collect(plan: TunePlan, grid: Any, complete: bool = True) -> list[dict[str, 
             "status": status,
             "epochs": epochs_done,
             METRIC: metrics.get(METRIC),
-            "eval_accuracy": metrics.get("eval_accuracy"),
+            plan.metric_key: metrics.get(plan.metric_key),
             "wire_bytes": wire,
             "dense_bytes": dense,
             "compression_ratio": dense / wire if wire else None,
             "seconds": metrics.get("trial_elapsed_s"),
-            **({} if plan.spec.objective.kind == "accuracy_at_budget"
+            **({} if plan.spec.objective.at_budget
                else {"reached_target": metrics.get("reached_target")}),
             "error": _first_line(result.error) if result.error is not None else "",
         }
@@ -675,8 +719,8 @@ def write_tables(plan: TunePlan, rows: list[dict[str, Any]]) -> tuple[Path, Path
             writer.writerow([json.dumps(row[c]) if isinstance(row[c], (dict, list)) else
                              "" if row[c] is None else row[c] for c in columns])
     objective = plan.spec.objective
-    goal = (f"byte budget {objective.byte_budget:.4g}" if objective.kind == "accuracy_at_budget"
-            else f"target accuracy {objective.target_accuracy}")
+    goal = (f"byte budget {objective.byte_budget:.4g}" if objective.at_budget
+            else f"target {objective.metric} {objective.target}")
     shown = [c for c in columns if c not in ("error",)]
     lines = [
         f"# Tune results: {plan.spec.name}",
@@ -687,7 +731,7 @@ def write_tables(plan: TunePlan, rows: list[dict[str, Any]]) -> tuple[Path, Path
            if any(r["status"] == "unfinished" for r in rows) else "."),
         "",
         "| " + " | ".join(shown) + " |",
-        "| " + " | ".join("---:" if c in ("epochs", METRIC, "eval_accuracy", "wire_bytes", "dense_bytes",
+        "| " + " | ".join("---:" if c in ("epochs", METRIC, plan.metric_key, "wire_bytes", "dense_bytes",
                                            "compression_ratio", "seconds") else "---" for c in shown) + " |",
     ]
     for row in rows:
@@ -707,7 +751,8 @@ def write_best_config(plan: TunePlan, best: dict[str, Any]) -> Path:
     objective = plan.spec.objective
     header = [
         f"# Best compression schedule of the search {plan.spec.name!r} ({objective.kind}: "
-        f"{best[METRIC]:.6g}, eval accuracy {best['eval_accuracy']}, wire bytes {best['wire_bytes']:.4g}).",
+        f"{best[METRIC]:.6g}, {plan.metric_key.replace('_', ' ')} {best[plan.metric_key]}, "
+        f"wire bytes {best['wire_bytes']:.4g}).",
         f"# Trial {best['trial_id']} ({best['variant']}), run id {best['run_id']}.",
         "# Run it:  python -m jobs.train --config <this file>",
         "#     or:  ray job submit --working-dir . --runtime-env jobs/runtime_env.yaml -- "
@@ -723,12 +768,15 @@ def write_best_config(plan: TunePlan, best: dict[str, Any]) -> Path:
     return path
 
 
-def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Completed trials no other completed trial beats on both accuracy and wire bytes."""
-    points = [r for r in rows if r["status"] == "completed" and r["wire_bytes"] and r["eval_accuracy"] is not None]
-    front = [p for p in points if not any(
-        q["eval_accuracy"] >= p["eval_accuracy"] and q["wire_bytes"] <= p["wire_bytes"]
-        and (q["eval_accuracy"] > p["eval_accuracy"] or q["wire_bytes"] < p["wire_bytes"]) for q in points)]
+def pareto_front(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Completed trials no other completed trial beats on both the metric ``key`` (a loss:
+    lower is better) and wire bytes."""
+    sign = -1.0 if key == "eval_loss" else 1.0
+    points = [(sign * r[key], r) for r in rows
+              if r["status"] == "completed" and r["wire_bytes"] and r[key] is not None]
+    front = [p for m, p in points if not any(
+        n >= m and q["wire_bytes"] <= p["wire_bytes"] and (n > m or q["wire_bytes"] < p["wire_bytes"])
+        for n, q in points)]
     return sorted(front, key=lambda r: r["wire_bytes"])
 
 
@@ -740,7 +788,8 @@ def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any]
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    usable = [r for r in rows if r["wire_bytes"] and r["eval_accuracy"] is not None]
+    key = plan.metric_key
+    usable = [r for r in rows if r["wire_bytes"] and r[key] is not None]
     searched = [r for r in usable if r["variant"] == "search"]
     for status, style in (("completed", {"color": "tab:blue", "alpha": 0.8}),
                           ("stopped", {"facecolors": "none", "edgecolors": "tab:gray"}),
@@ -748,34 +797,34 @@ def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any]
                           ("error", {"color": "tab:red", "marker": "x"})):
         group = [r for r in searched if r["status"] == status]
         if group:
-            ax.scatter([r["wire_bytes"] for r in group], [r["eval_accuracy"] for r in group], s=36,
+            ax.scatter([r["wire_bytes"] for r in group], [r[key] for r in group], s=36,
                        label=f"searched, {status}" + (" (ASHA)" if status == "stopped" else ""), **style)
     markers = {"dense": ("s", "tab:red", "dense baseline (all-reduce)"),
                "default": ("D", "tab:orange", f"adaptive default ({plan.base['compression']['policy']})")}
     for variant, (marker, color, label) in markers.items():
         for r in (r for r in usable if r["variant"] == variant):
-            ax.scatter([r["wire_bytes"]], [r["eval_accuracy"]], marker=marker, s=90, color=color,
+            ax.scatter([r["wire_bytes"]], [r[key]], marker=marker, s=90, color=color,
                        edgecolors="black", zorder=3, label=label + ("" if r["status"] == "completed" else
                                                                     f" [{r['status']}]"))
-    front = pareto_front(rows)
+    front = pareto_front(rows, key)
     if front:
-        ax.plot([r["wire_bytes"] for r in front], [r["eval_accuracy"] for r in front], "--", marker="|",
+        ax.plot([r["wire_bytes"] for r in front], [r[key] for r in front], "--", marker="|",
                 color="tab:green", lw=1, label="Pareto front")
     if best is not None and best["wire_bytes"]:
-        ax.scatter([best["wire_bytes"]], [best["eval_accuracy"]], marker="*", s=320, color="gold",
+        ax.scatter([best["wire_bytes"]], [best[key]], marker="*", s=320, color="gold",
                    edgecolors="black", zorder=4, label=f"best ({plan.spec.objective.kind})")
     objective = plan.spec.objective
-    if objective.kind == "accuracy_at_budget":
+    if objective.at_budget:
         ax.axvline(objective.byte_budget, color="gray", lw=0.8, ls=":", label="byte budget")
     else:
-        ax.axhline(objective.target_accuracy, color="gray", lw=0.8, ls=":", label="target accuracy")
+        ax.axhline(objective.target, color="gray", lw=0.8, ls=":", label=f"target {objective.metric}")
     ax.set_xscale("log")
     ax.set_xlabel("wire bytes, all ranks (log)")
-    ax.set_ylabel("eval accuracy (last reported epoch)")
-    ax.set_title(f"{plan.spec.name}: accuracy vs wire bytes ({len(rows)} trials"
+    ax.set_ylabel(f"{key.replace('_', ' ')} (last reported epoch)")
+    ax.set_title(f"{plan.spec.name}: {objective.metric} vs wire bytes ({len(rows)} trials"
                  + ("" if complete else ", interrupted") + ")")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper right" if objective.metric == "loss" else "lower right")
     fig.tight_layout()
     path = plan.exp_dir / "pareto.png"
     fig.savefig(path, dpi=110)
@@ -874,7 +923,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no trial completed: no best config (see results.md)")
     else:
         print(f"best: trial {best['trial_id']} ({best['variant']}), {plan.spec.objective.kind} "
-              f"{best[METRIC]:.6g}, eval accuracy {best['eval_accuracy']:.4f}, "
+              f"{best[METRIC]:.6g}, {plan.metric_key.replace('_', ' ')} {best[plan.metric_key]:.4f}, "
               f"wire bytes {best['wire_bytes']:.4g}")
         print(f"best config: {outputs['best_config']}")
     print(f"results: {outputs['results_md']} (+ results.csv)")

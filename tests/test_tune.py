@@ -12,12 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from jobs import tune
+from jobs import bench_tune, tune
+from jobs._report import machine_info
 from jobs.train import prepare
-from raycomp.config import load_config
+from raycomp.config import ConfigError, load_config
 from tests.conftest import REPO
 
 TUNE_DIGITS = str(REPO / "jobs" / "configs" / "tune_digits.yaml")
+TUNE_GPT = str(REPO / "jobs" / "configs" / "tune_gpt.yaml")
 # 3 trials of 2 short epochs: the adaptive default first, then dense, which spends ~10x the
 # bytes and so scores far below it at epoch 1 (a 2 MB budget): ASHA stops it there.
 TINY = [
@@ -53,11 +55,53 @@ def test_objectives():
     assert budget.update(0.5, 50, 1)["objective"] == 0.5
     assert budget.update(0.8, 200, 2)["objective"] == 0.5  # 0.8 x 100/200 = 0.4 < the best so far
     assert math.isclose(budget.update(0.9, 110, 3)["objective"], 0.9 * 100 / 110)
-    target = tune.Objective("bytes_to_target", target_accuracy=0.9)
+    target = tune.Objective("bytes_to_target", target=0.9)
     first = target.update(0.45, 1000, 1)
     assert first == {"objective": 2000.0, "reached_target": False}  # projected
     assert target.update(0.95, 3000, 2) == {"objective": 3000, "reached_target": True}
     assert target.update(0.99, 5000, 3)["objective"] == 3000  # the first time it got there
+
+
+def test_objectives_on_a_loss_lower_is_better():
+    budget = tune.Objective("loss_at_budget", metric="loss", byte_budget=100)
+    assert budget.update(3.0, 50, 1) == {"objective": 3.0, "within_budget": True}
+    assert budget.update(2.5, 200, 2)["objective"] == 3.0  # 2.5 x 200/100 = 5.0: worse than 3.0
+    assert budget.update(2.5, 110, 3)["objective"] == 2.5 * 110 / 100
+    timed = tune.Objective("time_to_target", metric="loss", target=2.0)
+    assert timed.update(3.0, 10, 40.0) == {"objective": 60.0, "reached_target": False}  # 40 x 3/2
+    assert timed.update(2.1, 20, 50.0)["reached_target"] is False  # above the target: not there
+    assert timed.update(1.99, 30, 70.0) == {"objective": 70.0, "reached_target": True}
+    assert timed.update(1.5, 40, 90.0)["objective"] == 70.0
+
+
+def test_pareto_front_of_a_loss_keeps_the_lowest_loss_per_byte():
+    rows = [{"status": "completed", "wire_bytes": b, "eval_loss": loss, "name": n}
+            for n, b, loss in (("cheap", 10, 2.5), ("mid", 20, 2.3), ("dominated", 30, 2.4), ("dear", 40, 2.2))]
+    rows.append({"status": "stopped", "wire_bytes": 5, "eval_loss": 2.0, "name": "stopped"})
+    assert [r["name"] for r in tune.pareto_front(rows, "eval_loss")] == ["cheap", "mid", "dear"]
+    flipped = [{**r, "eval_accuracy": r["eval_loss"]} for r in rows]  # higher is better now
+    assert [r["name"] for r in tune.pareto_front(flipped, "eval_accuracy")] == ["cheap"]  # best and fewest
+
+
+def test_the_objective_must_read_the_metric_the_workload_reports(tmp_path):
+    gpt = tune.load_tune_config(TUNE_GPT, output=str(tmp_path))
+    assert gpt.spec.objective.metric == "loss" and gpt.metric_key == "eval_loss"
+    assert gpt.spec.objective.scorer() == {"kind": "time_to_target", "metric": "loss",
+                                           "byte_budget": None, "target": gpt.spec.objective.target_loss}
+    assert gpt.spec.objective.mode == "min"
+    cases = {  # (tune config, overrides) -> the one-line error
+        (TUNE_GPT, ("objective.kind=accuracy_at_budget", "objective.byte_budget=1e9")):
+            "objective: the base workload (kjv) reports loss, not accuracy: use kind loss_at_budget",
+        (TUNE_DIGITS, ("objective.kind=loss_at_budget",)):
+            "objective: the base workload (digits) reports accuracy, not loss",
+        (TUNE_DIGITS, ("objective.kind=bytes_to_target", "objective.target_accuracy=0.9",
+                       "objective.target_loss=0.5")): "needs one of target_accuracy",
+        (TUNE_GPT, ("objective.target_loss=null",)): "needs one of target_accuracy",
+    }
+    for (config, overrides), message in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            tune.load_tune_config(config, list(overrides), output=str(tmp_path))
+        assert message in str(caught.value) and "\n" not in str(caught.value), (overrides, caught.value)
 
 
 def test_a_stopped_trial_has_its_train_run_aborted_but_a_finishing_one_does_not(ray_cluster):
@@ -142,6 +186,21 @@ def test_tiny_search_writes_table_best_config_and_plot_and_resumes(ray_cluster, 
     # of the code path every other Train test runs)
     config, _, output = prepare(["--config", str(exp / "best_config.yaml"), "--output", str(tmp_path / "best-run")])
     assert config == best and output == tmp_path / "best-run"
+
+    # the benchmark's report of a search (jobs.bench tune): default against the best searched
+    meta = {"command": "python -m jobs.bench tune", "machine": machine_info(1), "link": "fast",
+            "check": {"a_to_b": {"bits_per_s": 2e10}, "b_to_a": {"bits_per_s": 3e10}}, "shaping": {},
+            "seconds": searched, "exit_code": 0}
+    json_path, md_path, png_path = bench_tune.write_report(exp, meta, tmp_path / "report", "tune-tiny-fast")
+    report = json.loads(json_path.read_text())
+    assert report["comparison"]["default"]["trial_id"] == by_variant["default"]["trial_id"]
+    assert report["comparison"]["best_searched"]["trial_id"] == by_variant["search"]["trial_id"]
+    assert report["comparison"]["dense"] is None  # stopped by ASHA: no completed dense trial
+    assert [r["trial_id"] for r in report["rows"]] == [r["trial_id"] for r in rows]
+    text = md_path.read_text()
+    assert f"| default: adaptive, untuned (`{by_variant['default']['trial_id']}`) |" in text
+    assert "Objective `accuracy_at_budget` (byte budget 2e+06)" in text and "20000.0 Mbit/s" in text
+    assert png_path.read_bytes() == png
 
     # the same command again resumes the (finished) experiment instead of starting over
     assert tune.main(argv) == 0
