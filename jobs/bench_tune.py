@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,7 @@ HELP = "a Ray Tune search of compression schedules over a 2-node link (network n
 NAME = "tune"
 REPO = Path(__file__).resolve().parents[1]
 DRIVER_TIMEOUT_S = 4 * 3600
+NUMBER = re.compile(r"-?(\d+(\.\d*)?([eE][-+]?\d+)?|nan|inf)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", default="docs/benchmarks", help="where the report goes")
     parser.add_argument("--work-dir", default=None,
                         help="the search's outputs and Ray's logs (default outputs/tune-bench/<name>-<link>)")
+    parser.add_argument("--reanalyze", metavar="WORK_DIR", default=None,
+                        help="rebuild the report from a finished search's work dir (no search)")
     parser.add_argument("overrides", nargs="*", help="tune config overrides, as for jobs.tune")
 
 
@@ -54,6 +58,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from jobs.tune import load_tune_config
     from raycomp.config import ConfigError
 
+    if args.reanalyze:
+        work = Path(args.reanalyze)
+        meta = json.loads((work / "meta.json").read_text())
+        paths = write_report(work / "search" / meta["name"], meta, Path(args.output_dir), meta["stem"])
+        eprint(f"tune: rebuilt {', '.join(map(str, paths))} from {work}")
+        return 0
     link_name = "fast" if args.link == "fast" else rate_label(parse_rate(args.link))
     try:  # bad input ends here, before any namespace or Ray node exists
         probe = load_tune_config(args.config, list(args.overrides), output=str(Path("/tmp") / "rc-tune-probe"))
@@ -90,8 +100,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from jobs._report import command_line
 
     meta = {"command": command_line("jobs.bench", argv), "machine": info, "link": link_name,
-            "check": check, "shaping": shaping, "seconds": time.time() - started, "exit_code": code}
-    paths = write_report(work / "search" / name, meta, Path(args.output_dir), f"tune-{name}-{link_name}")
+            "check": check, "shaping": shaping, "seconds": time.time() - started, "exit_code": code,
+            "name": name, "stem": f"tune-{name}-{link_name}"}
+    (work / "meta.json").write_text(json.dumps(meta, indent=2))
+    paths = write_report(work / "search" / name, meta, Path(args.output_dir), meta["stem"])
     eprint(f"tune: wrote {', '.join(map(str, paths))}")
     return 0 if code == 0 else 1
 
@@ -103,11 +115,8 @@ def read_rows(exp: Path) -> list[dict[str, Any]]:
     def value(text: str) -> Any:
         if text == "":
             return None
-        for parse in (int, float):
-            try:
-                return parse(text)
-            except ValueError:
-                pass
+        if NUMBER.fullmatch(text):  # not int(): it reads trial id 10248_00001 as 1024800001
+            return float(text) if any(c in text for c in ".eE") or text in ("nan", "inf") else int(text)
         return {"True": True, "False": False}.get(text, text)
 
     with (exp / "results.csv").open() as handle:
