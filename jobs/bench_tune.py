@@ -131,7 +131,9 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
     default, dense, best = first("default"), first("dense"), first("search")
     ratio = (default["objective"] / best["objective"]
              if default and best and default.get("reached_target") and best.get("reached_target") else None)
-    return {"default": default, "dense": dense, "best_searched": best, "default_over_best": ratio}
+    winner = next((r for r in rows if r["status"] == "completed"), None)  # jobs.tune's ranking
+    return {"default": default, "dense": dense, "best_searched": best, "default_over_best": ratio,
+            "best_variant": winner["variant"] if winner else None}
 
 
 def write_report(exp: Path, meta: dict[str, Any], out: Path, stem: str) -> list[Path]:
@@ -196,8 +198,10 @@ def render_markdown(result: dict[str, Any], table: str, stem: str) -> str:
         _row("best searched schedule", c["best_searched"], metric),
         _row("dense", c["dense"], metric),
         "",
-        (f"Adaptive untuned / best searched: **{ratio:.2f}x** the {section.kind.split('_')[0]} to target."
-         if ratio is not None else "No ratio: it compares two trials that reached the target."),
+        f"Best trial of the search (jobs.tune's ranking: completed, at the target, objective): "
+        f"**{c['best_variant'] or 'none'}**. "
+        + (f"Adaptive untuned / best searched: **{ratio:.2f}x** the {section.kind.split('_')[0]} to target."
+           if ratio is not None else "No ratio: it compares two trials that reached the target."),
         "",
         "## Every trial (the search's results.md)", "",
         *table.splitlines()[2:],

@@ -83,6 +83,23 @@ def test_pareto_front_of_a_loss_keeps_the_lowest_loss_per_byte():
     assert [r["name"] for r in tune.pareto_front(flipped, "eval_accuracy")] == ["cheap"]  # best and fewest
 
 
+def test_bench_tune_reads_the_search_table_with_ids_as_text(tmp_path):
+    (tmp_path / "results.csv").write_text(
+        "trial_id,variant,status,epochs,objective,eval_loss,reached_target,compression.static.compressor\n"
+        '10248_00001,default,completed,8,170.5,2.3007,True,\n'
+        '10248_00006,search,completed,8,149.9,2.3194,False,"{""name"":""powersgd""}"\n'
+        '10248_00003,search,stopped,3,1.5e2,nan,False,\n')
+    rows = bench_tune.read_rows(tmp_path)
+    assert [r["trial_id"] for r in rows] == ["10248_00001", "10248_00006", "10248_00003"]  # not 1024800001
+    assert rows[0]["epochs"] == 8 and rows[0]["objective"] == 170.5 and rows[2]["objective"] == 150.0
+    assert rows[0]["reached_target"] is True and rows[1]["reached_target"] is False
+    assert math.isnan(rows[2]["eval_loss"]) and rows[0]["compression.static.compressor"] is None
+    compared = bench_tune.compare(rows)  # best first: the default is the only one at the target
+    assert compared["default"]["trial_id"] == "10248_00001" and compared["best_searched"]["trial_id"] == "10248_00006"
+    assert compared["dense"] is None and compared["default_over_best"] is None  # 00006 never got there
+    assert compared["best_variant"] == "default"
+
+
 def test_the_objective_must_read_the_metric_the_workload_reports(tmp_path):
     gpt = tune.load_tune_config(TUNE_GPT, output=str(tmp_path))
     assert gpt.spec.objective.metric == "loss" and gpt.metric_key == "eval_loss"
