@@ -234,6 +234,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "a step the guard skips (NaN/Inf gradients) still reaches the optimizer",
     ),
     mutant(
+        "evaluation-counted-as-step-time", "raycomp/train/loop.py",
+        "        self._restart_step_clock()  # the evaluation ran since the last step: not step time\n",
+        "",
+        "tests/test_train_job.py -k stop_at_target",
+        "an evaluation's time lands in the next step's: the cost model sees inflated compute",
+    ),
+    mutant(
         "plan-digest-check-removed", "raycomp/train/plan_sync.py",
         "        digest = installed.digest()  # 63 bits: two exact float64 halves\n",
         "        digest = 0  # every rank reports the same constant\n",

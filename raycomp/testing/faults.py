@@ -4,7 +4,8 @@ The production step never looks at fault settings: the job, when ``faults.*`` is
 builds a :class:`FaultInjector` and lets it wrap the loop's methods and the loss function::
 
     injector = FaultInjector(config.faults, rank, output_dir)
-    injector.install(loop)               # kill/hang before a step, plan mismatch, crash mid-save
+    injector.install(loop)               # kill/hang before a step, plan mismatch, crash mid-save,
+                                         # a slow evaluation
     loss_fn = injector.wrap_loss(loss_fn, lambda: loop.global_step)   # NaN / spike
 """
 
@@ -64,6 +65,14 @@ class FaultInjector:
                 original_shared(directory)
 
             loop.save_shared = save_shared
+        if f.slow_eval_seconds:
+            original_eval = loop.record_eval
+
+            def record_eval(metrics: dict[str, float], value: float | None = None) -> None:
+                time.sleep(f.slow_eval_seconds)  # as if the evaluation before this call took longer
+                original_eval(metrics, value)
+
+            loop.record_eval = record_eval
 
     def wrap_loss(self, loss_fn: Callable[..., torch.Tensor], global_step: Callable[[], int]) -> Callable[..., torch.Tensor]:
         """``loss_fn`` whose loss is NaN (hence NaN gradients) or scaled at the configured step."""

@@ -113,8 +113,7 @@ class TrainLoop:
         self.state.set_plan(self.controller_plan)
         self._restore()
         self.replayed_steps = self.log.open(self.restored_from)
-        self._comm_at_step_start = self.state.comm_seconds
-        self._step_started = time.perf_counter()
+        self._restart_step_clock()
 
     # --- the loop ---------------------------------------------------------------------------
     def epochs(self, epochs: int, steps_per_epoch: int) -> Iterator[int]:
@@ -181,6 +180,13 @@ class TrainLoop:
         epoch_end = bool(self.steps_per_epoch) and self.global_step % self.steps_per_epoch == 0  # type: ignore[operator]
         if every and self.global_step % every == 0 and not epoch_end:
             self.report({}, checkpoint=True)  # the epoch's own report checkpoints epoch ends
+        self._restart_step_clock()
+
+    def _restart_step_clock(self) -> None:
+        """The next step's time (and its communication share) counts from now. Called after
+        a step, and after an evaluation or a report: their time is not a step's, and counting
+        it would inflate the compute time the adaptive policy's cost model works from (an
+        evaluation every 20 steps doubled it on the CNN benchmark)."""
         self._comm_at_step_start = self.state.comm_seconds
         self._step_started = time.perf_counter()
 
@@ -214,6 +220,7 @@ class TrainLoop:
         """An evaluation: one line in rank 0's ``evals.jsonl``; ``value`` goes to the controller."""
         self.log.write_eval(metrics, self.global_step, self.epoch)
         self.reporter.eval_metric = value
+        self._restart_step_clock()  # the evaluation ran since the last step: not step time
 
     def report(self, metrics: dict[str, Any], checkpoint: bool | None = None) -> None:
         """``ray.train.report`` (a barrier on all ranks) with byte totals added; with a
@@ -231,13 +238,14 @@ class TrainLoop:
             checkpoint = last or (self.epoch + 1) % self.options.checkpoint.every_epochs == 0
         if not checkpoint:
             ray.train.report(metrics)
-            return
-        with tempfile.TemporaryDirectory(prefix="raycomp-ckpt-") as tmp:
-            self.save_state(Path(tmp))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-        # Ray Train registers a reported checkpoint asynchronously; a worker dying before
-        # that loses it and a restart would begin from scratch. Wait until it is registered.
-        ray.train.get_all_reported_checkpoints()
+        else:
+            with tempfile.TemporaryDirectory(prefix="raycomp-ckpt-") as tmp:
+                self.save_state(Path(tmp))
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            # Ray Train registers a reported checkpoint asynchronously; a worker dying before
+            # that loses it and a restart would begin from scratch. Wait until it is registered.
+            ray.train.get_all_reported_checkpoints()
+        self._restart_step_clock()  # the report (a barrier) and what came before it: not step time
 
     def save_state(self, directory: Path) -> None:
         """Write raycomp's checkpoint files into ``directory`` (yours, before ``ray.train.report``)."""
