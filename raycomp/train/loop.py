@@ -186,7 +186,7 @@ class TrainLoop:
         """The next step's time (and its communication share) counts from now. Called after
         a step, and after an evaluation or a report: their time is not a step's, and counting
         it would inflate the compute time the adaptive policy's cost model works from (an
-        evaluation every 20 steps doubled it on the CNN benchmark)."""
+        evaluation every 20 steps made it 2-4x the real one on the CNN benchmark)."""
         self._comm_at_step_start = self.state.comm_seconds
         self._step_started = time.perf_counter()
 
