@@ -370,8 +370,13 @@ def test_digits_job_on_a_slow_link_starts_on_int8_tries_powersgd_and_keeps_accur
     config, run_id, output = prepare([
         "--config", str(REPO / "jobs" / "configs" / "digits.yaml"), "--output", str(tmp_path / "out"),
         "--run-id", name, "compression.policy=adaptive",
-        # plan for a 100 Mbit/s link (loopback is fast: measured, dense would rightly win)
-        "compression.adaptive.bandwidth=12.5e6", "compression.adaptive.window_steps=20"])
+        # plan for a 100 Mbit/s link (loopback is fast: measured, dense would rightly win);
+        # rank 1 only (and a boost of one rung, so critical layers still land on int8):
+        # compute and round overhead are measured, so on a loaded machine the 10% slack may
+        # admit a higher rank, whose error may stay under max_error: all three matrices ended on
+        # PowerSGD once, in a 21-minute suite on a loaded machine
+        "compression.adaptive.bandwidth=12.5e6", "compression.adaptive.window_steps=20",
+        "compression.adaptive.ranks=[1]", "compression.adaptive.critical_boost=1"])
     summary = run(config, run_id, output)
     assert summary["status"] == "succeeded", summary["error"]
     matrices = ("0.weight", "2.weight", "4.weight")
