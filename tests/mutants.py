@@ -298,6 +298,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "layers leaving the lossy rungs for error push the other layers heavier",
     ),
     mutant(
+        "adaptive-prior-choice-kept", "controllers/policies/adaptive.py",
+        "        self.on_prior = not self.overhead_measured\n",
+        "        self.on_prior = False\n",
+        "tests/test_adaptive_policy.py",
+        "a choice made on the assumed round overhead keeps its hysteresis once the overhead is measured",
+    ),
+    mutant(
         "adaptive-floor-reaches-dense", "controllers/policies/adaptive.py",
         "        return len(ladder) - (2 if self.near_lossless else 1)\n",
         "        return len(ladder) - 1\n",

@@ -311,6 +311,22 @@ def test_compression_that_costs_more_than_it_saves_is_measured_and_dropped():
     assert all(p.layers == () for p in sim.plans[-20:])
 
 
+def test_a_choice_made_on_the_assumed_round_overhead_is_redecided_once_it_is_measured():
+    # the fast-link case: on the 1 ms prior bf16 saves 13%; measured, a bf16 round costs 11 ms
+    # and bf16 predicts 71 ms against dense's 70 ms: both within the 10% slack, so hysteresis
+    # alone would keep bf16 until the regime window ends (step 39)
+    sim = Sim()
+    link = Link(bandwidth=61e6, overhead=0.011)
+    sim.run(4, link)  # step 19: the first decision, on the prior
+    assert ranks(sim.plan)["fc2.weight"] == "bf16" and "61 ms vs dense 70 ms" in sim.plan.reason
+    sim.run(1, link)  # step 24: the bf16 interval measured the overhead: re-decided at once
+    assert sim.details()["round_overhead_s"] == pytest.approx(0.011)
+    assert sim.plan.layers == () and "→ dense: compressed 71 ms vs dense 70 ms" in sim.plan.reason
+    assert sim.details()["switches"] == 0  # not a link-driven switch: no patience was spent
+    sim.run(4, link)  # and the hysteresis holds from then on
+    assert all(p.layers == () for p in sim.plans[-4:])
+
+
 def test_no_warm_up_starts_dense_to_measure_the_link():
     controller = Controller()
     options = config.AdaptivePolicy().model_dump(mode="json")

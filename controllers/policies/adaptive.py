@@ -32,7 +32,8 @@ It combines three measurements the controller already has (options:
         extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer, 2 with any
                int8 layer (all-to-all and all-gather), 1 with any bf16 layer (its own all-reduce)
     choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted)
-        first decision: target; floors changed (a regime window ended, or a layer's error
+        first decision, and the first after the round overhead was measured (the choice in
+        force rested on the assumed round_seconds): target; floors changed (a regime window ended, or a layer's error
         moved it): max(target, current s), so layers that move lighter never push the
         others heavier;
         otherwise keep the current s while it is within that band, else switch to target
@@ -102,6 +103,7 @@ class AdaptivePolicy(Policy):
         # the choice
         self.shift: int | None = None  # None: nothing decided yet
         self.dense_chosen = False
+        self.on_prior = False  # the choice in force was made on the assumed round overhead
         self.strikes = 0
         self.switches = 0
         self.predicted: list[float] = []
@@ -129,8 +131,12 @@ class AdaptivePolicy(Policy):
         within = [s for s, t in enumerate(self.predicted) if t <= (1 + self.slack) * best]
         target = max(within)
         current = None if self.shift is None else (top if self.dense_chosen else min(self.shift, top))
-        if current is None:
-            current, self.strikes = target, 0  # the first decision
+        if current is None or (self.on_prior and self.overhead_measured):
+            # the first decision, or the first since a compressed interval measured the round
+            # overhead: the choice in force rested on the assumed round_seconds, so it gets
+            # no hysteresis (on the fast link the prior chose bf16, then kept it for 30 steps
+            # at 493 ms predicted against dense's 490 ms, because both lay within the slack)
+            current, self.strikes = target, 0
         elif floors != self.floors:
             # a regime or error change moves the layers it concerns; it must not make the
             # others heavier (a lower shift): that waits for the link-driven rule below
@@ -143,6 +149,7 @@ class AdaptivePolicy(Policy):
                 current, self.strikes = target, 0
                 self.switches += 1
         self.shift, self.dense_chosen, self.floors = current, current == top, floors
+        self.on_prior = not self.overhead_measured
         chosen: dict[str, CompressorSpec] = {}
         for name in layers:
             rung = self._rung(ladders[name], floors[name], current, top)
@@ -346,7 +353,8 @@ class AdaptivePolicy(Policy):
             "critical": dict(self.critical), "error_floor": dict(self.error_floor),
             "rungs": dict(self.rungs), "rung_since": dict(self.rung_since), "floors": dict(self.floors),
             "shift": self.shift,
-            "dense_chosen": self.dense_chosen, "strikes": self.strikes, "switches": self.switches,
+            "dense_chosen": self.dense_chosen, "on_prior": self.on_prior,
+            "strikes": self.strikes, "switches": self.switches,
             "history": [list(h) for h in self.history],
         }
 
@@ -363,6 +371,7 @@ class AdaptivePolicy(Policy):
         self.rung_since = {k: int(v) for k, v in state["rung_since"].items()}
         self.floors = {k: int(v) for k, v in state["floors"].items()}
         self.shift, self.dense_chosen = state["shift"], bool(state["dense_chosen"])
+        self.on_prior = bool(state.get("on_prior", False))  # absent in checkpoints before 2026-11-23
         self.strikes, self.switches = int(state["strikes"]), int(state["switches"])
         self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
 
