@@ -305,6 +305,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "a choice made on the assumed round overhead keeps its hysteresis once the overhead is measured",
     ),
     mutant(
+        "adaptive-prior-band-single", "controllers/policies/adaptive.py",
+        "            within.append(top)  # on the assumed overhead compression must save more to be used\n",
+        "            pass\n",
+        "tests/test_adaptive_policy.py",
+        "on the assumed round overhead compression starts for any saving past one slack",
+    ),
+    mutant(
         "adaptive-floor-reaches-dense", "controllers/policies/adaptive.py",
         "        return len(ladder) - (2 if self.near_lossless else 1)\n",
         "        return len(ladder) - 1\n",

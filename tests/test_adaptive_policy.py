@@ -327,6 +327,23 @@ def test_a_choice_made_on_the_assumed_round_overhead_is_redecided_once_it_is_mea
     assert all(p.layers == () for p in sim.plans[-4:])
 
 
+def test_on_the_assumed_round_overhead_compression_must_save_twice_the_slack():
+    # dense 62 ms against 55 ms compressed on the 1 ms prior: 13% more, past the 10% slack but
+    # inside twice it; the real rounds cost 11 ms, so compressing would have been slower
+    sim = Sim()
+    link = Link(bandwidth=101e6, overhead=0.011)
+    sim.run(8, link)  # boundaries at steps 19-39, a regime window ends at 39
+    history = list(sim.controller.policies["run"].inner.history)
+    assert [h[1] for h in history] == ["dense"] * 5
+    assert history[0][2].endswith("→ dense: compressed 55.1 ms vs dense 62.1 ms "
+                                  "(within 20% on the assumed round overhead)")
+    assert sim.details()["round_overhead_measured"] is False
+    # the same rule on a link where compression saves more than twice the slack: compressed
+    fast = Sim()
+    fast.run(4, Link(bandwidth=61e6, overhead=0.011))
+    assert ranks(fast.plan)["fc2.weight"] == "bf16"
+
+
 def test_no_warm_up_starts_dense_to_measure_the_link():
     controller = Controller()
     options = config.AdaptivePolicy().model_dump(mode="json")

@@ -31,7 +31,10 @@ It combines three measurements the controller already has (options:
                int8 2(W-1)/W * (n + 8 n / 2048); bf16 2(W-1)/W * 2n
         extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer, 2 with any
                int8 layer (all-to-all and all-gather), 1 with any bf16 layer (its own all-reduce)
-    choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted)
+    choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted); while
+        the round overhead is still the assumed round_seconds, dense also when
+        predicted(dense) <= (1 + PRIOR_BAND * slack) * min(predicted) (a saving predicted
+        on a guess must be larger before compression is started on it)
         first decision, and the first after the round overhead was measured (the choice in
         force rested on the assumed round_seconds): target; floors changed (a regime window ended, or a layer's error
         moved it): max(target, current s), so layers that move lighter never push the
@@ -61,6 +64,15 @@ from raycomp.compressors.int8 import MinMaxInt8
 from raycomp.plan import DENSE, CompressorSpec, Plan
 
 PATIENCE = 2  # consecutive boundaries outside the band before a link-driven switch
+#: Until a compressed interval has measured the round overhead, compression must save this
+#: many slacks against dense (among compressed plans the band stays one slack). The prior
+#: (round_seconds) prices latency; what a compressed round costs here also holds its codec
+#: and the overlap it loses: measured 46 ms a bf16 round on the fast link and about 200 ms
+#: an int8 round at 100 Mbit/s, against the 1 ms assumed. On the prior the fast link chose
+#: bf16 for a predicted 9-10% saving and then measured it 3-5% slower than dense. The
+#: savings slow links offer (int8 at 100 Mbit/s: 570 ms against dense's 1.49 s) clear this
+#: band by far.
+PRIOR_BAND = 2
 SMOOTHING = 0.5  # EMA weight of the newest measurement
 DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
 HISTORY = 32
@@ -129,6 +141,8 @@ class AdaptivePolicy(Policy):
         self.predicted = [self._predict(run, layers, ladders, floors, s, top) for s in range(top + 1)]
         best = min(self.predicted)
         within = [s for s, t in enumerate(self.predicted) if t <= (1 + self.slack) * best]
+        if not self.overhead_measured and self.predicted[top] <= (1 + PRIOR_BAND * self.slack) * best:
+            within.append(top)  # on the assumed overhead compression must save more to be used
         target = max(within)
         current = None if self.shift is None else (top if self.dense_chosen else min(self.shift, top))
         if current is None or (self.on_prior and self.overhead_measured):
@@ -318,7 +332,9 @@ class AdaptivePolicy(Policy):
         link = f"{'slow' if ratio >= 1 else 'fast'} link {self.bw / 1e6:.3g} MB/s, comm {ratio:.2g}x compute"
         if not chosen:
             lightest = min(self.predicted[:top]) if top else dense_s
-            return f"{link} → dense: compressed {lightest * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms"
+            prior = (f" (within {PRIOR_BAND * self.slack:.0%} on the assumed round overhead)"
+                     if lightest < dense_s and not self.overhead_measured else "")
+            return f"{link} → dense: compressed {lightest * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms{prior}"
         groups: dict[str, list[str]] = {}
         for name, spec in sorted(chosen.items()):
             groups.setdefault(_label(spec), []).append(name)

@@ -134,7 +134,9 @@ class AdaptivePolicy(_Strict):
     #: Among candidate plans take the lightest whose predicted step time is within this
     #: fraction of the fastest; dense counts as the lightest, so compression must save more
     #: than this to be used. It is also the hysteresis band: the current plan is kept while
-    #: it stays within it. Raise it on noisy shared machines; lower it to squeeze the link.
+    #: it stays within it. Until a compressed interval has measured ``round_seconds``,
+    #: compression must save twice this against dense: a saving predicted on the assumed
+    #: overhead must be larger before compression starts on it. Raise it on noisy shared machines; lower it to squeeze the link.
     slack: Annotated[float, Field(ge=0, le=10)] = 0.1
     #: Seconds each extra collective round of a compressed plan costs (latency plus
     #: compression and decompression) until the run has measured it. NCCL on one node:
