@@ -72,17 +72,23 @@ class Group:
 
 
 def dense_allreduce(
-    tensors: Sequence[torch.Tensor], group: Group, *, control: torch.Tensor | None = None
+    tensors: Sequence[torch.Tensor], group: Group, *, control: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> list[Reduced]:
     """Plain all-reduce mean; divides before summing, as DDP does, so results match it.
 
     ``control`` (optional, 1-D): a few floats that ride along and are *summed* over ranks in
     place — appended, after the division, to the collective of its dtype, or all-reduced on
     their own if no tensor has that dtype. The gradients' values are unaffected by it.
+    ``in_place``: the inputs may be overwritten; tensors that already lie back to back (a
+    DDP bucket's gradients) are then reduced where they are, without a flattening copy.
     """
     out: list[Reduced | None] = [None] * len(tensors)
     for members in _by_dtype(tensors):
-        flat = torch.cat([tensors[i].reshape(-1) for i in members]).div_(group.size)
+        flat = flat_view([tensors[i] for i in members]) if in_place else None
+        if flat is None:
+            flat = torch.cat([tensors[i].reshape(-1) for i in members])
+        flat.div_(group.size)
         carried = control is not None and flat.dtype == control.dtype and flat.device == control.device
         if carried:
             flat = torch.cat([flat, control])
@@ -307,6 +313,22 @@ def _chunks(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     """``parts`` contiguous near-equal pieces (sizes differ by at most one)."""
     base, extra = divmod(flat.numel(), parts)
     return list(flat.split([base + (1 if j < extra else 0) for j in range(parts)]))
+
+
+def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D view of the storage that holds ``tensors`` back to back, in order and
+    contiguous (a DDP bucket's gradients, or their means split from one buffer); None if
+    they do not lie so."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage, end = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != end
+                or t.untyped_storage().data_ptr() != storage):
+            return None
+        end += t.numel()
+    return first.as_strided((end - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raycomp.collectives import flat_view
 from raycomp.memory import Memory
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
@@ -125,7 +126,9 @@ def compression_hook(
 
     def reduce_bucket() -> torch.Tensor:
         means = state.reduce(names, grads, closes_step=last)
-        out = torch.cat([m.reshape(-1) for m in means]) if means else buffer
+        out = flat_view(means) if means else buffer  # dense: already one buffer, often the bucket's
+        if out is None:
+            out = torch.cat([m.reshape(-1) for m in means])
         if out.numel() != buffer.numel():
             raise RuntimeError(f"bucket buffer has {buffer.numel()} elements, gradients {out.numel()}")
         if last:

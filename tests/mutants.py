@@ -205,6 +205,27 @@ MUTANTS: tuple[Mutant, ...] = (
          "            self._plan, self._pending = self._pending, None\n        self._in_step = True\n"),
     ),
     mutant(
+        "finite-flag-reads-max-only", "raycomp/reducer.py",
+        "    bounds = [torch.stack(torch.aminmax(t)).float() for t in tensors if t.numel()]\n",
+        "    bounds = [t.amax().float().reshape(1) for t in tensors if t.numel()]\n",
+        "tests/test_hook.py",
+        "the step's non-finite flag misses -inf (it reads only the maximum)",
+    ),
+    mutant(
+        "dense-in-place-on-statistics-steps", "raycomp/reducer.py",
+        "                                               in_place=not self.collecting_stats)\n",
+        "                                               in_place=True)\n",
+        "tests/test_hook.py",
+        "a statistics step reduces the bucket in place: the layers' gradient norms are the mean's",
+    ),
+    mutant(
+        "dense-bucket-always-copied", "raycomp/collectives.py",
+        "        flat = flat_view([tensors[i] for i in members]) if in_place else None\n",
+        "        flat = None\n",
+        "tests/test_hook.py",
+        "a dense DDP bucket is flattened into a new buffer every step instead of reduced where it lies",
+    ),
+    mutant(
         "hook-never-ends-step", "raycomp/hook.py",
         "        if last:\n            state.end_step()\n",
         "        if False:\n            state.end_step()\n",
@@ -239,6 +260,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         "tests/test_train_job.py -k stop_at_target",
         "an evaluation's time lands in the next step's: the cost model sees inflated compute",
+    ),
+    mutant(
+        "report-counted-as-step-time", "raycomp/train/loop.py",
+        "        self._restart_step_clock()  # the report (a barrier) and what came before it: not step time\n",
+        "",
+        "tests/test_train_job.py -k stop_at_target",
+        "an epoch-end report's time (its barrier, the epoch's evaluation) lands in the next step's",
     ),
     mutant(
         "plan-digest-check-removed", "raycomp/train/plan_sync.py",

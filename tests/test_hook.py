@@ -312,3 +312,79 @@ def test_bad_input_is_rejected_with_the_field_named():
         CompressedReducer().reduce(["w"], [torch.arange(10)])
     with pytest.raises(ValueError, match=r"plan: unknown key 'layer'"):
         Plan.from_dict({"layer": {}})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_step_flag_sees_every_non_finite_element_wherever_it_sits(dtype):
+    from raycomp.reducer import all_finite
+
+    grads = [torch.randn(5, 7).to(dtype), torch.empty(0, dtype=dtype), torch.randn(4097).to(dtype)]
+    assert bool(all_finite(grads))
+    assert all_finite([]) is None and all_finite([torch.empty(0)]) is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for which, index in ((0, 0), (0, 34), (2, 0), (2, 2048), (2, 4096)):  # first, last, middle
+            poisoned = [g.clone() for g in grads]
+            poisoned[which].view(-1)[index] = bad
+            assert not bool(all_finite(poisoned)), (bad, which, index)
+    huge = torch.full((3,), torch.finfo(dtype).max, dtype=dtype)  # finite, however large
+    assert bool(all_finite([huge, -huge]))
+
+
+def test_flat_view_finds_tensors_that_lie_back_to_back_and_nothing_else():
+    from raycomp.collectives import flat_view
+
+    buffer = torch.arange(20, dtype=torch.float32)
+    a, b, c = buffer[2:8].view(2, 3), buffer[8:12], buffer[12:20].view(4, 2)
+    view = flat_view([a, b, c])
+    assert view is not None and view.data_ptr() == a.data_ptr() and torch.equal(view, buffer[2:20])
+    assert flat_view([a, c]) is None  # a gap
+    assert flat_view([b, a]) is None  # out of order
+    assert flat_view([a, b.clone()]) is None  # another storage
+    assert flat_view([buffer[:6].view(3, 2).t()]) is None  # not contiguous
+    assert flat_view([buffer[:4], buffer.view(torch.int32)[4:8]]) is None  # another dtype
+    assert flat_view([]) is None
+
+
+
+def _dense_reduction(rank: int, world_size: int, stats_every: int):
+    """Per all_reduce of the dense hook's last step: does it reduce inside a bucket buffer
+    (no copy)? And each layer's gradient norm in the statistics against the local one."""
+    import torch.distributed as dist
+
+    ddp = DDP(_model(), **DDP_KW)
+    state = CompressionState(ddp, Plan(), min_compress_numel=0, stats_every=stats_every, async_comm=False)
+    buckets, calls, original = [], [], dist.all_reduce
+
+    def hook(s, bucket):
+        start = bucket.buffer().data_ptr()
+        buckets.append(range(start, start + bucket.buffer().numel() * bucket.buffer().element_size()))
+        return compression_hook(s, bucket)
+
+    def spy(tensor, *args, **kwargs):
+        calls.append(tensor.data_ptr())
+        return original(tensor, *args, **kwargs)
+
+    ddp.register_comm_hook(state, hook)
+    for step in range(3):  # buckets are rebuilt after the first iteration: look at the last
+        buckets.clear(), calls.clear()
+        ddp.zero_grad()
+        dist.all_reduce = spy
+        try:
+            _backward(ddp, rank, step)
+        finally:
+            dist.all_reduce = original
+    local = _model()
+    _backward(local, rank, 2)
+    names = dict(local.named_parameters())
+    norms = [(s.grad_norm, float(names[s.layer].grad.norm())) for s in state.stats]
+    state.close()
+    return [any(ptr in b for b in buckets) for ptr in calls], norms
+
+
+def test_a_dense_bucket_is_reduced_where_it_lies_unless_statistics_need_the_local_gradients():
+    for inside, norms in run_distributed(_dense_reduction, 2, 0):
+        assert len(inside) >= 2 and all(inside)  # every bucket's all_reduce, on its own buffer
+        assert norms == []
+    for inside, norms in run_distributed(_dense_reduction, 2, 1):  # statistics every step
+        assert len(inside) >= 2 and not any(inside)  # a copy: the local gradients stay
+        assert len(norms) == 6 and all(g == pytest.approx(local, rel=1e-6) for g, local in norms)
