@@ -176,14 +176,18 @@ def test_fashion_mnist_adaptive_reaches_85_percent_at_20x(ray_cluster, tmp_path)
 
 
 def test_stop_at_target_leaves_after_the_second_consecutive_evaluation_on_every_rank(ray_cluster, tmp_path):
-    # one fit, two checks: stopping at the target, and that evaluation time is not step time
-    # (a 0.5 s evaluation every 5 steps would add 0.1 s to the compute of every step the
-    # adaptive policy's cost model sees; a digits step computes in milliseconds)
+    # one fit, two checks: stopping at the target, and that evaluation and report time is not
+    # step time (a 0.5 s evaluation every 5 steps would add 0.1 s to the compute of every step
+    # the adaptive policy's cost model sees; a digits step computes in milliseconds)
     summary = train(tmp_path, "stop", "workload.eval_every_steps=5", "workload.stop_at_target=0.6",
-                    "workload.stop_consecutive=2", "compression.policy=adaptive", "faults.slow_eval_seconds=0.5")
+                    "workload.stop_consecutive=2", "compression.policy=adaptive", "faults.slow_eval_seconds=0.5",
+                    "faults.slow_report_seconds=0.5")
     compute = summary["policy"]["policy_details"]["compute_s"]
     assert compute is not None and compute < 0.04, summary["policy"]["policy_details"]
     output = Path(summary["output_dir"])
+    for log in step_logs(output):  # no step's own time holds a 0.5 s evaluation or report
+        assert any(r["epoch"] >= 1 for r in log)  # an epoch-end report came before some step
+        assert max(r["seconds"] for r in log) < 0.5, [(r["step"], r["seconds"]) for r in log]
     evals = [json.loads(line) for line in (output / "evals.jsonl").read_text().splitlines()]
     held = [i for i in range(1, len(evals))
             if evals[i - 1]["eval_accuracy"] >= 0.6 and evals[i]["eval_accuracy"] >= 0.6]

@@ -314,6 +314,7 @@ class FaultsSection(_Strict):
     hang_rank: Annotated[int, Field(ge=0)] = 0
     crash_while_checkpointing_epoch: Annotated[int | None, Field(ge=0)] = None  # rank 0, once
     slow_eval_seconds: Annotated[float, Field(ge=0)] = 0.0  # every evaluation takes this much longer
+    slow_report_seconds: Annotated[float, Field(ge=0)] = 0.0  # every report takes this much longer
 
 
 class JobConfig(_Strict):

@@ -73,6 +73,14 @@ class FaultInjector:
                 original_eval(metrics, value)
 
             loop.record_eval = record_eval
+        if f.slow_report_seconds:
+            original_report = loop.report
+
+            def report(metrics: dict[str, Any], checkpoint: bool | None = None) -> None:
+                time.sleep(f.slow_report_seconds)  # as if the barrier waited this long for a peer
+                original_report(metrics, checkpoint)
+
+            loop.report = report
 
     def wrap_loss(self, loss_fn: Callable[..., torch.Tensor], global_step: Callable[[], int]) -> Callable[..., torch.Tensor]:
         """``loss_fn`` whose loss is NaN (hence NaN gradients) or scaled at the configured step."""

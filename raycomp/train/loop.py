@@ -166,7 +166,7 @@ class TrainLoop:
         self.log.write({
             "step": self.global_step, "epoch": self.epoch, "time": time.time(), "plan_version": plan.version,
             "plan_digest": plan.digest(), "dense": _is_dense(plan), "loss": loss, "lr": self._lr_used,
-            "applied": applied, "fallback": self.guard.guard.active,
+            "applied": applied, "fallback": self.guard.guard.active, "seconds": now - self._step_started,
             "wire_bytes": self.state.ledger.wire_total, "dense_bytes": self.state.ledger.dense_total,
         }, samples)
         self.global_step += 1

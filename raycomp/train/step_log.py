@@ -14,8 +14,10 @@ log = logging.getLogger("raycomp.train")
 
 class StepLog:
     """One JSON line per step on every rank (the benchmark reads ``time``, ``step``,
-    ``wire_bytes``, ``dense_bytes``, ``loss``); evaluations on rank 0. A context manager;
-    or call :meth:`close`."""
+    ``wire_bytes``, ``dense_bytes``, ``loss``; ``seconds`` is the step's own time, the one
+    the controller's step timings average: from the end of the previous step, or of the
+    evaluation or report after it, to the end of this one); evaluations on rank 0. A
+    context manager; or call :meth:`close`."""
 
     def __init__(self, output_dir: Path, rank: int, progress_every: int = 0) -> None:
         self.output_dir, self.rank, self.progress_every = output_dir, rank, progress_every
