@@ -125,7 +125,7 @@ def compression_hook(
     last = bucket.is_last()
 
     def reduce_bucket() -> torch.Tensor:
-        means = state.reduce(names, grads, closes_step=last)
+        means = state.reduce(names, grads, closes_step=last, overwrite=True)  # the result replaces them
         out = flat_view(means) if means else buffer  # dense: already one buffer, often the bucket's
         if out is None:
             out = torch.cat([m.reshape(-1) for m in means])

@@ -53,7 +53,6 @@ def make_memory(kind: str, world_size: int, **options: Any) -> Memory:
     raise ValueError(f"memory: unknown kind {kind!r}; allowed: {', '.join(MEMORIES)}")
 
 
-
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Whether every element of ``tensors`` is finite, as a 0-d bool tensor (no host sync);
     None when there is no element. A min and a max per tensor decide it: both propagate NaN
@@ -62,6 +61,7 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     of it on the hook's thread, next to backward."""
     bounds = [torch.stack(torch.aminmax(t)).float() for t in tensors if t.numel()]
     return torch.isfinite(torch.stack(bounds)).all() if bounds else None
+
 
 class CompressedReducer:
     """Compressed all-reduce mean of named gradients, with state that checkpoints.
@@ -185,11 +185,13 @@ class CompressedReducer:
         self._control = row
 
     def reduce(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
-               closes_step: bool = False) -> list[torch.Tensor]:
+               closes_step: bool = False, overwrite: bool = False) -> list[torch.Tensor]:
         """The mean over ranks of each gradient, compressed as the plan says.
 
         ``closes_step``: this is the step's last reduction (the DDP hook's last bucket):
-        staged control values ride with it.
+        staged control values ride with it. ``overwrite``: ``grads`` may be overwritten (a
+        DDP bucket, which the result replaces anyway); dense gradients that lie back to back
+        there are then reduced in place, except on statistics steps, which still read them.
         """
         started = time.perf_counter()
         self.begin_step()
@@ -211,7 +213,9 @@ class CompressedReducer:
         for transport, members in routes.items():
             carry = control if transport is Transport.DENSE else None
             control = None if transport is Transport.DENSE else control
-            for i, result in zip(members, self._run(transport, members, names, compensated, carry),
+            # in place only in the caller's own gradients, never in a memory's buffer
+            in_place = overwrite and not self.collecting_stats and all(compensated[i] is grads[i] for i in members)
+            for i, result in zip(members, self._run(transport, members, names, compensated, carry, in_place),
                                  strict=True):
                 reduced[i] = result
         if control is not None:  # no dense layer in this reduction: a tiny collective of its own
@@ -262,13 +266,11 @@ class CompressedReducer:
 
     def _run(
         self, transport: Transport, members: list[int], names: Sequence[str], tensors: list[torch.Tensor],
-        control: torch.Tensor | None = None,
+        control: torch.Tensor | None = None, in_place: bool = False,
     ) -> list[Reduced]:
         group_tensors = [tensors[i] for i in members]
         if transport is Transport.DENSE:
-            # in place unless statistics still read the local gradients after the reduction
-            return collectives.dense_allreduce(group_tensors, self.group, control=control,
-                                               in_place=not self.collecting_stats)
+            return collectives.dense_allreduce(group_tensors, self.group, control=control, in_place=in_place)
         compressors = [self.compressor_for(names[i]) for i in members]
         if transport is Transport.ALLREDUCE:
             return collectives.summable_allreduce(group_tensors, compressors, self.group)

@@ -213,10 +213,17 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "dense-in-place-on-statistics-steps", "raycomp/reducer.py",
-        "                                               in_place=not self.collecting_stats)\n",
-        "                                               in_place=True)\n",
+        "            in_place = overwrite and not self.collecting_stats and all(compensated[i] is grads[i] for i in members)\n",
+        "            in_place = overwrite and all(compensated[i] is grads[i] for i in members)\n",
         "tests/test_hook.py",
         "a statistics step reduces the bucket in place: the layers' gradient norms are the mean's",
+    ),
+    mutant(
+        "dense-in-place-in-memory-buffer", "raycomp/reducer.py",
+        "            in_place = overwrite and not self.collecting_stats and all(compensated[i] is grads[i] for i in members)\n",
+        "            in_place = overwrite and not self.collecting_stats\n",
+        "tests/test_hook.py",
+        "an in-place dense reduction divides a buffer the error-feedback memory handed back",
     ),
     mutant(
         "dense-bucket-always-copied", "raycomp/collectives.py",

@@ -388,3 +388,44 @@ def test_a_dense_bucket_is_reduced_where_it_lies_unless_statistics_need_the_loca
     for inside, norms in run_distributed(_dense_reduction, 2, 1):  # statistics every step
         assert len(inside) >= 2 and not any(inside)  # a copy: the local gradients stay
         assert len(norms) == 6 and all(g == pytest.approx(local, rel=1e-6) for g, local in norms)
+
+
+class _KeepingMemory:
+    """A user's memory whose compensate hands back a buffer it keeps (the protocol allows it)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        self.kept[name] = grad.clone()
+        return self.kept[name]
+
+    def update(self, name, compensated, sent, sparse) -> None:
+        pass
+
+    def residual(self, name):
+        return None
+
+    def reset(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+def _overwrite_only_the_callers_gradients(rank: int, world_size: int):
+    memory = _KeepingMemory()
+    reducer = CompressedReducer(Plan(), memory=memory, min_compress_numel=0)
+    grad = torch.full((6,), float(rank + 1))
+    mean = reducer.reduce(["w"], [grad], closes_step=True, overwrite=True)[0]
+    reducer.end_step()
+    return mean.tolist(), memory.kept["w"].tolist()
+
+
+def test_an_in_place_reduction_never_writes_into_a_memorys_buffer():
+    for mean, kept in run_distributed(_overwrite_only_the_callers_gradients, 2):
+        assert mean == [1.5] * 6
+        assert kept in ([1.0] * 6, [2.0] * 6)  # still this rank's compensated gradient

@@ -136,7 +136,8 @@ class AdaptivePolicy(_Strict):
     #: than this to be used. It is also the hysteresis band: the current plan is kept while
     #: it stays within it. Until a compressed interval has measured ``round_seconds``,
     #: compression must save twice this against dense: a saving predicted on the assumed
-    #: overhead must be larger before compression starts on it. Raise it on noisy shared machines; lower it to squeeze the link.
+    #: overhead must be larger before compression starts on it. Raise it on noisy shared
+    #: machines; lower it to squeeze the link.
     slack: Annotated[float, Field(ge=0, le=10)] = 0.1
     #: Seconds each extra collective round of a compressed plan costs (latency plus
     #: compression and decompression) until the run has measured it. NCCL on one node:
