@@ -159,18 +159,17 @@ class TrainLoop:
         return applied
 
     def _finish_step(self, loss: float, samples: int, applied: bool) -> None:
-        now = time.perf_counter()
-        self.reporter.record(loss, now - self._step_started, self.state.comm_seconds - self._comm_at_step_start,
-                             samples)
+        seconds = time.perf_counter() - self._step_started  # this step's own time
+        self.reporter.record(loss, seconds, self.state.comm_seconds - self._comm_at_step_start, samples)
         plan = self.state.plan
         self.log.write({
             "step": self.global_step, "epoch": self.epoch, "time": time.time(), "plan_version": plan.version,
             "plan_digest": plan.digest(), "dense": _is_dense(plan), "loss": loss, "lr": self._lr_used,
-            "applied": applied, "fallback": self.guard.guard.active, "seconds": now - self._step_started,
+            "applied": applied, "fallback": self.guard.guard.active, "seconds": seconds,
             "wire_bytes": self.state.ledger.wire_total, "dense_bytes": self.state.ledger.dense_total,
         }, samples)
         self.global_step += 1
-        self.step_seconds += now - self._step_started
+        self.step_seconds += seconds
         if self.global_step % self.interval == 0:
             started = time.perf_counter()
             self._boundary()
