@@ -152,6 +152,23 @@ def test_torch_powersgd_that_never_reaches_the_target_counts_as_infinitely_slow(
                                             "ok": False}
 
 
+def test_the_shared_dense_warmup_caps_what_the_dense_and_nic_goals_can_reach():
+    # the transformer at 100 Mbit/s as measured (e2e-gpt-100mbit.json): 160 steps, 20 dense
+    dense = {**_row("dense", 193.1, step=1.389), "steps_to_target_seeds": [140, 120, 140]}
+    rows = [dense, _row("raycomp_adaptive", 117.8)]
+    results = {**_results(rows, compute=0.26), "workload": {"name": "gpt", "steps": 160, "warmup_steps": 20}}
+    ceilings = e2e.warmup_ceilings(results, dense)
+    # NIC: steps 1-19 of the counted 1-159 send dense's bytes whatever comes after
+    assert ceilings["nic"] == pytest.approx(159 / 19)
+    # time: 19 dense steps of 1.389 s, then 121 compute-only steps of 0.26 s to dense's step 140
+    assert ceilings["vs_dense"] == pytest.approx(193.1 / 57.851)
+    goals = e2e.goals(results)
+    assert [g.get("ceiling") for g in goals] == [ceilings["vs_dense"], None, None, None, ceilings["nic"], None, None]
+    dense["steps_to_target_seeds"] = [140, None, None]  # dense itself missed: no step to reach
+    assert e2e.warmup_ceilings(results, dense)["vs_dense"] is None
+    assert e2e.warmup_ceilings({**results, "workload": {"name": "gpt"}}, dense) == {"nic": None, "vs_dense": None}
+
+
 def test_fast_link_and_cnn_goals():
     rows = [_row("dense", 100.0), _row("torch_bf16", 90.0), _row("raycomp_adaptive", 94.5)]
     fast = e2e.goals(_results(rows, rate="fast"))
@@ -277,6 +294,8 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     assert [p.name for p in paths] == ["e2e-gpt-100mbit.json", "e2e-gpt-100mbit.md", "e2e-gpt-100mbit.png"]
     text = paths[1].read_text()
     assert "MISS" in text and "raycomp_adaptive" in text
+    # 40 steps, 20 of them the shared dense warm-up: NIC bytes can fall at most 39/19 = 2.05x
+    assert "fewer than dense: **" in text and "MISS** (ceiling under this benchmark's shared dense warm-up: 2.05x)" in text
     assert json.loads(paths[0].read_text())["methods"][1]["name"] == "raycomp_adaptive"
     # FSDP: dense's bytes are an ideal fp32 reduce-scatter's, half an all-reduce's
     sharded = e2e.analyze(raw, {**settings, "strategy": "fsdp"}, shaping, check)
