@@ -174,6 +174,34 @@ def sparse_allgather(
     return results, overhead
 
 
+def gathered_mean(
+    tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor], group: Group
+) -> tuple[list[Reduced], float]:
+    """Fixed-size payloads that decode to dense tensors: one all-gather, then every rank
+    decodes every rank's payload and averages them in rank order.
+
+    Every rank sums the same decoded tensors in the same order, so every rank holds the
+    same mean. Each rank sends ``(W - 1) x`` its payload; the scalable scheme sends
+    ``2 (W - 1) / W x`` it, so this is the cheaper route at ``W = 2`` only, where it also
+    saves a round and a second quantization. Returns the per-layer results and the
+    overhead bytes (none: nothing but the payloads travels).
+    """
+    w, me = group.size, group.rank
+    payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]
+    own = pack(payloads)
+    gathered = group.all_gather(own) if w > 1 else [own]
+    per_rank = [unpack_like(buf, payloads) for buf in gathered]
+    results = []
+    for i, (c, t) in enumerate(zip(compressors, tensors, strict=True)):
+        decoded = [c.decompress(rank_payloads[i]) for rank_payloads in per_rank]
+        total = decoded[0].float()
+        for d in decoded[1:]:  # rank order, the same on every rank
+            total = total + d.float()
+        mean = (total / w).to(t.dtype).reshape(t.shape)
+        results.append(Reduced(mean, decoded[me], (w - 1) * payloads[i].nbytes))
+    return results, 0.0
+
+
 def _layout_with_counts(templates: Sequence[Payload], counts: Sequence[int]) -> list[Payload]:
     it = iter(counts)
     return [
@@ -190,10 +218,24 @@ class ScalableAllreduce:
     the scheme of 1-bit Adam (Tang et al., ICML 2021) and Bagua's ByteGrad. Requires
     fixed-size payloads and at least ``W`` elements per layer. The server residuals are
     state (one chunk per layer on each rank).
+
+    Two ranks are the exception, by default. Each rank then sends half its payload in
+    the all-to-all and half of a recompressed one in the all-gather: its whole payload's
+    bytes, the same as one all-gather of the payload (``(W - 1) x`` it, which is only no
+    larger at ``W = 2``). :func:`gathered_mean` does that in one round instead of two, and
+    quantizes once instead of twice. On the transformer over 100 Mbit/s (int8, 3.2 MB a
+    rank) the two rounds took 467 ms a step; one all-gather of the same bytes took about
+    305 ms, measured alone.
+
+    Args:
+        error_feedback: keep server-side residuals (the two-round scheme only).
+        gather_two_ranks: at ``W = 2``, one all-gather (:func:`gathered_mean`) instead of
+            the two rounds; False forces the two-round scheme at any size (tests compare).
     """
 
-    def __init__(self, error_feedback: bool = True) -> None:
+    def __init__(self, error_feedback: bool = True, gather_two_ranks: bool = True) -> None:
         self.error_feedback = error_feedback
+        self.gather_two_ranks = gather_two_ranks
         self.server_residuals: dict[str, torch.Tensor] = {}
 
     def __call__(
@@ -204,6 +246,8 @@ class ScalableAllreduce:
         group: Group,
     ) -> tuple[list[Reduced], float]:
         w, me = group.size, group.rank
+        if w == 2 and self.gather_two_ranks:
+            return gathered_mean(tensors, compressors, group)
         chunked = [_chunks(t.reshape(-1), w) for t in tensors]
         # payloads[i][j]: layer i, chunk j, compressed here
         payloads = [[c.compress(ch) for ch in chunks] for c, chunks in zip(compressors, chunked, strict=True)]

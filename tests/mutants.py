@@ -142,6 +142,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_error_feedback.py",
         "the scalable all-reduce (sign/int8/QSGD) keeps no server-side error feedback",
     ),
+    mutant(
+        "two-ranks-take-two-rounds", "raycomp/collectives.py",
+        "        if w == 2 and self.gather_two_ranks:\n",
+        "        if False:\n",
+        "tests/test_collectives.py tests/test_wire.py",
+        "at W = 2 the scalable all-reduce still takes two rounds and quantizes twice",
+    ),
+    mutant(
+        "gathered-mean-drops-a-peer", "raycomp/collectives.py",
+        "        for d in decoded[1:]:  # rank order, the same on every rank\n",
+        "        for d in decoded[1:1]:  # rank order, the same on every rank\n",
+        "tests/test_collectives.py",
+        "the two-rank all-gather averages only the first rank's payload",
+    ),
+    mutant(
+        "adaptive-int8-two-rounds-at-two-ranks", "controllers/policies/adaptive.py",
+        "    rounds = {**EXTRA_ROUNDS, QUANTIZED: 1} if world_size == 2 else EXTRA_ROUNDS\n",
+        "    rounds = EXTRA_ROUNDS\n",
+        "tests/test_adaptive_policy.py",
+        "the adaptive policy prices int8 at two extra rounds where two ranks take one",
+    ),
     # --- compressors --------------------------------------------------------------------
     mutant(
         "randomk-ranks-draw-different-indices", "raycomp/compressors/randomk.py",

@@ -46,8 +46,8 @@ def layer_bytes(name: str, spec_name: str, params: dict) -> float:
         return 2 * (W - 1) / W * 4 * (rows + cols) * min(params["rank"], rows, cols)
     if spec_name == "topk":
         return (W - 1) * 8 * math.ceil(params["ratio"] * n)
-    if spec_name == "int8":  # raycomp/collectives.py ScalableReducer: all-to-all, then all-gather
-        return 2 * (W - 1) / W * (n + 8 * math.ceil(n / 2048))
+    if spec_name == "int8":  # raycomp/collectives.py ScalableAllreduce: all-to-all, then all-gather
+        return 2 * (W - 1) / W * (n + 8 * math.ceil(n / 2048))  # W = 2: one all-gather, the same bytes
     if spec_name == "bf16":
         return 2 * (W - 1) / W * 2 * n
     return 2 * (W - 1) / W * 4 * n
@@ -90,7 +90,7 @@ class Sim:
                                "dense_bytes": layer_bytes(name, "none", {}) * (0.5 if self.sharded else 1)})
             dense = sum(layer_bytes(n, "none", {}) for n in SHAPES) * (0.5 if self.sharded else 1)
             extra = 0 if self.sharded else \
-                2 * ("powersgd" in kinds) + ("topk" in kinds) + 2 * ("int8" in kinds) + ("bf16" in kinds)
+                2 * ("powersgd" in kinds) + ("topk" in kinds) + (1 if W == 2 else 2) * ("int8" in kinds) + ("bf16" in kinds)
             jitter = lambda: 1 + self.rng.uniform(-link.noise, link.noise)  # noqa: E731
             comm = (wire / link.bandwidth + extra * link.overhead) * jitter()
             compute = link.compute * jitter()
@@ -121,7 +121,7 @@ def ranks(plan: Plan) -> dict[str, int | float | str | None]:
 
 
 SLOW = Link(bandwidth=1.2e6)  # dense comm 1.0 s per step against 0.05 s of compute: ~20x
-MEDIUM = Link(bandwidth=6e6)  # dense comm ~4x compute
+MEDIUM = Link(bandwidth=4e6)  # dense comm ~6x compute
 FAST = Link(bandwidth=1e9)  # dense comm 1.2 ms: 0.02x compute
 
 
@@ -272,7 +272,7 @@ def test_no_flapping_on_noisy_timings():
     """On this link shifts 1 and 2 sit at the edge of the slack band; +-30% jitter makes
     the momentary best choice flip again and again, the published plan must not."""
     sim = Sim()
-    noisy = Link(bandwidth=8e6, noise=0.3)
+    noisy = Link(bandwidth=5.5e6, noise=0.3)
     momentary = []
     for _ in range(60):
         sim.run(1, noisy)
@@ -298,22 +298,22 @@ def test_a_persistent_change_of_link_switches_after_patience():
 
 
 def test_compression_that_costs_more_than_it_saves_is_measured_and_dropped():
-    # "PowerSGD made my training slower": 40 ms per extra round of codec and latency
+    # "PowerSGD made my training slower": 60 ms per extra round of codec and latency
     sim = Sim()
-    slow_codec = Link(bandwidth=20e6, overhead=0.04)
+    slow_codec = Link(bandwidth=20e6, overhead=0.06)
     sim.run(4, slow_codec)  # first decision on the 1 ms prior: compress (critical start: int8)
     assert ranks(sim.plan)["fc2.weight"] == "int8"
     sim.run(3, slow_codec)  # the compressed intervals measure the overhead; dense wins twice
     details = sim.details()
-    assert details["round_overhead_measured"] and details["round_overhead_s"] == pytest.approx(0.04, rel=0.05)
-    assert sim.plan.layers == () and "→ dense: compressed 121 ms vs dense 111 ms" in sim.plan.reason
+    assert details["round_overhead_measured"] and details["round_overhead_s"] == pytest.approx(0.06, rel=0.05)
+    assert sim.plan.layers == () and "→ dense: compressed 125 ms vs dense 111 ms" in sim.plan.reason
     sim.run(20, slow_codec)  # and it stays dense (the measured overhead is remembered)
     assert all(p.layers == () for p in sim.plans[-20:])
 
 
 def test_a_choice_made_on_the_assumed_round_overhead_is_redecided_once_it_is_measured():
-    # the fast-link case: on the 1 ms prior bf16 saves 13%; measured, a bf16 round costs 11 ms
-    # and bf16 predicts 71 ms against dense's 70 ms: both within the 10% slack, so hysteresis
+    # the fast-link case: on the 1 ms prior bf16 saves 13%; measured, a round costs 11 ms and
+    # the best compressed plan predicts 66 ms against dense's 70 ms: within the 10% slack, so hysteresis
     # alone would keep bf16 until the regime window ends (step 39)
     sim = Sim()
     link = Link(bandwidth=61e6, overhead=0.011)
@@ -321,21 +321,21 @@ def test_a_choice_made_on_the_assumed_round_overhead_is_redecided_once_it_is_mea
     assert ranks(sim.plan)["fc2.weight"] == "bf16" and "61 ms vs dense 70 ms" in sim.plan.reason
     sim.run(1, link)  # step 24: the bf16 interval measured the overhead: re-decided at once
     assert sim.details()["round_overhead_s"] == pytest.approx(0.011)
-    assert sim.plan.layers == () and "→ dense: compressed 71 ms vs dense 70 ms" in sim.plan.reason
+    assert sim.plan.layers == () and "→ dense: compressed 66.1 ms vs dense 70 ms" in sim.plan.reason
     assert sim.details()["switches"] == 0  # not a link-driven switch: no patience was spent
     sim.run(4, link)  # and the hysteresis holds from then on
     assert all(p.layers == () for p in sim.plans[-4:])
 
 
 def test_on_the_assumed_round_overhead_compression_must_save_twice_the_slack():
-    # dense 62 ms against 55 ms compressed on the 1 ms prior: 13% more, past the 10% slack but
+    # dense 62 ms against 54 ms compressed on the 1 ms prior: 15% more, past the 10% slack but
     # inside twice it; the real rounds cost 11 ms, so compressing would have been slower
     sim = Sim()
     link = Link(bandwidth=101e6, overhead=0.011)
     sim.run(8, link)  # boundaries at steps 19-39, a regime window ends at 39
     history = list(sim.controller.policies["run"].inner.history)
     assert [h[1] for h in history] == ["dense"] * 5
-    assert history[0][2].endswith("→ dense: compressed 55.1 ms vs dense 62.1 ms "
+    assert history[0][2].endswith("→ dense: compressed 54.1 ms vs dense 62.1 ms "
                                   "(within 20% on the assumed round overhead)")
     assert sim.details()["round_overhead_measured"] is False
     # the same rule on a link where compression saves more than twice the slack: compressed

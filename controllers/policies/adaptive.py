@@ -30,7 +30,8 @@ It combines three measurements the controller already has (options:
         bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k;
                int8 2(W-1)/W * (n + 8 n / 2048); bf16 2(W-1)/W * 2n
         extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer, 2 with any
-               int8 layer (all-to-all and all-gather), 1 with any bf16 layer (its own all-reduce)
+               int8 layer (all-to-all and all-gather; at W = 2 one all-gather), 1 with any
+               bf16 layer (its own all-reduce)
     choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted); while
         the round overhead is still the assumed round_seconds, dense also when
         predicted(dense) <= (1 + PRIOR_BAND * slack) * min(predicted) (a saving predicted
@@ -81,6 +82,7 @@ ERROR_SAMPLES = 2  # error samples of a rung (one per control interval) before i
 LOWRANK, ALLGATHER, DENSE_FAMILY = "powersgd", "topk", "none"
 QUANTIZED, CASTS = "int8", ("bf16", "fp16")  # the near-lossless rungs
 #: extra collective rounds per family, beyond the dense all-reduce the measured bandwidth includes
+#: (int8 at W = 2: one all-gather, see raycomp.collectives.ScalableAllreduce)
 EXTRA_ROUNDS = {LOWRANK: 2, ALLGATHER: 1, QUANTIZED: 2, **dict.fromkeys(CASTS, 1)}
 
 
@@ -229,7 +231,7 @@ class AdaptivePolicy(Policy):
                     self.bw = 1 / per_byte
             elif self.bw is not None and t is run.timings[-1]:
                 # the layers' compressor names are those of this (the latest) interval
-                extra = self._rounds({h.compressor for h in run.layers.values()})
+                extra = self._rounds({h.compressor for h in run.layers.values()}, run.world_size)
                 if extra:
                     sample = max(0.0, t.comm_seconds - wire / self.bw) / extra
                     self.overhead = sample if not self.overhead_measured else _ema(self.overhead, sample)
@@ -318,11 +320,11 @@ class AdaptivePolicy(Policy):
             else:
                 total += allreduce * element * h.numel
         assert self.bw is not None and self.compute is not None
-        return self.compute + total / self.bw + self._rounds(families) * self.overhead
+        return self.compute + total / self.bw + self._rounds(families, w) * self.overhead
 
-    def _rounds(self, families: set[str]) -> int:
+    def _rounds(self, families: set[str], world_size: int) -> int:
         """Collective rounds beyond dense's; none on the sharded path (one all-to-all a unit)."""
-        return 0 if self.sharded else _extra_rounds(families)
+        return 0 if self.sharded else _extra_rounds(families, world_size)
 
     def _reason(self, run: RunState, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec],
                 floors: dict[str, int], shift: int, top: int) -> str:
@@ -400,9 +402,10 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _extra_rounds(families: set[str]) -> int:
+def _extra_rounds(families: set[str], world_size: int) -> int:
     """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes)."""
-    return sum(EXTRA_ROUNDS.get(f, 0) for f in families)
+    rounds = {**EXTRA_ROUNDS, QUANTIZED: 1} if world_size == 2 else EXTRA_ROUNDS
+    return sum(rounds.get(f, 0) for f in families)
 
 
 def _matrix(h: LayerHistory) -> tuple[int, int]:

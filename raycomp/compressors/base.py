@@ -26,7 +26,7 @@ class Transport(str, enum.Enum):
     DENSE = "dense"  # the tensor itself, all-reduced
     ALLREDUCE = "allreduce"  # payloads are summable element-wise (casts, shared-index Random-K)
     ALLGATHER = "allgather"  # sparse payloads, possibly of different sizes on each rank
-    SCALABLE = "scalable"  # fixed-size quantized chunks: all-to-all, reduce, recompress, all-gather
+    SCALABLE = "scalable"  # fixed-size quantized chunks: all-to-all, reduce, recompress, all-gather (W = 2: one all-gather)
     LOWRANK = "lowrank"  # PowerSGD: all-reduce P, orthogonalise, all-reduce Q
 
 
