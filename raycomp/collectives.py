@@ -224,8 +224,9 @@ class ScalableAllreduce:
     bytes, the same as one all-gather of the payload (``(W - 1) x`` it, which is only no
     larger at ``W = 2``). :func:`gathered_mean` does that in one round instead of two, and
     quantizes once instead of twice. On the transformer over 100 Mbit/s (int8, 3.2 MB a
-    rank) the two rounds took 467 ms a step; one all-gather of the same bytes took about
-    305 ms, measured alone.
+    rank, two gloo processes) the two rounds took 467 ms of a training step and the one
+    all-gather 419 ms (about 305 ms with nothing else running); the step fell from
+    874-924 ms to 769-859 ms (docs/benchmarks/e2e-gpt-100mbit-gather.md).
 
     Args:
         error_feedback: keep server-side residuals (the two-round scheme only).
