@@ -1,10 +1,10 @@
 """Error feedback end to end: the reducer on 2 real gloo processes, many steps.
 
 With error feedback nothing a compressor drops is lost, only delayed: over T steps the sum
-of the all-reduced means plus what is still held back (the ranks' mean worker residual and
-the scalable all-reduce's server residuals, in its two-round form) equals the sum of the true mean gradients, and
-what is held back stays bounded, so the relative gap between the running sums shrinks
-like 1/T. Without error feedback the dropped mass is gone for good: the gap grows with T.
+of the all-reduced means plus what is still held back (the ranks' mean worker residual and,
+in the scalable all-reduce's two-round form, its server residuals) equals the sum of the
+true mean gradients, and what is held back stays bounded, so the relative gap between the
+running sums shrinks like 1/T. Without error feedback the dropped mass is gone for good: the gap grows with T.
 
 The gradients have a fixed signal shared by the ranks plus per-rank noise, like SGD's
 minibatch gradients around the full gradient.
