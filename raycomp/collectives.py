@@ -139,28 +139,7 @@ def sparse_allgather(
     w = group.size
     payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]
     sent = [c.decompress(p) for p, c in zip(payloads, compressors, strict=True)]
-    overhead = 0.0
-    if any(c.variable_size for c in compressors):
-        counts = torch.tensor(
-            [t.numel() for p in payloads for t in p.tensors.values()], dtype=torch.int64,
-            device=tensors[0].device,  # NCCL has no CPU tensors
-        )
-        peer_counts = torch.stack(group.all_gather(counts)).tolist()  # one host sync
-        overhead += (w - 1) * counts.numel() * counts.element_size()
-        layouts = [_layout_with_counts(payloads, pc) for pc in peer_counts]
-    else:
-        layouts = [payloads] * w
-    sizes = [sum(p.nbytes for p in layout) for layout in layouts]
-    padded = max(1, max(sizes))  # never an empty buffer
-    buffer = torch.zeros(padded, dtype=torch.uint8, device=tensors[0].device)
-    own = pack(payloads)
-    buffer[: own.numel()] = own
-    gathered = group.all_gather(buffer)
-    overhead += (w - 1) * (padded - own.numel())
-    per_rank = [
-        unpack_like(buf[:size], layout)
-        for buf, size, layout in zip(gathered, sizes, layouts, strict=True)
-    ]
+    per_rank, overhead = _gather_payloads(payloads, compressors, group)
     results = []
     for i, payload in enumerate(payloads):
         merged = payload.with_tensors(
@@ -184,13 +163,11 @@ def gathered_mean(
     same mean. Each rank sends ``(W - 1) x`` its payload; the scalable scheme sends
     ``2 (W - 1) / W x`` it, so this is the cheaper route at ``W = 2`` only, where it also
     saves a round and a second quantization. Returns the per-layer results and the
-    overhead bytes (none: nothing but the payloads travels).
+    overhead bytes (none: fixed sizes need neither counts nor padding).
     """
     w, me = group.size, group.rank
     payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]
-    own = pack(payloads)
-    gathered = group.all_gather(own) if w > 1 else [own]
-    per_rank = [unpack_like(buf, payloads) for buf in gathered]
+    per_rank, overhead = _gather_payloads(payloads, compressors, group)  # fixed sizes: no overhead
     results = []
     for i, (c, t) in enumerate(zip(compressors, tensors, strict=True)):
         decoded = [c.decompress(rank_payloads[i]) for rank_payloads in per_rank]
@@ -199,7 +176,44 @@ def gathered_mean(
             total = total + d.float()
         mean = (total / w).to(t.dtype).reshape(t.shape)
         results.append(Reduced(mean, decoded[me], (w - 1) * payloads[i].nbytes))
-    return results, 0.0
+    return results, overhead
+
+
+def _gather_payloads(
+    payloads: Sequence[Payload], compressors: Sequence[Compressor], group: Group
+) -> tuple[list[list[Payload]], float]:
+    """Every rank's payloads, in rank order, through one all-gather of packed bytes.
+
+    If any payload can vary in size, every rank first all-gathers the element counts of
+    its payload tensors, so all ranks know every peer's layout and the padded length.
+    Returns the payloads per rank and the overhead bytes (counts, padding).
+    """
+    w = group.size
+    overhead = 0.0
+    if any(c.variable_size for c in compressors):
+        counts = torch.tensor(
+            [t.numel() for p in payloads for t in p.tensors.values()], dtype=torch.int64,
+            device=next(iter(payloads[0].tensors.values())).device,  # NCCL has no CPU tensors
+        )
+        peer_counts = torch.stack(group.all_gather(counts)).tolist()  # one host sync
+        overhead += (w - 1) * counts.numel() * counts.element_size()
+        layouts = [_layout_with_counts(payloads, pc) for pc in peer_counts]
+    else:
+        layouts = [list(payloads)] * w
+    sizes = [sum(p.nbytes for p in layout) for layout in layouts]
+    padded = max(1, max(sizes))  # never an empty buffer
+    own = pack(payloads)
+    buffer = own
+    if own.numel() != padded:  # a peer's payload is larger (or all are empty): pad with zeros
+        buffer = torch.zeros(padded, dtype=torch.uint8, device=own.device)
+        buffer[: own.numel()] = own
+    gathered = group.all_gather(buffer)
+    overhead += (w - 1) * (padded - own.numel())
+    per_rank = [
+        unpack_like(buf[:size], layout)
+        for buf, size, layout in zip(gathered, sizes, layouts, strict=True)
+    ]
+    return per_rank, overhead
 
 
 def _layout_with_counts(templates: Sequence[Payload], counts: Sequence[int]) -> list[Payload]:
