@@ -19,7 +19,7 @@ One invocation = one workload x one link x ``--seeds``:
 
 Methods (:data:`METHODS`): ``dense`` (torch ``allreduce_hook``), ``torch_fp16``,
 ``torch_bf16``, ``torch_powersgd_r1|r2|r4`` (torch's hooks), raycomp static ``topk`` (1%),
-``dgc`` (sampled-threshold Top-0.1%), ``powersgd_r1|r2|r4``, ``sign``, ``int8``, and
+``dgc`` (sampled-threshold Top-0.1%), ``powersgd_r1|r2|r4``, ``sign``, ``int8``, ``int4``, and
 ``raycomp_adaptive`` (the shipped default ``compression.policy``, untuned).
 
 Fairness: every method runs the same config file, seed, data order, LR schedule (over the
@@ -77,6 +77,7 @@ METHODS: dict[str, list[str]] = {
        for r in (1, 2, 4)},
     "raycomp_sign": ["compression.policy=static", "compression.static.compressor={name: sign}"],
     "raycomp_int8": ["compression.policy=static", "compression.static.compressor={name: int8}"],
+    "raycomp_int4": ["compression.policy=static", "compression.static.compressor={name: int4}"],
     "raycomp_adaptive": [],  # the shipped default policy, untuned
 }
 #: torch baselines: which hook (for the byte model); raycomp's own plan stays dense and unused

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from controllers.policies import make_policy
+from controllers.policies.adaptive import _extra_rounds
 from controllers.service import Controller
 from raycomp import config
 from raycomp.plan import Plan
@@ -48,6 +49,8 @@ def layer_bytes(name: str, spec_name: str, params: dict) -> float:
         return (W - 1) * 8 * math.ceil(params["ratio"] * n)
     if spec_name == "int8":  # raycomp/collectives.py ScalableAllreduce: all-to-all, then all-gather
         return 2 * (W - 1) / W * (n + 8 * math.ceil(n / 2048))  # W = 2: one all-gather, the same bytes
+    if spec_name == "int4":  # two codes a byte, the same (min, max) per chunk
+        return 2 * (W - 1) / W * (math.ceil(n / 2) + 8 * math.ceil(n / 2048))
     if spec_name == "bf16":
         return 2 * (W - 1) / W * 2 * n
     return 2 * (W - 1) / W * 4 * n
@@ -90,7 +93,7 @@ class Sim:
                                "dense_bytes": layer_bytes(name, "none", {}) * (0.5 if self.sharded else 1)})
             dense = sum(layer_bytes(n, "none", {}) for n in SHAPES) * (0.5 if self.sharded else 1)
             extra = 0 if self.sharded else \
-                2 * ("powersgd" in kinds) + ("topk" in kinds) + (1 if W == 2 else 2) * ("int8" in kinds) + ("bf16" in kinds)
+                2 * ("powersgd" in kinds) + ("topk" in kinds) + (1 if W == 2 else 2) * bool({"int8", "int4"} & kinds) + ("bf16" in kinds)
             jitter = lambda: 1 + self.rng.uniform(-link.noise, link.noise)  # noqa: E731
             comm = (wire / link.bandwidth + extra * link.overhead) * jitter()
             compute = link.compute * jitter()
@@ -129,6 +132,31 @@ def test_default_policy_is_adaptive_and_registered():
     assert config.JobConfig().compression.policy == "adaptive"
     options = config.JobConfig().compression.policy_options()
     assert make_policy("adaptive", {**options, "min_compress_numel": 1024}).name == "adaptive"
+
+
+def test_the_near_lossless_rungs_go_heaviest_first_and_int4_and_int8_share_their_rounds():
+    assert config.AdaptivePolicy().near_lossless == ["int8", "bf16"]
+    assert config.AdaptivePolicy(near_lossless=["bf16", "int8", "fp16", "int4"]).near_lossless == \
+        ["int4", "int8", "bf16", "fp16"]
+    # int4 and int8 layers go out in one batch of the scalable transport (raycomp.reducer):
+    # its all-gather (W = 2) or all-to-all + all-gather (W > 2) once, not once per quantizer
+    assert _extra_rounds({"int4", "int8"}, 2) == 1
+    assert _extra_rounds({"int4", "int8", "none"}, 4) == 2
+    assert _extra_rounds({"int4", "int8", "powersgd", "bf16"}, 2) == 1 + 2 + 1
+
+
+def test_an_int4_rung_is_the_critical_start_and_is_priced_at_half_a_byte():
+    sim = Sim(near_lossless=["int4", "int8", "bf16"])
+    first = sim.run(4, SLOW)  # step 19: the first decision, every layer critical
+    assert ranks(first) == {"fc1.weight": "int4", "fc2.weight": "int4", "out.weight": "int4", "norm.weight": "int4"}
+    assert first.reason.startswith("slow link 1.2 MB/s, comm 20x compute → int4 on 4 (4 critical)")
+    # codes 16,384 + 131,072 + 2,560 + 2,048 bytes and (min, max) of 16 + 128 + 3 + 2
+    # chunks, plus the 1,034 dense bias elements in fp32, at 1.2 MB/s; one all-gather at the
+    # assumed 1 ms
+    int4_bytes = (16384 + 131072 + 2560 + 2048) + 8 * (16 + 128 + 3 + 2) + 4 * 1034
+    assert sim.details()["predicted_step_s"][0] == pytest.approx(0.05 + int4_bytes / 1.2e6 + 0.001)
+    # calm by step 39: PowerSGD, as with the default rungs
+    assert ranks(sim.run(4, SLOW)) == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1, "norm.weight": 0.01}
 
 
 def test_warm_up_is_dense_then_critical_start_then_heavy_on_a_slow_link():
@@ -256,6 +284,22 @@ def test_error_is_judged_at_every_boundary_not_only_at_the_regime_window():
     assert ranks(sim.plan)["fc1.weight"] == 1
     judged = sim.run(1, SLOW)  # 89: two samples over 0.9, between two regime windows
     assert ranks(judged)["fc1.weight"] == "int8"
+
+
+def test_a_powersgd_rank_change_does_not_restart_the_error_count():
+    # on the transformer the shift moved layers r2 -> r1 -> r4 every 20-30 steps, and each
+    # rank, too short-lived for two settled samples, restarted the count: PowerSGD ran at an
+    # error of 0.9+ for 90 steps before a layer was judged
+    sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.97, "topk": 0.6, "int8": 0.004})
+    sim.run(8, SLOW)  # step 39: rank 1 from here
+    sim.controller.policies["run"].inner.shift = 1  # as a link-driven switch would leave it
+    sim.run(1, SLOW)  # 44: rank 2 (outside the band: one strike)
+    assert ranks(sim.plan)["fc1.weight"] == 2
+    sim.run(2, SLOW)  # 49: the second strike, back to rank 1; 54
+    assert ranks(sim.plan)["fc1.weight"] == 1
+    # 59: the samples of steps 54 and 59 (PowerSGD since 39, settled from 49) judge it; a
+    # count restarted by each rank would wait for step 69
+    assert ranks(sim.run(1, SLOW))["fc1.weight"] == "int8"
 
 
 def test_without_near_lossless_rungs_a_high_error_layer_goes_one_rung_lighter():

@@ -26,7 +26,8 @@ SHAPES = [(64, 33), (5000,), (16, 8, 3, 3)]
 SPECS = {
     "summable": [("fp16", {}), ("bf16", {}), ("randomk", {"ratio": 0.05})],
     "sparse": [("topk", {"ratio": 0.02}), ("dgc_topk", {"ratio": 0.02}), ("threshold", {"threshold": 1.5})],
-    "scalable": [("sign", {}), ("int8", {"chunk_size": 256}), ("qsgd", {}), ("terngrad", {})],
+    "scalable": [("sign", {}), ("int8", {"chunk_size": 256}), ("int4", {"chunk_size": 256}), ("qsgd", {}),
+                 ("terngrad", {})],
     "lowrank": [("powersgd", {"rank": 2})],
 }
 
@@ -122,7 +123,7 @@ def test_mean_equals_mean_of_what_each_rank_sent(results, name):
         torch.testing.assert_close(entry[0].float(), expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("name", ["sign", "int8", "qsgd", "terngrad"])
+@pytest.mark.parametrize("name", ["sign", "int8", "int4", "qsgd", "terngrad"])
 def test_scalable_allreduce_averages_chunks(results, name):
     w, per_rank = results
     for layer, (mean, _, _) in enumerate(per_rank[0][name][:-1]):  # last: overhead
@@ -130,10 +131,11 @@ def test_scalable_allreduce_averages_chunks(results, name):
         if w == 2:
             # one all-gather, no recompression: exactly the mean of what the ranks sent
             torch.testing.assert_close(mean, expected, rtol=1e-6, atol=1e-7)
-        elif name == "int8":
-            # one recompression of the average: at most half an 8-bit step of its chunk range
+        elif name in ("int8", "int4"):
+            # one recompression of the average: at most half a step (1/255, 1/15) of its chunk range
             span = float(expected.max() - expected.min())
-            assert float((mean - expected).abs().max()) <= span / 255 / 2 + 1e-5
+            steps = 255 if name == "int8" else 15
+            assert float((mean - expected).abs().max()) <= span / steps / 2 + 1e-5
         else:
             # unbiased/sign recompression keeps the direction: positive correlation
             cos = torch.nn.functional.cosine_similarity(mean.reshape(1, -1), expected.reshape(1, -1))
@@ -179,13 +181,15 @@ def test_tensors_handed_to_the_collectives(results):
     # scalable: one all-to-all of the packed chunks, one all-gather of the recompressed chunk;
     # at W = 2 the same bytes in one all-gather of the packed payloads (int8: a byte per
     # element and an fp32 min and max per 256-element chunk of each layer)
-    for name in ("sign", "int8", "qsgd", "terngrad"):
+    for name in ("sign", "int8", "int4", "qsgd", "terngrad"):
         if w == 2:
             assert [c[:2] for c in calls[name]] == [("all_gather", torch.uint8)], name
         else:
             assert [c[:2] for c in calls[name]] == [("all_to_all_single", torch.uint8), ("all_gather", torch.uint8)]
     if w == 2:
         assert calls["int8"][0][2] == sum(n + 8 * math.ceil(n / 256) for n in numels)
+        # int4: two codes a byte (2112 / 2, 5000 / 2, 1152 / 2), the same bounds
+        assert calls["int4"][0][2] == (1056 + 2500 + 576) + 8 * (9 + 20 + 5)
 
 
 def test_single_process_group_is_local_compression():

@@ -60,7 +60,7 @@ def round_trip(compressor: Compressor, x: torch.Tensor) -> torch.Tensor:
 def test_registry_names() -> None:
     assert set(COMPRESSORS) == {
         "none", "fp16", "bf16", "topk", "dgc_topk", "randomk", "threshold",
-        "qsgd", "terngrad", "sign", "int8", "powersgd",
+        "qsgd", "terngrad", "sign", "int8", "int4", "powersgd",
     }  # fmt: skip
     for name, cls in COMPRESSORS.items():
         assert cls.name == name
@@ -136,13 +136,14 @@ def test_sparse_values_are_the_input_values() -> None:
     assert torch.equal(y != 0, x.abs() >= 1.0)
 
 
+@pytest.mark.parametrize(("name", "steps"), [("int8", 255), ("int4", 15)])
 @pytest.mark.parametrize("chunk_size", [8, 100, 2048])
-def test_int8_error_is_at_most_half_a_step_per_chunk(chunk_size: int) -> None:
+def test_minmax_error_is_at_most_half_a_step_per_chunk(name: str, steps: int, chunk_size: int) -> None:
     x = randn((1000,), seed=5) * torch.linspace(0.01, 10, 1000)  # chunks of different ranges
-    y = round_trip(make_compressor("int8", chunk_size=chunk_size), x)
+    y = round_trip(make_compressor(name, chunk_size=chunk_size), x)
     for start in range(0, 1000, chunk_size):
         chunk, approx = x[start : start + chunk_size], y[start : start + chunk_size]
-        step = (chunk.max() - chunk.min()) / 255
+        step = (chunk.max() - chunk.min()) / steps
         assert (chunk - approx).abs().max() <= step / 2 * (1 + 1e-4) + 1e-6
         assert approx.min() >= chunk.min() - 1e-6 and approx.max() <= chunk.max() + 1e-5
 
@@ -230,6 +231,10 @@ def _wire_cases() -> list[tuple[str, dict[str, Any], tuple, torch.dtype, Any]]:
             cases.append(
                 ("int8", {"chunk_size": chunk}, shape, torch.float32, lambda x, e=expected: e)
             )
+            expected = math.ceil(n / 2) + 8 * math.ceil(n / chunk)  # two 4-bit codes a byte
+            cases.append(
+                ("int4", {"chunk_size": chunk}, shape, torch.float32, lambda x, e=expected: e)
+            )
         if len(shape) > 1:
             a, rest = shape[0], numel(shape[1:])
             for rank in (1, 4, 50):
@@ -271,6 +276,8 @@ HAND_COMPUTED = [
     ("qsgd", {"levels": 1, "bucket_size": 100}, (64, 33), {"codes": (torch.uint8, 528), "norms": (torch.float32, 22)}),
     # 2112 codes, ceil(2112 / 256) = 9 chunks of (min, max)
     ("int8", {"chunk_size": 256}, (64, 33), {"codes": (torch.uint8, 2112), "bounds": (torch.float32, 18)}),
+    # 1001 codes, two a byte -> 501 bytes; ceil(1001 / 100) = 11 chunks of (min, max)
+    ("int4", {"chunk_size": 100}, (1001,), {"codes": (torch.uint8, 501), "bounds": (torch.float32, 22)}),
     ("topk", {"ratio": 0.01}, (64, 33), {"values": (torch.float32, 22), "indices": (torch.int32, 22)}),
     ("dgc_topk", {"ratio": 0.5}, (1000,), {"values": (torch.float32, 500), "indices": (torch.int32, 500)}),
     ("randomk", {"ratio": 0.1}, (1000,), {"values": (torch.float32, 100)}),  # indices stay local

@@ -31,6 +31,7 @@ SYNC_FREE = {
     "terngrad": {},
     "sign": {},
     "int8": {"chunk_size": 256},
+    "int4": {"chunk_size": 256},
     "powersgd": {"rank": 2},
 }
 

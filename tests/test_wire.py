@@ -39,6 +39,7 @@ SPECS: dict[str, dict] = {
     "terngrad": {},
     "sign": {},
     "int8": {"chunk_size": 256},
+    "int4": {"chunk_size": 256},
     "powersgd": {"rank": 2},
 }
 MIN_COMPRESS_NUMEL = 1024
@@ -81,6 +82,8 @@ def wire_format(name: str, params: dict, shape: Sequence[int], kept: int | None 
         return [(U8, math.ceil(n * _qsgd_bits(params["levels"]) / 8)), (F32, math.ceil(n / params["bucket_size"]))]
     if name == "int8":  # N bytes + (min, max) fp32 per chunk
         return [(U8, n), (F32, 2 * math.ceil(n / params["chunk_size"]))]
+    if name == "int4":  # ceil(N / 2) bytes + (min, max) fp32 per chunk
+        return [(U8, math.ceil(n / 2)), (F32, 2 * math.ceil(n / params["chunk_size"]))]
     if name == "powersgd":  # P (rows x r) and Q (cols x r), fp32
         rows, cols = shape[0], n // shape[0]
         r = min(params["rank"], rows, cols)
@@ -98,6 +101,7 @@ def test_wire_formats_hand_computed():
     assert _bytes(wire_format("terngrad", {}, (1500,))) == 375 + 4
     assert _bytes(wire_format("qsgd", SPECS["qsgd"], (1500,))) == 750 + 3 * 4  # 4 bits, 3 buckets
     assert _bytes(wire_format("int8", SPECS["int8"], (64, 32))) == 2048 + 8 * 8
+    assert _bytes(wire_format("int4", SPECS["int4"], (1500,))) == 750 + 6 * 8  # 2 codes a byte, 6 chunks
     assert _bytes(wire_format("topk", SPECS["topk"], (96, 40), kept=77)) == 77 * 8  # ceil(76.8)
     assert _bytes(wire_format("randomk", SPECS["randomk"], (1500,))) == 75 * 4
     assert _bytes(wire_format("powersgd", SPECS["powersgd"], (96, 40))) == (96 + 40) * 2 * 4
@@ -451,8 +455,9 @@ def _check_requantized_chunk(name: str, mean: torch.Tensor, avg: torch.Tensor) -
     if name == "sign":  # (||x||_1 / N) * sign(x)
         scale = avg.abs().mean()
         torch.testing.assert_close(mean, torch.where(avg >= 0, scale, -scale), rtol=1e-4, atol=1e-6)
-    elif name == "int8":  # at most half a step of 1/255 of the range
-        assert float((mean - avg).abs().max()) <= float(avg.max() - avg.min()) / 255 / 2 + 1e-6
+    elif name in ("int8", "int4"):  # at most half a step of 1/255 (1/15) of the range
+        steps = 255 if name == "int8" else 15
+        assert float((mean - avg).abs().max()) <= float(avg.max() - avg.min()) / steps / 2 + 1e-6
     elif name == "terngrad":  # values in {-s, 0, s}, s = max |x|, never of the wrong sign
         s = avg.abs().max()
         assert bool(((mean == 0) | ((mean - s * avg.sign()).abs() <= 1e-6 * s)).all())

@@ -11,7 +11,7 @@ It combines three measurements the controller already has (options:
     ladder per compressible layer (heaviest first, dense last):
         matrix: powersgd r for r in ranks (only ranks whose factors are smaller)
         other (1-D, or PowerSGD cannot shrink it): topk ratio for ratio in topk_ratios
-        then the near-lossless rungs (near_lossless: int8, bf16), then dense
+        then the near-lossless rungs (near_lossless: int4, int8, bf16), then dense
         (sharded, i.e. FSDP: only the near-lossless rungs and dense, bytes at (W-1)/W per
         element, no extra rounds: every unit sends one all-to-all whatever it carries)
     regime (every window_steps; Accordion, per layer):
@@ -22,15 +22,16 @@ It combines three measurements the controller already has (options:
         layer leaves the lossy rungs for good: error_floor = max(error_floor + 1, first
         near-lossless rung)
     floor = error_floor, and for a critical layer + critical_boost and at least the first
-        near-lossless rung (int8); never above cap = the last near-lossless rung (bf16)
+        near-lossless rung (int4); never above cap = the last near-lossless rung (bf16)
     candidates s = 0, 1, ..., S - 1:  rung(l, s) = min(floor_l + s, cap_l); s = S: every
         layer dense (S = max(cap_l - floor_l) + 1; without near-lossless rungs cap_l is
         dense and rung(l, s) = min(floor_l + s, dense) up to S = max(dense_l - floor_l))
         predicted(s) = compute + bytes(s) / bw + extra_rounds(s) * overhead
         bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k;
-               int8 2(W-1)/W * (n + 8 n / 2048); bf16 2(W-1)/W * 2n
+               int8 2(W-1)/W * (n + 8 n / 2048); int4 2(W-1)/W * (n / 2 + 8 n / 2048);
+               bf16 2(W-1)/W * 2n
         extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer, 2 with any
-               int8 layer (all-to-all and all-gather; at W = 2 one all-gather), 1 with any
+               int8 or int4 layer (one batch: all-to-all and all-gather; at W = 2 one all-gather), 1 with any
                bf16 layer (its own all-reduce)
     choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted); while
         the round overhead is still the assumed round_seconds, dense also when
@@ -61,7 +62,7 @@ from typing import Any
 
 from controllers.policies.base import Policy
 from controllers.state import LayerHistory, RunState
-from raycomp.compressors.int8 import MinMaxInt8
+from raycomp.compressors.minmax import MinMaxInt4, MinMaxInt8
 from raycomp.plan import DENSE, CompressorSpec, Plan
 
 PATIENCE = 2  # consecutive boundaries outside the band before a link-driven switch
@@ -77,13 +78,16 @@ PRIOR_BAND = 2
 SMOOTHING = 0.5  # EMA weight of the newest measurement
 DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
 HISTORY = 32
-INT8_CHUNK = MinMaxInt8().chunk_size  # the int8 rung's chunk (its default): 2 fp32 bounds each
+#: the quantized rungs at their default chunk (2,048 elements: 2 fp32 bounds each)
+QUANTIZERS = {q.name: q() for q in (MinMaxInt4, MinMaxInt8)}
 ERROR_SAMPLES = 2  # error samples of a rung (one per control interval) before it is judged
 LOWRANK, ALLGATHER, DENSE_FAMILY = "powersgd", "topk", "none"
-QUANTIZED, CASTS = "int8", ("bf16", "fp16")  # the near-lossless rungs
+QUANTIZED, CASTS = tuple(QUANTIZERS), ("bf16", "fp16")  # the near-lossless rungs
 #: extra collective rounds per family, beyond the dense all-reduce the measured bandwidth includes
-#: (int8 at W = 2: one all-gather, see raycomp.collectives.ScalableAllreduce)
-EXTRA_ROUNDS = {LOWRANK: 2, ALLGATHER: 1, QUANTIZED: 2, **dict.fromkeys(CASTS, 1)}
+#: (the quantized rungs share one scalable collective, at W = 2 one all-gather; see
+#: raycomp.collectives.ScalableAllreduce)
+SCALABLE = "quantized"  # the quantized rungs' one batch of the scalable transport
+EXTRA_ROUNDS = {LOWRANK: 2, ALLGATHER: 1, SCALABLE: 2, **dict.fromkeys(CASTS, 1)}
 
 
 class AdaptivePolicy(Policy):
@@ -112,7 +116,10 @@ class AdaptivePolicy(Policy):
         self.critical: dict[str, bool] = {}
         self.error_floor: dict[str, int] = {}
         self.rungs: dict[str, int] = {}  # layer -> rung in the latest plan
-        self.rung_since: dict[str, int] = {}  # layer -> step its rung was decided
+        #: layer -> step from which its error samples are judged: when its compressor family
+        #: was decided, or its last error judgement (a rank change within PowerSGD does not
+        #: restart it, see _judge_errors)
+        self.rung_since: dict[str, int] = {}
         self.floors: dict[str, int] = {}  # layer -> floor rung at the latest decision
         # the choice
         self.shift: int | None = None  # None: nothing decided yet
@@ -169,8 +176,10 @@ class AdaptivePolicy(Policy):
         chosen: dict[str, CompressorSpec] = {}
         for name in layers:
             rung = self._rung(ladders[name], floors[name], current, top)
-            if self.rungs.get(name) != rung:
-                self.rungs[name], self.rung_since[name] = rung, run.step
+            old = self.rungs.get(name)
+            if old is None or ladders[name][old].name != ladders[name][rung].name:
+                self.rung_since[name] = run.step
+            self.rungs[name] = rung
             if not ladders[name][rung].is_dense:
                 chosen[name] = ladders[name][rung]
         reason = self._reason(run, layers, chosen, floors, current, top)
@@ -185,7 +194,7 @@ class AdaptivePolicy(Policy):
         return len(ladder) - (2 if self.near_lossless else 1)
 
     def _first_near_lossless(self, ladder: list[CompressorSpec]) -> int:
-        """The first near-lossless rung (int8), right after the lossy ones."""
+        """The first near-lossless rung (int4 by default), right after the lossy ones."""
         return len(ladder) - 1 - len(self.near_lossless)
 
     def _floor(self, name: str, ladder: list[CompressorSpec]) -> int:
@@ -253,10 +262,15 @@ class AdaptivePolicy(Policy):
         self.last_detect = step
 
     def _judge_errors(self, run: RunState, layers: dict[str, LayerHistory]) -> None:
-        """At every boundary: a layer whose current rung's error, averaged over the samples
-        of the last window taken after the rung arrived (at least ERROR_SAMPLES of them),
-        exceeds max_error gets a higher floor. No need to wait for the regime window: the
-        error of a rung does not depend on a comparison between windows."""
+        """At every boundary: a layer whose error, averaged over the samples of the last
+        window taken after its compressor family arrived or its floor last moved for error
+        (at least ERROR_SAMPLES of them), exceeds max_error gets a higher floor. No need to
+        wait for the regime window: the error of a rung does not depend on a comparison
+        between windows. A PowerSGD rank that the link-driven shift changes does not restart
+        the count: on the transformer the shift moved 12 layers r2 -> r1 -> r4 every 20-30
+        steps, each rank too short-lived for two settled samples, and the layers ran
+        PowerSGD at an error of 0.9+ from step 59 to 149 before one was judged (a higher
+        rank barely lowers that error, see max_error)."""
         for name, h in layers.items():
             if name not in self.rungs:
                 continue
@@ -269,7 +283,7 @@ class AdaptivePolicy(Policy):
             first = self._first_near_lossless(ladder)
             if self.near_lossless and self.rungs[name] < first:  # out of the lossy rungs
                 raised = max(raised, first)
-            self.error_floor[name] = raised
+            self.error_floor[name], self.rung_since[name] = raised, run.step  # judge anew from here
 
     # --- the cost model ---------------------------------------------------------------------
     def _compressible(self, run: RunState) -> dict[str, LayerHistory]:
@@ -313,8 +327,8 @@ class AdaptivePolicy(Policy):
             elif spec.name == ALLGATHER:
                 k = max(1, min(h.numel, math.ceil(dict(spec.params)["ratio"] * h.numel)))
                 total += (w - 1) * k * (element + 4)
-            elif spec.name == QUANTIZED:  # one byte per element, an fp32 (min, max) per chunk
-                total += allreduce * (h.numel + 8 * math.ceil(h.numel / INT8_CHUNK))
+            elif spec.name in QUANTIZED:  # packed codes, an fp32 (min, max) per chunk
+                total += allreduce * QUANTIZERS[spec.name].wire_bytes(h.numel)
             elif spec.name in CASTS:
                 total += allreduce * 2 * h.numel
             else:
@@ -404,8 +418,10 @@ def _mean(values: list[float]) -> float | None:
 
 def _extra_rounds(families: set[str], world_size: int) -> int:
     """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes)."""
-    rounds = {**EXTRA_ROUNDS, QUANTIZED: 1} if world_size == 2 else EXTRA_ROUNDS
-    return sum(rounds.get(f, 0) for f in families)
+    rounds = {**EXTRA_ROUNDS, SCALABLE: 1} if world_size == 2 else EXTRA_ROUNDS
+    # int4 and int8 layers travel in one batch of the scalable transport: its rounds once
+    batches = {SCALABLE if f in QUANTIZED else f for f in families}
+    return sum(rounds.get(b, 0) for b in batches)
 
 
 def _matrix(h: LayerHistory) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from typing import Any
 from raycomp.compressors.base import Compressor, Transport
 from raycomp.compressors.casts import Bf16, Fp16
 from raycomp.compressors.dense import Dense
-from raycomp.compressors.int8 import MinMaxInt8
+from raycomp.compressors.minmax import MinMaxInt4, MinMaxInt8
 from raycomp.compressors.powersgd import PowerSGD
 from raycomp.compressors.qsgd import QSGD
 from raycomp.compressors.randomk import RandomK
@@ -42,6 +42,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
         TernGrad,
         ScaledSign,
         MinMaxInt8,
+        MinMaxInt4,
         PowerSGD,
     )
 }

@@ -96,11 +96,16 @@ class AdaptivePolicy(_Strict):
     #: the number of ranks, which the cost model accounts for.
     topk_ratios: list[Annotated[float, Field(gt=0, le=1)]] = [0.01, 0.1]
     #: Near-lossless rungs between the lossy ones and dense, heaviest first: int8 (4x fewer
-    #: bytes, min-max per 2,048 elements, all-to-all + all-gather) and bf16 (2x, one more
-    #: all-reduce). Both keep dense's per-step progress (relative error ~0.004), so a layer
-    #: whose lossy error stays above ``max_error`` lands here instead of on dense, and a link
-    #: too fast for PowerSGD but too slow for dense gets them too. ``[]``: lossy or dense.
-    near_lossless: list[Literal["int8", "bf16", "fp16"]] = ["int8", "bf16"]
+    #: bytes, min-max per 2,048 elements, all-to-all + all-gather; at 2 ranks one
+    #: all-gather) and bf16 (2x, one more all-reduce). Both keep dense's per-step progress
+    #: (relative error ~0.004), so a layer whose lossy error stays above ``max_error`` lands
+    #: here instead of on dense, and a link too fast for PowerSGD but too slow for dense
+    #: gets them too. ``[]``: lossy or dense. ``int4`` (8x, in the same batch as int8) is
+    #: on the menu but not in the default: as the first rung it took the critical start and
+    #: the error floors, and on the KJV transformer at 100 Mbit/s the runs, which also spend
+    #: steps 60-100 on PowerSGD, then missed dense's loss target on 2 of 3 seeds; static
+    #: int4 alone held it on 3 of 3 (docs/benchmarks/e2e-gpt-100mbit-int4.md).
+    near_lossless: list[Literal["int4", "int8", "bf16", "fp16"]] = ["int8", "bf16"]
     #: The run reduce-scatters its gradients (FSDP; raycomp sets it for ``strategy="fsdp"``):
     #: the ladders hold only the near-lossless rungs and dense (what a reduce-scatter row can
     #: carry; PowerSGD and Top-K cannot), bytes are priced at (W-1)/W per element instead of
@@ -123,8 +128,9 @@ class AdaptivePolicy(_Strict):
     #: regime detection off.
     critical_boost: Annotated[int, Field(ge=0, le=16)] = 2
     #: A layer whose measured relative compression error ||c - sent|| / ||c|| over a window
-    #: exceeds this leaves the lossy rungs for the rest of the run: it moves to the first
-    #: near-lossless rung (one rung lighter if it is already there or there is none; never
+    #: (its samples since its compressor family arrived: a PowerSGD rank change does not
+    #: restart the count) exceeds this leaves the lossy rungs for the rest of the run: it
+    #: moves to the first near-lossless rung (one rung lighter if it is already there or there is none; never
     #: back: no flapping). With error feedback PowerSGD runs at 0.7-0.93 on the digits MLP
     #: and still matches dense accuracy; on the KJV transformer its error climbs from 0.7-0.9
     #: to 0.94-0.98 within 100 steps and it falls behind dense per step from there. Above
@@ -166,6 +172,7 @@ class AdaptivePolicy(_Strict):
     @classmethod
     def _near_lossless(cls, values: list[str]) -> list[str]:
         unique = list(dict.fromkeys(values))
-        return sorted(unique, key=lambda name: name != "int8")  # int8 (1 byte) first, then the casts
+        heaviest = {"int4": 0, "int8": 1}  # half a byte, one byte, then the casts (two)
+        return sorted(unique, key=lambda name: heaviest.get(name, 2))
 
 

@@ -1,11 +1,12 @@
-"""8-bit min-max quantization per chunk (ByteGrad-like)."""
+"""Min-max quantization per chunk: 8 bits (ByteGrad-like) and 4 bits."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from raycomp.bitpack import pack_bits, packed_nbytes, unpack_bits
 from raycomp.compressors.base import Compressor, Transport, check_int
 from raycomp.payload import Payload
 
@@ -19,17 +20,24 @@ class MinMaxInt8(Compressor):
 
         q_i = round((x_i - min_c) / (max_c - min_c) * 255),   x_i ~ min_c + q_i * (max_c - min_c) / 255
 
-    Wire: ``N`` bytes + two fp32 (min, max) per chunk.
+    Nearest rounding is deterministic, so the compressor is biased and runs with error
+    feedback. Wire: ``N`` bytes + two fp32 (min, max) per chunk.
     """
 
     name = "int8"
     transport = Transport.SCALABLE
+    #: bits per code; ``2**bits - 1`` steps between a chunk's minimum and maximum
+    bits: ClassVar[int] = 8
 
     def __init__(self, chunk_size: int = 2048) -> None:
         self.chunk_size = check_int("chunk_size", chunk_size, 8)
 
     def params(self) -> dict[str, Any]:
         return {"chunk_size": self.chunk_size}
+
+    def wire_bytes(self, numel: int) -> int:
+        """Payload bytes for ``numel`` elements: the packed codes and two fp32 per chunk."""
+        return packed_nbytes(numel, self.bits) + 8 * -(-numel // self.chunk_size)
 
     def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
         x = flat.float()
@@ -40,7 +48,7 @@ class MinMaxInt8(Compressor):
         chunks = x.view(-1, self.chunk_size)
         low, high = chunks.amin(dim=1), chunks.amax(dim=1)  # 6x faster here than aminmax(dim=1)
         span = high - low
-        scale = torch.where(span > 0, 255 / span, 0.0)[:, None]
+        scale = torch.where(span > 0, (2**self.bits - 1) / span, 0.0)[:, None]
         offset = 0.5 - low[:, None] * scale  # + 0.5, then truncation by the uint8 cast = rounding
         codes = torch.empty(chunks.shape, dtype=torch.uint8, device=chunks.device)
         rows = chunks.shape[0] if chunks.is_cuda else max(1, CPU_BLOCK_ELEMENTS // self.chunk_size)
@@ -53,14 +61,34 @@ class MinMaxInt8(Compressor):
             torch.addcmul(offset[start:stop], chunks[start:stop], scale[start:stop], out=block)
             codes[start:stop].copy_(block)
         bounds = torch.stack([low, high], dim=1)
-        return Payload({"codes": codes.reshape(-1)[:n], "bounds": bounds}, shape, dtype)
+        return Payload({"codes": pack_bits(codes.reshape(-1)[:n], self.bits), "bounds": bounds}, shape, dtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        codes, bounds = payload.tensors["codes"], payload.tensors["bounds"]
         n = payload.numel
+        codes = unpack_bits(payload.tensors["codes"], self.bits, n)
+        bounds = payload.tensors["bounds"]
         pad = (-n) % self.chunk_size
         if pad:
             codes = torch.cat([codes, codes.new_zeros(pad)])
         low, high = bounds[:, 0:1], bounds[:, 1:2]
-        values = torch.addcmul(low, codes.view(-1, self.chunk_size).float(), (high - low) / 255)
+        values = torch.addcmul(low, codes.view(-1, self.chunk_size).float(), (high - low) / (2**self.bits - 1))
         return values.reshape(-1)[:n].to(payload.dtype).reshape(payload.shape)
+
+
+class MinMaxInt4(MinMaxInt8):
+    """:class:`MinMaxInt8` at 4 bits: 15 steps between each chunk's minimum and maximum,
+    two codes packed per byte. The 4-bit setting of the min-max quantizers that QSGD
+    (Alistarh et al., NeurIPS 2017) and ByteGrad bracket; here deterministic (nearest
+    rounding), so it runs with error feedback (Karimireddy et al., ICML 2019) like Top-K
+    and PowerSGD. A step is 1/15 of the chunk's range instead of 1/255: relative error
+    about 0.13 on a Gaussian chunk of 2,048 against int8's 0.008, which error feedback
+    carries into the next steps. On the KJV transformer at 100 Mbit/s (3 seeds, the same
+    hour) it reached the loss target at the same steps as int8, in 94.4 s against 119.6 s,
+    with steps of 550 ms against 776 ms and a final loss 0.07% above int8's
+    (docs/benchmarks/e2e-gpt-100mbit-int4.md).
+
+    Wire: ``ceil(N / 2)`` bytes + two fp32 (min, max) per chunk.
+    """
+
+    name = "int4"
+    bits = 4
