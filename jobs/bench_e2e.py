@@ -1,4 +1,4 @@
-"""End-to-end benchmark: time to target of 14 methods, 2 Ray nodes over a veth link.
+"""End-to-end benchmark: time to target of 15 methods, 2 Ray nodes over a veth link.
 
 Two network namespaces joined by a veth pair (:mod:`jobs.netns`) each hold one Ray node
 with one CPU: the head in ``a``, a worker node in ``b``. The driver runs inside ``a``. Each
@@ -59,7 +59,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-HELP = "time to target of 14 methods over a 2-node link (network namespaces)"
+HELP = "time to target of 15 methods over a 2-node link (network namespaces)"
 NAME = "e2e"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let runs stop once the target held twice (workload.stop_at_target; needs "
                              "a fixed --target and a training loop that honours it)")
     parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
-                        help="ddp (default: DDP, the 14 methods) or fsdp (FSDP2: FSDP's own reduce-scatter "
+                        help="ddp (default: DDP, the 15 methods) or fsdp (FSDP2: FSDP's own reduce-scatter "
                              "fp32/bf16 against raycomp's compressed one; reports fsdp-<workload>-<link>.*)")
     parser.add_argument("--methods", default=None,
                         help="comma-separated subset, or 'all' (default: all; quick: "
