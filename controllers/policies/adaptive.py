@@ -11,7 +11,7 @@ It combines three measurements the controller already has (options:
     ladder per compressible layer (heaviest first, dense last):
         matrix: powersgd r for r in ranks (only ranks whose factors are smaller)
         other (1-D, or PowerSGD cannot shrink it): topk ratio for ratio in topk_ratios
-        then the near-lossless rungs (near_lossless: int4, int8, bf16), then dense
+        then the near-lossless rungs (near_lossless: int8, bf16; int4 first if named), then dense
         (sharded, i.e. FSDP: only the near-lossless rungs and dense, bytes at (W-1)/W per
         element, no extra rounds: every unit sends one all-to-all whatever it carries)
     regime (every window_steps; Accordion, per layer):
@@ -22,7 +22,7 @@ It combines three measurements the controller already has (options:
         layer leaves the lossy rungs for good: error_floor = max(error_floor + 1, first
         near-lossless rung)
     floor = error_floor, and for a critical layer + critical_boost and at least the first
-        near-lossless rung (int4); never above cap = the last near-lossless rung (bf16)
+        near-lossless rung (int8); never above cap = the last near-lossless rung (bf16)
     candidates s = 0, 1, ..., S - 1:  rung(l, s) = min(floor_l + s, cap_l); s = S: every
         layer dense (S = max(cap_l - floor_l) + 1; without near-lossless rungs cap_l is
         dense and rung(l, s) = min(floor_l + s, dense) up to S = max(dense_l - floor_l))
@@ -31,8 +31,8 @@ It combines three measurements the controller already has (options:
                int8 2(W-1)/W * (n + 8 n / 2048); int4 2(W-1)/W * (n / 2 + 8 n / 2048);
                bf16 2(W-1)/W * 2n
         extra_rounds: 2 with any PowerSGD layer (P and Q), 1 with any Top-K layer, 2 with any
-               int8 or int4 layer (one batch: all-to-all and all-gather; at W = 2 one all-gather), 1 with any
-               bf16 layer (its own all-reduce)
+               int8 or int4 layer (one batch: all-to-all and all-gather; at W = 2 one
+               all-gather), 1 with any bf16 layer (its own all-reduce)
     choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted); while
         the round overhead is still the assumed round_seconds, dense also when
         predicted(dense) <= (1 + PRIOR_BAND * slack) * min(predicted) (a saving predicted
@@ -194,7 +194,7 @@ class AdaptivePolicy(Policy):
         return len(ladder) - (2 if self.near_lossless else 1)
 
     def _first_near_lossless(self, ladder: list[CompressorSpec]) -> int:
-        """The first near-lossless rung (int4 by default), right after the lossy ones."""
+        """The first near-lossless rung (int8 by default), right after the lossy ones."""
         return len(ladder) - 1 - len(self.near_lossless)
 
     def _floor(self, name: str, ladder: list[CompressorSpec]) -> int:
