@@ -74,7 +74,7 @@ def test_fsdp_killed_worker_resumes_bit_for_bit_from_a_distributed_checkpoint(ra
     ("compression.policy=critical", r"^compression\.policy: 'critical' chooses Top-K"),
     ("compression.static.compressor={name: topk, ratio: 0.01}",
      r"^compression\.static\.compressor: 'topk' cannot compress a reduce-scatter shard; allowed with "
-     r"scaling\.strategy=fsdp: none, bf16, fp16, int8, qsgd, sign, terngrad"),
+     r"scaling\.strategy=fsdp: none, bf16, fp16, int4, int8, qsgd, sign, terngrad"),
     ("compression.memory=dgc", r"^compression\.memory: 'dgc' is not available"),
 ])
 def test_fsdp_refuses_what_a_sharded_reduce_scatter_cannot_carry_before_ray_starts(tmp_path, override, message):
