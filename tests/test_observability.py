@@ -39,6 +39,16 @@ def query(base: str, expr: str) -> list[dict]:
     return answer["data"]["result"]
 
 
+def query_range(base: str, expr: str, start: float, end: float, step: float = 2.0) -> list[dict]:
+    """``expr`` evaluated every ``step`` seconds from ``start`` to ``end``, as a dashboard
+    panel shows it over a time range."""
+    url = f"{base}/api/v1/query_range?" + urllib.parse.urlencode(
+        {"query": expr, "start": start, "end": end, "step": step})
+    answer = json.loads(scrape(url))
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     while True:
@@ -84,10 +94,16 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     name = f"ctl-prom-{tmp_path.name}"[:60]  # unique: the detached actor outlives this test in the session's cluster
     config, run_id, output = prepare([
         "--config", DIGITS, "--output", str(tmp_path / "run"), "--run-id", run_id,
+        # each evaluation 2 s longer: Prometheus (1 s scrapes) sees the fallback counter at 0
+        # before the step-30 fault and at 1 after it. Without the pause the whole run trained
+        # in 1.6 s here and the counter could be first scraped at 1, which the fallback
+        # annotation's changes(...[1m]) shows as no change (2026-11-24, a fast hour)
         "workload.epochs=3", "faults.nan_at_step=30", "compression.guard.stable_steps=10",
+        "faults.slow_eval_seconds=2",
         f"controller.name={name}", "controller.metrics_port=0",
         f"controller.metrics_sd_file={sd_file}",
     ])
+    started = time.time()
     summary = run(config, run_id, output)
     assert summary["status"] == "succeeded"
     import ray
@@ -108,7 +124,10 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     exprs += [a["expr"] for a in board["annotations"]["list"]]
     assert len(exprs) == sum(len(m.panels) for m in CATALOGUE) + 1
-    empty = [e for e in exprs if not query(base, e.replace("$run", run_id))]
+    # over the run's time range, as the dashboard shows it: a windowed expression such as
+    # changes(...[1m]) has data only within a minute of its event, not at any one instant
+    ended = time.time()
+    empty = [e for e in exprs if not query_range(base, e.replace("$run", run_id), started, ended)]
     assert not empty, f"queries without data: {empty}"
     rules = json.loads(scrape(f"{base}/api/v1/rules"))["data"]["groups"]
     assert {r["name"] for g in rules for r in g["rules"]} == {"RaycompFallbackStuck", "RaycompNoReports"}

@@ -165,7 +165,7 @@ class AdaptivePolicy(_Strict):
     @model_validator(mode="after")
     def _some_rung(self) -> AdaptivePolicy:
         if self.sharded and not self.near_lossless:
-            raise ValueError("sharded: true needs at least one near_lossless rung (int8, bf16, fp16)")
+            raise ValueError("sharded: true needs at least one near_lossless rung (int4, int8, bf16, fp16)")
         return self
 
     @field_validator("near_lossless")

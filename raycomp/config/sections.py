@@ -235,7 +235,7 @@ class CompressionSection(_Strict):
                              "allowed: residual, none")
         if self.policy == "adaptive" and not self.adaptive.near_lossless:
             raise ValueError("compression.adaptive.near_lossless: empty, but with scaling.strategy=fsdp the "
-                             "adaptive policy chooses among them only; allowed: int8, bf16, fp16")
+                             "adaptive policy chooses among them only; allowed: int4, int8, bf16, fp16")
         named = ([("compression.static.compressor", self.static.compressor)] if self.policy == "static" else
                  [(f"compression.schedule.stages[{i}].compressor", st.compressor)
                   for i, st in enumerate(self.schedule.stages)] if self.policy == "schedule" else [])
