@@ -288,8 +288,8 @@ def test_error_is_judged_at_every_boundary_not_only_at_the_regime_window():
 
 def test_a_powersgd_rank_change_does_not_restart_the_error_count():
     # on the transformer the shift moved layers r2 -> r1 -> r4 every 20-30 steps, and each
-    # rank, too short-lived for two settled samples, restarted the count: PowerSGD ran at an
-    # error of 0.9+ for 90 steps before a layer was judged
+    # rank, too short-lived for two settled samples, restarted the count: PowerSGD ran for
+    # 90 steps before a layer was judged (over 0.9 by then)
     sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.97, "topk": 0.6, "int8": 0.004})
     sim.run(8, SLOW)  # step 39: rank 1 from here
     sim.controller.policies["run"].inner.shift = 1  # as a link-driven switch would leave it

@@ -269,8 +269,8 @@ class AdaptivePolicy(Policy):
         between windows. A PowerSGD rank that the link-driven shift changes does not restart
         the count: on the transformer the shift moved 12 layers r2 -> r1 -> r4 every 20-30
         steps, each rank too short-lived for two settled samples, and the layers ran
-        PowerSGD at an error of 0.9+ from step 59 to 149 before one was judged (a higher
-        rank barely lowers that error, see max_error)."""
+        PowerSGD from step 59 to 149 before one was judged, its error over 0.9 by then (a
+        higher rank barely lowers that error, see max_error)."""
         for name, h in layers.items():
             if name not in self.rungs:
                 continue
