@@ -32,21 +32,21 @@ def scrape(url: str) -> str:
         return answer.read().decode()
 
 
-def query(base: str, expr: str) -> list[dict]:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    answer = json.loads(scrape(url))
+def _api(base: str, endpoint: str, params: dict) -> list[dict]:
+    """The result of a Prometheus HTTP API query (``/api/v1/<endpoint>``)."""
+    answer = json.loads(scrape(f"{base}/api/v1/{endpoint}?" + urllib.parse.urlencode(params)))
     assert answer["status"] == "success", answer
     return answer["data"]["result"]
+
+
+def query(base: str, expr: str) -> list[dict]:
+    return _api(base, "query", {"query": expr})
 
 
 def query_range(base: str, expr: str, start: float, end: float, step: float = 2.0) -> list[dict]:
     """``expr`` evaluated every ``step`` seconds from ``start`` to ``end``, as a dashboard
     panel shows it over a time range."""
-    url = f"{base}/api/v1/query_range?" + urllib.parse.urlencode(
-        {"query": expr, "start": start, "end": end, "step": step})
-    answer = json.loads(scrape(url))
-    assert answer["status"] == "success", answer
-    return answer["data"]["result"]
+    return _api(base, "query_range", {"query": expr, "start": start, "end": end, "step": step})
 
 
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.5):
