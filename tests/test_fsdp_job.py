@@ -34,10 +34,11 @@ def test_fsdp_adaptive_run_compresses_each_unit_on_a_slow_link_and_keeps_accurac
         assert (mine["plan_version"], mine["plan_digest"]) == (theirs["plan_version"], theirs["plan_digest"])
     layers = {name: spec["name"] for name, spec in summary["final_plan"]["layers"].items()}
     assert layers and set(layers) <= UNITS, layers  # the plan names units, not parameters
-    assert set(layers.values()) <= {"int8", "bf16"}, layers  # what a reduce-scatter row carries
+    assert set(layers.values()) <= {"int4", "int8", "bf16"}, layers  # what a reduce-scatter row carries
     # measured: every unit stays critical on this short run (Accordion's rule: light compression,
-    # bf16, two rungs lighter than int8) from the first decision at step 9: 0.59 of dense's bytes
-    assert summary["wire_bytes_total"] < 0.7 * summary["dense_bytes_total"]
+    # the first near-lossless rung, int4) from the first decision at step 9: 0.28 of dense's
+    # bytes, dense warm-up included (0.59 when critical units were boosted two rungs, to bf16)
+    assert summary["wire_bytes_total"] < 0.35 * summary["dense_bytes_total"]
     assert summary["plan_switches"] >= 1
     assert summary["final_eval_accuracy"] >= 0.9  # dense DDP: 0.930 on this job
 

@@ -9,9 +9,11 @@ It combines three measurements the controller already has (options:
         compute <- EMA(compute_seconds)
         (``bandwidth`` set: bw is that, never measured)
     ladder per compressible layer (heaviest first, dense last):
-        matrix: powersgd r for r in ranks (only ranks whose factors are smaller)
-        other (1-D, or PowerSGD cannot shrink it): topk ratio for ratio in topk_ratios
-        then the near-lossless rungs (near_lossless: int8, bf16; int4 first if named), then dense
+        lossy rungs, unless lossy is "never" (raycomp.train sets it for an optimizer whose
+        update is not linear in the gradient, e.g. AdamW):
+            matrix: powersgd r for r in ranks (only ranks whose factors are smaller)
+            other (1-D, or PowerSGD cannot shrink it): topk ratio for ratio in topk_ratios
+        then the near-lossless rungs (near_lossless: int4, int8, bf16), then dense
         (sharded, i.e. FSDP: only the near-lossless rungs and dense, bytes at (W-1)/W per
         element, no extra rounds: every unit sends one all-to-all whatever it carries)
     regime (every window_steps; Accordion, per layer):
@@ -21,8 +23,9 @@ It combines three measurements the controller already has (options:
         the last window (>= 2 samples taken after the rung arrived) > max_error  =>  the
         layer leaves the lossy rungs for good: error_floor = max(error_floor + 1, first
         near-lossless rung)
-    floor = error_floor, and for a critical layer + critical_boost and at least the first
-        near-lossless rung (int8); never above cap = the last near-lossless rung (bf16)
+    floor = error_floor; for a critical layer (critical_boost > 0) at least the first
+        near-lossless rung (int4), or without near-lossless rungs + critical_boost; never
+        above cap = the last near-lossless rung (bf16)
     candidates s = 0, 1, ..., S - 1:  rung(l, s) = min(floor_l + s, cap_l); s = S: every
         layer dense (S = max(cap_l - floor_l) + 1; without near-lossless rungs cap_l is
         dense and rung(l, s) = min(floor_l + s, dense) up to S = max(dense_l - floor_l))
@@ -98,6 +101,7 @@ class AdaptivePolicy(Policy):
         self.ranks = sorted({int(r) for r in options["ranks"]})
         self.ratios = sorted({float(r) for r in options["topk_ratios"]})
         self.near_lossless = [str(n) for n in options["near_lossless"]]
+        self.lossy = options.get("lossy", "auto") != "never"  # "auto" unresolved: as "always"
         self.sharded = bool(options.get("sharded", False))
         self.threshold = float(options["threshold"])
         self.window = int(options["window_steps"])
@@ -194,19 +198,19 @@ class AdaptivePolicy(Policy):
         return len(ladder) - (2 if self.near_lossless else 1)
 
     def _first_near_lossless(self, ladder: list[CompressorSpec]) -> int:
-        """The first near-lossless rung (int8 by default), right after the lossy ones."""
+        """The first near-lossless rung (int4 by default), right after the lossy ones."""
         return len(ladder) - 1 - len(self.near_lossless)
 
     def _floor(self, name: str, ladder: list[CompressorSpec]) -> int:
-        """The error floor, raised for a critical layer: critical_boost rungs, and with
-        near-lossless rungs at least the first of them (Accordion's "light compression in a
-        critical regime"; on the transformer PowerSGD rank 8 through the critical start,
-        steps 20-40, cost 0.006 of validation loss that the run never made up)."""
+        """The error floor, raised for a critical layer (Accordion's "light compression in a
+        critical regime"): to the first near-lossless rung, or critical_boost rungs without
+        them. On the transformer PowerSGD rank 8 through the critical start, steps 20-40,
+        cost 0.006 of validation loss that the run never made up. A near-lossless rung is
+        light already, so a layer on one (after its error, or with no lossy rungs) stays
+        there: boosting it put FSDP's critical units and error-floored layers on bf16."""
         floor = self.error_floor.get(name, 0)
-        if self.critical.get(name):
-            floor += self.boost
-            if self.near_lossless and self.boost:
-                floor = max(floor, self._first_near_lossless(ladder))
+        if self.critical.get(name) and self.boost:
+            floor = max(floor, self._first_near_lossless(ladder)) if self.near_lossless else floor + self.boost
         return min(floor, self._cap(ladder))
 
     def _rung(self, ladder: list[CompressorSpec], floor: int, shift: int, top: int) -> int:
@@ -303,7 +307,7 @@ class AdaptivePolicy(Policy):
     def _ladder(self, run: RunState, h: LayerHistory) -> list[CompressorSpec]:
         rows, cols = _matrix(h)
         ranks = [r for r in self.ranks if (rows + cols) * min(r, rows, cols) < rows * cols]
-        lossy = ([] if self.sharded else [self._spec(LOWRANK, r) for r in ranks] if ranks
+        lossy = ([] if self.sharded or not self.lossy else [self._spec(LOWRANK, r) for r in ranks] if ranks
                  else [self._spec(ALLGATHER, r) for r in self.ratios])
         return [*lossy, *(self._spec(n) for n in self.near_lossless), DENSE]
 
@@ -362,6 +366,7 @@ class AdaptivePolicy(Policy):
         extras = [f"{critical} critical"] if critical else []
         extras += [f"{raised} lighter for error"] if raised else []
         extras += [f"{dense} dense"] if dense else []
+        extras += ["lossy rungs off"] if not self.lossy and not self.sharded else []
         tail = f" ({', '.join(extras)})" if extras else ""
         return (f"{link} → {'; '.join(parts)}{tail}; "
                 f"{best_s * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms")
@@ -372,7 +377,7 @@ class AdaptivePolicy(Policy):
             "bandwidth_bytes_per_s": self.bw, "bandwidth_assumed": self.assumed_bw is not None,
             "round_overhead_s": self.overhead, "round_overhead_measured": self.overhead_measured,
             "compute_s": self.compute, "predicted_step_s": list(self.predicted),
-            "shift": self.shift, "dense": self.dense_chosen, "switches": self.switches,
+            "shift": self.shift, "dense": self.dense_chosen, "switches": self.switches, "lossy": self.lossy,
             "critical_layers": sorted(n for n, c in self.critical.items() if c),
             "error_floor": dict(self.error_floor), "last_detection_step": self.last_detect,
             "history": list(self.history),

@@ -95,17 +95,30 @@ class AdaptivePolicy(_Strict):
     #: factors are not smaller), heaviest first. Top-K is all-gathered: its bytes grow with
     #: the number of ranks, which the cost model accounts for.
     topk_ratios: list[Annotated[float, Field(gt=0, le=1)]] = [0.01, 0.1]
-    #: Near-lossless rungs between the lossy ones and dense, heaviest first: int8 (4x fewer
-    #: bytes, min-max per 2,048 elements, all-to-all + all-gather; at 2 ranks one
-    #: all-gather) and bf16 (2x, one more all-reduce). Both keep dense's per-step progress
-    #: (relative error ~0.004), so a layer whose lossy error stays above ``max_error`` lands
-    #: here instead of on dense, and a link too fast for PowerSGD but too slow for dense
-    #: gets them too. ``[]``: lossy or dense. ``int4`` (8x, in the same batch as int8) is
-    #: on the menu but not in the default: as the first rung it took the critical start and
-    #: the error floors, and on the KJV transformer at 100 Mbit/s the runs, which also spend
-    #: steps 60-100 on PowerSGD, then missed dense's loss target on 2 of 3 seeds; static
-    #: int4 alone held it on 3 of 3 (docs/benchmarks/e2e-gpt-100mbit-int4.md).
-    near_lossless: list[Literal["int4", "int8", "bf16", "fp16"]] = ["int8", "bf16"]
+    #: Near-lossless rungs between the lossy ones and dense, heaviest first: int4 (8x fewer
+    #: bytes) and int8 (4x), min-max per 2,048 elements in one batch of the scalable
+    #: transport (all-to-all + all-gather; at 2 ranks one all-gather), and bf16 (2x, one
+    #: more all-reduce). With error feedback they keep dense's per-step progress (relative
+    #: error on the KJV transformer: 0.17-0.23 for int4, ~0.01 for int8), so a critical
+    #: layer, a layer whose lossy error stays above ``max_error``, and a run whose optimizer
+    #: rules the lossy rungs out (see ``lossy``) land here instead of on dense; a link too
+    #: fast for the lossy rungs but too slow for dense gets them too. Measured at 100 Mbit/s, static int4 reached dense's
+    #: target in as many steps as int8 and dense on the KJV transformer (94.4 s against int8's
+    #: 119.6 s) and the Fashion-MNIST CNN (docs/benchmarks/e2e-gpt-100mbit-int4.md,
+    #: e2e-cnn-100mbit-int4.md). ``[]``: lossy or dense.
+    near_lossless: list[Literal["int4", "int8", "bf16", "fp16"]] = ["int4", "int8", "bf16"]
+    #: Whether the ladders offer the lossy rungs (PowerSGD, Top-K). "auto":
+    #: ``raycomp.train.prepare_model`` decides from the optimizer: yes for SGD (with or
+    #: without momentum, Nesterov, weight decay) and ASGD, whose update is linear in the
+    #: gradient, so error feedback only delays what a lossy rung holds back; no for every
+    #: other optimizer (Adam, AdamW, Adagrad, RMSprop, Lion, ...), whose update is not: Tang
+    #: et al., "1-bit Adam", ICML 2021, found error-compensated compression does not work with
+    #: Adam's variance term. Measured here: on the KJV transformer (AdamW) every plan that
+    #: held PowerSGD or Top-K for long lost validation loss, while the Fashion-MNIST CNN (SGD)
+    #: reached its target fastest on torch's PowerSGD. "always" / "never" force it ("never"
+    #: needs a near-lossless rung; "auto" with ``near_lossless: []`` keeps the lossy rungs).
+    #: A run registered without ``prepare_model`` (the hook alone) reads "auto" as "always".
+    lossy: Literal["auto", "always", "never"] = "auto"
     #: The run reduce-scatters its gradients (FSDP; raycomp sets it for ``strategy="fsdp"``):
     #: the ladders hold only the near-lossless rungs and dense (what a reduce-scatter row can
     #: carry; PowerSGD and Top-K cannot), bytes are priced at (W-1)/W per element instead of
@@ -119,13 +132,13 @@ class AdaptivePolicy(_Strict):
     #: Steps per regime window (Accordion detects every few epochs; here, in steps). Use
     #: about an epoch or 5-10 control intervals; it is also how often error is re-judged.
     window_steps: Annotated[int, Field(ge=1)] = 50
-    #: How many rungs lighter a critical layer goes (rank 1 -> rank 4 with the default
-    #: ranks, Accordion's heavy/light PowerSGD pair); with near-lossless rungs a critical
-    #: layer goes at least to the first of them (int8): on the KJV transformer PowerSGD
-    #: rank 8 through the critical start cost validation loss the run never made up, while
-    #: int8 and bf16 matched dense to 4 digits. Floors stop at the last near-lossless rung:
-    #: dense is the all-dense candidate and the guard's fallback, never a floor. 0 turns
-    #: regime detection off.
+    #: How many rungs lighter a critical layer goes without near-lossless rungs (rank 1 ->
+    #: rank 4 with the default ranks, Accordion's heavy/light PowerSGD pair). With
+    #: near-lossless rungs a critical layer goes to the first of them (int4), or stays on a
+    #: lighter rung its error put it on: on the KJV transformer PowerSGD rank 8 through the
+    #: critical start cost validation loss the run never made up, while int4, int8 and bf16
+    #: matched dense. Floors stop at the last near-lossless rung: dense is the all-dense
+    #: candidate and the guard's fallback, never a floor. 0 turns regime detection off.
     critical_boost: Annotated[int, Field(ge=0, le=16)] = 2
     #: A layer whose measured relative compression error ||c - sent|| / ||c|| over a window
     #: (its samples since its compressor family arrived: a PowerSGD rank change does not
@@ -166,6 +179,8 @@ class AdaptivePolicy(_Strict):
     def _some_rung(self) -> AdaptivePolicy:
         if self.sharded and not self.near_lossless:
             raise ValueError("sharded: true needs at least one near_lossless rung (int4, int8, bf16, fp16)")
+        if self.lossy == "never" and not self.near_lossless:
+            raise ValueError("lossy: never needs at least one near_lossless rung (int4, int8, bf16, fp16)")
         return self
 
     @field_validator("near_lossless")

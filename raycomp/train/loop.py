@@ -31,6 +31,7 @@ from raycomp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
 from raycomp.train import checkpoint
 from raycomp.train.guard_step import GuardStep
+from raycomp.train.lossy import lossy_options
 from raycomp.train.lr_ramp import LrRamp
 from raycomp.train.options import TrainOptions
 from raycomp.train.plan_sync import PlanSync
@@ -60,6 +61,7 @@ class TrainLoop:
             from raycomp.train.sharding import shard_model, sharded_options
 
             options = sharded_options(options)
+        options = lossy_options(options, optimizer)  # "auto": the optimizer decides
         self.options, self.interval = options, options.controller.interval_steps
         self.run_id = options.run_id or context.get_experiment_name()
         self.output_dir = Path(options.output_dir or Path(tempfile.gettempdir()) / "raycomp" / self.run_id)

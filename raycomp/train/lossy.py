@@ -1,0 +1,42 @@
+"""Whether the adaptive policy may offer lossy rungs: decided from the optimizer.
+
+Error feedback (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD",
+ICML 2019) sends what a compressor held back in later steps. For an optimizer whose update
+is linear in the gradient (SGD, with or without momentum, Nesterov or weight decay; ASGD)
+that only delays part of the update, and low-rank or sparse compression keeps dense's
+accuracy (PowerSGD's and DGC's experiments are all momentum SGD). For an optimizer that
+divides by a per-coordinate second moment (Adam and its kin) it does not: Tang et al.,
+"1-bit Adam", ICML 2021, found error-compensated compression fails with Adam's non-linear
+variance term. Measured here: the KJV transformer (AdamW) lost validation loss on every
+plan that held PowerSGD or Top-K for long; the Fashion-MNIST CNN (SGD) reached its target
+fastest on torch's PowerSGD. The near-lossless rungs (int4, int8, bf16) stay on the menu
+either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from raycomp.train.options import TrainOptions
+
+#: optimizers whose update is a linear function of the gradient
+LINEAR_IN_GRADIENT: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.ASGD)
+
+
+def lossy_suits(optimizer: torch.optim.Optimizer) -> bool:
+    """True for an optimizer whose update is linear in the gradient (see the module)."""
+    return isinstance(optimizer, LINEAR_IN_GRADIENT)
+
+
+def lossy_options(options: TrainOptions, optimizer: torch.optim.Optimizer) -> TrainOptions:
+    """``options`` with ``compression.adaptive.lossy`` "auto" replaced by "always" or
+    "never" for ``optimizer``; "auto" with no near-lossless rung stays lossy (the user
+    chose lossy-or-dense)."""
+    adaptive = options.compression.adaptive
+    if adaptive.lossy != "auto":
+        return options
+    lossy = "always" if lossy_suits(optimizer) or not adaptive.near_lossless else "never"
+    compression = options.compression.model_copy(update={"adaptive": adaptive.model_copy(update={"lossy": lossy})})
+    return dataclasses.replace(options, compression=compression)
