@@ -10,7 +10,7 @@ A plan names *units* (a unit's module path; ``(root)`` for the root module), not
 parameters: FSDP reduce-scatters one flat gradient per unit, and that is what a
 :class:`~raycomp.sharded.CompressedReduceScatter` compresses. Only compressors with a fixed
 row size fit (:func:`~raycomp.sharded.check_sharded_spec`); the adaptive policy is told so
-at registration (``sharded=True``: int8, bf16 or dense per unit, priced as a reduce-scatter).
+at registration (``sharded=True``: int4, int8, bf16 or dense per unit, priced as a reduce-scatter).
 
 No extra collective per step: the guard's control floats of every rank (non-finite flag,
 the previous step's loss and worst error, and this step's squared gradient norm) ride in

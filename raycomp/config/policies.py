@@ -102,9 +102,10 @@ class AdaptivePolicy(_Strict):
     #: error on the KJV transformer: 0.17-0.23 for int4, ~0.01 for int8), so a critical
     #: layer, a layer whose lossy error stays above ``max_error``, and a run whose optimizer
     #: rules the lossy rungs out (see ``lossy``) land here instead of on dense; a link too
-    #: fast for the lossy rungs but too slow for dense gets them too. Measured at 100 Mbit/s, static int4 reached dense's
-    #: target in as many steps as int8 and dense on the KJV transformer (94.4 s against int8's
-    #: 119.6 s) and the Fashion-MNIST CNN (docs/benchmarks/e2e-gpt-100mbit-int4.md,
+    #: fast for the lossy rungs but too slow for dense gets them too. Measured at 100 Mbit/s,
+    #: static int4 reached dense's target at the same steps as int8 on the KJV transformer
+    #: (94.4 s against 119.6 s) and on 2 seeds of 3 of the Fashion-MNIST CNN, one evaluation
+    #: later on the third (58.5 s against 74.1 s; docs/benchmarks/e2e-gpt-100mbit-int4.md,
     #: e2e-cnn-100mbit-int4.md). ``[]``: lossy or dense.
     near_lossless: list[Literal["int4", "int8", "bf16", "fp16"]] = ["int4", "int8", "bf16"]
     #: Whether the ladders offer the lossy rungs (PowerSGD, Top-K). "auto":

@@ -34,7 +34,7 @@ class TrainOptions:
             (FSDP2: ``fully_shard`` on every child of an ``nn.ModuleList``/``nn.Sequential``
             that holds parameters, then the root, unless you sharded the model yourself;
             each unit's reduce-scatter compressed per destination shard; the adaptive
-            policy then chooses int8, bf16 or dense per unit). With "fsdp" build the
+            policy then chooses int4, int8, bf16 or dense per unit). With "fsdp" build the
             optimizer over ``model.parameters()`` before :func:`raycomp.train.prepare_model`;
             raycomp points it at the sharded parameters.
     """

@@ -69,7 +69,7 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
 
 def sharded_options(options: TrainOptions) -> TrainOptions:
     """``options`` as a sharded run registers them: the adaptive policy told the run is
-    sharded (int8, bf16 or dense per unit, priced as a reduce-scatter)."""
+    sharded (int4, int8, bf16 or dense per unit, priced as a reduce-scatter)."""
     c = options.compression
     adaptive = c.adaptive.model_copy(update={"sharded": True})
     return dataclasses.replace(options, compression=c.model_copy(update={"adaptive": adaptive}))
