@@ -5,12 +5,7 @@ It combines three measurements the controller already has (options:
 
     link (every boundary, from the Timing deltas; per rank and step):
         dense interval (wire >= 95% of dense bytes):  1 / bw <- EMA(comm_seconds / wire)
-        compressed interval, per collective family f (PowerSGD, Top-K, the quantized batch,
-        each cast) in it, rounds_f extra rounds each:  residual = max(0, comm - wire / bw)
-            families not measured yet:  overhead_f <- (residual - sum over the measured
-                ones of rounds_g overhead_g) / their rounds   (the first sample of each)
-            all measured:  overhead_f <- EMA(overhead_f, overhead_f * residual / expected)
-                with expected = sum of rounds_g overhead_g (one family: residual / rounds_f)
+        compressed interval:  overhead <- EMA(max(0, comm - wire / bw) / extra_rounds)
         compute <- EMA(compute_seconds)
         (``bandwidth`` set: bw is that, never measured)
     ladder per compressible layer (heaviest first, dense last):
@@ -34,8 +29,7 @@ It combines three measurements the controller already has (options:
     candidates s = 0, 1, ..., S - 1:  rung(l, s) = min(floor_l + s, cap_l); s = S: every
         layer dense (S = max(cap_l - floor_l) + 1; without near-lossless rungs cap_l is
         dense and rung(l, s) = min(floor_l + s, dense) up to S = max(dense_l - floor_l))
-        predicted(s) = compute + bytes(s) / bw + sum over its families of rounds_f *
-            overhead_f (round_seconds for a family not measured yet)
+        predicted(s) = compute + bytes(s) / bw + extra_rounds(s) * overhead
         bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k;
                int8 2(W-1)/W * (n + 8 n / 2048); int4 2(W-1)/W * (n / 2 + 8 n / 2048);
                bf16 2(W-1)/W * 2n
@@ -43,13 +37,13 @@ It combines three measurements the controller already has (options:
                int8 or int4 layer (one batch: all-to-all and all-gather; at W = 2 one
                all-gather), 1 with any bf16 layer (its own all-reduce)
     choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted); while
-        the fastest candidate holds a family priced at the assumed round_seconds, dense also
-        when predicted(dense) <= (1 + PRIOR_BAND * slack) * min(predicted) (a saving
-        predicted on a guess must be larger before compression is started on it)
-        first decision, and the first after a family the choice in force was priced on the
-        assumed round_seconds for has been measured: target (no hysteresis); floors changed
-        (a regime window ended, or a layer's error moved it): max(target, current s), so
-        layers that move lighter never push the others heavier;
+        the round overhead is still the assumed round_seconds, dense also when
+        predicted(dense) <= (1 + PRIOR_BAND * slack) * min(predicted) (a saving predicted
+        on a guess must be larger before compression is started on it)
+        first decision, and the first after the round overhead was measured (the choice in
+        force rested on the assumed round_seconds): target; floors changed (a regime window ended, or a layer's error
+        moved it): max(target, current s), so layers that move lighter never push the
+        others heavier;
         otherwise keep the current s while it is within that band, else switch to target
         once PATIENCE consecutive boundaries say so
 
@@ -97,7 +91,6 @@ QUANTIZED, CASTS = tuple(QUANTIZERS), ("bf16", "fp16")  # the near-lossless rung
 #: raycomp.collectives.ScalableAllreduce)
 SCALABLE = "quantized"  # the quantized rungs' one batch of the scalable transport
 EXTRA_ROUNDS = {LOWRANK: 2, ALLGATHER: 1, SCALABLE: 2, **dict.fromkeys(CASTS, 1)}
-FAMILIES = tuple(EXTRA_ROUNDS)  # the collective families, each with its own round overhead
 
 
 class AdaptivePolicy(Policy):
@@ -118,12 +111,8 @@ class AdaptivePolicy(Policy):
         self.assumed_bw = None if options.get("bandwidth") is None else float(options["bandwidth"])
         # measurements (per rank, per step)
         self.bw: float | None = self.assumed_bw
-        self.prior = float(options["round_seconds"])  # a family's round until it is measured
-        #: collective family -> seconds an extra round of it costs, measured. Per family: a
-        #: round of int4 on the CNN cost ~112 ms (its codec, and the overlap it loses), a
-        #: round of PowerSGD about 80; priced with int4's figure, PowerSGD rank 1 predicted
-        #: 309 ms against int4's 310 and the policy never ran it
-        self.overhead: dict[str, float] = {}
+        self.overhead = float(options["round_seconds"])
+        self.overhead_measured = False
         self.compute: float | None = None
         self.seen_step = -1  # latest Timing step taken into the estimates
         # regimes and floors
@@ -139,9 +128,7 @@ class AdaptivePolicy(Policy):
         # the choice
         self.shift: int | None = None  # None: nothing decided yet
         self.dense_chosen = False
-        #: the families of the choice in force that were priced at round_seconds
-        self.prior_families: set[str] = set()
-        self.best_on_prior = False  # the fastest candidate holds a family priced at round_seconds
+        self.on_prior = False  # the choice in force was made on the assumed round overhead
         self.strikes = 0
         self.switches = 0
         self.predicted: list[float] = []
@@ -164,21 +151,18 @@ class AdaptivePolicy(Policy):
         # the all-dense shift: one past the shift that puts every layer on its lightest
         # compressed rung (with near-lossless rungs: bf16 everywhere is a candidate of its own)
         top = max(self._cap(ladders[n]) - floors[n] for n in layers) + (1 if self.near_lossless else 0)
-        candidates = [self._predict(run, layers, ladders, floors, s, top) for s in range(top + 1)]
-        self.predicted = [seconds for seconds, _ in candidates]
+        self.predicted = [self._predict(run, layers, ladders, floors, s, top) for s in range(top + 1)]
         best = min(self.predicted)
         within = [s for s, t in enumerate(self.predicted) if t <= (1 + self.slack) * best]
-        self.best_on_prior = bool(self._on_prior(candidates[self.predicted.index(best)][1]))
-        if self.best_on_prior and self.predicted[top] <= (1 + PRIOR_BAND * self.slack) * best:
+        if not self.overhead_measured and self.predicted[top] <= (1 + PRIOR_BAND * self.slack) * best:
             within.append(top)  # on the assumed overhead compression must save more to be used
         target = max(within)
         current = None if self.shift is None else (top if self.dense_chosen else min(self.shift, top))
-        if current is None or self.prior_families & self.overhead.keys():
-            # the first decision, or the first since a family the choice in force was priced
-            # on the assumed round_seconds for has been measured: that choice rested on a
-            # guess, so it gets no hysteresis (on the fast link the prior chose bf16, then
-            # kept it for 30 steps at 493 ms predicted against dense's 490 ms, because both
-            # lay within the slack)
+        if current is None or (self.on_prior and self.overhead_measured):
+            # the first decision, or the first since a compressed interval measured the round
+            # overhead: the choice in force rested on the assumed round_seconds, so it gets
+            # no hysteresis (on the fast link the prior chose bf16, then kept it for 30 steps
+            # at 493 ms predicted against dense's 490 ms, because both lay within the slack)
             current, self.strikes = target, 0
         elif floors != self.floors:
             # a regime or error change moves the layers it concerns; it must not make the
@@ -192,7 +176,7 @@ class AdaptivePolicy(Policy):
                 current, self.strikes = target, 0
                 self.switches += 1
         self.shift, self.dense_chosen, self.floors = current, current == top, floors
-        self.prior_families = self._on_prior(candidates[current][1])
+        self.on_prior = not self.overhead_measured
         chosen: dict[str, CompressorSpec] = {}
         for name in layers:
             rung = self._rung(ladders[name], floors[name], current, top)
@@ -260,24 +244,11 @@ class AdaptivePolicy(Policy):
                     self.bw = 1 / per_byte
             elif self.bw is not None and t is run.timings[-1]:
                 # the layers' compressor names are those of this (the latest) interval
-                rounds = self._rounds({h.compressor for h in run.layers.values()}, run.world_size)
-                if rounds:
-                    self._measure_rounds(rounds, max(0.0, t.comm_seconds - wire / self.bw))
-
-    def _measure_rounds(self, rounds: dict[str, int], residual: float) -> None:
-        """Share one interval's communication beyond its bytes (``residual``) among the
-        collective families that ran in it, ``rounds``: family -> extra rounds."""
-        new = [f for f in rounds if f not in self.overhead]
-        expected = sum(r * self.overhead[f] for f, r in rounds.items() if f in self.overhead)
-        if new:  # what the measured families do not explain is the new ones' first sample
-            sample = max(0.0, residual - expected) / sum(rounds[f] for f in new)
-            self.overhead.update(dict.fromkeys(new, sample))
-        elif expected > 0:  # scale every family in the interval by what it measured
-            for f in rounds:
-                self.overhead[f] = _ema(self.overhead[f], self.overhead[f] * residual / expected)
-        else:
-            for f in rounds:
-                self.overhead[f] = _ema(self.overhead[f], residual / sum(rounds.values()))
+                extra = self._rounds({h.compressor for h in run.layers.values()}, run.world_size)
+                if extra:
+                    sample = max(0.0, t.comm_seconds - wire / self.bw) / extra
+                    self.overhead = sample if not self.overhead_measured else _ema(self.overhead, sample)
+                    self.overhead_measured = True
 
     def _detect(self, run: RunState, layers: dict[str, LayerHistory]) -> None:
         """Accordion's regime per layer, over the window that ended."""
@@ -340,9 +311,8 @@ class AdaptivePolicy(Policy):
                  else [self._spec(ALLGATHER, r) for r in self.ratios])
         return [*lossy, *(self._spec(n) for n in self.near_lossless), DENSE]
 
-    def _predict(self, run: RunState, layers: dict[str, LayerHistory], ladders: dict[str, list[CompressorSpec]],
-                 floors: dict[str, int], shift: int, top: int) -> tuple[float, dict[str, int]]:
-        """The predicted step of a candidate, and its collective families' extra rounds."""
+    def _predict(self, run: RunState, layers: dict[str, LayerHistory],
+                 ladders: dict[str, list[CompressorSpec]], floors: dict[str, int], shift: int, top: int) -> float:
         w = max(1, run.world_size)
         allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w  # times each element is sent
         families = set()
@@ -368,18 +338,11 @@ class AdaptivePolicy(Policy):
             else:
                 total += allreduce * element * h.numel
         assert self.bw is not None and self.compute is not None
-        rounds = self._rounds(families, w)
-        seconds = sum(r * self.overhead.get(f, self.prior) for f, r in rounds.items())
-        return self.compute + total / self.bw + seconds, rounds
+        return self.compute + total / self.bw + self._rounds(families, w) * self.overhead
 
-    def _rounds(self, families: set[str], world_size: int) -> dict[str, int]:
-        """Collective rounds beyond dense's per family; none on the sharded path (one
-        all-to-all a unit)."""
-        return {} if self.sharded else _family_rounds(families, world_size)
-
-    def _on_prior(self, rounds: dict[str, int]) -> set[str]:
-        """The families among ``rounds`` still priced at the assumed round_seconds."""
-        return {f for f in rounds if f not in self.overhead}
+    def _rounds(self, families: set[str], world_size: int) -> int:
+        """Collective rounds beyond dense's; none on the sharded path (one all-to-all a unit)."""
+        return 0 if self.sharded else _extra_rounds(families, world_size)
 
     def _reason(self, run: RunState, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec],
                 floors: dict[str, int], shift: int, top: int) -> str:
@@ -390,7 +353,7 @@ class AdaptivePolicy(Policy):
         if not chosen:
             lightest = min(self.predicted[:top]) if top else dense_s
             prior = (f" (within {PRIOR_BAND * self.slack:.0%} on the assumed round overhead)"
-                     if lightest < dense_s and self.best_on_prior else "")
+                     if lightest < dense_s and not self.overhead_measured else "")
             return f"{link} → dense: compressed {lightest * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms{prior}"
         groups: dict[str, list[str]] = {}
         for name, spec in sorted(chosen.items()):
@@ -412,7 +375,7 @@ class AdaptivePolicy(Policy):
     def details(self) -> dict[str, Any]:
         return {
             "bandwidth_bytes_per_s": self.bw, "bandwidth_assumed": self.assumed_bw is not None,
-            "round_overhead_s": dict(self.overhead), "round_overhead_measured": bool(self.overhead),
+            "round_overhead_s": self.overhead, "round_overhead_measured": self.overhead_measured,
             "compute_s": self.compute, "predicted_step_s": list(self.predicted),
             "shift": self.shift, "dense": self.dense_chosen, "switches": self.switches, "lossy": self.lossy,
             "critical_layers": sorted(n for n, c in self.critical.items() if c),
@@ -422,12 +385,12 @@ class AdaptivePolicy(Policy):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "bw": self.bw, "overhead": dict(self.overhead),
+            "bw": self.bw, "overhead": self.overhead, "overhead_measured": self.overhead_measured,
             "compute": self.compute, "seen_step": self.seen_step, "last_detect": self.last_detect,
             "critical": dict(self.critical), "error_floor": dict(self.error_floor),
             "rungs": dict(self.rungs), "rung_since": dict(self.rung_since), "floors": dict(self.floors),
             "shift": self.shift,
-            "dense_chosen": self.dense_chosen, "prior_families": sorted(self.prior_families),
+            "dense_chosen": self.dense_chosen, "on_prior": self.on_prior,
             "strikes": self.strikes, "switches": self.switches,
             "history": [list(h) for h in self.history],
         }
@@ -436,11 +399,7 @@ class AdaptivePolicy(Policy):
         if not state:
             return  # nothing saved yet: start fresh
         self.bw = state["bw"] if self.assumed_bw is None else self.assumed_bw
-        overhead = state["overhead"]
-        if isinstance(overhead, dict):
-            self.overhead = {str(f): float(v) for f, v in overhead.items()}
-        else:  # before 2026-11-24: one figure for every family, measured or still the prior
-            self.overhead = dict.fromkeys(FAMILIES, float(overhead)) if state["overhead_measured"] else {}
+        self.overhead, self.overhead_measured = float(state["overhead"]), bool(state["overhead_measured"])
         self.compute, self.seen_step = state["compute"], int(state["seen_step"])
         self.last_detect = state["last_detect"]
         self.critical = {k: bool(v) for k, v in state["critical"].items()}
@@ -449,9 +408,7 @@ class AdaptivePolicy(Policy):
         self.rung_since = {k: int(v) for k, v in state["rung_since"].items()}
         self.floors = {k: int(v) for k, v in state["floors"].items()}
         self.shift, self.dense_chosen = state["shift"], bool(state["dense_chosen"])
-        # absent before 2026-11-23; "on_prior" (a bool: the choice rested on the prior) before 2026-11-24
-        self.prior_families = (set(state["prior_families"]) if "prior_families" in state
-                               else set(FAMILIES) if state.get("on_prior") else set())
+        self.on_prior = bool(state.get("on_prior", False))  # absent in checkpoints before 2026-11-23
         self.strikes, self.switches = int(state["strikes"]), int(state["switches"])
         self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
 
@@ -464,18 +421,12 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _family_rounds(families: set[str], world_size: int) -> dict[str, int]:
-    """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes),
-    per collective family of the compressors named in ``families``."""
+def _extra_rounds(families: set[str], world_size: int) -> int:
+    """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes)."""
     rounds = {**EXTRA_ROUNDS, SCALABLE: 1} if world_size == 2 else EXTRA_ROUNDS
     # int4 and int8 layers travel in one batch of the scalable transport: its rounds once
     batches = {SCALABLE if f in QUANTIZED else f for f in families}
-    return {b: rounds[b] for b in sorted(batches) if rounds.get(b)}
-
-
-def _extra_rounds(families: set[str], world_size: int) -> int:
-    """All extra collective rounds of a plan whose compressors are named in ``families``."""
-    return sum(_family_rounds(families, world_size).values())
+    return sum(rounds.get(b, 0) for b in batches)
 
 
 def _matrix(h: LayerHistory) -> tuple[int, int]:
