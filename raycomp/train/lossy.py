@@ -4,7 +4,7 @@ Error feedback (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes Sig
 ICML 2019) sends what a compressor held back in later steps. For an optimizer whose update
 is linear in the gradient (SGD, with or without momentum, Nesterov or weight decay; ASGD)
 that only delays part of the update, and low-rank or sparse compression keeps dense's
-accuracy (PowerSGD's and DGC's experiments are all momentum SGD). For an optimizer that
+accuracy (the PowerSGD and DGC papers train with momentum SGD). For an optimizer that
 divides by a per-coordinate second moment (Adam and its kin) it does not: Tang et al.,
 "1-bit Adam", ICML 2021, found error-compensated compression fails with Adam's non-linear
 variance term. Measured here: the KJV transformer (AdamW) lost validation loss on every
