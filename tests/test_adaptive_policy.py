@@ -190,6 +190,10 @@ def test_a_sharded_run_gets_int8_on_a_slow_link_and_dense_on_a_fast_one():
     # priced as a reduce-scatter: the all-dense candidate is the step the sim's dense step takes
     dense_comm = sum(layer_bytes(n, "none", {}) for n in SHAPES) / 2 / SLOW.bandwidth
     assert slow.details()["predicted_step_s"][-1] == pytest.approx(SLOW.compute + dense_comm, rel=1e-6)
+    # and the plan it runs, int8 on every compressible layer, half an all-reduce's bytes too
+    int8_comm = sum(layer_bytes(n, "int8" if numel(shape) >= 1024 else "none", {})
+                    for n, shape in SHAPES.items()) / 2 / SLOW.bandwidth
+    assert slow.details()["predicted_step_s"][0] == pytest.approx(SLOW.compute + int8_comm, rel=1e-6)
     fast = Sim(sharded=True)
     fast.run(12, FAST)
     assert fast.plan.layers == () and fast.details()["dense"] is True
