@@ -15,11 +15,9 @@ either way.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from raycomp.train.options import TrainOptions
+from raycomp.train.options import TrainOptions, with_adaptive
 
 #: optimizers whose update is a linear function of the gradient
 LINEAR_IN_GRADIENT: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.ASGD)
@@ -38,5 +36,4 @@ def lossy_options(options: TrainOptions, optimizer: torch.optim.Optimizer) -> Tr
     if adaptive.lossy != "auto":
         return options
     lossy = "always" if lossy_suits(optimizer) or not adaptive.near_lossless else "never"
-    compression = options.compression.model_copy(update={"adaptive": adaptive.model_copy(update={"lossy": lossy})})
-    return dataclasses.replace(options, compression=compression)
+    return with_adaptive(options, {"lossy": lossy})

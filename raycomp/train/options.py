@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from raycomp.config import CheckpointSection, CompressionSection, ControllerSection
 
@@ -53,3 +54,11 @@ class TrainOptions:
         if self.strategy not in ("ddp", "fsdp"):
             raise ValueError(f"strategy: must be 'ddp' or 'fsdp', got {self.strategy!r}")
         self.compression.check_strategy(self.strategy)
+
+
+def with_adaptive(options: TrainOptions, update: dict[str, Any]) -> TrainOptions:
+    """``options`` with the fields in ``update`` replaced in ``compression.adaptive``: how
+    raycomp tells the adaptive policy what it knows of the run (sharded, the optimizer)."""
+    compression = options.compression
+    adaptive = compression.adaptive.model_copy(update=update)
+    return dataclasses.replace(options, compression=compression.model_copy(update={"adaptive": adaptive}))

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
-from raycomp.train.options import TrainOptions
+from raycomp.train.options import TrainOptions, with_adaptive
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -70,6 +68,4 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
 def sharded_options(options: TrainOptions) -> TrainOptions:
     """``options`` as a sharded run registers them: the adaptive policy told the run is
     sharded (int4, int8, bf16 or dense per unit, priced as a reduce-scatter)."""
-    c = options.compression
-    adaptive = c.adaptive.model_copy(update={"sharded": True})
-    return dataclasses.replace(options, compression=c.model_copy(update={"adaptive": adaptive}))
+    return with_adaptive(options, {"sharded": True})
