@@ -390,10 +390,31 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "adaptive-floor-change-lowers-shift", "controllers/policies/adaptive.py",
-        "            current, self.strikes = max(target, current), 0\n",
+        "            current, self.strikes = max(target, lowest), 0\n",
         "            current, self.strikes = target, 0\n",
         "tests/test_adaptive_policy.py",
-        "layers leaving the lossy rungs for error push the other layers heavier",
+        "a layer whose floor rises moves the others heavier at once, without the link rule's patience",
+    ),
+    mutant(
+        "adaptive-calm-keeps-the-level", "controllers/policies/adaptive.py",
+        "            kept = [n for n in layers if floors[n] == self.floors.get(n) and n in self.rungs] if raised else []\n",
+        "            kept = [n for n in layers if floors[n] == self.floors.get(n) and n in self.rungs]\n",
+        "tests/test_adaptive_policy.py",
+        "after a critical phase the others stay on the light rungs it allowed, until the link rule's patience",
+    ),
+    mutant(
+        "adaptive-shift-added-to-floor", "controllers/policies/adaptive.py",
+        "        return min(max(floor, level), self._cap(ladder))\n",
+        "        return min(floor + level, self._cap(ladder))\n",
+        "tests/test_adaptive_policy.py",
+        "a layer error moved to the near-lossless rungs lands the shift past its floor (int4 + 2 = bf16)",
+    ),
+    mutant(
+        "adaptive-levels-unaligned", "controllers/policies/adaptive.py",
+        "        level = shift if shift < lossy else lossy + max(0, shift - levels)\n",
+        "        level = shift\n",
+        "tests/test_adaptive_policy.py",
+        "a ladder with fewer lossy rungs reaches int8 and bf16 at lower shifts than the others",
     ),
     mutant(
         "adaptive-prior-choice-kept", "controllers/policies/adaptive.py",

@@ -232,8 +232,13 @@ def test_critical_layers_get_lighter_and_return_to_heavy_after_recovery():
     sim.run(3, SLOW, burst)  # steps 44, 49, 54: no detection yet (every 20 steps)
     assert ranks(sim.plan)["fc2.weight"] == 1
     critical = sim.run(1, SLOW, burst)  # step 59: window (39, 59] vs (19, 39]: 3x -> critical
-    assert ranks(critical) == {"fc1.weight": 1, "fc2.weight": "int8", "out.weight": 1, "norm.weight": 0.01}
+    # fc2 (262,144 of the 300,000 elements) on int8 costs 218 ms a step on this link; the
+    # others on int8 too cost 30 ms more and drop PowerSGD's and Top-K's 3 rounds: within
+    # the 10% slack, so the lighter plan
+    assert ranks(critical) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": "int8"}
     assert "(1 critical)" in critical.reason
+    predicted = sim.details()["predicted_step_s"]
+    assert predicted[0] == min(predicted) and predicted[sim.details()["shift"]] <= 1.1 * predicted[0]
     # step 79: the norm fell back (3 -> 1: a change of 67%, still critical, as in Accordion)
     assert ranks(sim.run(4, SLOW, burst))["fc2.weight"] == "int8"
     # step 99: stable again: heavy
@@ -247,24 +252,47 @@ def test_layers_whose_measured_error_is_too_high_leave_the_lossy_rungs_for_good(
     sim.run(8, SLOW)  # step 39: rank 1 everywhere (the first window it ran in was the critical r=4)
     assert ranks(sim.plan)["fc1.weight"] == 1
     lighter = sim.run(4, SLOW)  # step 59: rank 1 measured 0.97 > 0.9 over the window
-    # not rank 2 (the gradient is no longer low-rank): the first near-lossless rung
-    assert ranks(lighter) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": 0.01}
+    # not rank 2 (the gradient is no longer low-rank): the first near-lossless rung; the
+    # vector joins their batch (within the slack of Top-K 1%, and one collective fewer)
+    assert ranks(lighter) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": "int8"}
     assert "3 lighter for error" in lighter.reason
     assert ranks(sim.run(12, SLOW))["fc1.weight"] == "int8"  # and it stays there
     # the floor is the int8 rung: after the 4 PowerSGD ranks of each matrix's ladder
     assert sim.details()["error_floor"] == {"fc1.weight": 4, "fc2.weight": 4, "out.weight": 4}
 
 
-def test_layers_leaving_for_error_do_not_push_the_others_heavier():
+def test_layers_leaving_for_error_land_on_their_floor_not_past_it():
     # on a 4x link the plan is rank 2 and Top-K 10% (shift 1); at step 59 the matrices'
-    # rank-2 error is too high: they leave the lossy rungs, and the vector keeps its 10%
+    # rank-2 error is too high: they leave the lossy rungs for their floor, int8, not one
+    # rung past it for the shift of 1 (bf16, twice int8's bytes: on the CNN three layers
+    # ran bf16 for 20 steps that way). The vector joins their batch: one collective fewer
     sim = Sim(errors={"powersgd r=2": 0.97, "topk": 0.6})
     sim.run(8, MEDIUM)
     assert ranks(sim.plan) == {"fc1.weight": 2, "fc2.weight": 2, "out.weight": 2, "norm.weight": 0.1}
     moved = sim.run(4, MEDIUM)
-    # one rung above the floor (int8) with the shift kept: bf16; not Top-K 1% for the vector
-    assert ranks(moved) == {"fc1.weight": "bf16", "fc2.weight": "bf16", "out.weight": "bf16", "norm.weight": 0.1}
-    assert sim.details()["shift"] == 1
+    assert ranks(moved) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": "int8"}
+    assert sim.details()["error_floor"] == {"fc1.weight": 4, "fc2.weight": 4, "out.weight": 4}
+    predicted = sim.details()["predicted_step_s"]
+    assert predicted[sim.details()["shift"]] == min(predicted)
+
+
+def test_a_raised_floor_does_not_move_the_others_heavier_before_patience():
+    # the link-driven rule holds rank 8 (shift 3) for one strike where the band says ranks
+    # 1-4; at step 59 out.weight turns critical (its floor rises to int8). fc1 and fc2 keep
+    # rank 8 at that boundary: a heavier plan for them waits for the rule's patience
+    def burst(step: int, name: str) -> float:
+        return 3.0 if name == "out.weight" and 40 <= step < 60 else 1.0
+
+    sim = Sim()
+    sim.run(10, MEDIUM, burst)  # to step 49: shift 1
+    sim.controller.policies["run"].inner.shift = 3  # as a link-driven switch would leave it
+    assert ranks(sim.run(1, MEDIUM, burst))["fc1.weight"] == 8  # 54: outside the band, one strike
+    raised = sim.run(1, MEDIUM, burst)  # 59: out.weight critical
+    assert ranks(raised) == {"fc1.weight": 8, "fc2.weight": 8, "out.weight": "int8", "norm.weight": "int8"}
+    predicted = sim.details()["predicted_step_s"]
+    assert predicted[3] > 1.1 * min(predicted) >= predicted[2]  # the band alone would take rank 4
+    sim.run(1, MEDIUM, burst)  # 64: one strike
+    assert ranks(sim.run(1, MEDIUM, burst))["fc1.weight"] == 4  # 69: the second: rank 4
 
 
 def test_a_critical_layer_already_on_a_near_lossless_rung_stays_there():
@@ -339,7 +367,8 @@ def test_without_near_lossless_rungs_a_high_error_layer_goes_one_rung_lighter():
     sim.run(8, SLOW)
     assert ranks(sim.plan)["fc1.weight"] == 1
     lighter = sim.run(4, SLOW)
-    assert ranks(lighter) == {"fc1.weight": 2, "fc2.weight": 2, "out.weight": 2, "norm.weight": 0.01}
+    # and the vector Top-K 10%: within the slack of 1% once the matrices carry rank 2
+    assert ranks(lighter) == {"fc1.weight": 2, "fc2.weight": 2, "out.weight": 2, "norm.weight": 0.1}
     assert ranks(sim.run(12, SLOW))["fc1.weight"] == 2  # 0.8 is fine: it stays at rank 2
     assert sim.details()["error_floor"] == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1}
 

@@ -26,9 +26,13 @@ It combines three measurements the controller already has (options:
     floor = error_floor; for a critical layer (critical_boost > 0) at least the first
         near-lossless rung (int4), or without near-lossless rungs + critical_boost; never
         above cap = the last near-lossless rung (bf16)
-    candidates s = 0, 1, ..., S - 1:  rung(l, s) = min(floor_l + s, cap_l); s = S: every
-        layer dense (S = max(cap_l - floor_l) + 1; without near-lossless rungs cap_l is
-        dense and rung(l, s) = min(floor_l + s, dense) up to S = max(dense_l - floor_l))
+    candidates s = 0, 1, ..., S - 1: a level on every ladder, which a floor only raises:
+        rung(l, s) = min(max(floor_l, level_l(s)), cap_l), where with k_l lossy rungs and
+        K = max(k_l) level_l(s) = s within the lossy rungs (s < k_l), then the first
+        near-lossless rung up to s = K, then one rung per shift: the near-lossless rungs
+        sit at the same shifts on every ladder (int4 at K, int8 at K + 1, ...). s = S:
+        every layer dense (S = K + the number of near-lossless rungs; without them cap_l
+        is dense and S = K)
         predicted(s) = compute + bytes(s) / bw + extra_rounds(s) * overhead
         bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k;
                int8 2(W-1)/W * (n + 8 n / 2048); int4 2(W-1)/W * (n / 2 + 8 n / 2048);
@@ -41,9 +45,11 @@ It combines three measurements the controller already has (options:
         predicted(dense) <= (1 + PRIOR_BAND * slack) * min(predicted) (a saving predicted
         on a guess must be larger before compression is started on it)
         first decision, and the first after the round overhead was measured (the choice in
-        force rested on the assumed round_seconds): target; floors changed (a regime window ended, or a layer's error
-        moved it): max(target, current s), so layers that move lighter never push the
-        others heavier;
+        force rested on the assumed round_seconds): target; floors changed (a regime window
+        ended, or a layer's error moved it): with a floor raised, the lightest of target
+        and the first shift that leaves every layer whose floor did not change on its rung
+        or a lighter one, so layers that move lighter never push the others heavier; with
+        none raised (layers calmed down), target;
         otherwise keep the current s while it is within that band, else switch to target
         once PATIENCE consecutive boundaries say so
 
@@ -150,8 +156,11 @@ class AdaptivePolicy(Policy):
         floors = {name: self._floor(name, ladders[name]) for name in layers}
         # the all-dense shift: one past the shift that puts every layer on its lightest
         # compressed rung (with near-lossless rungs: bf16 everywhere is a candidate of its own)
-        top = max(self._cap(ladders[n]) - floors[n] for n in layers) + (1 if self.near_lossless else 0)
-        self.predicted = [self._predict(run, layers, ladders, floors, s, top) for s in range(top + 1)]
+        levels = max(self._first_near_lossless(ladders[n]) for n in layers)  # K: the most lossy rungs
+        top = levels + len(self.near_lossless)
+        candidates = [{n: self._rung(ladders[n], floors[n], s, levels, top) for n in layers}
+                      for s in range(top + 1)]
+        self.predicted = [self._predict(run, layers, ladders, rungs) for rungs in candidates]
         best = min(self.predicted)
         within = [s for s, t in enumerate(self.predicted) if t <= (1 + self.slack) * best]
         if not self.overhead_measured and self.predicted[top] <= (1 + PRIOR_BAND * self.slack) * best:
@@ -165,9 +174,14 @@ class AdaptivePolicy(Policy):
             # at 493 ms predicted against dense's 490 ms, because both lay within the slack)
             current, self.strikes = target, 0
         elif floors != self.floors:
-            # a regime or error change moves the layers it concerns; it must not make the
-            # others heavier (a lower shift): that waits for the link-driven rule below
-            current, self.strikes = max(target, current), 0
+            # a regime or error change moves the layers it concerns. Layers that move lighter
+            # must not make the others (floor unchanged) heavier: that waits for the
+            # link-driven rule below. With no floor raised (layers calmed down) nothing
+            # moved lighter, and the choice is made afresh
+            raised = any(floors[n] > self.floors.get(n, floors[n]) for n in layers)
+            kept = [n for n in layers if floors[n] == self.floors.get(n) and n in self.rungs] if raised else []
+            lowest = next(s for s, rungs in enumerate(candidates) if all(rungs[n] >= self.rungs[n] for n in kept))
+            current, self.strikes = max(target, lowest), 0
         elif current in within:
             self.strikes = 0
         else:
@@ -179,7 +193,7 @@ class AdaptivePolicy(Policy):
         self.on_prior = not self.overhead_measured
         chosen: dict[str, CompressorSpec] = {}
         for name in layers:
-            rung = self._rung(ladders[name], floors[name], current, top)
+            rung = candidates[current][name]
             old = self.rungs.get(name)
             if old is None or ladders[name][old].name != ladders[name][rung].name:
                 self.rung_since[name] = run.step
@@ -213,8 +227,17 @@ class AdaptivePolicy(Policy):
             floor = max(floor, self._first_near_lossless(ladder)) if self.near_lossless else floor + self.boost
         return min(floor, self._cap(ladder))
 
-    def _rung(self, ladder: list[CompressorSpec], floor: int, shift: int, top: int) -> int:
-        return len(ladder) - 1 if shift >= top else min(floor + shift, self._cap(ladder))
+    def _rung(self, ladder: list[CompressorSpec], floor: int, shift: int, levels: int, top: int) -> int:
+        """The shift is a level, the same on every ladder for the near-lossless rungs, and
+        the floor a minimum: a layer above the level stays on its floor. Added to the floor
+        instead, a shift of 2 (PowerSGD rank 4 for the others) sent a layer whose PowerSGD
+        error moved it to int4 on to bf16, twice int4's bytes: on the CNN three layers ran
+        bf16 for 20 steps at ~670 ms predicted. ``levels``: the most lossy rungs a ladder has."""
+        if shift >= top:
+            return len(ladder) - 1
+        lossy = self._first_near_lossless(ladder)  # this ladder's lossy rungs
+        level = shift if shift < lossy else lossy + max(0, shift - levels)
+        return min(max(floor, level), self._cap(ladder))
 
     # --- measurements ----------------------------------------------------------------------
     def _measure(self, run: RunState) -> None:
@@ -312,7 +335,8 @@ class AdaptivePolicy(Policy):
         return [*lossy, *(self._spec(n) for n in self.near_lossless), DENSE]
 
     def _predict(self, run: RunState, layers: dict[str, LayerHistory],
-                 ladders: dict[str, list[CompressorSpec]], floors: dict[str, int], shift: int, top: int) -> float:
+                 ladders: dict[str, list[CompressorSpec]], rungs: dict[str, int]) -> float:
+        """The predicted step of the plan that puts each compressible layer on ``rungs``."""
         w = max(1, run.world_size)
         allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w  # times each element is sent
         families = set()
@@ -323,7 +347,7 @@ class AdaptivePolicy(Policy):
                 total += allreduce * element * h.numel
                 families.add(DENSE_FAMILY)
                 continue
-            spec = ladders[name][self._rung(ladders[name], floors[name], shift, top)]
+            spec = ladders[name][rungs[name]]
             families.add(spec.name)
             if spec.name == LOWRANK:
                 rows, cols = _matrix(h)
