@@ -165,8 +165,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "adaptive-quantizers-round-once-each", "controllers/policies/adaptive.py",
-        "    return sum(rounds.get(b, 0) for b in batches)\n",
-        "    return sum(rounds.get(SCALABLE if f in QUANTIZED else f, 0) for f in families)\n",
+        "    return {b: rounds[b] for b in sorted(batches) if rounds.get(b)}\n",
+        "    return {b: rounds[b] * (sum(f in QUANTIZED for f in families) if b == SCALABLE else 1)\n"
+        "            for b in sorted(batches) if rounds.get(b)}\n",
         "tests/test_adaptive_policy.py",
         "int4 and int8 layers are priced as two batches where the reducer sends them in one",
     ),
@@ -418,10 +419,24 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "adaptive-prior-choice-kept", "controllers/policies/adaptive.py",
-        "        self.on_prior = not self.overhead_measured\n",
-        "        self.on_prior = False\n",
+        "        self.prior_families = self._on_prior(priced[current][1])\n",
+        "        self.prior_families = set()\n",
         "tests/test_adaptive_policy.py",
         "a choice made on the assumed round overhead keeps its hysteresis once the overhead is measured",
+    ),
+    mutant(
+        "adaptive-one-overhead-for-every-family", "controllers/policies/adaptive.py",
+        "        seconds = sum(r * self.overhead.get(f, self.prior) for f, r in rounds.items())\n",
+        "        seconds = sum(rounds.values()) * (max(self.overhead.values()) if self.overhead else self.prior)\n",
+        "tests/test_adaptive_policy.py",
+        "every collective family is priced at the dearest measured round: PowerSGD at int4's codec cost",
+    ),
+    mutant(
+        "adaptive-new-family-priced-free", "controllers/policies/adaptive.py",
+        "        seed = _mean(list(self.overhead.values())) or self.prior\n",
+        "        seed = 0.0\n",
+        "tests/test_adaptive_policy.py",
+        "a family first run beside measured ones gets only what they leave unexplained (often 0 ms)",
     ),
     mutant(
         "adaptive-prior-band-single", "controllers/policies/adaptive.py",

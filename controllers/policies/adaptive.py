@@ -5,7 +5,13 @@ It combines three measurements the controller already has (options:
 
     link (every boundary, from the Timing deltas; per rank and step):
         dense interval (wire >= 95% of dense bytes):  1 / bw <- EMA(comm_seconds / wire)
-        compressed interval:  overhead <- EMA(max(0, comm - wire / bw) / extra_rounds)
+        compressed interval, per collective family f (PowerSGD, Top-K, the quantized batch,
+        each cast) in it, rounds_f extra rounds each:  residual = max(0, comm - wire / bw)
+            expected_f = rounds_f * overhead_f (a family not measured yet: rounds_f * the
+                mean of the measured families' overheads, round_seconds before any)
+            overhead_f <- EMA(overhead_f, residual * expected_f / sum(expected) / rounds_f)
+                (the first sample of a family is taken as it is; one family in the
+                interval: residual / rounds_f)
         compute <- EMA(compute_seconds)
         (``bandwidth`` set: bw is that, never measured)
     ladder per compressible layer (heaviest first, dense last):
@@ -33,7 +39,8 @@ It combines three measurements the controller already has (options:
         sit at the same shifts on every ladder (int4 at K, int8 at K + 1, ...). s = S:
         every layer dense (S = K + the number of near-lossless rungs; without them cap_l
         is dense and S = K)
-        predicted(s) = compute + bytes(s) / bw + extra_rounds(s) * overhead
+        predicted(s) = compute + bytes(s) / bw + sum over its families of rounds_f *
+            overhead_f (round_seconds for a family not measured yet)
         bytes: dense 2(W-1)/W * 4n; PowerSGD 2(W-1)/W * 4 (rows + cols) r; Top-K (W-1) * 8 k;
                int8 2(W-1)/W * (n + 8 n / 2048); int4 2(W-1)/W * (n / 2 + 8 n / 2048);
                bf16 2(W-1)/W * 2n
@@ -41,15 +48,15 @@ It combines three measurements the controller already has (options:
                int8 or int4 layer (one batch: all-to-all and all-gather; at W = 2 one
                all-gather), 1 with any bf16 layer (its own all-reduce)
     choice: target = the lightest s with predicted(s) <= (1 + slack) * min(predicted); while
-        the round overhead is still the assumed round_seconds, dense also when
-        predicted(dense) <= (1 + PRIOR_BAND * slack) * min(predicted) (a saving predicted
-        on a guess must be larger before compression is started on it)
-        first decision, and the first after the round overhead was measured (the choice in
-        force rested on the assumed round_seconds): target; floors changed (a regime window
-        ended, or a layer's error moved it): with a floor raised, the lightest of target
-        and the first shift that leaves every layer whose floor did not change on its rung
-        or a lighter one, so layers that move lighter never push the others heavier; with
-        none raised (layers calmed down), target;
+        the fastest candidate holds a family priced at the assumed round_seconds, dense also
+        when predicted(dense) <= (1 + PRIOR_BAND * slack) * min(predicted) (a saving
+        predicted on a guess must be larger before compression is started on it)
+        first decision, and the first after a family the choice in force was priced on the
+        assumed round_seconds for has been measured: target (no hysteresis); floors changed
+        (a regime window ended, or a layer's error moved it): with a floor raised, the
+        lightest of target and the first shift that leaves every layer whose floor did not
+        change on its rung or a lighter one, so layers that move lighter never push the
+        others heavier; with none raised (layers calmed down), target;
         otherwise keep the current s while it is within that band, else switch to target
         once PATIENCE consecutive boundaries say so
 
@@ -97,6 +104,7 @@ QUANTIZED, CASTS = tuple(QUANTIZERS), ("bf16", "fp16")  # the near-lossless rung
 #: raycomp.collectives.ScalableAllreduce)
 SCALABLE = "quantized"  # the quantized rungs' one batch of the scalable transport
 EXTRA_ROUNDS = {LOWRANK: 2, ALLGATHER: 1, SCALABLE: 2, **dict.fromkeys(CASTS, 1)}
+FAMILIES = tuple(EXTRA_ROUNDS)  # the collective families, each with its own round overhead
 
 
 class AdaptivePolicy(Policy):
@@ -117,8 +125,13 @@ class AdaptivePolicy(Policy):
         self.assumed_bw = None if options.get("bandwidth") is None else float(options["bandwidth"])
         # measurements (per rank, per step)
         self.bw: float | None = self.assumed_bw
-        self.overhead = float(options["round_seconds"])
-        self.overhead_measured = False
+        self.prior = float(options["round_seconds"])  # a family's round until it is measured
+        #: collective family -> seconds an extra round of it costs, measured. Per family: on
+        #: the CNN at 100 Mbit/s a round of int4 cost 90-112 ms (its codec, and the overlap it
+        #: loses), one of PowerSGD 18 ms. Priced with int4's figure, PowerSGD rank 1 predicted
+        #: 309 ms against int4's 310 and the policy never ran it. A family not measured yet is
+        #: priced at round_seconds: optimistic, so that it is tried once
+        self.overhead: dict[str, float] = {}
         self.compute: float | None = None
         self.seen_step = -1  # latest Timing step taken into the estimates
         # regimes and floors
@@ -134,7 +147,9 @@ class AdaptivePolicy(Policy):
         # the choice
         self.shift: int | None = None  # None: nothing decided yet
         self.dense_chosen = False
-        self.on_prior = False  # the choice in force was made on the assumed round overhead
+        #: the families of the choice in force that were priced at round_seconds
+        self.prior_families: set[str] = set()
+        self.best_on_prior = False  # the fastest candidate holds a family priced at round_seconds
         self.strikes = 0
         self.switches = 0
         self.predicted: list[float] = []
@@ -160,18 +175,21 @@ class AdaptivePolicy(Policy):
         top = levels + len(self.near_lossless)
         candidates = [{n: self._rung(ladders[n], floors[n], s, levels, top) for n in layers}
                       for s in range(top + 1)]
-        self.predicted = [self._predict(run, layers, ladders, rungs) for rungs in candidates]
+        priced = [self._predict(run, layers, ladders, rungs) for rungs in candidates]
+        self.predicted = [seconds for seconds, _ in priced]
         best = min(self.predicted)
         within = [s for s, t in enumerate(self.predicted) if t <= (1 + self.slack) * best]
-        if not self.overhead_measured and self.predicted[top] <= (1 + PRIOR_BAND * self.slack) * best:
+        self.best_on_prior = bool(self._on_prior(priced[self.predicted.index(best)][1]))
+        if self.best_on_prior and self.predicted[top] <= (1 + PRIOR_BAND * self.slack) * best:
             within.append(top)  # on the assumed overhead compression must save more to be used
         target = max(within)
         current = None if self.shift is None else (top if self.dense_chosen else min(self.shift, top))
-        if current is None or (self.on_prior and self.overhead_measured):
-            # the first decision, or the first since a compressed interval measured the round
-            # overhead: the choice in force rested on the assumed round_seconds, so it gets
-            # no hysteresis (on the fast link the prior chose bf16, then kept it for 30 steps
-            # at 493 ms predicted against dense's 490 ms, because both lay within the slack)
+        if current is None or self.prior_families & self.overhead.keys():
+            # the first decision, or the first since a family the choice in force was priced
+            # on the assumed round_seconds for has been measured: that choice rested on a
+            # guess, so it gets no hysteresis (on the fast link the prior chose bf16, then
+            # kept it for 30 steps at 493 ms predicted against dense's 490 ms, because both
+            # lay within the slack)
             current, self.strikes = target, 0
         elif floors != self.floors:
             # a regime or error change moves the layers it concerns. Layers that move lighter
@@ -190,7 +208,7 @@ class AdaptivePolicy(Policy):
                 current, self.strikes = target, 0
                 self.switches += 1
         self.shift, self.dense_chosen, self.floors = current, current == top, floors
-        self.on_prior = not self.overhead_measured
+        self.prior_families = self._on_prior(priced[current][1])
         chosen: dict[str, CompressorSpec] = {}
         for name in layers:
             rung = candidates[current][name]
@@ -267,11 +285,23 @@ class AdaptivePolicy(Policy):
                     self.bw = 1 / per_byte
             elif self.bw is not None and t is run.timings[-1]:
                 # the layers' compressor names are those of this (the latest) interval
-                extra = self._rounds({h.compressor for h in run.layers.values()}, run.world_size)
-                if extra:
-                    sample = max(0.0, t.comm_seconds - wire / self.bw) / extra
-                    self.overhead = sample if not self.overhead_measured else _ema(self.overhead, sample)
-                    self.overhead_measured = True
+                rounds = self._rounds({h.compressor for h in run.layers.values()}, run.world_size)
+                if rounds:
+                    self._measure_rounds(rounds, max(0.0, t.comm_seconds - wire / self.bw))
+
+    def _measure_rounds(self, rounds: dict[str, int], residual: float) -> None:
+        """Share one interval's communication beyond its bytes (``residual``) among the
+        collective families that ran in it (``rounds``: family -> extra rounds), in
+        proportion to what each is expected to cost. A family not measured yet is expected
+        to cost what a round of the measured ones does on average (``round_seconds`` before
+        any): given only what the measured ones left unexplained, a bf16 layer that arrived
+        beside PowerSGD ones on the CNN got 0 ms a round and looked free."""
+        seed = _mean(list(self.overhead.values())) or self.prior
+        expected = {f: r * self.overhead.get(f, seed) for f, r in rounds.items()}
+        total = sum(expected.values())
+        for f, r in rounds.items():
+            share = expected[f] / total if total > 0 else r / sum(rounds.values())
+            self.overhead[f] = _ema(self.overhead.get(f), share * residual / r)
 
     def _detect(self, run: RunState, layers: dict[str, LayerHistory]) -> None:
         """Accordion's regime per layer, over the window that ended."""
@@ -334,9 +364,10 @@ class AdaptivePolicy(Policy):
                  else [self._spec(ALLGATHER, r) for r in self.ratios])
         return [*lossy, *(self._spec(n) for n in self.near_lossless), DENSE]
 
-    def _predict(self, run: RunState, layers: dict[str, LayerHistory],
-                 ladders: dict[str, list[CompressorSpec]], rungs: dict[str, int]) -> float:
-        """The predicted step of the plan that puts each compressible layer on ``rungs``."""
+    def _predict(self, run: RunState, layers: dict[str, LayerHistory], ladders: dict[str, list[CompressorSpec]],
+                 rungs: dict[str, int]) -> tuple[float, dict[str, int]]:
+        """The predicted step of the plan that puts each compressible layer on ``rungs``, and
+        its collective families' extra rounds."""
         w = max(1, run.world_size)
         allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w  # times each element is sent
         families = set()
@@ -362,11 +393,18 @@ class AdaptivePolicy(Policy):
             else:
                 total += allreduce * element * h.numel
         assert self.bw is not None and self.compute is not None
-        return self.compute + total / self.bw + self._rounds(families, w) * self.overhead
+        rounds = self._rounds(families, w)
+        seconds = sum(r * self.overhead.get(f, self.prior) for f, r in rounds.items())
+        return self.compute + total / self.bw + seconds, rounds
 
-    def _rounds(self, families: set[str], world_size: int) -> int:
-        """Collective rounds beyond dense's; none on the sharded path (one all-to-all a unit)."""
-        return 0 if self.sharded else _extra_rounds(families, world_size)
+    def _rounds(self, families: set[str], world_size: int) -> dict[str, int]:
+        """Collective rounds beyond dense's per family; none on the sharded path (one
+        all-to-all a unit)."""
+        return {} if self.sharded else _family_rounds(families, world_size)
+
+    def _on_prior(self, rounds: dict[str, int]) -> set[str]:
+        """The families among ``rounds`` still priced at the assumed round_seconds."""
+        return {f for f in rounds if f not in self.overhead}
 
     def _reason(self, run: RunState, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec],
                 floors: dict[str, int], shift: int, top: int) -> str:
@@ -377,7 +415,7 @@ class AdaptivePolicy(Policy):
         if not chosen:
             lightest = min(self.predicted[:top]) if top else dense_s
             prior = (f" (within {PRIOR_BAND * self.slack:.0%} on the assumed round overhead)"
-                     if lightest < dense_s and not self.overhead_measured else "")
+                     if lightest < dense_s and self.best_on_prior else "")
             return f"{link} → dense: compressed {lightest * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms{prior}"
         groups: dict[str, list[str]] = {}
         for name, spec in sorted(chosen.items()):
@@ -399,7 +437,7 @@ class AdaptivePolicy(Policy):
     def details(self) -> dict[str, Any]:
         return {
             "bandwidth_bytes_per_s": self.bw, "bandwidth_assumed": self.assumed_bw is not None,
-            "round_overhead_s": self.overhead, "round_overhead_measured": self.overhead_measured,
+            "round_overhead_s": dict(self.overhead), "round_overhead_measured": bool(self.overhead),
             "compute_s": self.compute, "predicted_step_s": list(self.predicted),
             "shift": self.shift, "dense": self.dense_chosen, "switches": self.switches, "lossy": self.lossy,
             "critical_layers": sorted(n for n, c in self.critical.items() if c),
@@ -409,12 +447,12 @@ class AdaptivePolicy(Policy):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "bw": self.bw, "overhead": self.overhead, "overhead_measured": self.overhead_measured,
+            "bw": self.bw, "overhead": dict(self.overhead),
             "compute": self.compute, "seen_step": self.seen_step, "last_detect": self.last_detect,
             "critical": dict(self.critical), "error_floor": dict(self.error_floor),
             "rungs": dict(self.rungs), "rung_since": dict(self.rung_since), "floors": dict(self.floors),
             "shift": self.shift,
-            "dense_chosen": self.dense_chosen, "on_prior": self.on_prior,
+            "dense_chosen": self.dense_chosen, "prior_families": sorted(self.prior_families),
             "strikes": self.strikes, "switches": self.switches,
             "history": [list(h) for h in self.history],
         }
@@ -423,7 +461,11 @@ class AdaptivePolicy(Policy):
         if not state:
             return  # nothing saved yet: start fresh
         self.bw = state["bw"] if self.assumed_bw is None else self.assumed_bw
-        self.overhead, self.overhead_measured = float(state["overhead"]), bool(state["overhead_measured"])
+        overhead = state["overhead"]
+        if isinstance(overhead, dict):
+            self.overhead = {str(f): float(v) for f, v in overhead.items()}
+        else:  # before 2026-11-24: one figure for every family, measured or still the prior
+            self.overhead = dict.fromkeys(FAMILIES, float(overhead)) if state["overhead_measured"] else {}
         self.compute, self.seen_step = state["compute"], int(state["seen_step"])
         self.last_detect = state["last_detect"]
         self.critical = {k: bool(v) for k, v in state["critical"].items()}
@@ -432,7 +474,9 @@ class AdaptivePolicy(Policy):
         self.rung_since = {k: int(v) for k, v in state["rung_since"].items()}
         self.floors = {k: int(v) for k, v in state["floors"].items()}
         self.shift, self.dense_chosen = state["shift"], bool(state["dense_chosen"])
-        self.on_prior = bool(state.get("on_prior", False))  # absent in checkpoints before 2026-11-23
+        # absent before 2026-11-23; "on_prior" (a bool: the choice rested on the prior) before 2026-11-24
+        self.prior_families = (set(state["prior_families"]) if "prior_families" in state
+                               else set(FAMILIES) if state.get("on_prior") else set())
         self.strikes, self.switches = int(state["strikes"]), int(state["switches"])
         self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
 
@@ -445,12 +489,18 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _extra_rounds(families: set[str], world_size: int) -> int:
-    """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes)."""
+def _family_rounds(families: set[str], world_size: int) -> dict[str, int]:
+    """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes),
+    per collective family of the compressors named in ``families``."""
     rounds = {**EXTRA_ROUNDS, SCALABLE: 1} if world_size == 2 else EXTRA_ROUNDS
     # int4 and int8 layers travel in one batch of the scalable transport: its rounds once
     batches = {SCALABLE if f in QUANTIZED else f for f in families}
-    return sum(rounds.get(b, 0) for b in batches)
+    return {b: rounds[b] for b in sorted(batches) if rounds.get(b)}
+
+
+def _extra_rounds(families: set[str], world_size: int) -> int:
+    """All extra collective rounds of a plan whose compressors are named in ``families``."""
+    return sum(_family_rounds(families, world_size).values())
 
 
 def _matrix(h: LayerHistory) -> tuple[int, int]:
