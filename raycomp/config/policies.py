@@ -154,15 +154,18 @@ class AdaptivePolicy(_Strict):
     #: Among candidate plans take the lightest whose predicted step time is within this
     #: fraction of the fastest; dense counts as the lightest, so compression must save more
     #: than this to be used. It is also the hysteresis band: the current plan is kept while
-    #: it stays within it. Until a compressed interval has measured ``round_seconds``,
-    #: compression must save twice this against dense: a saving predicted on the assumed
-    #: overhead must be larger before compression starts on it. Raise it on noisy shared
+    #: it stays within it. While the fastest plan holds a collective family whose rounds
+    #: are still priced at ``round_seconds``, compression must save twice this against
+    #: dense: a saving predicted on the assumed overhead must be larger before compression
+    #: starts on it. Raise it on noisy shared
     #: machines; lower it to squeeze the link.
     slack: Annotated[float, Field(ge=0, le=10)] = 0.1
     #: Seconds each extra collective round of a compressed plan costs (latency plus
-    #: compression and decompression) until the run has measured it. NCCL on one node:
-    #: ~1e-4; gloo over TCP: ~1e-3; shared CPUs: more. Learned from the first compressed
-    #: control interval on.
+    #: compression and decompression) until the run has measured it, per collective family
+    #: (PowerSGD, Top-K, the int4/int8 batch, each cast): each is learned from the first
+    #: compressed control interval it runs in. NCCL on one node: ~1e-4; gloo over TCP:
+    #: ~1e-3; shared CPUs: more (measured on the CNN at 100 Mbit/s: int4 90-112 ms a
+    #: round, PowerSGD 18 ms). Being optimistic, it gets every family tried once.
     round_seconds: Annotated[float, Field(ge=0, le=10)] = 0.001
     #: Link bandwidth in bytes per second per rank to plan for, instead of measuring it on
     #: dense steps (warm-up, guard fallbacks). Set it when you know the link better than a
