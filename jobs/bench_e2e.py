@@ -998,7 +998,7 @@ def _fsdp_setup(wl: dict[str, Any]) -> list[str]:
         "ideal reduce-scatter that the wire column models); `torch_bf16`: FSDP's "
         "`MixedPrecisionPolicy(reduce_dtype=bf16)`, which cannot be switched on mid-run, so it casts from step "
         "0 (no dense warm-up); `raycomp_*`: raycomp's compressed all-to-all per unit, dense (fp32 rows) until "
-        f"step {wl['warmup_steps']}, then bf16 / int8 / the adaptive policy (int8, bf16 or dense per unit).",
+        f"step {wl['warmup_steps']}, then bf16 / int8 / the adaptive policy (int4, int8, bf16 or dense per unit).",
         "- Compute-only step: 1 worker without FSDP (FSDP at one worker adds local copies, no communication).",
     ]
 
