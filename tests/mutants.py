@@ -446,6 +446,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "on the assumed round overhead compression starts for any saving past one slack",
     ),
     mutant(
+        "adaptive-error-raise-from-floor", "controllers/policies/adaptive.py",
+        "            raised = min(max(self.error_floor.get(name, 0), self.rungs[name]) + 1, len(ladder) - 1)\n",
+        "            raised = min(self.error_floor.get(name, 0) + 1, len(ladder) - 1)\n",
+        "tests/test_adaptive_policy.py",
+        "a layer whose near-lossless rung is over max_error goes one rung above its floor (back to PowerSGD)",
+    ),
+    mutant(
         "adaptive-floor-reaches-dense", "controllers/policies/adaptive.py",
         "        return len(ladder) - (2 if self.near_lossless else 1)\n",
         "        return len(ladder) - 1\n",

@@ -339,6 +339,22 @@ def test_without_lossy_rungs_the_ladder_is_int4_int8_bf16_dense_and_critical_lay
         config.validate({"compression": {"adaptive": {"lossy": "never", "near_lossless": []}}})
 
 
+def test_a_near_lossless_rung_over_max_error_goes_one_rung_lighter_and_never_past_bf16():
+    # a strict max_error (0.3) against 0.5 measured on every rung: the critical start's int8
+    # is judged at step 39 and the layers go one rung lighter than int8, to bf16 (not one
+    # rung above their floor of 0: PowerSGD rank 2); at step 59 bf16 is judged too. Floored
+    # past it they stay on bf16: dense is the all-dense candidate and the guard's fallback,
+    # never a floor
+    sim = Sim(max_error=0.3)
+    sim.run(8, SLOW)
+    assert ranks(sim.plan) == dict.fromkeys(MATRICES + ("norm.weight",), "bf16")
+    assert sim.details()["error_floor"] == {"fc1.weight": 5, "fc2.weight": 5, "out.weight": 5, "norm.weight": 3}
+    sim.run(12, SLOW)
+    assert all(ranks(p) == dict.fromkeys(MATRICES + ("norm.weight",), "bf16") for p in sim.plans[-12:])
+    # dense's index on each ladder, capped at bf16 when a plan is made
+    assert sim.details()["error_floor"] == {"fc1.weight": 6, "fc2.weight": 6, "out.weight": 6, "norm.weight": 4}
+
+
 def test_error_is_judged_at_every_boundary_not_only_at_the_regime_window():
     sim = Sim(errors={"powersgd r=1": 0.97, "topk": 0.6})
     sim.run(12, FAST)  # dense through step 59 (regime windows end at 19, 39, 59, 79, 99)

@@ -27,8 +27,8 @@ It combines three measurements the controller already has (options:
         critical = no prev  or  |prev - cur| / prev >= threshold
     error (every boundary, per layer): the mean measured compression error of its rung over
         the last window (>= 2 samples taken after the rung arrived) > max_error  =>  the
-        layer leaves the lossy rungs for good: error_floor = max(error_floor + 1, first
-        near-lossless rung)
+        layer leaves the lossy rungs for good: error_floor = max(max(error_floor, its rung)
+        + 1, first near-lossless rung) (on a near-lossless rung: one rung lighter)
     floor = error_floor; for a critical layer (critical_boost > 0) at least the first
         near-lossless rung (int4), or without near-lossless rungs + critical_boost; never
         above cap = the last near-lossless rung (bf16)
@@ -336,7 +336,9 @@ class AdaptivePolicy(Policy):
             if len(samples) < ERROR_SAMPLES or sum(samples) / len(samples) <= self.max_error:
                 continue
             ladder = self._ladder(run, h)
-            raised = min(self.error_floor.get(name, 0) + 1, len(ladder) - 1)
+            # one rung lighter than the rung it was judged on (its floor could lie below it:
+            # a layer on int8 for the critical start went back to PowerSGD rank 2 this way)
+            raised = min(max(self.error_floor.get(name, 0), self.rungs[name]) + 1, len(ladder) - 1)
             first = self._first_near_lossless(ladder)
             if self.near_lossless and self.rungs[name] < first:  # out of the lossy rungs
                 raised = max(raised, first)
