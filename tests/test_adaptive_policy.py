@@ -236,8 +236,8 @@ def test_critical_layers_get_lighter_and_return_to_heavy_after_recovery():
     sim.run(3, SLOW, burst)  # steps 44, 49, 54: no detection yet (every 20 steps)
     assert ranks(sim.plan)["fc2.weight"] == 1
     critical = sim.run(1, SLOW, burst)  # step 59: window (39, 59] vs (19, 39]: 3x -> critical
-    # fc2 (262,144 of the 300,000 elements) on int8 costs 218 ms a step on this link; the
-    # others on int8 too cost 30 ms more and drop PowerSGD's and Top-K's 3 rounds: within
+    # fc2 (262,144 of the 300,000 elements) on int8 takes 219 ms of this link a step; the
+    # others on int8 too add 31 ms and drop PowerSGD's and Top-K's 3 rounds (6 ms): within
     # the 10% slack, so the lighter plan
     assert ranks(critical) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": "int8"}
     assert "(1 critical)" in critical.reason
