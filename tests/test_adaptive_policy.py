@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from controllers.policies import make_policy
-from controllers.policies.adaptive import _extra_rounds
+from controllers.policies.adaptive import _family_rounds
 from controllers.service import Controller
 from raycomp import config
 from raycomp.plan import Plan
@@ -148,9 +148,9 @@ def test_the_near_lossless_rungs_go_heaviest_first_and_int4_and_int8_share_their
         ["int4", "int8", "bf16", "fp16"]
     # int4 and int8 layers go out in one batch of the scalable transport (raycomp.reducer):
     # its all-gather (W = 2) or all-to-all + all-gather (W > 2) once, not once per quantizer
-    assert _extra_rounds({"int4", "int8"}, 2) == 1
-    assert _extra_rounds({"int4", "int8", "none"}, 4) == 2
-    assert _extra_rounds({"int4", "int8", "powersgd", "bf16"}, 2) == 1 + 2 + 1
+    assert _family_rounds({"int4", "int8"}, 2) == {"quantized": 1}
+    assert _family_rounds({"int4", "int8", "none"}, 4) == {"quantized": 2}
+    assert _family_rounds({"int4", "int8", "powersgd", "bf16"}, 2) == {"quantized": 1, "powersgd": 2, "bf16": 1}
 
 
 def test_an_int4_rung_is_the_critical_start_and_is_priced_at_half_a_byte():

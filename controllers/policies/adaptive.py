@@ -149,7 +149,6 @@ class AdaptivePolicy(Policy):
         self.dense_chosen = False
         #: the families of the choice in force that were priced at round_seconds
         self.prior_families: set[str] = set()
-        self.best_on_prior = False  # the fastest candidate holds a family priced at round_seconds
         self.strikes = 0
         self.switches = 0
         self.predicted: list[float] = []
@@ -179,8 +178,8 @@ class AdaptivePolicy(Policy):
         self.predicted = [seconds for seconds, _ in priced]
         best = min(self.predicted)
         within = [s for s, t in enumerate(self.predicted) if t <= (1 + self.slack) * best]
-        self.best_on_prior = bool(self._on_prior(priced[self.predicted.index(best)][1]))
-        if self.best_on_prior and self.predicted[top] <= (1 + PRIOR_BAND * self.slack) * best:
+        best_on_prior = bool(self._on_prior(priced[self.predicted.index(best)][1]))
+        if best_on_prior and self.predicted[top] <= (1 + PRIOR_BAND * self.slack) * best:
             within.append(top)  # on the assumed overhead compression must save more to be used
         target = max(within)
         current = None if self.shift is None else (top if self.dense_chosen else min(self.shift, top))
@@ -218,7 +217,7 @@ class AdaptivePolicy(Policy):
             self.rungs[name] = rung
             if not ladders[name][rung].is_dense:
                 chosen[name] = ladders[name][rung]
-        reason = self._reason(run, layers, chosen, floors, current, top)
+        reason = self._reason(run, layers, chosen, current, top, best_on_prior)
         self.history.append([run.step, current if current < top else "dense", reason])
         return Plan.per_layer(chosen, reason=reason)
 
@@ -409,7 +408,8 @@ class AdaptivePolicy(Policy):
         return {f for f in rounds if f not in self.overhead}
 
     def _reason(self, run: RunState, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec],
-                floors: dict[str, int], shift: int, top: int) -> str:
+                shift: int, top: int, best_on_prior: bool) -> str:
+        """``best_on_prior``: the fastest candidate holds a family priced at round_seconds."""
         assert self.bw is not None and self.compute is not None
         dense_s, best_s = self.predicted[top], self.predicted[shift]
         ratio = (dense_s - self.compute) / self.compute if self.compute > 0 else math.inf
@@ -417,7 +417,7 @@ class AdaptivePolicy(Policy):
         if not chosen:
             lightest = min(self.predicted[:top]) if top else dense_s
             prior = (f" (within {PRIOR_BAND * self.slack:.0%} on the assumed round overhead)"
-                     if lightest < dense_s and self.best_on_prior else "")
+                     if lightest < dense_s and best_on_prior else "")
             return f"{link} → dense: compressed {lightest * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms{prior}"
         groups: dict[str, list[str]] = {}
         for name, spec in sorted(chosen.items()):
@@ -498,11 +498,6 @@ def _family_rounds(families: set[str], world_size: int) -> dict[str, int]:
     # int4 and int8 layers travel in one batch of the scalable transport: its rounds once
     batches = {SCALABLE if f in QUANTIZED else f for f in families}
     return {b: rounds[b] for b in sorted(batches) if rounds.get(b)}
-
-
-def _extra_rounds(families: set[str], world_size: int) -> int:
-    """All extra collective rounds of a plan whose compressors are named in ``families``."""
-    return sum(_family_rounds(families, world_size).values())
 
 
 def _matrix(h: LayerHistory) -> tuple[int, int]:
