@@ -26,7 +26,9 @@ def worker(rank: int, world_size: int, steps: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    # buckets of about 1/8 of the model (1-25 MB): each is sent while backward computes the next
+    model = DDP(net, bucket_cap_mb=raycomp.bucket_cap_mb(net))
     plan = raycomp.Plan.uniform("powersgd", rank=2)  # or "topk" with ratio=0.01, "int8", ...
     state = raycomp.CompressionState(model, plan, memory="residual", min_compress_numel=1024)
     model.register_comm_hook(state, raycomp.compression_hook)

@@ -29,7 +29,9 @@ control interval ``K``: the plan decided at the boundary after warm-up reaches t
 next one; the step logs show where it really started and the report prints it), torch's
 PowerSGD starts at ``start_powerSGD_iter = W`` and the fp16/bf16 hooks all-reduce fp32 for the
 first ``W`` steps. torch's ``powerSGD_hook`` gets one DDP bucket (``bucket_cap_mb`` above the
-model's fp32 size), which it needs on gloo; the other methods keep DDP's default buckets.
+model's fp32 size), which it needs on gloo; every other method gets the buckets raycomp's
+hook gets (``compression.bucket_cap_mb``, "auto" by default: about 8 buckets), so that they
+overlap communication with backward alike and the comparison is the hook's.
 
 Time to target: training wall time (from the end of step 0; evaluation and report pauses
 subtracted) at the first evaluation from which the target holds at two consecutive
@@ -494,6 +496,7 @@ def driver(spec_path: str) -> int:
     from jobs import train
     from jobs.workloads import build
     from raycomp.baselines import one_bucket_cap_mb
+    from raycomp.buckets import ddp_kwargs
     from raycomp.config import load_config
 
     logging.basicConfig(level=logging.WARNING)
@@ -513,6 +516,7 @@ def driver(spec_path: str) -> int:
     cap = one_bucket_cap_mb(workload.model)
     raw: dict[str, Any] = {"spec": spec, "layers": layers, "metric": workload.metric,
                            "interval_steps": base.controller.interval_steps, "bucket_cap_mb": cap,
+                           "ddp_bucket_cap_mb": ddp_kwargs(base.compression, workload.model)["bucket_cap_mb"],
                            "default_policy": _policy_default(), "runs": [], "idle": []}
     del workload
     controller_pid = None
@@ -847,7 +851,8 @@ def analyze(raw: dict[str, Any], settings: dict[str, Any], shaping: dict[str, An
                      "config": settings["config"], "steps": settings["steps"],
                      "eval_every_steps": settings["eval_every"], "warmup_steps": settings["warmup"],
                      "world_size": 2, "adaptive_policy": raw.get("default_policy"),
-                     "torch_powersgd_bucket_cap_mb": raw.get("bucket_cap_mb")},
+                     "torch_powersgd_bucket_cap_mb": raw.get("bucket_cap_mb"),
+                     "ddp_bucket_cap_mb": raw.get("ddp_bucket_cap_mb")},
         "link": {"rate": settings["link"], "measured_mbit_s": min(measured) if measured else None,
                  "shaping": shaping, "check": check, "idle_ray_bytes_per_s": idle_rate},
         "target": {"metric": raw["metric"], "value": target["value"], "lower_is_better": lower,
@@ -1071,7 +1076,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             "raycomp run really started (first step whose ledger bytes fell below dense).",
             f"- torch PowerSGD: one DDP bucket (`bucket_cap_mb={wl['torch_powersgd_bucket_cap_mb']}`, above the "
             "model's fp32 size; with several buckets `powerSGD_hook` aborts or hangs on gloo). Other methods: "
-            "DDP's default buckets."]),
+            + (f"the same DDP buckets, `bucket_cap_mb={wl['ddp_bucket_cap_mb']}` (`compression.bucket_cap_mb`), so "
+               "they overlap communication with backward alike." if wl.get("ddp_bucket_cap_mb") is not None
+               else "DDP's default buckets.")]),
         f"- `raycomp_adaptive` = the shipped default policy (`{wl['adaptive_policy']}`), untuned.",
         f"- Target: validation {metric} {'<=' if target['lower_is_better'] else '>='} "
         f"**{_f(target['value'], mfmt)}** ({target['source']}). Time to target: training wall time from the "

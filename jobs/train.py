@@ -255,6 +255,7 @@ def build_summary(config: JobConfig, run_id: str, status: str, error: str | None
         "replayed_steps": worker.get("replayed_steps", 0),
         "restored_from_step": worker.get("restored_from_step"),
         "final_plan": worker.get("final_plan"),
+        "ddp_bucket_cap_mb": worker.get("ddp_bucket_cap_mb"),
         "policy": {"name": config.compression.policy, **controller},
         "output_dir": str(output),
         "config": config.model_dump(mode="json"),

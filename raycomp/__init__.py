@@ -3,6 +3,7 @@
 This package is the part that runs inside every training worker; it never needs Ray.
 """
 
+from raycomp.buckets import bucket_cap_mb
 from raycomp.compressors import COMPRESSORS, Compressor, make_compressor
 from raycomp.hook import CompressionState, compression_hook
 from raycomp.ledger import WireLedger
@@ -24,6 +25,7 @@ __all__ = [
     "Payload",
     "Plan",
     "WireLedger",
+    "bucket_cap_mb",
     "compression_hook",
     "make_compressor",
 ]

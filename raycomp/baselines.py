@@ -9,7 +9,8 @@
 
 torch's ``powerSGD_hook`` on gloo needs the whole model in one DDP bucket (chains of futures
 from several buckets interleave differently on the ranks: abort or hang): build the DDP model
-with ``bucket_cap_mb`` above the model's fp32 size, see :func:`ddp_kwargs`.
+with ``bucket_cap_mb`` above the model's fp32 size (``compression.baseline_bucket_cap_mb``,
+:func:`one_bucket_cap_mb`; :func:`raycomp.buckets.ddp_kwargs` applies it).
 """
 
 from __future__ import annotations
@@ -19,12 +20,6 @@ from typing import Any
 import torch
 
 HOOKS = ("torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd")
-
-
-def ddp_kwargs(compression: Any) -> dict[str, Any]:
-    """DDP options for ``ray.train.torch.prepare_model(model, parallel_strategy_kwargs=...)``."""
-    cap = getattr(compression, "baseline_bucket_cap_mb", None)
-    return {} if cap is None else {"bucket_cap_mb": cap}
 
 
 def one_bucket_cap_mb(model: torch.nn.Module, margin: float = 1.25) -> float:

@@ -2,6 +2,7 @@
 
 Usage, like torch's ``powerSGD_hook``::
 
+    ddp_model = DistributedDataParallel(model, bucket_cap_mb=raycomp.bucket_cap_mb(model))
     state = raycomp.CompressionState(ddp_model, plan=raycomp.Plan.uniform("topk", ratio=0.01))
     ddp_model.register_comm_hook(state, raycomp.compression_hook)
     ...
@@ -15,7 +16,8 @@ Without DDP (e.g. a custom data-parallel loop)::
 
 The hook runs each bucket's reduction on one background thread (in bucket order, which
 is the same on every rank) and returns a future, so backward keeps computing the next
-buckets while this one communicates. Gradient accumulation with ``no_sync()`` needs
+buckets while this one communicates. That overlap needs several buckets: DDP's default
+gives a model under 25 MB two, :func:`raycomp.bucket_cap_mb` about eight (raycomp.buckets). Gradient accumulation with ``no_sync()`` needs
 nothing special: DDP calls the hook only on the synchronising step, with the
 accumulated gradients.
 """

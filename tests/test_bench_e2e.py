@@ -368,7 +368,8 @@ def _torch_hook_steps(rank: int, world: int, hook: str, warmup: int) -> list[tup
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from raycomp.baselines import ddp_kwargs, one_bucket_cap_mb, register_torch_hook
+    from raycomp.baselines import one_bucket_cap_mb, register_torch_hook
+    from raycomp.buckets import ddp_kwargs
     from raycomp.config import CompressionSection
 
     torch.manual_seed(0)
@@ -376,7 +377,7 @@ def _torch_hook_steps(rank: int, world: int, hook: str, warmup: int) -> list[tup
     compression = CompressionSection(baseline_hook=hook, baseline_warmup_steps=warmup,
                                      baseline_powersgd_start_iter=max(2, warmup), baseline_powersgd_rank=1,
                                      baseline_bucket_cap_mb=one_bucket_cap_mb(model))
-    ddp = DDP(model, **ddp_kwargs(compression))
+    ddp = DDP(model, **ddp_kwargs(compression, model))
     register_torch_hook(ddp, compression)
     out = []
     for step in range(4):

@@ -34,6 +34,8 @@ BAD = [
     (["notakeyvalue"], r"override 'notakeyvalue': expected key.path=value"),
     (["compression.policy=[unclosed"], r"override 'compression.policy=\[unclosed': value is not valid YAML"),
     (["run.name=has space"], r"run.name: String should match pattern"),
+    (["compression.bucket_cap_mb=0"], r"compression.bucket_cap_mb: must be 'auto' or a size in MB in \(0, 100000\], got 0$"),
+    (["compression.bucket_cap_mb=big"], r"compression.bucket_cap_mb: must be 'auto' or a size in MB .*got 'big'$"),
 ]
 
 

@@ -49,6 +49,7 @@ def test_critical_policy_switches_plans_every_rank_uses_the_same_plan_and_lr_ram
     assert summary["compression_ratio"] > 1
     assert summary["wire_bytes_total"] < summary["dense_bytes_total"]
     assert (Path(summary["output_dir"]) / "plot.png").stat().st_size > 10_000
+    assert summary["ddp_bucket_cap_mb"] == 1.0  # compression.bucket_cap_mb=auto: the 0.9 MB MLP, one 1 MB bucket
     # the learning rate: the base rate through the dense warm-up, then start_factor x base
     # at the first compressed step, back to the base rate linearly over 20 steps
     records = logs[0]

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycomp.baselines import ddp_kwargs, register_torch_hook
+from raycomp.baselines import register_torch_hook
+from raycomp.buckets import ddp_kwargs
 from raycomp.guard import Guard
 from raycomp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
@@ -70,7 +71,7 @@ class TrainLoop:
             self.model = shard_model(model, optimizer, ray.train.torch.get_device(),
                                      torch.bfloat16 if c.baseline_hook == "torch_fsdp_bf16" else None)
         else:
-            self.model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs(c) or None)
+            self.model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs(c, model))
         self.optimizer, self.scheduler = optimizer, scheduler
         self.ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         module = getattr(self.model, "module", self.model)
@@ -308,6 +309,8 @@ class TrainLoop:
             "final_plan": self.state.plan.to_dict(), "control_seconds": self.control_seconds,
             "control_boundary_seconds": self.boundary_seconds,
             "control_overhead": self.control_seconds / self.step_seconds if self.step_seconds else 0.0,
+            # what DDP was built with (compression.bucket_cap_mb); None without DDP (FSDP, 1 worker)
+            "ddp_bucket_cap_mb": self.model.bucket_bytes_cap / 2**20 if self.ddp else None,
         }
 
     def close(self) -> None:

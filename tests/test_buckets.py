@@ -1,0 +1,91 @@
+"""DDP's buckets under raycomp's hook (raycomp/buckets.py): about eight, so that most of a
+step's communication is handed to the hook while backward is still computing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raycomp import CompressionState, Plan, bucket_cap_mb, compression_hook
+from raycomp.buckets import MAX_CAP_MB, MIN_CAP_MB, ddp_kwargs
+from raycomp.config import CompressionSection
+from raycomp.models import char_transformer
+from tests.distributed import run_distributed
+
+
+def _kjv_transformer() -> torch.nn.Module:
+    torch.manual_seed(0)  # jobs/configs/gpt_kjv.yaml's sizes: 3,224,639 parameters, 12.9 MB fp32
+    return char_transformer(vocab_size=63, block=128, d_model=256, heads=4, layers=4)
+
+
+def _buckets_and_means(rank: int, world_size: int, auto: bool) -> tuple[list[int], list[torch.Tensor]]:
+    """What DDP hands raycomp's hook at the second step (buckets are rebuilt after the first):
+    the elements of each bucket in the order they arrive, and the int4 means of every layer."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _kjv_transformer()
+    ddp = DDP(model, **(ddp_kwargs(CompressionSection(), model) if auto else {}))
+    state = CompressionState(ddp, Plan.uniform("int4"), async_comm=False)
+    sizes: list[int] = []
+
+    def counting(s: CompressionState, bucket):  # unannotated: DDP checks hook annotations
+        sizes.append(bucket.buffer().numel())
+        return compression_hook(s, bucket)
+
+    ddp.register_comm_hook(state, counting)
+    for step in range(2):
+        sizes.clear()
+        ddp.zero_grad()
+        tokens = torch.randint(0, 63, (2, 128), generator=torch.Generator().manual_seed(10 * rank + step))
+        ddp(tokens).logsumexp(-1).mean().backward()
+    state.close()
+    return sizes, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("auto", [True, False], ids=["auto", "ddp_default"])
+def test_auto_buckets_hand_most_gradients_to_the_hook_before_backward_ends(auto):
+    (sizes, means), (other_sizes, other_means) = run_distributed(_buckets_and_means, 2, auto)
+    assert sizes == other_sizes  # both ranks see the same buckets in the same order
+    total = sum(p.numel() for p in _kjv_transformer().parameters())
+    assert sum(sizes) == total
+    # the last bucket's communication is the part that cannot overlap backward
+    if auto:
+        assert 6 <= len(sizes) <= 16, sizes
+        assert sizes[-1] <= 0.25 * total, sizes
+    else:  # DDP's default: a 1 MB first bucket, then everything else in one
+        assert len(sizes) <= 2 and sizes[-1] >= 0.9 * total, sizes
+    for mine, theirs in zip(means, other_means, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_buckets_change_when_a_layer_travels_not_what_it_carries():
+    auto = run_distributed(_buckets_and_means, 2, True)
+    default = run_distributed(_buckets_and_means, 2, False)
+    for (_, a), (_, b) in zip(auto, default, strict=True):
+        for x, y in zip(a, b, strict=True):  # int4 codes a layer on its own, whatever shares its bucket
+            assert torch.equal(x, y)
+
+
+def test_the_cap_stays_between_ddps_first_bucket_and_its_default():
+    assert bucket_cap_mb(torch.nn.Linear(10, 10)) == MIN_CAP_MB  # a tiny model: one 1 MB bucket
+    huge = torch.nn.Linear(10_000, 10_000, device="meta")  # 400 MB of fp32, nothing allocated
+    assert bucket_cap_mb(huge) == MAX_CAP_MB
+    frozen = torch.nn.Linear(10_000, 10_000, device="meta").requires_grad_(False)
+    assert bucket_cap_mb(frozen) == MIN_CAP_MB  # only gradients travel
+    with pytest.raises(ValueError, match=r"^buckets: must be >= 1, got 0$"):
+        bucket_cap_mb(huge, buckets=0)
+
+
+def test_torch_baselines_take_their_own_cap_only_when_one_is_set():
+    model = _kjv_transformer()
+    auto = bucket_cap_mb(model)
+    assert 1.5 < auto < 1.7  # 12.9 MB / 8
+    cases = [
+        ({}, auto),
+        ({"bucket_cap_mb": 4}, 4.0),
+        ({"baseline_bucket_cap_mb": 16.0}, auto),  # raycomp's own hook ignores the baseline cap
+        ({"baseline_hook": "torch_allreduce"}, auto),  # the same buckets as raycomp's hook
+        ({"baseline_hook": "torch_powersgd", "baseline_bucket_cap_mb": 16.0}, 16.0),
+    ]
+    for fields, cap in cases:
+        assert ddp_kwargs(CompressionSection(**fields), model) == {"bucket_cap_mb": cap}, fields
