@@ -545,6 +545,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_fsdp_job.py -k bit_for_bit",
         "a resumed sharded run loses every unit's error-feedback residual",
     ),
+    mutant(
+        "buckets-auto-is-ddps-default", "raycomp/buckets.py",
+        '    return {"bucket_cap_mb": bucket_cap_mb(model) if cap == "auto" else float(cap)}\n',
+        '    return {} if cap == "auto" else {"bucket_cap_mb": float(cap)}\n',
+        "tests/test_buckets.py",
+        "auto leaves DDP's default buckets: a small model's wire all waits for the end of backward",
+    ),
+    mutant(
+        "buckets-baseline-cap-for-raycomp-too", "raycomp/buckets.py",
+        '    if compression.baseline_hook != "none" and compression.baseline_bucket_cap_mb is not None:\n',
+        '    if compression.baseline_bucket_cap_mb is not None:\n',
+        "tests/test_buckets.py",
+        "the cap meant for torch's PowerSGD (one bucket) also applies to raycomp's own hook",
+    ),
+    mutant(
+        "buckets-below-ddps-first-bucket", "raycomp/buckets.py",
+        "    return round(min(MAX_CAP_MB, max(MIN_CAP_MB, size_mb / buckets)), 2)\n",
+        "    return round(min(MAX_CAP_MB, size_mb / buckets), 2)\n",
+        "tests/test_buckets.py",
+        "a small model gets buckets of a few kB: a collective round per layer",
+    ),
+    mutant(
+        "buckets-not-given-to-ddp", "raycomp/train/loop.py",
+        "parallel_strategy_kwargs=ddp_kwargs(c, model))",
+        "parallel_strategy_kwargs=None)",
+        "tests/test_train_job.py -k critical_policy_switches",
+        "raycomp.train.prepare_model builds DDP with its default buckets, whatever compression.bucket_cap_mb says",
+    ),
 )
 
 
