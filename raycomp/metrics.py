@@ -99,7 +99,7 @@ CATALOGUE: tuple[Metric, ...] = (
     Metric("raycomp_compute_seconds", "histogram", "Compute part of a step (step minus communication)", ("run",),
            (Panel("Throughput", "Compute vs communication per step",
                   f"sum by (run) (rate(raycomp_compute_seconds_sum{_sel()}[2m])) / sum by (run) (rate(raycomp_compute_seconds_count{_sel()}[2m]))", "s"),)),
-    Metric("raycomp_comm_seconds", "histogram", "Time spent in gradient reductions per step", ("run",),
+    Metric("raycomp_comm_seconds", "histogram", "Time a step waited for its gradient reductions (not what overlapped backward)", ("run",),
            (Panel("Throughput", "Communication time per step",
                   f"sum by (run) (rate(raycomp_comm_seconds_sum{_sel()}[2m])) / sum by (run) (rate(raycomp_comm_seconds_count{_sel()}[2m]))", "s"),)),
     Metric("raycomp_samples_per_second", "gauge", "Training throughput over all ranks", ("run",),

@@ -26,7 +26,6 @@ rank's row also carries its local non-finite flag. See :mod:`raycomp.train.guard
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,7 +107,6 @@ class CompressedReducer:
         self._compressors: dict[str, tuple[CompressorSpec, Compressor]] = {}
         self.stats: list[LayerStats] = []  # of the latest statistics step
         self.stats_step = -1  # the step those statistics were measured at
-        self.comm_seconds = 0.0  # running total of time spent in reductions
         self.local_nonfinite = False  # this rank's gradients held NaN/Inf at the last step
         self._finite: torch.Tensor | None = None  # all gradients of this step finite so far
         self._control: torch.Tensor | None = None  # staged: rides with the next step's last reduction
@@ -193,7 +191,6 @@ class CompressedReducer:
         DDP bucket, which the result replaces anyway); dense gradients that lie back to back
         there are then reduced in place, except on statistics steps, which still read them.
         """
-        started = time.perf_counter()
         self.begin_step()
         routes: dict[Transport, list[int]] = {}
         compensated: list[torch.Tensor] = []
@@ -237,7 +234,6 @@ class CompressedReducer:
                                 self.memory.residual(name), result.wire_bytes, dense,
                                 self.profile_ratios)
                 )
-        self.comm_seconds += time.perf_counter() - started
         return [r.mean for r in reduced]  # type: ignore[union-attr]
 
     def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raycomp import CompressedReducer, CompressionState, Plan, compression_hook
+from raycomp import (
+    CompressedReducer,
+    CompressionState,
+    CompressorSpec,
+    Plan,
+    compression_hook,
+)
+from raycomp.compressors import Compressor, Transport
+from raycomp.payload import Payload
 from tests.distributed import run_distributed
 
 
@@ -429,3 +439,64 @@ def test_an_in_place_reduction_never_writes_into_a_memorys_buffer():
     for mean, kept in run_distributed(_overwrite_only_the_callers_gradients, 2):
         assert mean == [1.5] * 6
         assert kept in ([1.0] * 6, [2.0] * 6)  # still this rank's compensated gradient
+
+
+# --- what the hook reports as communication time (the adaptive policy's "comm") ------------
+class Sleepy(Compressor):
+    """fp32 through one all-reduce, 0.25 s to encode: a slow reduction, for timing only."""
+
+    name = "sleepy"
+    transport = Transport.ALLREDUCE
+
+    def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
+        time.sleep(0.25)
+        return Payload({"values": flat.float()}, shape, dtype)
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors["values"].to(payload.dtype).reshape(payload.shape)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes 0.8 s: compute that a reduction can hide behind."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205 - autograd's signature
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        time.sleep(0.8)
+        return grad
+
+
+class _Slow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(x)
+
+
+def _waited_for_reductions(rank: int, world_size: int, overlap: bool) -> tuple[float, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), _Slow(), nn.Linear(64, 64))
+    ddp = DDP(model, bucket_cap_mb=0.01)  # each weight in its own bucket
+    # the output layer's weight, whose bucket backward hands over first, reduces slowly
+    plan = Plan.per_layer({"2.weight": CompressorSpec.of("tests.test_hook:Sleepy")})  # no registration
+    state = CompressionState(ddp, plan, min_compress_numel=0, async_comm=overlap)
+    ddp.register_comm_hook(state, compression_hook)
+    for step in range(2):  # DDP holds every gradient in one bucket at the first step
+        before = state.comm_seconds
+        ddp.zero_grad()
+        ddp(torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * rank + step))).square().mean().backward()
+    state.close()
+    return state.comm_seconds - before, [p.grad.clone() for p in model.parameters()]
+
+
+def test_comm_time_counts_what_the_step_waited_for_not_what_hid_behind_backward():
+    # with the background thread the output layer's slow reduction (0.25 s) runs during the
+    # 0.8 s of backward after it: only the input layer's quick one is left to wait for
+    overlapped = run_distributed(_waited_for_reductions, 2, True)
+    inline = run_distributed(_waited_for_reductions, 2, False)
+    for (hidden, means), (waited, inline_means) in zip(overlapped, inline, strict=True):
+        assert 0 < hidden < 0.15, hidden
+        assert waited >= 0.25, waited  # inline, backward itself waits for every reduction
+        for a, b in zip(means, inline_means, strict=True):
+            assert torch.equal(a, b)
