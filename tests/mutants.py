@@ -573,6 +573,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_train_job.py -k critical_policy_switches",
         "raycomp.train.prepare_model builds DDP with its default buckets, whatever compression.bucket_cap_mb says",
     ),
+    mutant(
+        "hook-counts-hidden-reductions", "raycomp/hook.py",
+        "        if last or not state.overlaps:  # what backward, or the step after it, waited for\n",
+        "        if True:\n",
+        "tests/test_hook.py -k comm_time",
+        "a reduction that ran beside backward counts as communication: overlap looks like a slow link",
+    ),
+    mutant(
+        "hook-counts-only-inline-reductions", "raycomp/hook.py",
+        "        if last or not state.overlaps:  # what backward, or the step after it, waited for\n",
+        "        if not state.overlaps:\n",
+        "tests/test_hook.py -k comm_time",
+        "with the background thread no communication time is reported: every link looks free",
+    ),
 )
 
 
