@@ -42,14 +42,21 @@ def _buckets_and_means(rank: int, world_size: int, auto: bool) -> tuple[list[int
     return sizes, [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("auto", [True, False], ids=["auto", "ddp_default"])
-def test_auto_buckets_hand_most_gradients_to_the_hook_before_backward_ends(auto):
-    (sizes, means), (other_sizes, other_means) = run_distributed(_buckets_and_means, 2, auto)
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[tuple[list[int], list[torch.Tensor]]]]:
+    """Both ranks' buckets and means, with auto buckets and with DDP's default."""
+    return {"auto": run_distributed(_buckets_and_means, 2, True),
+            "ddp_default": run_distributed(_buckets_and_means, 2, False)}
+
+
+@pytest.mark.parametrize("kind", ["auto", "ddp_default"])
+def test_auto_buckets_hand_most_gradients_to_the_hook_before_backward_ends(runs, kind):
+    (sizes, means), (other_sizes, other_means) = runs[kind]
     assert sizes == other_sizes  # both ranks see the same buckets in the same order
     total = sum(p.numel() for p in _kjv_transformer().parameters())
     assert sum(sizes) == total
     # the last bucket's communication is the part that cannot overlap backward
-    if auto:
+    if kind == "auto":
         assert 6 <= len(sizes) <= 16, sizes
         assert sizes[-1] <= 0.25 * total, sizes
     else:  # DDP's default: a 1 MB first bucket, then everything else in one
@@ -58,10 +65,8 @@ def test_auto_buckets_hand_most_gradients_to_the_hook_before_backward_ends(auto)
         assert torch.equal(mine, theirs)
 
 
-def test_buckets_change_when_a_layer_travels_not_what_it_carries():
-    auto = run_distributed(_buckets_and_means, 2, True)
-    default = run_distributed(_buckets_and_means, 2, False)
-    for (_, a), (_, b) in zip(auto, default, strict=True):
+def test_buckets_change_when_a_layer_travels_not_what_it_carries(runs):
+    for (_, a), (_, b) in zip(runs["auto"], runs["ddp_default"], strict=True):
         for x, y in zip(a, b, strict=True):  # int4 codes a layer on its own, whatever shares its bucket
             assert torch.equal(x, y)
 
