@@ -128,8 +128,9 @@ class AdaptivePolicy(Policy):
         self.prior = float(options["round_seconds"])  # a family's round until it is measured
         #: collective family -> seconds an extra round of it costs, measured. Per family: on
         #: the CNN at 100 Mbit/s a round of int4 cost 90-121 ms (its codec, and the overlap it
-        #: loses), one of PowerSGD 18-38 ms. Priced with int4's figure, PowerSGD rank 1 predicted
-        #: 309 ms against int4's 310 and the policy never ran it. A family not measured yet is
+        #: loses), one of PowerSGD 18-38 ms (one DDP bucket); 12-25 ms and under 1 ms with
+        #: about 8 buckets. Priced with int4's figure, PowerSGD rank 1 predicted 309 ms
+        #: against int4's 310 and the policy never ran it. A family not measured yet is
         #: priced at round_seconds: optimistic, so that it is tried once
         self.overhead: dict[str, float] = {}
         self.compute: float | None = None

@@ -164,8 +164,10 @@ class AdaptivePolicy(_Strict):
     #: compression and decompression) until the run has measured it, per collective family
     #: (PowerSGD, Top-K, the int4/int8 batch, each cast): each is learned from the first
     #: compressed control interval it runs in. NCCL on one node: ~1e-4; gloo over TCP:
-    #: ~1e-3; shared CPUs: more (measured on the CNN at 100 Mbit/s: int4 90-121 ms a
-    #: round, PowerSGD 18-38 ms). Being optimistic, it gets every family tried once.
+    #: ~1e-3; shared CPUs: more (measured on the CNN at 100 Mbit/s: int4 12-25 ms a
+    #: round, PowerSGD under 1 ms; 90-121 and 18-38 ms before DDP's buckets overlapped
+    #: backward and hidden time stopped counting). Being optimistic, it gets every family
+    #: tried once.
     round_seconds: Annotated[float, Field(ge=0, le=10)] = 0.001
     #: Link bandwidth in bytes per second per rank to plan for, instead of measuring it on
     #: dense steps (warm-up, guard fallbacks). Set it when you know the link better than a
