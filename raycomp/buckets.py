@@ -10,8 +10,8 @@ wire starts after backward has finished, and none of it overlaps.
 :func:`bucket_cap_mb` cuts the model into about :data:`BUCKETS` buckets instead. Then all
 but the last one's communication can run during backward. Each bucket is one more
 collective round and one more pass through the reducer, so it does not go below DDP's own
-first-bucket size. It also never goes above DDP's default, so a model of 200 MB or more keeps
-DDP's buckets.
+first-bucket size. At DDP's default cap or above (a model of 200 MB or more) it leaves DDP's
+default alone, 1 MB first bucket included.
 
 Measured on the KJV transformer (3.2M parameters, 12.9 MB fp32), 2 workers over
 100 Mbit/s, static int4, 80 steps, one seed (docs/benchmarks/e2e-gpt-100mbit-buckets.md):
@@ -50,10 +50,15 @@ def ddp_kwargs(compression: Any, model: torch.nn.Module) -> dict[str, Any]:
     """DDP options for ``ray.train.torch.prepare_model(model, parallel_strategy_kwargs=...)``.
 
     The bucket cap is ``compression.bucket_cap_mb``, where ``"auto"`` means
-    :func:`bucket_cap_mb`. A torch baseline hook takes ``baseline_bucket_cap_mb`` instead,
-    when that is set: torch's ``powerSGD_hook`` needs the whole model in one bucket on gloo.
+    :func:`bucket_cap_mb`, or no option at all (DDP's default) where that reaches 25 MB. A
+    torch baseline hook takes ``baseline_bucket_cap_mb`` instead, when that is set: torch's
+    ``powerSGD_hook`` needs the whole model in one bucket on gloo.
     """
     cap = compression.bucket_cap_mb
     if compression.baseline_hook != "none" and compression.baseline_bucket_cap_mb is not None:
         cap = compression.baseline_bucket_cap_mb
-    return {"bucket_cap_mb": bucket_cap_mb(model) if cap == "auto" else float(cap)}
+    if cap == "auto":
+        cap = bucket_cap_mb(model)
+        if cap >= MAX_CAP_MB:  # DDP's own default: its 1 MB first bucket stays
+            return {}
+    return {"bucket_cap_mb": float(cap)}

@@ -547,8 +547,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "buckets-auto-is-ddps-default", "raycomp/buckets.py",
-        '    return {"bucket_cap_mb": bucket_cap_mb(model) if cap == "auto" else float(cap)}\n',
-        '    return {} if cap == "auto" else {"bucket_cap_mb": float(cap)}\n',
+        "        cap = bucket_cap_mb(model)\n        if cap >= MAX_CAP_MB:",
+        "        return {}\n        if cap >= MAX_CAP_MB:",
         "tests/test_buckets.py",
         "auto leaves DDP's default buckets: a small model's wire all waits for the end of backward",
     ),

@@ -77,6 +77,7 @@ def test_the_cap_stays_between_ddps_first_bucket_and_its_default():
     assert bucket_cap_mb(huge) == MAX_CAP_MB
     frozen = torch.nn.Linear(10_000, 10_000, device="meta").requires_grad_(False)
     assert bucket_cap_mb(frozen) == MIN_CAP_MB  # only gradients travel
+    assert ddp_kwargs(CompressionSection(), huge) == {}  # DDP's default, its 1 MB first bucket kept
     with pytest.raises(ValueError, match=r"^buckets: must be >= 1, got 0$"):
         bucket_cap_mb(huge, buckets=0)
 
