@@ -516,7 +516,7 @@ def driver(spec_path: str) -> int:
     cap = one_bucket_cap_mb(workload.model)
     raw: dict[str, Any] = {"spec": spec, "layers": layers, "metric": workload.metric,
                            "interval_steps": base.controller.interval_steps, "bucket_cap_mb": cap,
-                           "ddp_bucket_cap_mb": ddp_kwargs(base.compression, workload.model).get("bucket_cap_mb", 25.0),
+                           "ddp_bucket_cap_mb": ddp_kwargs(base.compression, workload.model).get("bucket_cap_mb"),  # None: DDP's default
                            "default_policy": _policy_default(), "runs": [], "idle": []}
     del workload
     controller_pid = None

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
+from raycomp.buckets import gradient_mb
+
 HOOKS = ("torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd")
 
 
 def one_bucket_cap_mb(model: torch.nn.Module, margin: float = 1.25) -> float:
     """A ``bucket_cap_mb`` that holds every gradient of ``model`` in one bucket (fp32 size x margin)."""
-    size = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return round(max(1.0, margin * size / 2**20), 1)
+    return round(max(1.0, margin * gradient_mb(model)), 1)
 
 
 class _Warmup:

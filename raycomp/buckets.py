@@ -32,6 +32,11 @@ BUCKETS = 8
 MIN_CAP_MB, MAX_CAP_MB = 1.0, 25.0
 
 
+def gradient_mb(model: torch.nn.Module) -> float:
+    """MB (2**20 bytes) of ``model``'s trainable gradients: what DDP's buckets hold."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
+
+
 def bucket_cap_mb(model: torch.nn.Module, buckets: int = BUCKETS) -> float:
     """A DDP ``bucket_cap_mb`` that cuts ``model``'s trainable gradients into about ``buckets``
     buckets, within [1, 25] MB. Use it when you wrap the model yourself::
@@ -42,8 +47,7 @@ def bucket_cap_mb(model: torch.nn.Module, buckets: int = BUCKETS) -> float:
     """
     if buckets < 1:
         raise ValueError(f"buckets: must be >= 1, got {buckets!r}")
-    size_mb = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
-    return round(min(MAX_CAP_MB, max(MIN_CAP_MB, size_mb / buckets)), 2)
+    return round(min(MAX_CAP_MB, max(MIN_CAP_MB, gradient_mb(model) / buckets)), 2)
 
 
 def ddp_kwargs(compression: Any, model: torch.nn.Module) -> dict[str, Any]:

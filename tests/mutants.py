@@ -561,8 +561,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "buckets-below-ddps-first-bucket", "raycomp/buckets.py",
-        "    return round(min(MAX_CAP_MB, max(MIN_CAP_MB, size_mb / buckets)), 2)\n",
-        "    return round(min(MAX_CAP_MB, size_mb / buckets), 2)\n",
+        "    return round(min(MAX_CAP_MB, max(MIN_CAP_MB, gradient_mb(model) / buckets)), 2)\n",
+        "    return round(min(MAX_CAP_MB, gradient_mb(model) / buckets), 2)\n",
         "tests/test_buckets.py",
         "a small model gets buckets of a few kB: a collective round per layer",
     ),
