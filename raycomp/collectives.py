@@ -15,12 +15,20 @@ The dense-equivalent of a layer is the all-reduce of its uncompressed gradient. 
 size headers and padding are charged to the pseudo-layer :data:`OVERHEAD`.
 
 No collective is ever given an empty tensor (gloo rejects them).
+
+Every function returns a :class:`Pending`: it runs the work up to its *last* collective,
+issues that one asynchronously and returns; :meth:`Pending.wait` waits for it and does the
+rest (decoding, averaging). Earlier rounds (PowerSGD's P, the all-to-all of the scalable
+scheme, the element counts of variable-size payloads) are waited for inside the function,
+so all collectives are issued by the caller's thread, in the caller's order. The DDP hook
+uses the split to compress the next bucket while this one is on the wire.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +39,8 @@ from raycomp.compressors.sparse import scatter_dense
 from raycomp.payload import Payload, pack, unpack_like
 
 OVERHEAD = "(overhead)"
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 @dataclass
@@ -38,6 +48,33 @@ class Reduced:
     mean: torch.Tensor  # the mean over ranks of what was sent, shaped like the input
     sent: torch.Tensor  # this rank's own contribution, decompressed
     wire_bytes: float  # bytes this rank transmitted for this layer
+
+
+class Pending(Generic[T]):
+    """A reduction whose last collective is in flight.
+
+    :meth:`wait` waits for that collective (``works``) and then runs ``finish``, which
+    reads its output: decoding, averaging. Call it once. Nothing in ``finish`` issues a
+    collective, so it may run on another thread than the one that issued the work.
+    """
+
+    def __init__(self, works: Sequence[dist.Work], finish: Callable[[], T]) -> None:
+        self.works = list(works)
+        self.finish = finish
+
+    @classmethod
+    def done(cls, value: T) -> Pending[T]:
+        """A result with nothing in flight (one process, or nothing to send)."""
+        return cls([], lambda: value)
+
+    def then(self, step: Callable[[T], U]) -> Pending[U]:
+        """The same collective in flight, with ``step`` applied to what it finishes with."""
+        return Pending(self.works, lambda: step(self.finish()))
+
+    def wait(self) -> T:
+        for work in self.works:
+            work.wait()
+        return self.finish()
 
 
 @dataclass
@@ -59,22 +96,34 @@ class Group:
         return 2 * (w - 1) / w * nbytes
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.size > 1 and tensor.numel():
-            dist.all_reduce(tensor, group=self.handle)
+        for work in self.start_all_reduce(tensor):
+            work.wait()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        if self.size == 1:
-            return [tensor]
-        out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(out, tensor, group=self.handle)
+        out, works = self.start_all_gather(tensor)
+        for work in works:
+            work.wait()
         return out
+
+    def start_all_reduce(self, tensor: torch.Tensor) -> list[dist.Work]:
+        """Issue a sum all-reduce of ``tensor`` in place; its work (none: nothing to do)."""
+        if self.size > 1 and tensor.numel():
+            return [dist.all_reduce(tensor, group=self.handle, async_op=True)]
+        return []
+
+    def start_all_gather(self, tensor: torch.Tensor) -> tuple[list[torch.Tensor], list[dist.Work]]:
+        """Issue an all-gather: the output tensors (filled once the work is done), the work."""
+        if self.size == 1:
+            return [tensor], []
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        return out, [dist.all_gather(out, tensor, group=self.handle, async_op=True)]
 
 
 def dense_allreduce(
     tensors: Sequence[torch.Tensor], group: Group, *, control: torch.Tensor | None = None,
     in_place: bool = False,
-) -> list[Reduced]:
+) -> Pending[list[Reduced]]:
     """Plain all-reduce mean; divides before summing, as DDP does, so results match it.
 
     ``control`` (optional, 1-D): a few floats that ride along and are *summed* over ranks in
@@ -83,30 +132,38 @@ def dense_allreduce(
     ``in_place``: the inputs may be overwritten; tensors that already lie back to back (a
     DDP bucket's gradients) are then reduced where they are, without a flattening copy.
     """
-    out: list[Reduced | None] = [None] * len(tensors)
+    works: list[dist.Work] = []
+    flats: list[tuple[list[int], torch.Tensor]] = []
+    carried: tuple[torch.Tensor, torch.Tensor] | None = None  # (control, the buffer it rides in)
     for members in _by_dtype(tensors):
         flat = flat_view([tensors[i] for i in members]) if in_place else None
         if flat is None:
             flat = torch.cat([tensors[i].reshape(-1) for i in members])
         flat.div_(group.size)
-        carried = control is not None and flat.dtype == control.dtype and flat.device == control.device
-        if carried:
-            flat = torch.cat([flat, control])
-        group.all_reduce_(flat)
-        if carried:
-            control.copy_(flat[-control.numel():])  # type: ignore[union-attr]
-            control = None
-        for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):
-            t = tensors[i]
-            out[i] = Reduced(mean, t, group.allreduce_bytes(t.numel() * t.element_size()))
+        if control is not None and flat.dtype == control.dtype and flat.device == control.device:
+            carried = (control, torch.cat([flat, control]))
+            flat, control = carried[1], None
+        works += group.start_all_reduce(flat)
+        flats.append((members, flat))
     if control is not None:  # no tensor of its dtype: a collective of its own
-        group.all_reduce_(control)
-    return out  # type: ignore[return-value]
+        works += group.start_all_reduce(control)
+
+    def finish() -> list[Reduced]:
+        if carried is not None:
+            carried[0].copy_(carried[1][-carried[0].numel():])
+        out: list[Reduced | None] = [None] * len(tensors)
+        for members, flat in flats:
+            for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):
+                t = tensors[i]
+                out[i] = Reduced(mean, t, group.allreduce_bytes(t.numel() * t.element_size()))
+        return out  # type: ignore[return-value]
+
+    return Pending(works, finish)
 
 
 def summable_allreduce(
     tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor], group: Group
-) -> list[Reduced]:
+) -> Pending[list[Reduced]]:
     """Payloads that add up element-wise (casts, shared-index Random-K): one all-reduce.
 
     Inputs are divided by the world size before compression so the sum is the mean and a
@@ -116,77 +173,95 @@ def summable_allreduce(
     payloads = [c.compress(t / w) for t, c in zip(tensors, compressors, strict=True)]
     sent = [c.decompress(p) * w for p, c in zip(payloads, compressors, strict=True)]
     wire_tensors = [t for p in payloads for t in p.tensors.values()]
+    works: list[dist.Work] = []
+    flats: list[tuple[list[torch.Tensor], torch.Tensor]] = []
     for indices in _by_dtype(wire_tensors):
         members = [wire_tensors[i] for i in indices]
-        flat = group.all_reduce_(torch.cat([t.reshape(-1) for t in members]))
-        for t, total in zip(members, _split(flat, members), strict=True):
-            t.copy_(total)  # payload tensors now hold the sums
-    return [
-        Reduced(c.decompress(p), s, group.allreduce_bytes(p.nbytes))
-        for p, c, s in zip(payloads, compressors, sent, strict=True)
-    ]
+        flat = torch.cat([t.reshape(-1) for t in members])
+        works += group.start_all_reduce(flat)
+        flats.append((members, flat))
+
+    def finish() -> list[Reduced]:
+        for members, flat in flats:
+            for t, total in zip(members, _split(flat, members), strict=True):
+                t.copy_(total)  # payload tensors now hold the sums
+        return [
+            Reduced(c.decompress(p), s, group.allreduce_bytes(p.nbytes))
+            for p, c, s in zip(payloads, compressors, sent, strict=True)
+        ]
+
+    return Pending(works, finish)
 
 
 def sparse_allgather(
     tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor], group: Group
-) -> tuple[list[Reduced], float]:
+) -> Pending[tuple[list[Reduced], float]]:
     """Sparse (values, indices) payloads: all-gather, then sum by scatter-add.
 
     If any payload can vary in size, every rank first all-gathers the element counts of
     its payload tensors, so all ranks know every peer's layout and the padded length.
-    Returns the per-layer results and the overhead bytes (counts, padding).
+    Finishes with the per-layer results and the overhead bytes (counts, padding).
     """
     w = group.size
     payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]
     sent = [c.decompress(p) for p, c in zip(payloads, compressors, strict=True)]
-    per_rank, overhead = _gather_payloads(payloads, compressors, group)
-    results = []
-    for i, payload in enumerate(payloads):
-        merged = payload.with_tensors(
-            {
-                name: torch.cat([rank_payloads[i].tensors[name] for rank_payloads in per_rank])
-                for name in payload.tensors
-            }
-        )
-        mean = scatter_dense(merged).div_(w)
-        results.append(Reduced(mean, sent[i], (w - 1) * payload.nbytes))
-    return results, overhead
+    gathering, overhead = _gather_payloads(payloads, compressors, group)
+
+    def merge(per_rank: list[list[Payload]]) -> tuple[list[Reduced], float]:
+        results = []
+        for i, payload in enumerate(payloads):
+            merged = payload.with_tensors(
+                {
+                    name: torch.cat([rank_payloads[i].tensors[name] for rank_payloads in per_rank])
+                    for name in payload.tensors
+                }
+            )
+            mean = scatter_dense(merged).div_(w)
+            results.append(Reduced(mean, sent[i], (w - 1) * payload.nbytes))
+        return results, overhead
+
+    return gathering.then(merge)
 
 
 def gathered_mean(
     tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor], group: Group
-) -> tuple[list[Reduced], float]:
+) -> Pending[tuple[list[Reduced], float]]:
     """Fixed-size payloads that decode to dense tensors: one all-gather, then every rank
     decodes every rank's payload and averages them in rank order.
 
     Every rank sums the same decoded tensors in the same order, so every rank holds the
     same mean. Each rank sends ``(W - 1) x`` its payload; the scalable scheme sends
     ``2 (W - 1) / W x`` it, so this is the cheaper route at ``W = 2`` only, where it also
-    saves a round and a second quantization. Returns the per-layer results and the
+    saves a round and a second quantization. Finishes with the per-layer results and the
     overhead bytes (none: fixed sizes need neither counts nor padding).
     """
     w, me = group.size, group.rank
     payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]
-    per_rank, overhead = _gather_payloads(payloads, compressors, group)  # fixed sizes: no overhead
-    results = []
-    for i, (c, t) in enumerate(zip(compressors, tensors, strict=True)):
-        decoded = [c.decompress(rank_payloads[i]) for rank_payloads in per_rank]
-        total = decoded[0].float()
-        for d in decoded[1:]:  # rank order, the same on every rank
-            total = total + d.float()
-        mean = (total / w).to(t.dtype).reshape(t.shape)
-        results.append(Reduced(mean, decoded[me], (w - 1) * payloads[i].nbytes))
-    return results, overhead
+    gathering, overhead = _gather_payloads(payloads, compressors, group)  # fixed sizes: no overhead
+
+    def average(per_rank: list[list[Payload]]) -> tuple[list[Reduced], float]:
+        results = []
+        for i, (c, t) in enumerate(zip(compressors, tensors, strict=True)):
+            decoded = [c.decompress(rank_payloads[i]) for rank_payloads in per_rank]
+            total = decoded[0].float()
+            for d in decoded[1:]:  # rank order, the same on every rank
+                total = total + d.float()
+            mean = (total / w).to(t.dtype).reshape(t.shape)
+            results.append(Reduced(mean, decoded[me], (w - 1) * payloads[i].nbytes))
+        return results, overhead
+
+    return gathering.then(average)
 
 
 def _gather_payloads(
     payloads: Sequence[Payload], compressors: Sequence[Compressor], group: Group
-) -> tuple[list[list[Payload]], float]:
+) -> tuple[Pending[list[list[Payload]]], float]:
     """Every rank's payloads, in rank order, through one all-gather of packed bytes.
 
     If any payload can vary in size, every rank first all-gathers the element counts of
-    its payload tensors, so all ranks know every peer's layout and the padded length.
-    Returns the payloads per rank and the overhead bytes (counts, padding).
+    its payload tensors (waited for here), so all ranks know every peer's layout and the
+    padded length. Returns the all-gather in flight, which finishes with the payloads per
+    rank, and the overhead bytes (counts, padding).
     """
     w = group.size
     overhead = 0.0
@@ -207,13 +282,16 @@ def _gather_payloads(
     if own.numel() != padded:  # a peer's payload is larger (or all are empty): pad with zeros
         buffer = torch.zeros(padded, dtype=torch.uint8, device=own.device)
         buffer[: own.numel()] = own
-    gathered = group.all_gather(buffer)
+    gathered, works = group.start_all_gather(buffer)
     overhead += (w - 1) * (padded - own.numel())
-    per_rank = [
-        unpack_like(buf[:size], layout)
-        for buf, size, layout in zip(gathered, sizes, layouts, strict=True)
-    ]
-    return per_rank, overhead
+
+    def unpack() -> list[list[Payload]]:
+        return [
+            unpack_like(buf[:size], layout)
+            for buf, size, layout in zip(gathered, sizes, layouts, strict=True)
+        ]
+
+    return Pending(works, unpack), overhead
 
 
 def _layout_with_counts(templates: Sequence[Payload], counts: Sequence[int]) -> list[Payload]:
@@ -259,7 +337,7 @@ class ScalableAllreduce:
         tensors: Sequence[torch.Tensor],
         compressors: Sequence[Compressor],
         group: Group,
-    ) -> tuple[list[Reduced], float]:
+    ) -> Pending[tuple[list[Reduced], float]]:
         w, me = group.size, group.rank
         if w == 2 and self.gather_two_ranks:
             return gathered_mean(tensors, compressors, group)
@@ -303,19 +381,23 @@ class ScalableAllreduce:
         buffer = torch.zeros(padded, dtype=torch.uint8, device=received.device)
         own = pack(recompressed)
         buffer[: own.numel()] = own
-        gathered = group.all_gather(buffer) if w > 1 else [buffer]
-        by_chunk = [
-            unpack_like(buf[: split_bytes[j]], [row[j] for row in payloads])
-            for j, buf in enumerate(gathered)
-        ]
-        results = []
-        for i, (comp, t) in enumerate(zip(compressors, tensors, strict=True)):
-            mean = torch.cat([comp.decompress(by_chunk[j][i]).reshape(-1) for j in range(w)])
-            sent_to_others = sum(payloads[i][j].nbytes for j in range(w) if j != me)
-            wire = sent_to_others + (w - 1) * recompressed[i].nbytes
-            results.append(Reduced(mean.reshape(t.shape).to(t.dtype), sent[i], wire))
+        gathered, works = group.start_all_gather(buffer)
         overhead = (w - 1) * (padded - own.numel())
-        return results, overhead
+
+        def decode() -> tuple[list[Reduced], float]:
+            by_chunk = [
+                unpack_like(buf[: split_bytes[j]], [row[j] for row in payloads])
+                for j, buf in enumerate(gathered)
+            ]
+            results = []
+            for i, (comp, t) in enumerate(zip(compressors, tensors, strict=True)):
+                mean = torch.cat([comp.decompress(by_chunk[j][i]).reshape(-1) for j in range(w)])
+                sent_to_others = sum(payloads[i][j].nbytes for j in range(w) if j != me)
+                wire = sent_to_others + (w - 1) * recompressed[i].nbytes
+                results.append(Reduced(mean.reshape(t.shape).to(t.dtype), sent[i], wire))
+            return results, overhead
+
+        return Pending(works, decode)
 
     def reset(self) -> None:
         self.server_residuals.clear()
@@ -329,9 +411,10 @@ class ScalableAllreduce:
 
 def lowrank_allreduce(
     tensors: Sequence[torch.Tensor], compressors: Sequence[PowerSGD], group: Group
-) -> list[Reduced]:
+) -> Pending[list[Reduced]]:
     """PowerSGD's two rounds for all layers at once: all-reduce every P, orthogonalise,
-    all-reduce every Q (two collectives per bucket, like torch's ``powerSGD_hook``)."""
+    all-reduce every Q (two collectives per bucket, like torch's ``powerSGD_hook``). The
+    P round is waited for here; the Q round is the one in flight."""
     w = group.size
     matrices = [
         t.detach().float().reshape(c.matrix_shape(t.shape))
@@ -345,13 +428,19 @@ def lowrank_allreduce(
     ]
     qs = [c.back_project(m, p) for c, m, p in zip(compressors, matrices, p_hats, strict=True)]
     sent = [(p @ q.T).reshape(t.shape).to(t.dtype) for p, q, t in zip(p_hats, qs, tensors, strict=True)]
-    q_flat = group.all_reduce_(torch.cat([q.reshape(-1) for q in qs])).div_(w)
-    results = []
-    for c, p, q, s, t in zip(compressors, p_hats, _split(q_flat, qs), sent, tensors, strict=True):
-        c.remember(q)
-        wire = group.allreduce_bytes((p.numel() + q.numel()) * 4)
-        results.append(Reduced((p @ q.T).reshape(t.shape).to(t.dtype), s, wire))
-    return results
+    q_flat = torch.cat([q.reshape(-1) for q in qs])
+    works = group.start_all_reduce(q_flat)
+
+    def finish() -> list[Reduced]:
+        q_flat.div_(w)
+        results = []
+        for c, p, q, s, t in zip(compressors, p_hats, _split(q_flat, qs), sent, tensors, strict=True):
+            c.remember(q)
+            wire = group.allreduce_bytes((p.numel() + q.numel()) * 4)
+            results.append(Reduced((p @ q.T).reshape(t.shape).to(t.dtype), s, wire))
+        return results
+
+    return Pending(works, finish)
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:

@@ -14,10 +14,13 @@ Without DDP (e.g. a custom data-parallel loop)::
     loss.backward()
     state.allreduce_gradients()     # replaces each .grad by the compressed mean
 
-The hook runs each bucket's reduction on one background thread (in bucket order, which
-is the same on every rank) and returns a future, so backward keeps computing the next
-buckets while this one communicates. That overlap needs several buckets: DDP's default
-gives a model under 25 MB two, :func:`raycomp.bucket_cap_mb` about eight (raycomp.buckets).
+The hook reduces each bucket in the background and returns a future, so backward keeps
+computing the next buckets while this one communicates. Two threads share the work: one
+compresses each bucket and issues its collectives (in bucket order, which is the same on
+every rank), the other waits for them and decodes. So the next bucket is compressed while
+this one is on the wire, and the link is not idle while a thread encodes. The overlap
+needs several buckets: DDP's default gives a model under 25 MB two,
+:func:`raycomp.bucket_cap_mb` about eight (raycomp.buckets).
 Gradient accumulation with ``no_sync()`` needs nothing special: DDP calls the hook only on
 the synchronising step, with the accumulated gradients.
 """
@@ -27,15 +30,17 @@ the synchronising step, with the accumulated gradients.
 import concurrent.futures
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from raycomp.collectives import flat_view
+from raycomp.collectives import Pending, flat_view
 from raycomp.memory import Memory
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
+
+T = TypeVar("T")
 
 
 class CompressionState(CompressedReducer):
@@ -45,9 +50,10 @@ class CompressionState(CompressedReducer):
         model: the model (DDP-wrapped or not); parameter names come from
             ``named_parameters()`` with DDP's ``module.`` prefix removed.
         plan: initial plan (default: everything dense); change it with ``set_plan``.
-        async_comm: run bucket reductions on a background thread (DDP hook only), so
-            backward computes the next buckets while this one communicates. Turn it off
-            to debug a hook step by step; it costs that overlap.
+        async_comm: reduce buckets in the background (DDP hook only), so backward
+            computes the next buckets while this one communicates, and the next bucket is
+            compressed while this one is on the wire. Turn it off to debug a hook step by
+            step; it costs that overlap.
         process_group, memory, min_compress_numel, seed, stats_every, profile_ratios: as
             in :class:`CompressedReducer`. In short: ``memory="residual"`` is error
             feedback, which every biased compressor needs to keep dense accuracy;
@@ -72,10 +78,13 @@ class CompressionState(CompressedReducer):
         self.comm_seconds = 0.0
         self.parameters = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
-        self._executor = (
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raycomp-comm")
+        # one thread each, so each keeps bucket order: the sender compresses and issues the
+        # collectives (every rank in the same order), the receiver waits for them and decodes
+        self._sender, self._receiver = (
+            (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raycomp-send"),
+             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raycomp-receive"))
             if async_comm
-            else None
+            else (None, None)
         )
 
     def name_of(self, parameter: torch.Tensor) -> str:
@@ -99,27 +108,39 @@ class CompressionState(CompressedReducer):
 
     @property
     def overlaps(self) -> bool:
-        """Whether the hook reduces buckets on its background thread, beside backward."""
-        return self._executor is not None
+        """Whether the hook reduces buckets on its background threads, beside backward."""
+        return self._sender is not None
 
-    def submit(self, work: Callable[[], torch.Tensor | None]) -> torch.futures.Future:
+    def submit(self, send: Callable[[], Pending[T]], receive: Callable[[T], torch.Tensor]) -> torch.futures.Future:
+        """A future of ``receive(send().wait())``: ``send`` on the sending thread, the wait
+        and ``receive`` on the receiving one (both inline without ``async_comm``)."""
         future: torch.futures.Future = torch.futures.Future()
 
-        def run() -> None:
+        def guarded(work: Callable[[], Any], then: Callable[[Any], None]) -> None:
             try:
-                future.set_result(work())
+                then(work())
             except BaseException as error:  # noqa: BLE001 - DDP re-raises it in backward
                 future.set_exception(error)
 
-        if self._executor is None:
-            run()
+        def finish(pending: Pending[T]) -> None:
+            guarded(lambda: receive(pending.wait()), future.set_result)
+
+        def start() -> None:
+            if self._receiver is None:
+                guarded(send, finish)
+            else:
+                guarded(send, lambda pending: self._receiver.submit(finish, pending))  # type: ignore[union-attr]
+
+        if self._sender is None:
+            start()
         else:
-            self._executor.submit(run)
+            self._sender.submit(start)
         return future
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        for executor in (self._sender, self._receiver):  # the receiver last: the sender feeds it
+            if executor is not None:
+                executor.shutdown(wait=True)
 
     def __enter__(self) -> "CompressionState":
         return self
@@ -141,8 +162,10 @@ def compression_hook(
     last = bucket.is_last()
     handed_over = time.perf_counter()
 
-    def reduce_bucket() -> torch.Tensor:
-        means = state.reduce(names, grads, closes_step=last, overwrite=True)  # the result replaces them
+    def send() -> Pending[list[torch.Tensor]]:
+        return state.start(names, grads, closes_step=last, overwrite=True)  # the result replaces them
+
+    def receive(means: list[torch.Tensor]) -> torch.Tensor:
         out = flat_view(means) if means else buffer  # dense: already one buffer, often the bucket's
         if out is None:
             out = torch.cat([m.reshape(-1) for m in means])
@@ -154,4 +177,4 @@ def compression_hook(
             state.comm_seconds += time.perf_counter() - handed_over
         return out.to(buffer.dtype).view(buffer.shape)
 
-    return state.submit(reduce_bucket)
+    return state.submit(send, receive)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from raycomp import collectives
-from raycomp.collectives import Group, Reduced
+from raycomp.collectives import Group, Pending, Reduced
 from raycomp.compressors import Compressor, Transport
 from raycomp.ledger import WireLedger
 from raycomp.memory import DGCMemory, Memory, NoMemory, ResidualMemory
@@ -50,6 +50,10 @@ def make_memory(kind: str, world_size: int, **options: Any) -> Memory:
     if kind == "none":
         return NoMemory()
     raise ValueError(f"memory: unknown kind {kind!r}; allowed: {', '.join(MEMORIES)}")
+
+
+def _no_overhead(pending: Pending[list[Reduced]]) -> Pending[tuple[list[Reduced], float]]:
+    return pending.then(lambda results: (results, 0.0))
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -191,50 +195,77 @@ class CompressedReducer:
         DDP bucket, which the result replaces anyway); dense gradients that lie back to back
         there are then reduced in place, except on statistics steps, which still read them.
         """
+        return self.start(names, grads, closes_step=closes_step, overwrite=overwrite).wait()
+
+    def start(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
+              closes_step: bool = False, overwrite: bool = False) -> Pending[list[torch.Tensor]]:
+        """:meth:`reduce` in two halves: compensate, compress and issue every collective
+        now; the returned :class:`~raycomp.collectives.Pending` waits for the last ones and
+        finishes (decoding, error feedback, wire bytes, statistics).
+
+        Collectives are issued only here, so calls of :meth:`start` must come in the same
+        order on every rank; the ``wait()`` of one call may run on another thread while
+        the next call starts (the DDP hook does), as long as each is waited for before its
+        step ends and in the order started.
+        """
         self.begin_step()
         routes: dict[Transport, list[int]] = {}
         compensated: list[torch.Tensor] = []
+        compressors: list[Compressor] = []
         for i, (name, grad) in enumerate(zip(names, grads, strict=True)):
             if not grad.is_floating_point():
                 raise ValueError(f"gradient {name!r}: dtype {grad.dtype} is not floating point")
             routes.setdefault(self.transport_for(name, grad.shape), []).append(i)
+            compressors.append(self.compressor_for(name))
             compensated.append(self.memory.compensate(name, grad))
         finite = all_finite(grads)  # no host sync here: read once per step, at end_step
         if finite is not None:
             self._finite = finite if self._finite is None else self._finite & finite
         control = self._take_control(grads) if closes_step else None
+        overhead = 0.0
         if control is not None:  # the carried floats are on the wire too: charge them as overhead
-            self.ledger.add(collectives.OVERHEAD, self.group.allreduce_bytes(control.numel() * control.element_size()))
+            overhead += self.group.allreduce_bytes(control.numel() * control.element_size())
 
-        reduced: list[Reduced | None] = [None] * len(grads)
+        in_flight: list[tuple[list[int], Pending[tuple[list[Reduced], float]]]] = []
         for transport, members in routes.items():
             carry = control if transport is Transport.DENSE else None
             control = None if transport is Transport.DENSE else control
             # in place only in the caller's own gradients, never in a memory's buffer
             in_place = overwrite and not self.collecting_stats and all(compensated[i] is grads[i] for i in members)
-            for i, result in zip(members, self._run(transport, members, names, compensated, carry, in_place),
-                                 strict=True):
-                reduced[i] = result
+            in_flight.append((members, self._start(transport, members, names, compensated, carry, in_place)))
+        works = [work for _, pending in in_flight for work in pending.works]
         if control is not None:  # no dense layer in this reduction: a tiny collective of its own
-            self.group.all_reduce_(control)
+            works += self.group.start_all_reduce(control)
+        collecting_stats = self.collecting_stats
 
-        for i, name in enumerate(names):
-            result = reduced[i]
-            assert result is not None
-            compressor = self.compressor_for(name)
-            dense = self.group.allreduce_bytes(grads[i].numel() * grads[i].element_size())
-            self.ledger.add(name, result.wire_bytes, dense)
-            lossy = result.sent is not compensated[i] and compressor.error_feedback
-            sent = result.sent if lossy else compensated[i]
-            self.memory.update(name, compensated[i], sent, compressor.sparse)
-            if self.collecting_stats:
-                kind = compressor.name if result.sent is not compensated[i] else "none"
-                self.stats.append(
-                    layer_stats(name, kind, grads[i], compensated[i], result.sent,
-                                self.memory.residual(name), result.wire_bytes, dense,
-                                self.profile_ratios)
-                )
-        return [r.mean for r in reduced]  # type: ignore[union-attr]
+        def finish() -> list[torch.Tensor]:
+            reduced: list[Reduced | None] = [None] * len(grads)
+            total_overhead = overhead
+            for members, pending in in_flight:
+                results, extra = pending.finish()
+                total_overhead += extra
+                for i, result in zip(members, results, strict=True):
+                    reduced[i] = result
+            if total_overhead:
+                self.ledger.add(collectives.OVERHEAD, total_overhead)
+            for i, name in enumerate(names):
+                result, compressor = reduced[i], compressors[i]
+                assert result is not None
+                dense = self.group.allreduce_bytes(grads[i].numel() * grads[i].element_size())
+                self.ledger.add(name, result.wire_bytes, dense)
+                lossy = result.sent is not compensated[i] and compressor.error_feedback
+                sent = result.sent if lossy else compensated[i]
+                self.memory.update(name, compensated[i], sent, compressor.sparse)
+                if collecting_stats:
+                    kind = compressor.name if result.sent is not compensated[i] else "none"
+                    self.stats.append(
+                        layer_stats(name, kind, grads[i], compensated[i], result.sent,
+                                    self.memory.residual(name), result.wire_bytes, dense,
+                                    self.profile_ratios)
+                    )
+            return [r.mean for r in reduced]  # type: ignore[union-attr]
+
+        return Pending(works, finish)
 
     def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
         """The norm of the reduced gradients of ``parameters``: the same on every rank (the
@@ -260,25 +291,23 @@ class CompressedReducer:
         self.control_rows = control.view(self.group.size, n)
         return control
 
-    def _run(
+    def _start(
         self, transport: Transport, members: list[int], names: Sequence[str], tensors: list[torch.Tensor],
         control: torch.Tensor | None = None, in_place: bool = False,
-    ) -> list[Reduced]:
+    ) -> Pending[tuple[list[Reduced], float]]:
+        """Issue one transport's collectives for ``members``; finishes with (results, overhead bytes)."""
         group_tensors = [tensors[i] for i in members]
         if transport is Transport.DENSE:
-            return collectives.dense_allreduce(group_tensors, self.group, control=control, in_place=in_place)
+            return _no_overhead(collectives.dense_allreduce(group_tensors, self.group, control=control,
+                                                            in_place=in_place))
         compressors = [self.compressor_for(names[i]) for i in members]
         if transport is Transport.ALLREDUCE:
-            return collectives.summable_allreduce(group_tensors, compressors, self.group)
+            return _no_overhead(collectives.summable_allreduce(group_tensors, compressors, self.group))
         if transport is Transport.LOWRANK:
-            return collectives.lowrank_allreduce(group_tensors, compressors, self.group)  # type: ignore[arg-type]
+            return _no_overhead(collectives.lowrank_allreduce(group_tensors, compressors, self.group))  # type: ignore[arg-type]
         if transport is Transport.ALLGATHER:
-            results, overhead = collectives.sparse_allgather(group_tensors, compressors, self.group)
-        else:
-            group_names = [names[i] for i in members]
-            results, overhead = self.scalable(group_names, group_tensors, compressors, self.group)
-        self.ledger.add(collectives.OVERHEAD, overhead)
-        return results
+            return collectives.sparse_allgather(group_tensors, compressors, self.group)
+        return self.scalable([names[i] for i in members], group_tensors, compressors, self.group)
 
     def discard_step(self) -> None:
         """Forget the error-feedback memory after a step the optimizer skipped.

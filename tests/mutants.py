@@ -108,16 +108,17 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- collectives --------------------------------------------------------------------
     mutant(
         "sparse-also-sends-dense", "raycomp/collectives.py",
-        "    gathered = group.all_gather(buffer)\n    overhead += (w - 1) * (padded - own.numel())\n",
+        "    gathering, overhead = _gather_payloads(payloads, compressors, group)\n\n    def merge(",
         "    group.all_reduce_(torch.cat([t.detach().reshape(-1).float() for t in tensors]))\n"
-        "    gathered = group.all_gather(buffer)\n    overhead += (w - 1) * (padded - own.numel())\n",
+        "    gathering, overhead = _gather_payloads(payloads, compressors, group)\n\n    def merge(",
         "tests/test_wire.py tests/test_collectives.py",
         "the sparse all-gather path also all-reduces the dense tensor (wire grows, ledger unchanged)",
     ),
     mutant(
         "dense-mean-divided-twice", "raycomp/collectives.py",
-        "        group.all_reduce_(flat)\n",
-        "        group.all_reduce_(flat).div_(group.size)\n",
+        "            for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):\n",
+        "            flat.div_(group.size)\n"
+        "            for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):\n",
         "tests/test_collectives.py",
         "dense all-reduce divides by the world size before and after summing",
     ),
@@ -586,6 +587,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if not state.overlaps:\n",
         "tests/test_hook.py -k comm_time",
         "with the background thread no communication time is reported: every link looks free",
+    ),
+    mutant(
+        "hook-decodes-before-next-send", "raycomp/hook.py",
+        "                guarded(send, lambda pending: self._receiver.submit(finish, pending))  # type: ignore[union-attr]\n",
+        "                guarded(send, finish)\n",
+        "tests/test_hook.py",
+        "the hook's sending thread also waits for and decodes each bucket: the next bucket is encoded only after this one left the wire",
+    ),
+    mutant(
+        "gathered-mean-waits-before-returning", "raycomp/collectives.py",
+        "    return gathering.then(average)\n",
+        "    return Pending.done(gathering.then(average).wait())\n",
+        "tests/test_hook.py",
+        "the two-rank all-gather is waited for inside the sending thread: pipelining undone for int8/int4",
     ),
 )
 

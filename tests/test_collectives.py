@@ -53,33 +53,33 @@ def _all_transports(rank: int, world_size: int) -> dict:
             out[key + "/wire"] = (sum(c.transmitted for c in calls), [(c.op, c.dtype, c.numel) for c in calls])
 
         mark = wire.mark()
-        out["dense"] = [(r.mean, r.sent, r.wire_bytes) for r in dense_allreduce(xs, group)]
+        out["dense"] = [(r.mean, r.sent, r.wire_bytes) for r in dense_allreduce(xs, group).wait()]
         recorded("dense", mark)
         for name, params in SPECS["summable"]:
             mark = wire.mark()
-            res = summable_allreduce(xs, _compressors(name, params, rank), group)
+            res = summable_allreduce(xs, _compressors(name, params, rank), group).wait()
             out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res]
             recorded(name, mark)
         for name, params in SPECS["sparse"]:
             mark = wire.mark()
-            res, overhead = sparse_allgather(xs, _compressors(name, params, rank), group)
+            res, overhead = sparse_allgather(xs, _compressors(name, params, rank), group).wait()
             out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res] + [overhead]
             recorded(name, mark)
         for name, params in SPECS["lowrank"]:
             mark = wire.mark()
-            res = lowrank_allreduce(xs[:1] + xs[2:], _compressors(name, params, rank)[:2], group)
+            res = lowrank_allreduce(xs[:1] + xs[2:], _compressors(name, params, rank)[:2], group).wait()
             out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res]
             recorded(name, mark)
         for name, params in SPECS["scalable"]:
             names = [f"layer{i}" for i in range(len(SHAPES))]
             mark = wire.mark()
-            res, overhead = ScalableAllreduce()(names, xs, _compressors(name, params, rank), group)
+            res, overhead = ScalableAllreduce()(names, xs, _compressors(name, params, rank), group).wait()
             out[name] = [(r.mean, r.sent, r.wire_bytes) for r in res] + [overhead]
             recorded(name, mark)
             # identical inputs on every rank: recompressing an already-compressed average is
             # (nearly) lossless for sign/int8, so the result must equal one local round trip
             same = _inputs(rank, same=True)
-            res, _ = ScalableAllreduce()(names, same, _compressors(name, params, rank), group)
+            res, _ = ScalableAllreduce()(names, same, _compressors(name, params, rank), group).wait()
             out[name + "/same"] = [(r.mean, r.sent) for r in res]
     return out
 
@@ -196,7 +196,7 @@ def test_single_process_group_is_local_compression():
     # no process group at all: a plain local round trip, nothing on the wire
     xs = _inputs(0)
     comps = [make_compressor("topk", ratio=0.1) for _ in xs]
-    res, overhead = sparse_allgather(xs, comps, Group())
+    res, overhead = sparse_allgather(xs, comps, Group()).wait()
     for r in res:
         assert r.wire_bytes == 0
         torch.testing.assert_close(r.mean, r.sent)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -17,6 +19,7 @@ from raycomp import (
     compression_hook,
 )
 from raycomp.compressors import Compressor, Transport
+from raycomp.compressors.minmax import MinMaxInt8
 from raycomp.payload import Payload
 from tests.distributed import run_distributed
 
@@ -500,3 +503,52 @@ def test_comm_time_counts_what_the_step_waited_for_not_what_hid_behind_backward(
         assert waited >= 0.25, waited  # inline, backward itself waits for every reduction
         for a, b in zip(means, inline_means, strict=True):
             assert torch.equal(a, b)
+
+
+# --- the next bucket is encoded while this one is on the wire ------------------------------
+class Logged(MinMaxInt8):
+    """int8 (one all-gather at two ranks) that logs each encode and decode; rank 1 takes
+    0.3 s to encode, so rank 0's all-gather of a bucket stays in flight that long."""
+
+    name = "logged"
+    events: ClassVar[list[tuple[str, tuple[int, ...], float]]] = []
+
+    def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
+        if dist.get_rank() == 1:
+            time.sleep(0.3)
+        Logged.events.append(("encode", tuple(shape), time.perf_counter()))
+        return super()._compress(flat, shape, dtype)
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        Logged.events.append(("decode", tuple(payload.shape), time.perf_counter()))
+        return super().decompress(payload)
+
+
+def _logged_step(rank: int, world_size: int, overlap: bool) -> tuple[list[tuple[str, tuple[int, ...]]], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48))
+    ddp = DDP(model, bucket_cap_mb=0.01)  # each weight in its own bucket (16 and 12 KB)
+    logged = CompressorSpec.of("tests.test_hook:Logged")  # by import path: no registration
+    state = CompressionState(ddp, Plan.per_layer({"0.weight": logged, "1.weight": logged}),
+                             min_compress_numel=0, async_comm=overlap)
+    ddp.register_comm_hook(state, compression_hook)
+    for step in range(2):  # DDP holds every gradient in one bucket at the first step
+        Logged.events.clear()
+        ddp.zero_grad()
+        ddp(torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * rank + step))).square().mean().backward()
+    state.close()
+    order = [(kind, shape) for kind, shape, _ in sorted(Logged.events, key=lambda e: e[2])]
+    return order, [p.grad.clone() for p in model.parameters()]
+
+
+def test_next_bucket_is_encoded_while_this_one_is_on_the_wire():
+    # backward hands over the output layer's weight (48 x 64) first, then the input layer's
+    # (64 x 64) a moment later; rank 0's all-gather of the first waits 0.3 s for rank 1
+    (order, means), (_, means_1) = run_distributed(_logged_step, 2, True)
+    output_layer, input_layer = (48, 64), (64, 64)
+    assert order.index(("encode", input_layer)) < order.index(("decode", output_layer)), order
+    # one thread doing both: the first bucket is decoded before the second is encoded
+    (inline_order, inline_means), _ = run_distributed(_logged_step, 2, False)
+    assert inline_order.index(("decode", output_layer)) < inline_order.index(("encode", input_layer))
+    for a, b, c in zip(means, means_1, inline_means, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
