@@ -245,8 +245,8 @@ def gathered_mean(
             decoded = [c.decompress(rank_payloads[i]) for rank_payloads in per_rank]
             total = decoded[0].float()
             for d in decoded[1:]:  # rank order, the same on every rank
-                total = total + d.float()
-            mean = (total / w).to(t.dtype).reshape(t.shape)
+                total = total + d.float()  # a new tensor: decoded[me] is this rank's `sent`
+            mean = (total.div_(w) if w > 1 else total).to(t.dtype).reshape(t.shape)
             results.append(Reduced(mean, decoded[me], (w - 1) * payloads[i].nbytes))
         return results, overhead
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from raycomp.bitpack import ALLOWED_BITS, pack_bits, packed_nbytes, unpack_bits
+from raycomp.bitpack import ALLOWED_BITS, pack_bits, packed_nbytes, unpack_bits, unpack_bits_into
 
 LENGTHS = [0, 1, 7, 8, 9, 1000, 100003]
 
@@ -122,3 +122,19 @@ def test_invalid_bits_raise(bits: int) -> None:
         pack_bits(codes, bits)
     with pytest.raises(ValueError, match=r"bits: must be one of \(1, 2, 4, 8\)"):
         unpack_bits(codes, bits, 4)
+
+
+@pytest.mark.parametrize("bits", ALLOWED_BITS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_unpack_into_floats_gives_the_codes_and_zero_padding(bits: int, n: int) -> None:
+    codes = _codes(n, bits, seed=3)
+    packed = pack_bits(codes, bits)
+    out = torch.full((packed.numel() * (8 // bits),), -1.0)
+    assert unpack_bits_into(packed, bits, out) is out
+    assert torch.equal(out[:n], codes.float())
+    assert torch.equal(out[n:], torch.zeros(out.numel() - n))  # pack_bits pads with zero codes
+
+
+def test_unpack_into_names_the_size_it_needs() -> None:
+    with pytest.raises(ValueError, match=r"^out: must hold 6 codes, got 5$"):
+        unpack_bits_into(torch.zeros(3, dtype=torch.uint8), 4, torch.empty(5))

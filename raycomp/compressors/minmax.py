@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from raycomp.bitpack import pack_bits, packed_nbytes, unpack_bits
+from raycomp.bitpack import packed_nbytes, unpack_bits_into
 from raycomp.compressors.base import Compressor, Transport, check_int
 from raycomp.payload import Payload
 
@@ -50,29 +50,53 @@ class MinMaxInt8(Compressor):
         span = high - low
         scale = torch.where(span > 0, (2**self.bits - 1) / span, 0.0)[:, None]
         offset = 0.5 - low[:, None] * scale  # + 0.5, then truncation by the uint8 cast = rounding
-        codes = torch.empty(chunks.shape, dtype=torch.uint8, device=chunks.device)
-        rows = chunks.shape[0] if chunks.is_cuda else max(1, CPU_BLOCK_ELEMENTS // self.chunk_size)
-        buffer = torch.empty(min(rows, chunks.shape[0]), self.chunk_size, device=chunks.device)
+        per_byte = 8 // self.bits
+        packed = torch.empty(packed_nbytes(n, self.bits), dtype=torch.uint8, device=chunks.device)
+        rows = chunks.shape[0] if chunks.is_cuda else max(2, CPU_BLOCK_ELEMENTS // self.chunk_size // 2 * 2)
+        rows = min(rows, chunks.shape[0])
+        buffer = torch.empty(rows * self.chunk_size + per_byte, device=chunks.device)
         for start in range(0, chunks.shape[0], rows):
-            # on CPU a block at a time: the float intermediate stays in cache instead of
-            # a gradient-sized temporary (0.86 -> 2.2 GB/s at 16M elements here)
+            # on CPU a block at a time (an even number of chunks: whole bytes), so the float
+            # codes stay in cache instead of a gradient-sized temporary, and the bytes are
+            # assembled from them in float (exact below 2**24) before one cast to uint8:
+            # 13 -> 6 ms for 3.2M int4 codes here (casting each code to uint8, then packing)
             stop = min(start + rows, chunks.shape[0])
-            block = buffer[: stop - start]
-            torch.addcmul(offset[start:stop], chunks[start:stop], scale[start:stop], out=block)
-            codes[start:stop].copy_(block)
+            count = (stop - start) * self.chunk_size
+            block = buffer[:count].view(stop - start, self.chunk_size)
+            torch.mul(chunks[start:stop], scale[start:stop], out=block).add_(offset[start:stop])
+            buffer[count: count + (-count) % per_byte].zero_()  # an odd last block: a zero code
+            grid = buffer[: count + (-count) % per_byte].view(-1, per_byte)
+            if per_byte > 1:
+                grid.floor_()  # the rounding that the cast does for whole bytes (codes are >= 0)
+                byte = grid[:, -1].clone()
+                for i in range(per_byte - 2, -1, -1):
+                    byte.mul_(2**self.bits).add_(grid[:, i])
+            else:
+                byte = grid[:, 0]
+            first = start * self.chunk_size // per_byte
+            written = packed[first: first + byte.numel()]
+            written.copy_(byte[: written.numel()])
+        if n % per_byte:  # the last byte's codes past the last element (padding) are zeros
+            packed[-1:].bitwise_and_((1 << (n % per_byte * self.bits)) - 1)
         bounds = torch.stack([low, high], dim=1)
-        return Payload({"codes": pack_bits(codes.reshape(-1)[:n], self.bits), "bounds": bounds}, shape, dtype)
+        return Payload({"codes": packed, "bounds": bounds}, shape, dtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        n = payload.numel
-        codes = unpack_bits(payload.tensors["codes"], self.bits, n)
-        bounds = payload.tensors["bounds"]
-        pad = (-n) % self.chunk_size
-        if pad:
-            codes = torch.cat([codes, codes.new_zeros(pad)])
-        low, high = bounds[:, 0:1], bounds[:, 1:2]
-        values = torch.addcmul(low, codes.view(-1, self.chunk_size).float(), (high - low) / (2**self.bits - 1))
-        return values.reshape(-1)[:n].to(payload.dtype).reshape(payload.shape)
+        n, size = payload.numel, self.chunk_size
+        packed, bounds = payload.tensors["codes"], payload.tensors["bounds"]
+        chunks = bounds.shape[0]
+        # the codes as floats, straight from the bytes; zeros past them (the last chunk's
+        # padding, and a half byte at an odd count), cut off at the end
+        coded = packed.numel() * (8 // self.bits)
+        flat = torch.empty(max(chunks * size, coded), device=bounds.device)
+        unpack_bits_into(packed, self.bits, flat[:coded])
+        flat[coded:].zero_()
+        values = flat[: chunks * size].view(chunks, size)
+        low = bounds[:, 0:1]
+        # in place, not addcmul: 0.6 against 2.4 ms for 3.2M elements here (addcmul's
+        # broadcast of the per-chunk columns is slow on CPU)
+        values.mul_((bounds[:, 1:2] - low) / (2**self.bits - 1)).add_(low)
+        return flat[:n].to(payload.dtype).reshape(payload.shape)
 
 
 class MinMaxInt4(MinMaxInt8):
