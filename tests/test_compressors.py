@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from raycomp.bitpack import unpack_bits
 from raycomp.compressors import (
     COMPRESSORS,
     Compressor,
@@ -146,6 +147,23 @@ def test_minmax_error_is_at_most_half_a_step_per_chunk(name: str, steps: int, ch
         step = (chunk.max() - chunk.min()) / steps
         assert (chunk - approx).abs().max() <= step / 2 * (1 + 1e-4) + 1e-6
         assert approx.min() >= chunk.min() - 1e-6 and approx.max() <= chunk.max() + 1e-5
+
+
+@pytest.mark.parametrize(("name", "bits"), [("int8", 8), ("int4", 4)])
+@pytest.mark.parametrize(("n", "chunk_size"), [(600_001, 2048), (600_001, 9), (9, 9), (7, 8)])
+def test_minmax_bytes_hold_each_elements_nearest_level(name: str, bits: int, n: int, chunk_size: int) -> None:
+    # several cache-sized encoding blocks, an odd count, odd chunks: every code lands where
+    # the bit layout (raycomp.bitpack) puts it, and the codes past the last element are zeros
+    x = randn((n,), seed=11) * torch.linspace(0.01, 10, n)
+    payload = make_compressor(name, chunk_size=chunk_size).compress(x)
+    packed = payload.tensors["codes"]
+    codes = unpack_bits(packed, bits, packed.numel() * (8 // bits)).float()
+    padded = torch.cat([x, x[-1:].expand((-n) % chunk_size)]).view(-1, chunk_size)
+    low, high = padded.amin(1, keepdim=True), padded.amax(1, keepdim=True)
+    levels = ((padded - low) / (high - low) * (2**bits - 1)).reshape(-1)[:n]
+    assert (codes[:n] - levels).abs().max() <= 0.5 + 1e-3
+    assert not codes[n:].any()
+    assert torch.equal(payload.tensors["bounds"], torch.cat([low, high], dim=1))
 
 
 def test_terngrad_and_sign_value_sets() -> None:
