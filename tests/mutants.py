@@ -70,9 +70,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "ef-skipped-for-sparse", "raycomp/reducer.py",
-        "            self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
-        "            if not compressor.sparse:\n"
         "                self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
+        "                if not compressor.sparse:\n"
+        "                    self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
         "tests/test_error_feedback.py",
         "the reducer skips the memory update for sparse compressors (Top-K, DGC, threshold, Random-K)",
     ),
@@ -643,9 +643,14 @@ def snippet_problems(m: Mutant, root: Path) -> list[str]:
     problems = []
     for original, replacement in m.edits:
         count = text.count(original)
-        if count != 1:
+        at = text.find(original)
+        # an indented snippet must start a line: found inside a deeper-indented one (the code
+        # moved into a nested block), the replacement would break the indentation
+        inside = count == 1 and original[:1] in " \t" and at > 0 and text[at - 1] != "\n"
+        if count != 1 or inside:
             first = original.strip().splitlines()[0]
-            problems.append(f"{m.file}: snippet {first!r} found {count} times (expected once)")
+            found = "only inside a more indented line" if inside else f"{count} times (expected once)"
+            problems.append(f"{m.file}: snippet {first!r} found {found}")
         else:
             text = text.replace(original, replacement)
     return problems
