@@ -18,7 +18,9 @@ The hook reduces each bucket in the background and returns a future, so backward
 computing the next buckets while this one communicates. Two threads share the work: one
 compresses each bucket and issues its collectives (in bucket order, which is the same on
 every rank), the other waits for them and decodes. So the next bucket is compressed while
-this one is on the wire, and the link is not idle while a thread encodes. The overlap
+this one is on the wire, and the link is not idle while a thread encodes. A step whose plan
+sends every layer dense has nothing to encode: its all-reduces are issued from DDP's own
+thread, as torch's all-reduce hook does, and only the waiting is handed over. The overlap
 needs several buckets: DDP's default gives a model under 25 MB two,
 :func:`raycomp.bucket_cap_mb` about eight (raycomp.buckets).
 Gradient accumulation with ``no_sync()`` needs nothing special: DDP calls the hook only on
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from raycomp.collectives import Pending, flat_view
+from raycomp.compressors import Transport
 from raycomp.memory import Memory
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
@@ -86,6 +89,8 @@ class CompressionState(CompressedReducer):
             if async_comm
             else (None, None)
         )
+        self._send_inline = self._sender is None  # this step's: see begin_step
+        self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
 
     def name_of(self, parameter: torch.Tensor) -> str:
         try:
@@ -106,14 +111,34 @@ class CompressionState(CompressedReducer):
         self.end_step()
         self.comm_seconds += time.perf_counter() - started
 
+    def begin_step(self) -> None:
+        """As :meth:`CompressedReducer.begin_step`; a step that opens here also decides
+        where its collectives are issued. With a plan that sends every layer dense there is
+        nothing to encode, so the sending thread would only add two thread hand-offs a
+        bucket beside backward (on the fast link, where gloo already shares the one core
+        with backward, that cost raycomp's dense plan 9-21 ms a step against torch's hook).
+        The decision holds for the whole step and depends only on the plan, which every
+        rank installs at the same step: every rank issues from the same thread."""
+        if self._in_step:
+            return
+        super().begin_step()
+        self._send_inline = self._sender is None or self._dense_everywhere()
+
+    def _dense_everywhere(self) -> bool:
+        if self._dense_plan is None or self._dense_plan[0] is not self.plan:
+            dense = all(self.transport_for(self.name_of(p), p.shape) is Transport.DENSE for p in self.parameters)
+            self._dense_plan = (self.plan, dense)
+        return self._dense_plan[1]
+
     @property
     def overlaps(self) -> bool:
         """Whether the hook reduces buckets on its background threads, beside backward."""
         return self._sender is not None
 
     def submit(self, send: Callable[[], Pending[T]], receive: Callable[[T], torch.Tensor]) -> torch.futures.Future:
-        """A future of ``receive(send().wait())``: ``send`` on the sending thread, the wait
-        and ``receive`` on the receiving one (both inline without ``async_comm``)."""
+        """A future of ``receive(send().wait())``: ``send`` on the sending thread (on the
+        caller's in a step that :meth:`begin_step` found dense everywhere), the wait and
+        ``receive`` on the receiving one (all inline without ``async_comm``)."""
         future: torch.futures.Future = torch.futures.Future()
 
         def guarded(work: Callable[[], Any], then: Callable[[Any], None]) -> None:
@@ -131,10 +156,11 @@ class CompressionState(CompressedReducer):
             else:
                 guarded(send, lambda pending: self._receiver.submit(finish, pending))  # type: ignore[union-attr]
 
-        if self._sender is None:
+        self.begin_step()
+        if self._send_inline:
             start()
         else:
-            self._sender.submit(start)
+            self._sender.submit(start)  # type: ignore[union-attr]
         return future
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ def layer_stats(
 ) -> LayerStats:
     norm = torch.linalg.vector_norm
     compensated_norm = float(norm(compensated.float()))
+    grad_norm = compensated_norm if compensated is grad else float(norm(grad.float()))  # no residual
     error = 0.0
     if sent is not compensated and compensated_norm > 0:
         error = float(norm(compensated.float() - sent.float())) / compensated_norm
@@ -52,7 +53,7 @@ def layer_stats(
         layer=layer,
         compressor=compressor,
         numel=grad.numel(),
-        grad_norm=float(norm(grad.float())),
+        grad_norm=grad_norm,
         compression_error=error,
         residual_norm=0.0 if residual is None else float(norm(residual)),
         wire_bytes=wire_bytes,

@@ -552,3 +552,49 @@ def test_next_bucket_is_encoded_while_this_one_is_on_the_wire():
     assert inline_order.index(("decode", output_layer)) < inline_order.index(("encode", input_layer))
     for a, b, c in zip(means, means_1, inline_means, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# --- a dense step issues its all-reduces from DDP's thread, as torch's hook does ----------------
+def _issuing_threads(rank: int, world_size: int) -> tuple[list[set[str]], list[torch.Tensor]]:
+    import threading
+
+    ddp = DDP(_model(), **DDP_KW)
+    state = CompressionState(ddp, Plan(), min_compress_numel=64)  # biases stay dense under int8
+    ddp.register_comm_hook(state, compression_hook)
+    issued: set[str] = set()
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def logged(fn):
+        def wrapper(*args, **kwargs):
+            issued.add(threading.current_thread().name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    plans = {2: Plan.uniform("int8"), 4: Plan()}  # dense, dense, int8, int8, dense
+    per_step = []
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, logged(fn))
+        for step in range(5):
+            if step in plans:
+                state.set_plan(plans[step])
+            issued.clear()
+            ddp.zero_grad()
+            _backward(ddp, rank, step)
+            per_step.append({"backward's" if n == threading.current_thread().name else n for n in issued})
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        state.close()
+    return per_step, _grads(ddp)
+
+
+def test_a_dense_step_issues_its_all_reduces_from_ddps_thread_and_a_compressed_one_from_the_sender():
+    (threads, grads), (threads_1, grads_1) = run_distributed(_issuing_threads, 2)
+    assert threads == threads_1
+    dense, compressed = {"backward's"}, {"raycomp-send_0"}
+    # a compressed step's dense buckets (the biases) go through the sending thread too: one
+    # thread issues every collective of a step, in bucket order, on every rank
+    assert threads == [dense, dense, compressed, compressed, dense], threads
+    for a, b in zip(grads, grads_1, strict=True):
+        assert torch.equal(a, b)
