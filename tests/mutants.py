@@ -616,6 +616,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_hook.py",
         "the two-rank all-gather is waited for inside the sending thread: pipelining undone for int8/int4",
     ),
+    mutant(
+        "hook-never-sends-inline", "raycomp/hook.py",
+        "        self._send_inline = self._sender is None or self._dense_everywhere()\n",
+        "        self._send_inline = self._sender is None\n",
+        "tests/test_hook.py -k issues_its_all_reduces",
+        "a dense step still hands every bucket to the sending thread (CPU beside backward on a fast link)",
+    ),
+    mutant(
+        "hook-sends-inline-if-any-layer-dense", "raycomp/hook.py",
+        "            dense = all(self.transport_for(self.name_of(p), p.shape) is Transport.DENSE for p in self.parameters)\n",
+        "            dense = any(self.transport_for(self.name_of(p), p.shape) is Transport.DENSE for p in self.parameters)\n",
+        "tests/test_hook.py -k issues_its_all_reduces",
+        "a plan with some dense layers issues from DDP's thread while compressed layers need the sending thread",
+    ),
+    mutant(
+        "finite-flag-checks-dense-layers-only", "raycomp/reducer.py",
+        "        finite = all_finite([grads[i] for t, members in routes.items() if t is not Transport.DENSE\n",
+        "        finite = all_finite([grads[i] for t, members in routes.items() if t is Transport.DENSE\n",
+        "tests/test_hook.py -k covers_compressed",
+        "a compressed layer's NaN is not flagged: a compressor may drop it from the mean and the guard never skips the step",
+    ),
 )
 
 

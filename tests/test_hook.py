@@ -343,6 +343,19 @@ def test_the_step_flag_sees_every_non_finite_element_wherever_it_sits(dtype):
     assert bool(all_finite([huge, -huge]))
 
 
+def test_the_step_flag_covers_compressed_layers_and_the_mean_carries_dense_ones():
+    # the weight (2048 elements) goes int8, the bias (64) dense; one NaN in either
+    for poisoned, flagged in (("w", True), ("b", False)):
+        gen = torch.Generator().manual_seed(0)
+        grads = {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(64, generator=gen)}
+        grads[poisoned].view(-1)[5] = float("nan")
+        reducer = CompressedReducer(Plan.uniform("int8"), min_compress_numel=1024)
+        means = dict(zip(grads, reducer.reduce(list(grads), list(grads.values()), closes_step=True), strict=True))
+        reducer.end_step()
+        assert reducer.local_nonfinite is flagged, poisoned
+        assert bool(torch.isfinite(means["b"]).all()) is flagged  # a dense NaN is in the mean
+
+
 def test_flat_view_finds_tensors_that_lie_back_to_back_and_nothing_else():
     from raycomp.collectives import flat_view
 
