@@ -617,6 +617,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "the two-rank all-gather is waited for inside the sending thread: pipelining undone for int8/int4",
     ),
     mutant(
+        "stats-grad-norm-of-compensated", "raycomp/stats.py",
+        "    grad_norm = compensated_norm if compensated is grad else float(norm(grad.float()))  # no residual\n",
+        "    grad_norm = compensated_norm\n",
+        "tests/test_hook.py -k statistics_tell",
+        "the statistics report the norm of gradient plus residual as the gradient's norm",
+    ),
+    mutant(
         "hook-never-sends-inline", "raycomp/hook.py",
         "        self._send_inline = self._sender is None or self._dense_everywhere()\n",
         "        self._send_inline = self._sender is None\n",

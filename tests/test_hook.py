@@ -416,6 +416,20 @@ def test_a_dense_bucket_is_reduced_where_it_lies_unless_statistics_need_the_loca
         assert len(norms) == 6 and all(g == pytest.approx(local, rel=1e-6) for g, local in norms)
 
 
+def test_statistics_tell_the_gradient_from_the_gradient_plus_residual():
+    # Top-10% keeps a residual, so from the second step on what is compressed is the
+    # gradient plus that residual; the gradient norm is the gradient's own
+    reducer = CompressedReducer(Plan.uniform("topk", ratio=0.1), min_compress_numel=0, stats_every=1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        grad = torch.randn(32, 16, generator=gen)
+        reducer.reduce(["w"], [grad.clone()], closes_step=True)
+        reducer.end_step()
+    (stats,) = reducer.stats
+    assert stats.grad_norm == pytest.approx(float(grad.norm()), rel=1e-6)
+    assert stats.residual_norm > 0.5 * stats.grad_norm  # the residual is far from negligible
+
+
 class _KeepingMemory:
     """A user's memory whose compensate hands back a buffer it keeps (the protocol allows it)."""
 
