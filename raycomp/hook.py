@@ -114,11 +114,12 @@ class CompressionState(CompressedReducer):
     def begin_step(self) -> None:
         """As :meth:`CompressedReducer.begin_step`; a step that opens here also decides
         where its collectives are issued. With a plan that sends every layer dense there is
-        nothing to encode, so the sending thread would only add two thread hand-offs a
-        bucket beside backward (on the fast link, where gloo already shares the one core
-        with backward, that cost raycomp's dense plan 9-21 ms a step against torch's hook).
-        The decision holds for the whole step and depends only on the plan, which every
-        rank installs at the same step: every rank issues from the same thread."""
+        nothing to encode, so the sending thread would only add a thread hand-off a bucket,
+        on the core that backward and gloo already share: on the fast link raycomp's dense
+        plan took 21 ms a step more than torch's all-reduce hook with it, 13 ms without
+        (docs/benchmarks/e2e-gpt-fast-dense-inline.md). The decision holds for the whole
+        step and depends only on the plan, which every rank installs at the same step:
+        every rank issues from the same thread."""
         if self._in_step:
             return
         super().begin_step()

@@ -16,8 +16,8 @@ middle of a step.
 Non-finite gradients cost no host sync per layer: each reduction's :func:`all_finite` stays a
 tensor, folded into one flag read once, at :meth:`end_step`. Only compressed layers are
 checked: a dense layer's NaN/Inf reaches the mean itself, the same on every rank (the guard
-reads it from the mean's norm), while compression may drop it (Top-K) or hide which rank
-sent it. A step with a non-finite compressed gradient leaves the error-feedback memory
+reads it from the mean's norm), while compression may drop it (a threshold test such as
+DGC's sampled Top-K is false for NaN) or hide which rank sent it. A step with a non-finite compressed gradient leaves the error-feedback memory
 reset (it must not carry NaN/Inf into later steps), as :meth:`discard_step` does.
 
 Control values (:meth:`stage_control`) ride inside the last reduction of the next step —
@@ -114,7 +114,7 @@ class CompressedReducer:
         self.stats: list[LayerStats] = []  # of the latest statistics step
         self.stats_step = -1  # the step those statistics were measured at
         self.local_nonfinite = False  # this rank's compressed gradients held NaN/Inf at the last step
-        self._finite: torch.Tensor | None = None  # all gradients of this step finite so far
+        self._finite: torch.Tensor | None = None  # all compressed gradients of this step finite so far
         self._control: torch.Tensor | None = None  # staged: rides with the next step's last reduction
         self.control_rows: torch.Tensor | None = None  # (world, n) rows of every rank, after that
 
@@ -221,7 +221,7 @@ class CompressedReducer:
             compressors.append(self.compressor_for(name))
             compensated.append(self.memory.compensate(name, grad))
         # only what compression may hide: a dense layer's NaN/Inf reaches the mean, which
-        # every rank holds; a compressed layer's may be dropped (Top-K) or smeared. No host
+        # every rank holds; a compressed layer's may be dropped or smeared. No host
         # sync here: read once per step, at end_step
         finite = all_finite([grads[i] for t, members in routes.items() if t is not Transport.DENSE
                              for i in members])
