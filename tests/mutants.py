@@ -377,7 +377,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "per-layer statistics with NaN/Inf pass the controller's fast check",
     ),
     mutant(
-        "fallback-gate-removed", "controllers/policies/guard.py",
+        "fallback-gate-removed", "controllers/policies/guarded.py",
         "        if run.fallback_active:\n",
         "        if False:\n",
         "tests/test_policies.py",

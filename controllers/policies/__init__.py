@@ -27,7 +27,7 @@ from controllers.policies.bandwidth import BandwidthPolicy
 from controllers.policies.base import Policy
 from controllers.policies.critical import CriticalPolicy
 from controllers.policies.error_budget import ErrorBudgetPolicy
-from controllers.policies.guard import Guarded
+from controllers.policies.guarded import Guarded
 from controllers.policies.schedule import SchedulePolicy
 from controllers.policies.static import StaticPolicy
 from raycomp.compressors import IMPORT_PATH, NAME

@@ -2,8 +2,9 @@
 
 The fallback state machine (non-finite gradient, loss spike and compression-error
 triggers; ``stable_steps`` hysteresis before compressing again) lives on the workers in
-``raycomp/guard.py``: every rank runs it on the same all-gathered inputs and switches to
-dense in the same step, without asking the controller. The workers report it in
+``raycomp/guard.py``: every rank runs it on the same inputs (the reduced gradient's norm,
+and control floats that ride in the step's gradient collective; ``raycomp/train/guard_step.py``)
+and switches to dense in the same step, without asking the controller. The workers report it in
 ``GradStats.fallback_active``; this wrapper then answers::
 
     if run.fallback_active:
