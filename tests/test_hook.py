@@ -586,7 +586,7 @@ def _issuing_threads(rank: int, world_size: int) -> tuple[list[set[str]], list[t
     import threading
 
     ddp = DDP(_model(), **DDP_KW)
-    state = CompressionState(ddp, Plan(), min_compress_numel=64)  # biases stay dense under int8
+    state = CompressionState(ddp, Plan(), min_compress_numel=64)  # under int8 two biases stay dense
     ddp.register_comm_hook(state, compression_hook)
     issued: set[str] = set()
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
@@ -620,7 +620,7 @@ def test_a_dense_step_issues_its_all_reduces_from_ddps_thread_and_a_compressed_o
     (threads, grads), (threads_1, grads_1) = run_distributed(_issuing_threads, 2)
     assert threads == threads_1
     dense, compressed = {"backward's"}, {"raycomp-send_0"}
-    # a compressed step's dense buckets (the biases) go through the sending thread too: one
+    # a compressed step's dense layers (two biases) go through the sending thread too: one
     # thread issues every collective of a step, in bucket order, on every rank
     assert threads == [dense, dense, compressed, compressed, dense], threads
     for a, b in zip(grads, grads_1, strict=True):
