@@ -152,8 +152,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "gathered-mean-drops-a-peer", "raycomp/collectives.py",
-        "        for d in decoded[1:]:  # rank order, the same on every rank\n",
-        "        for d in decoded[1:1]:  # rank order, the same on every rank\n",
+        "            for d in decoded[1:]:  # rank order, the same on every rank\n",
+        "            for d in decoded[1:1]:  # rank order, the same on every rank\n",
         "tests/test_collectives.py",
         "the two-rank all-gather averages only the first rank's payload",
     ),
