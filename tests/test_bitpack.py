@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from raycomp.bitpack import ALLOWED_BITS, pack_bits, packed_nbytes, unpack_bits, unpack_bits_into
+from raycomp.bitpack import (
+    ALLOWED_BITS,
+    pack_bits,
+    pack_codes_into,
+    packed_nbytes,
+    unpack_bits,
+    unpack_bits_into,
+)
 
 LENGTHS = [0, 1, 7, 8, 9, 1000, 100003]
 
@@ -138,3 +145,26 @@ def test_unpack_into_floats_gives_the_codes_and_zero_padding(bits: int, n: int) 
 def test_unpack_into_names_the_size_it_needs() -> None:
     with pytest.raises(ValueError, match=r"^out: must hold 6 codes, got 5$"):
         unpack_bits_into(torch.zeros(3, dtype=torch.uint8), 4, torch.empty(5))
+
+
+@pytest.mark.parametrize("bits", ALLOWED_BITS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_pack_codes_into_truncates_float_codes_and_packs_like_pack_bits(bits: int, n: int) -> None:
+    codes = _codes(n, bits, seed=7)
+    fraction = torch.rand(n, generator=torch.Generator().manual_seed(n)) * 0.999  # truncated away
+    out = torch.full((packed_nbytes(n, bits),), 0xEE, dtype=torch.uint8)
+    assert pack_codes_into(codes.float() + fraction, bits, out) is out
+    assert out.tolist() == _reference_pack(codes.tolist(), bits)  # an odd tail: zero high codes
+
+
+def test_pack_codes_into_pairs_neighbours_low_half_first() -> None:
+    out = torch.empty(3, dtype=torch.uint8)
+    pack_codes_into(torch.tensor([10.0, 5.0, 15.0, 0.0, 9.0]), 4, out)
+    assert out.tolist() == [0x5A, 0x0F, 0x09]
+    back = torch.empty(6)
+    assert unpack_bits_into(out, 4, back).tolist() == [10.0, 5.0, 15.0, 0.0, 9.0, 0.0]
+
+
+def test_pack_codes_into_names_the_size_it_needs() -> None:
+    with pytest.raises(ValueError, match=r"^out: must hold 3 bytes, got 2$"):
+        pack_codes_into(torch.zeros(5), 4, torch.empty(2, dtype=torch.uint8))
