@@ -102,6 +102,12 @@ FSDP_BASELINES = {"dense": 4, "torch_bf16": 2}
 QUICK_METHODS = ["dense", "torch_powersgd_r2", "raycomp_topk", "raycomp_adaptive"]
 FSDP_QUICK_METHODS = ["dense", "raycomp_int8", "raycomp_adaptive"]
 COMPUTE = "compute_only"
+#: the step without the network: both workers, DDP and the same buckets, torch's noop_hook in
+#: place of any collective (each rank keeps its own gradient). One at the start of each seed's
+#: group, so that a step is divided by a no-communication step of the same hour: one worker
+#: alone (COMPUTE) has the machine's two cores, caches and memory to itself
+NO_COMM = "no_comm"
+REFERENCES = {COMPUTE: ["scaling.num_workers=1"], NO_COMM: ["compression.baseline_hook=torch_noop"]}
 
 #: per workload: config file, step budget, eval cadence, dense warm-up W (first compressed
 #: step), quick settings. Budgets: see the report's "Budget" line and docs in the configs.
@@ -463,11 +469,13 @@ def method_overrides(name: str, settings: dict[str, Any], seed: int, interval: i
                  f"compression.warmup_steps={max(0, warmup - interval)}",
                  f"compression.baseline_warmup_steps={warmup}",
                  f"compression.baseline_powersgd_start_iter={warmup}"]
-    if settings["stop_at_target"] and settings["target"] is not None and name != COMPUTE:
+    if settings["stop_at_target"] and settings["target"] is not None and name not in REFERENCES:
         overrides += [f"workload.stop_at_target={settings['target']}", f"workload.stop_consecutive={CONSECUTIVE}"]
     if name == COMPUTE:  # one worker, no DDP, no communication; raycomp's plan stays dense
         return [*overrides, "scaling.num_workers=1", *TORCH_BASELINE_OVERRIDES,
                 f"compression.warmup_steps={10 * steps}"]
+    if name == NO_COMM:
+        return [*overrides, *REFERENCES[NO_COMM], *TORCH_BASELINE_OVERRIDES]
     if settings.get("strategy") == "fsdp":
         overrides += ["scaling.strategy=fsdp", *FSDP_METHODS[name]]
         if name in FSDP_BASELINES:
@@ -520,7 +528,9 @@ def driver(spec_path: str) -> int:
                            "default_policy": _policy_default(), "runs": [], "idle": []}
     del workload
     controller_pid = None
-    plan = [(COMPUTE, settings["seeds"][0])] + [(m, s) for s in settings["seeds"] for m in settings["methods"]]
+    references = [NO_COMM] if settings.get("strategy", "ddp") == "ddp" else []  # FSDP gathers parameters
+    plan = [(COMPUTE, settings["seeds"][0])] + [(m, s) for s in settings["seeds"]
+                                                for m in [*references, *settings["methods"]]]
     for name, seed in plan:  # seed-major: a drift in machine load hits every method alike
         overrides = method_overrides(name, settings, seed, base.controller.interval_steps, cap)
         if name == "raycomp_adaptive" or name == COMPUTE:
@@ -529,13 +539,13 @@ def driver(spec_path: str) -> int:
         output = work / run_id
         config, run_id, output = train.prepare(["--config", config_file, "--run-id", run_id,
                                                 "--output", str(output), *overrides])
-        if name == COMPUTE:  # a few evaluation intervals suffice for a step time
+        if name in REFERENCES:  # a few evaluation intervals suffice for a step time
             config = config.model_copy(update={"workload": config.workload.model_copy(
                 update={"epochs": min(config.workload.epochs, max(2, 40 // settings["eval_every"]))})})
         output.mkdir(parents=True, exist_ok=True)
         sampler = NicSampler(spec["dev"])
         cpu_before = _cpu_seconds(controller_pid)
-        _log(f"{name} seed {seed}: {' '.join(methods_of(settings.get('strategy', 'ddp')).get(name, ['scaling.num_workers=1']))}")
+        _log(f"{name} seed {seed}: {' '.join(methods_of(settings.get('strategy', 'ddp')).get(name, REFERENCES.get(name, [])))}")
         load_before = os.getloadavg()[0]
         t_start = time.time()
         sampler.start()
@@ -774,7 +784,7 @@ def analyze_run(run: dict[str, Any], raw: dict[str, Any], settings: dict[str, An
         (tx0, rx0), (tx1, rx1) = _interp(run["nic"], times[0]), _interp(run["nic"], times[-1])
         nic = (tx1 - tx0) + (rx1 - rx0) - idle_rate * (times[-1] - times[0])
     steady_from = (first if first is not None else settings["warmup"]) + raw["interval_steps"] \
-        if name not in ("dense", COMPUTE) else 2
+        if name not in ("dense", *REFERENCES) else 2
     step_s, step_n = steady_step_s(steps, eval_steps, steady_from)
     control = summary.get("control_overhead")
     return {
@@ -841,10 +851,14 @@ def analyze(raw: dict[str, Any], settings: dict[str, Any], shaping: dict[str, An
     lower = raw["metric"] == "loss"
     runs = [analyze_run(r, raw, settings, idle_rate) for r in raw["runs"]]
     compute = [r for r in runs if r["method"] == COMPUTE]
-    runs = [r for r in runs if r["method"] != COMPUTE]
+    no_comm = {r["seed"]: r["step_s"] for r in runs if r["method"] == NO_COMM and r["step_s"]}
+    runs = [r for r in runs if r["method"] not in REFERENCES]
     target = resolve_target(runs, settings, raw["metric"])
     methods = [aggregate([r for r in runs if r["method"] == name], target["value"], lower)
                for name in methods_of(settings.get("strategy", "ddp")) if any(r["method"] == name for r in runs)]
+    for m in methods:  # each seed's step over its own group's no-communication step
+        m["step_vs_no_comm"] = _median([r["step_s"] / no_comm[r["seed"]] for r in m["runs"]
+                                        if r["step_s"] and r["seed"] in no_comm])
     measured = [check[k]["bits_per_s"] / 1e6 for k in ("a_to_b", "b_to_a") if "bits_per_s" in check.get(k, {})]
     results = {
         "workload": {"name": settings["workload"], "parameters": sum(math.prod(s) for s in raw["layers"].values()),
@@ -860,6 +874,8 @@ def analyze(raw: dict[str, Any], settings: dict[str, Any], shaping: dict[str, An
         "seeds": [s for s in settings["seeds"] if any(r["seed"] == s for r in runs)],
         "seeds_requested": settings["seeds"],
         "compute_step_s": compute[0]["step_s"] if compute else None,
+        "no_comm_step_s": _median(list(no_comm.values())),
+        "no_comm_step_s_seeds": {str(k): v for k, v in no_comm.items()},
         "methods": methods,
         "mode": settings["mode"], "strategy": settings.get("strategy", "ddp"),
         "controller": raw.get("controller"),
@@ -883,7 +899,7 @@ def warmup_ceilings(results: dict[str, Any], dense: dict[str, Any]) -> dict[str,
       divided by the warm-up's share of them: ``(steps - 1) / (warmup - 1)``;
     * ``vs_dense``: dense's time to target divided by the time of a run that reaches the target
       at dense's (median) step, paying dense's step time in the warm-up and only the
-      compute-only step after it.
+      no-communication step after it (the compute-only step in a report without one).
 
     None where the results lack a number it needs. A goal above its ceiling cannot pass by
     any change of policy: only a shorter warm-up, a longer budget or a looser target could.
@@ -892,7 +908,8 @@ def warmup_ceilings(results: dict[str, Any], dense: dict[str, Any]) -> dict[str,
     steps, warmup = wl.get("steps"), wl.get("warmup_steps")
     nic = (steps - 1) / (warmup - 1) if steps and warmup and warmup > 1 else None
     hit = median_with_misses(dense.get("steps_to_target_seeds") or [])
-    ttt, dense_step, compute = dense.get("time_to_target_s"), dense.get("step_s"), results.get("compute_step_s")
+    ttt, dense_step = dense.get("time_to_target_s"), dense.get("step_s")
+    compute = results.get("no_comm_step_s") or results.get("compute_step_s")
     vs_dense = None
     if None not in (hit, ttt, dense_step, compute, warmup) and hit >= warmup:
         vs_dense = ttt / ((warmup - 1) * dense_step + (hit - warmup + 1) * compute)
@@ -967,8 +984,12 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     ratio = _ratio(dense.get("nic_bytes_per_step"), ada["nic_bytes_per_step"])
     goal(f"whole-run NIC bytes (per step) >= {GOAL_NIC_RATIO:g}x fewer than dense", ratio,
          ratio is not None and ratio >= GOAL_NIC_RATIO, ceiling=ceilings["nic"])
-    ratio = _ratio(ada["step_s"], results["compute_step_s"])
-    goal(f"adaptive steady step time <= {GOAL_STEP_RATIO:g}x the compute-only step", ratio,
+    if results.get("no_comm_step_s"):
+        ratio = ada.get("step_vs_no_comm")
+        text = "the step without communication (2 workers, torch's noop_hook; each seed's own)"
+    else:  # a report from before the no-communication runs
+        ratio, text = _ratio(ada["step_s"], results["compute_step_s"]), "the compute-only step"
+    goal(f"adaptive steady step time <= {GOAL_STEP_RATIO:g}x {text}", ratio,
          ratio is not None and ratio <= GOAL_STEP_RATIO)
     share = ada["control_share"]
     goal(f"adaptive control share <= {GOAL_CONTROL_SHARE:.0%}", share, share is not None and share <= GOAL_CONTROL_SHARE)
@@ -1020,17 +1041,18 @@ def render_markdown(results: dict[str, Any]) -> str:
     mfmt = "{:.4f}"
     table = markdown_table(
         ["method", "time to target s (median)", "per seed", "vs dense", "steps to target", f"final {metric}",
-         "wire bytes", "NIC bytes", "NIC B/step", "step ms", "step / compute", "control share",
-         "compressed from"],
+         "wire bytes", "NIC bytes", "NIC B/step", "step ms", "step / compute", "step / no-comm",
+         "control share", "compressed from"],
         [[m["name"], _f(m["time_to_target_s"], "{:.1f}"), _seeds(m["time_to_target_s_seeds"]),
           _f(_ratio(dense_t, m["time_to_target_s"]), "{:.2f}x"), _seeds(m["steps_to_target_seeds"], "{}"),
           _f(m["final_metric"], mfmt), _f(m["wire_bytes"], "{:,.0f}") + ("*" if modeled(results, m["name"]) else ""),
           _f(m["nic_bytes"], "{:,.0f}"), _f(m["nic_bytes_per_step"], "{:,.0f}"),
           _f(m["step_s"] * 1e3 if m["step_s"] else None, "{:.0f}"),
           _f(_ratio(m["step_s"], compute), "{:.2f}x"),
+          _f(m.get("step_vs_no_comm"), "{:.2f}x"),
           _f(m["control_share"] * 100 if m["control_share"] is not None else None, "{:.1f}%"),
           _seeds(m["first_compressed_step_seeds"], "{}").replace("miss", "never")] for m in methods],
-        align="lllrlrrrrrrrl",
+        align="lllrlrrrrrrrrl",
     )
     failures = [f"- {m['name']}: {e}" for m in methods for e in m["errors"]]
     load = results.get("load_average") or {}
@@ -1087,6 +1109,13 @@ def render_markdown(results: dict[str, Any]) -> str:
         "infinitely slow (— when most seeds missed).",
         f"- Compute-only step (1 worker, no DDP, same per-worker batch, same loop): "
         f"**{_f(compute * 1e3 if compute else None, '{:.0f}')} ms**.",
+        *(["- Step without communication (both workers, DDP with the same buckets, torch's `noop_hook` in place "
+           "of every collective, so each rank keeps its own gradient; one run before each seed's methods, and "
+           "`step / no-comm` divides each seed's step by its own): **"
+           + " / ".join(f"{v * 1e3:.0f}" for v in results["no_comm_step_s_seeds"].values())
+           + " ms** (seeds " + ", ".join(results["no_comm_step_s_seeds"]) + "). The compute-only worker "
+           "has the machine to itself; two workers share its cores, caches and memory even without a network."]
+          if results.get("no_comm_step_s_seeds") else []),
         ("- Wire bytes: all ranks, raycomp's ledger (the gradients' reduce-scatter only); * = FSDP's own, byte "
          "model of an ideal reduce-scatter ((N-1)/N x payload). NIC bytes:" if results.get("strategy") == "fsdp" else
          "- Wire bytes: all ranks, raycomp's ledger; * = torch hooks, byte model of the hook (ring all-reduce "

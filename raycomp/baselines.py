@@ -6,6 +6,10 @@
   a benchmark gives every method the same one);
 * ``torch_powersgd``: ``powerSGD_hook`` at ``baseline_powersgd_rank``, dense (torch's own
   all-reduce) before ``baseline_powersgd_start_iter``.
+* ``torch_noop``: ``debugging_hooks.noop_hook``, torch's hook for headroom analysis: no
+  collective at all, each rank steps with its own gradient (the replicas drift apart). Not
+  training: the step time of the same workers, buckets and loop with the network free, which
+  the benchmark divides step times by.
 
 torch's ``powerSGD_hook`` on gloo needs the whole model in one DDP bucket (chains of futures
 from several buckets interleave differently on the ranks: abort or hang): build the DDP model
@@ -21,7 +25,7 @@ import torch
 
 from raycomp.buckets import gradient_mb
 
-HOOKS = ("torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd")
+HOOKS = ("torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd", "torch_noop")
 
 
 def one_bucket_cap_mb(model: torch.nn.Module, margin: float = 1.25) -> float:
@@ -47,7 +51,11 @@ class _Warmup:
 
 def register_torch_hook(model: torch.nn.parallel.DistributedDataParallel, compression: Any) -> None:
     """torch's own DDP hooks, for side-by-side benchmarks (their bytes are not counted here)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import (
+        debugging_hooks,
+        default_hooks,
+        powerSGD_hook,
+    )
 
     name = compression.baseline_hook
     warmup = getattr(compression, "baseline_warmup_steps", 0)
@@ -73,5 +81,7 @@ def register_torch_hook(model: torch.nn.parallel.DistributedDataParallel, compre
             return future
 
         model.register_comm_hook(state, serialized)
+    elif name == "torch_noop":
+        model.register_comm_hook(None, debugging_hooks.noop_hook)
     else:
         model.register_comm_hook(None, default_hooks.allreduce_hook)

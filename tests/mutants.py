@@ -279,6 +279,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "4-bit unpacking through int16 leaves the neighbouring code's bits in each code",
     ),
     mutant(
+        "torch-noop-all-reduces", "raycomp/baselines.py",
+        "        model.register_comm_hook(None, debugging_hooks.noop_hook)\n",
+        "        model.register_comm_hook(None, default_hooks.allreduce_hook)\n",
+        "tests/test_bench_e2e.py -k noop_hook",
+        "the no-communication reference all-reduces: the step ratio's denominator includes the network",
+    ),
+    mutant(
+        "bench-no-comm-one-seed-for-all", "jobs/bench_e2e.py",
+        "        m[\"step_vs_no_comm\"] = _median([r[\"step_s\"] / no_comm[r[\"seed\"]] for r in m[\"runs\"]\n",
+        "        m[\"step_vs_no_comm\"] = _median([r[\"step_s\"] / no_comm[min(no_comm)] for r in m[\"runs\"]\n",
+        "tests/test_bench_e2e.py -k documented_schema",
+        "every seed's step is divided by the first seed's no-communication step, not its own group's",
+    ),
+    mutant(
         "bitpack-shift-off-by-one", "raycomp/bitpack.py",
         "        out |= grid[:, i] << (i * bits)\n",
         "        out |= grid[:, i] << (i * bits - 1)\n",

@@ -131,6 +131,18 @@ def test_gpt_goals_miss_just_past_their_boundaries():
     assert _verdicts(_results(rows, compute=0.25)) == [False] * 7
 
 
+def test_the_step_goal_divides_by_the_no_communication_step_when_the_report_has_one():
+    rows = [_row("dense", 420.0), _row("raycomp_adaptive", 84.0, step=0.3)]
+    rows[-1]["step_vs_no_comm"] = 1.2
+    results = {**_results(rows, compute=0.2), "no_comm_step_s": 0.25}
+    goal = e2e.goals(results)[5]
+    assert "noop_hook" in goal["goal"] and goal["value"] == 1.2 and goal["ok"]  # 0.3 / 0.2 = 1.5 would MISS
+    rows[-1]["step_vs_no_comm"] = 1.2001
+    assert not e2e.goals(results)[5]["ok"]
+    rows[-1]["step_vs_no_comm"] = None  # no seed had both: a missing number
+    assert not e2e.goals(results)[5]["ok"]
+
+
 def test_a_missing_number_is_a_miss():
     rows = [_row("dense", None), _row("raycomp_adaptive", None, final=None, nic=None, step=None, control=None)]
     goals = e2e.goals(_results(rows))
@@ -164,6 +176,9 @@ def test_the_shared_dense_warmup_caps_what_the_dense_and_nic_goals_can_reach():
     assert ceilings["vs_dense"] == pytest.approx(193.1 / 57.851)
     goals = e2e.goals(results)
     assert [g.get("ceiling") for g in goals] == [ceilings["vs_dense"], None, None, None, ceilings["nic"], None, None]
+    # two workers without communication are slower than one alone: the ceiling uses them
+    no_comm = e2e.warmup_ceilings({**results, "no_comm_step_s": 0.3}, dense)["vs_dense"]
+    assert no_comm == pytest.approx(193.1 / (19 * 1.389 + 121 * 0.3))
     dense["steps_to_target_seeds"] = [140, None, None]  # dense itself missed: no step to reach
     assert e2e.warmup_ceilings(results, dense)["vs_dense"] is None
     assert e2e.warmup_ceilings({**results, "workload": {"name": "gpt"}}, dense) == {"nic": None, "vs_dense": None}
@@ -186,15 +201,16 @@ def test_every_method_gets_the_same_budget_seed_cadence_and_warmup():
     settings = {"extra": [], "steps": 240, "eval_every": 20, "warmup": 20, "stop_at_target": False,
                 "target": None}
     shared = None
-    for name in [*e2e.METHODS, e2e.COMPUTE]:
+    for name in [*e2e.METHODS, e2e.COMPUTE, e2e.NO_COMM]:
         overrides = e2e.method_overrides(name, settings, seed=1, interval=10, bucket_cap_mb=16.0)
         config = load_config(REPO / "jobs/configs/gpt_kjv.yaml", overrides)
         w, c = config.workload, config.compression
         assert (config.run.seed, w.steps_per_epoch * w.epochs, w.eval_every_steps) == (1, 240, 20), name
         assert (w.lr, w.lr_schedule, w.batch_size) == (0.002, "cosine", 6)
         assert c.baseline_warmup_steps == c.baseline_powersgd_start_iter == 20
+        assert config.scaling.num_workers == (1 if name == e2e.COMPUTE else 2), name
+        assert (c.baseline_hook == "torch_noop") == (name == e2e.NO_COMM), name
         if name == e2e.COMPUTE:
-            assert config.scaling.num_workers == 1
             continue
         assert c.warmup_steps == 10  # + the control interval: the first compressed plan at step 20
         assert (c.baseline_bucket_cap_mb is not None) == name.startswith("torch_powersgd")
@@ -262,11 +278,13 @@ def test_analyze_writes_the_documented_schema(tmp_path):
                 "stop_at_target": False}
     raw = {"layers": {"w": [100, 2], "b": [2]}, "metric": "loss", "interval_steps": 10, "bucket_cap_mb": 1.0,
            "default_policy": "critical", "idle": [{"seconds": 10.0, "tx_bytes": 50, "rx_bytes": 50}],
-           "runs": [_raw_run(e2e.COMPUTE, 0, [3.0, 3.0], 0.25, 0.0),
+           "runs": [_raw_run(e2e.COMPUTE, 0, [3.0, 3.0], 0.15, 0.0),
+                    _raw_run(e2e.NO_COMM, 0, [3.0, 3.0], 0.25, 0.0),
                     _raw_run("dense", 0, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0),
-                    _raw_run("dense", 1, [3.0, 2.7, 2.5, 2.3], 1.0, 800.0),
                     _raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.45, 2.4], 0.3, 8.0),
-                    _raw_run("raycomp_adaptive", 1, [3.0, 2.6, 2.6, 2.6], 0.3, 8.0)]}
+                    _raw_run(e2e.NO_COMM, 1, [3.0, 3.0], 0.2, 0.0),
+                    _raw_run("dense", 1, [3.0, 2.7, 2.5, 2.3], 1.0, 800.0),
+                    _raw_run("raycomp_adaptive", 1, [3.0, 2.6, 2.6, 2.6], 0.4, 8.0)]}
     check = {"a_to_b": {"bits_per_s": 95.7e6}, "b_to_a": {"bits_per_s": 95.6e6}, "rtt": {"median_s": 2e-5}}
     shaping = {"qdisc": {"a": "tbf rate 100000000bit"}, "rate": "100mbit"}
     results = e2e.analyze(raw, settings, shaping, check)
@@ -275,7 +293,11 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     assert results["link"] == {**results["link"], "rate": "100mbit", "measured_mbit_s": 95.6}
     # auto target: dense's median at the first evaluation at or after 3/4 of 40 steps (step 30)
     assert results["target"] == {**results["target"], "metric": "loss", "value": 2.45, "lower_is_better": True}
-    assert results["compute_step_s"] == pytest.approx(0.25)
+    assert results["compute_step_s"] == pytest.approx(0.15)
+    # each seed's step over the no-communication step of its own group: 0.3 / 0.25 and 0.4 / 0.2
+    # (not 1.5 and 1.6 with the seeds crossed, nor 0.35 / 0.225 from the medians)
+    assert results["no_comm_step_s"] == pytest.approx(0.225)
+    assert results["no_comm_step_s_seeds"] == {"0": pytest.approx(0.25), "1": pytest.approx(0.2)}
     dense, ada = results["methods"]
     assert [m["name"] for m in results["methods"]] == ["dense", "raycomp_adaptive"]
     required = {"name", "time_to_target_s", "time_to_target_s_seeds", "final_metric", "wire_bytes",
@@ -288,12 +310,16 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     assert ada["time_to_target_s_seeds"] == [pytest.approx(0.3 * 29), None]
     assert ada["final_metric"] == pytest.approx(2.5) and ada["first_compressed_step_seeds"] == [20, 20]
     assert dense["wire_bytes"] == pytest.approx(2 * 4 * 202 * 40)  # the byte model of allreduce_hook
-    assert ada["step_s"] == pytest.approx(0.3) and ada["control_share"] == pytest.approx(0.004)
+    assert ada["step_s"] == pytest.approx(0.35) and ada["control_share"] == pytest.approx(0.004)
+    assert ada["step_vs_no_comm"] == pytest.approx((1.2 + 2.0) / 2)
+    step_goal = next(g for g in results["goals"] if g["goal"].startswith("adaptive steady step time"))
+    assert "noop_hook" in step_goal["goal"] and step_goal["value"] == pytest.approx(1.6) and not step_goal["ok"]
     json.dumps(results, allow_nan=False)
     paths = e2e.write_reports({**results, "command": "python -m jobs.bench e2e --quick"}, tmp_path)
     assert [p.name for p in paths] == ["e2e-gpt-100mbit.json", "e2e-gpt-100mbit.md", "e2e-gpt-100mbit.png"]
     text = paths[1].read_text()
     assert "MISS" in text and "raycomp_adaptive" in text
+    assert "| step / no-comm |" in text and "**250 / 200 ms** (seeds 0, 1)" in text
     # 40 steps, 20 of them the shared dense warm-up: NIC bytes can fall at most 39/19 = 2.05x
     assert "fewer than dense: **" in text and "MISS** (ceiling under this benchmark's shared dense warm-up: 2.05x)" in text
     assert json.loads(paths[0].read_text())["methods"][1]["name"] == "raycomp_adaptive"
@@ -413,6 +439,18 @@ def test_cast_hooks_all_reduce_fp32_during_the_shared_warmup(hook):
         else:
             assert cast
             assert all(torch.allclose(g, m, rtol=2e-2, atol=1e-3) for g, m in zip(got, mean, strict=True))
+
+
+def test_torch_noop_hook_leaves_each_rank_its_own_gradient():
+    import torch
+
+    from tests.distributed import run_distributed
+
+    ranks = run_distributed(_torch_hook_steps, 2, "torch_noop", 0)
+    for (got, mean), (got1, _) in zip(ranks[0], ranks[1], strict=True):
+        assert not any(torch.equal(a, b) for a, b in zip(got, got1, strict=True))  # nothing exchanged
+        for a, b, m in zip(got, got1, mean, strict=True):  # each kept its own: they average to the mean
+            assert torch.allclose((a + b) / 2, m, rtol=1e-5, atol=1e-7)
 
 
 def test_torch_powersgd_runs_on_gloo_in_one_bucket_after_the_warmup():

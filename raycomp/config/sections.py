@@ -170,10 +170,12 @@ class CompressionSection(_Strict):
     guard: GuardSection = GuardSection()
     lr_scaling: LrScalingSection = LrScalingSection()
     #: compare against torch's own DDP hooks instead of raycomp's (benchmarks)
-    #: (DDP hooks: torch_allreduce/fp16/bf16/powersgd; with scaling.strategy=fsdp: torch_fsdp,
-    #: FSDP's own fp32 reduce-scatter, or torch_fsdp_bf16, its MixedPrecisionPolicy(reduce_dtype=bf16))
+    #: (DDP hooks: torch_allreduce/fp16/bf16/powersgd, or torch_noop, torch's headroom hook:
+    #: no communication, each rank keeps its own gradient, a step time without the network;
+    #: with scaling.strategy=fsdp: torch_fsdp, FSDP's own fp32 reduce-scatter, or
+    #: torch_fsdp_bf16, its MixedPrecisionPolicy(reduce_dtype=bf16))
     baseline_hook: Literal["none", "torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd",
-                           "torch_fsdp", "torch_fsdp_bf16"] = "none"
+                           "torch_noop", "torch_fsdp", "torch_fsdp_bf16"] = "none"
     baseline_powersgd_rank: Annotated[int, Field(ge=1)] = 2
     baseline_powersgd_start_iter: Annotated[int, Field(ge=1)] = 10
     #: torch_fp16/torch_bf16: all-reduce fp32 for this many steps first (the dense warm-up
