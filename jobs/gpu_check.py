@@ -50,11 +50,12 @@ PARAMS: dict[str, dict[str, Any]] = {
     "terngrad": {},
     "sign": {},
     "int8": {"chunk_size": 2048},
+    "int4": {"chunk_size": 2048},
     "powersgd": {"rank": 2},
 }
 BENCH_PARAMS = {**PARAMS, "randomk": {"ratio": 0.01}, "threshold": {"threshold": 2.576},
                 "powersgd": {"rank": 4}}
-DETERMINISTIC = {"none", "fp16", "bf16", "topk", "threshold", "sign", "int8", "powersgd"}
+DETERMINISTIC = {"none", "fp16", "bf16", "topk", "threshold", "sign", "int8", "int4", "powersgd"}
 SHAPES = [(1000,), (64, 33), (8, 4, 3, 3), (257, 129)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -310,7 +311,7 @@ def free_port() -> int:
 TRANSPORT_PLANS = {  # one compressor per transport family (+ variable-size all-gather)
     "dense": "none", "allreduce-fp16": "fp16", "allreduce-randomk": "randomk",
     "allgather-topk": "topk", "allgather-var-dgc": "dgc_topk", "allgather-var-threshold": "threshold",
-    "scalable-int8": "int8", "scalable-qsgd": "qsgd", "scalable-sign": "sign",
+    "scalable-int8": "int8", "scalable-int4": "int4", "scalable-qsgd": "qsgd", "scalable-sign": "sign",
     "scalable-terngrad": "terngrad", "lowrank-powersgd": "powersgd",
 }
 
@@ -558,15 +559,17 @@ def control_checks(device: torch.device, prefix: str, rank: int, world: int) -> 
 
 LADDER = [  # plans the adaptive policy can hand out, lossy rungs to dense, one per step
     ["powersgd1"] * 6,
-    ["powersgd2", "topk", "int8", "bf16", "int8", "none"],
+    ["powersgd2", "topk", "int4", "int8", "bf16", "none"],
+    ["int4"] * 6,
     ["int8"] * 6,
     ["bf16"] * 6,
-    ["bf16", "int8", "none", "powersgd2", "bf16", "int8"],
+    ["bf16", "int8", "none", "powersgd2", "int4", "int8"],
     ["none"] * 6,
     ["int8"] * 6,
 ]
 RUNGS = {"powersgd1": CompressorSpec.of("powersgd", rank=1), "powersgd2": CompressorSpec.of("powersgd", rank=2),
          "topk": CompressorSpec.of("topk", ratio=0.01), "int8": CompressorSpec.of("int8"),
+         "int4": CompressorSpec.of("int4"),
          "bf16": CompressorSpec.of("bf16"), "none": DENSE}
 
 
@@ -624,7 +627,131 @@ def ladder_checks(device: torch.device, prefix: str, rank: int, world: int) -> N
             note += "; syncs/step: " + ", ".join(f"{k}={v}" for k, v in syncs.items())
         return note
 
-    guarded(f"{prefix}/ddp-hook-ladder(int8/bf16 rungs, plan per step)", run)
+    guarded(f"{prefix}/ddp-hook-ladder(int4/int8/bf16 rungs, plan per step)", run)
+
+
+# --- 2b'. DDP's buckets, the hook's threads and the caller's CUDA stream -------------------
+
+
+def _kjv_transformer(device: torch.device) -> nn.Module:
+    from raycomp.models import char_transformer
+
+    torch.manual_seed(0)  # jobs/configs/gpt_kjv.yaml's sizes: 3,224,639 parameters, 12.9 MB fp32
+    return char_transformer(vocab_size=63, block=128, d_model=256, heads=4, layers=4).to(device)
+
+
+def _hook_means(device: torch.device, rank: int, plan: Plan, *, auto: bool, async_comm: bool,
+                side_stream: str = "", steps: int = 2) -> tuple[list[int], list[torch.Tensor], int]:
+    """The bucket sizes DDP hands raycomp's hook at the last step (DDP rebuilds its
+    buckets after the first), every parameter's mean gradient after it, and the syncs of
+    the last step. ``side_stream``: forward and backward run on a stream of their own, and
+    backward starts with ~0.1 s of GPU sleep, so every gradient is written well after the
+    hook is called; work on another stream reads the buckets too early, or DDP copies
+    the means into ``.grad`` before they are decoded. ``"train"``: only the steps run on
+    it (autograd then hands DDP the gradients on the default stream, where DDP built its
+    gradient accumulators); ``"all"``: the model and DDP are built on it as well."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raycomp.buckets import bucket_cap_mb
+    from raycomp.hook import CompressionState, compression_hook
+
+    side = torch.cuda.Stream(device) if side_stream else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side if side_stream == "all" else None):
+        model = _kjv_transformer(device)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  **({"bucket_cap_mb": bucket_cap_mb(model)} if auto else {}))
+    state = CompressionState(ddp, plan, async_comm=async_comm)
+    sizes: list[int] = []
+
+    def counting(s, bucket):  # noqa: ANN001 - unannotated: DDP checks hook annotations
+        sizes.append(bucket.buffer().numel())
+        return compression_hook(s, bucket)
+
+    ddp.register_comm_hook(state, counting)
+    syncs = 0
+    for step in range(steps):
+        sizes.clear()
+        ddp.zero_grad()
+        tokens = torch.randint(0, 63, (2, 128), generator=torch.Generator().manual_seed(10 * rank + step))
+        tokens = tokens.to(device)
+
+        def one_step(tokens: torch.Tensor = tokens) -> None:
+            if side is None:
+                ddp(tokens).logsumexp(-1).mean().backward()
+                return
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                loss = ddp(tokens).logsumexp(-1).mean()  # this forward waits for its stream on the host
+                torch.cuda._sleep(200_000_000)
+                loss.backward()
+            torch.cuda.current_stream(device).wait_stream(side)
+
+        if device.type == "cuda" and step == steps - 1 and side is None:
+            syncs, _ = count_syncs(one_step)
+        else:
+            one_step()
+    state.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return sizes, [p.grad.detach().clone() for p in model.parameters()], syncs
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
+    """'' if every tensor is bit-identical, else the worst relative difference."""
+    if all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
+        return ""
+    return f"differ (worst relative difference {max(rel_err(x, y) for x, y in zip(a, b, strict=True)):.2e})"
+
+
+def bucket_checks(device: torch.device, prefix: str, rank: int, world: int) -> None:
+    """The production path of the hook on the KJV transformer: ``raycomp.bucket_cap_mb``'s
+    buckets (about eight) against DDP's default (two), with and without the hook's
+    background threads. int4 is deterministic, so all four must give the same means bit
+    for bit. Then the same step with forward and backward on the caller's own CUDA stream,
+    for int4 and for the dense plan (sent inline, waited for on the receiving thread)."""
+    int4 = Plan.uniform("int4")
+    runs: dict[tuple[bool, bool], tuple[list[int], list[torch.Tensor], int]] = {}
+
+    def buckets() -> str:
+        for auto in (True, False):
+            for async_comm in (True, False):
+                runs[auto, async_comm] = _hook_means(device, rank, int4, auto=auto, async_comm=async_comm)
+        sizes_auto, sizes_ddp = runs[True, True][0], runs[False, True][0]
+        assert 6 <= len(sizes_auto) <= 16, f"auto: {len(sizes_auto)} buckets {sizes_auto}"
+        assert len(sizes_ddp) <= 3, f"DDP's default: {len(sizes_ddp)} buckets"
+        ref = runs[False, False][1]
+        for key, (_, means, _) in runs.items():
+            diff = _same(ref, means)
+            assert not diff, f"auto={key[0]}, async={key[1]}: means {diff} from DDP's default buckets inline"
+        if world > 1:
+            flat = torch.cat([m.reshape(-1) for m in ref])
+            gathered = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(gathered, flat)
+            assert all(torch.equal(gathered[0], t) for t in gathered), "ranks disagree on the means"
+        note = (f"{len(sizes_auto)} buckets with auto, {len(sizes_ddp)} with DDP's default; "
+                "int4 means bit-identical across buckets x threads")
+        if device.type == "cuda":
+            note += "; syncs/step: " + ", ".join(
+                f"{'auto' if a else 'ddp'}/{'async' if t else 'inline'}={runs[a, t][2]}" for a, t in runs)
+        return note
+
+    guarded(f"{prefix}/ddp-buckets(int4, auto vs DDP's default, threads vs inline)", buckets)
+    if device.type != "cuda":
+        return
+    for label, plan in (("int4", int4), ("dense", Plan())):
+        for async_comm in (True, False):
+            def stream(plan: Plan = plan, async_comm: bool = async_comm) -> str:
+                _, ref, _ = _hook_means(device, rank, plan, auto=True, async_comm=async_comm)
+                for where in ("train", "all"):
+                    _, means, _ = _hook_means(device, rank, plan, auto=True, async_comm=async_comm,
+                                              side_stream=where)
+                    diff = _same(ref, means)
+                    assert not diff, f"{where} on the caller's stream: means {diff} from the default stream's"
+                return "steps, and model + DDP + steps, on a stream of their own: means bit-identical"
+
+            guarded(f"{prefix}/ddp-caller-stream({label}, async={async_comm})", stream)
 
 
 # --- 2c. sharded data parallel (FSDP2, raycomp.sharded) -------------------------------------
@@ -897,12 +1024,101 @@ def sharded_fsdp_checks(device: torch.device, prefix: str, rank: int, world: int
         guarded(check, one)
 
 
-# --- 3. training -----------------------------------------------------------------------
+def sharded_state_checks(device: torch.device, prefix: str, rank: int, world: int,
+                         own_all_gather: bool = False) -> None:
+    """``ShardedState`` (what ``raycomp.train`` installs on a ``fully_shard`` model) on
+    this device: a plan per unit (int8, int4, bf16) installed at the next step, the guard's
+    control floats carried with the last unit's reduce-scatter (exchanged on their own
+    where FSDP calls none), every rank's row on every rank, statistics at the stats step,
+    a NaN on the last rank flagged everywhere, and the host syncs of a step."""
+    reason = sharded_api(fsdp=True)
+    if reason:
+        skip(f"{prefix}/sharded/state", reason)
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from raycomp.sharded_state import ShardedState
+
+    def same_everywhere(t: torch.Tensor) -> bool:
+        if world == 1:
+            return True
+        t = t.to(device).contiguous()
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t)
+        return all(torch.equal(parts[0], p) for p in parts)
+
+    def run() -> str:
+        mesh = init_device_mesh(device.type, (world,))
+        model = _sharded_model(device)
+        units = [fully_shard(layer, mesh=mesh) for layer in model if isinstance(layer, nn.Linear)]
+        units.append(fully_shard(model, mesh=mesh))
+        if own_all_gather:
+            for unit in units:
+                unit.set_custom_all_gather(list_all_gather())
+        state = ShardedState(model, stats_every=2, min_compress_numel=256)
+        plan = Plan.per_layer({"0": CompressorSpec.of("int8"), "2": CompressorSpec.of("int4"),
+                               "4": CompressorSpec.of("bf16")})
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        notes = []
+        for step in range(3):
+            x, y = _sharded_batch(rank, step, device)
+            if step == 2 and rank == world - 1:
+                x = x * float("nan")
+            loss = nn.functional.mse_loss(model(x), y)
+            state.stage_control([10.0 * rank + step, 1.0, 0.5])
+            opt.zero_grad()
+
+            def backward(loss: torch.Tensor = loss) -> None:
+                loss.backward()
+                state.end_backward()
+
+            if device.type == "cuda" and step < 2:  # step 1 measures statistics
+                k, msgs = count_syncs(backward)
+                notes.append(f"syncs/step {'with' if step else 'without'} statistics={k} [{sites(msgs)}]")
+            else:
+                backward()
+            rows = state.control_rows
+            assert rows is not None and tuple(rows.shape) == (world, 4), f"step {step}: rows {rows}"
+            assert same_everywhere(rows), f"step {step}: ranks hold different control rows"
+            assert rows[:, 1].tolist() == [10.0 * r + step for r in range(world)], f"step {step}: {rows}"
+            if step < 2:
+                assert rows[:, 0].eq(0).all() and math.isfinite(state.gradient_norm([])), f"step {step}: {rows}"
+                opt.step()
+            else:
+                assert rows[-1, 0] == 1.0 and rows[:-1, 0].eq(0).all(), f"NaN not flagged where it was: {rows}"
+                assert not math.isfinite(state.gradient_norm([])), "a NaN gradient with a finite norm"
+                state.discard_step()
+            specs = {name: comm.spec.name for name, comm in state.comms.items()}
+            if step == 0:
+                assert specs == {"0": "none", "2": "none", "4": "none"}, f"step 0 not dense: {specs}"
+                state.set_plan(plan)  # between steps: installed now
+            if step == 1:
+                assert specs == {"0": "int8", "2": "int4", "4": "bf16"}, f"plan not applied: {specs}"
+                calls = sum(c.calls for c in state.comms.values())
+                if world > 1:
+                    assert sorted(st.compressor for st in state.stats) == ["bf16", "int4", "int8"], state.stats
+                    assert all(math.isfinite(st.compression_error) for st in state.stats), state.stats
+                    notes.append(f"stats {[(st.layer, round(st.compression_error, 4)) for st in state.stats]}")
+                else:
+                    notes.append(f"comm calls {calls} (FSDP skips the reduce-scatter at world size 1; "
+                                 "control rows exchanged on their own)")
+        for p in model.parameters():
+            assert p.device.type == device.type and torch.isfinite(p.to_local()).all(), "parameters"
+        if world > 1:
+            notes.append(f"wire {state.ledger.wire_total:.0f} B")
+        return "; ".join(notes)
+
+    guarded(f"{prefix}/sharded/state(plan per unit, control rows, stats, NaN flag)", run)
+
+
+# --- 3. training -------------------------------------------------------------------------
 
 
 def training_runs(device: torch.device, quick: bool, only: str = "") -> list[dict[str, Any]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from raycomp.buckets import bucket_cap_mb
     from raycomp.hook import CompressionState, compression_hook
     from raycomp.models import char_transformer, lm_loss
 
@@ -923,7 +1139,9 @@ def training_runs(device: torch.device, quick: bool, only: str = "") -> list[dic
         ("hook, powersgd r=2", Plan.uniform("powersgd", rank=2)),
         ("hook, topk 1%", Plan.uniform("topk", ratio=0.01)),
         ("hook, int8", Plan.uniform("int8")),
+        ("hook, int4", Plan.uniform("int4")),
         ("hook, bf16", Plan.uniform("bf16")),
+        ("hook, int4, raycomp.bucket_cap_mb buckets", Plan.uniform("int4")),
     ]
     rows = []
     for label, plan in configs:
@@ -932,7 +1150,8 @@ def training_runs(device: torch.device, quick: bool, only: str = "") -> list[dic
         def run(label: str = label, plan: Plan | None = plan) -> str:
             torch.manual_seed(0)
             model = char_transformer(vocab, block=block).to(device)
-            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+            buckets = {"bucket_cap_mb": bucket_cap_mb(model)} if "bucket_cap_mb" in label else {}
+            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **buckets)
             state = None
             if plan is not None:
                 state = CompressionState(ddp, plan)
@@ -1007,11 +1226,14 @@ def _gloo_worker(rank: int, world: int, port: int, device_type: str, outdir: str
         control_checks(device, prefix, rank, world)
         ladder_checks(device, prefix, rank, world)
         sharded_comm_checks(device, prefix, rank, world)
+    elif part == "buckets":
+        bucket_checks(device, prefix, rank, world)
     elif part.startswith("probe"):  # one collective FSDP2 itself needs from the backend
         name = list(PROBES)[int(part.removeprefix("probe"))]
         op(name, lambda: PROBES[name](t, world))
     else:
         sharded_fsdp_checks(device, prefix, rank, world, **options)
+        sharded_state_checks(device, prefix, rank, world, options.get("own_all_gather", False))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -1070,16 +1292,22 @@ def _collect(outdir: str, part: str) -> list[dict[str, Any]]:
     return rows
 
 
-def gloo_two_ranks(device: torch.device) -> None:
+def gloo_two_ranks(device: torch.device, skip: set[str]) -> None:
     """Separate spawns, so that a crash in one (a segfault in a collective, say) costs only
-    its own checks: the main checks, one probe per collective FSDP2 needs, then FSDP2 (with
-    a stand-in all-gather if the backend failed the all-gather probe)."""
+    its own checks: the main checks, the buckets and streams, one probe per collective
+    FSDP2 needs, then FSDP2 (with a stand-in all-gather if the backend failed the
+    all-gather probe). ``skip`` takes the sections' names, as for NCCL."""
     prefix = f"gloo-w2-{device.type}"
     with tempfile.TemporaryDirectory() as outdir:
-        failed = _spawn(device, outdir, "main")
-        RESULTS.extend(_collect(outdir, "main"))
-        if failed:
-            record(f"{prefix}/spawn(main)", False, failed)
+        for part, section in (("main", "reducer"), ("buckets", "buckets")):
+            if section in skip:
+                continue
+            failed = _spawn(device, outdir, part)
+            RESULTS.extend(_collect(outdir, part))
+            if failed:
+                record(f"{prefix}/spawn({part})", False, failed)
+        if "sharded" in skip:
+            return
 
         broken: dict[str, str] = {}
         for i, name in enumerate(PROBES):  # one spawn each: a crash must not hide the next probe
@@ -1107,7 +1335,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--skip", default="", help="comma list of sections to skip")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: compressors, nccl, "
+                    "reducer, buckets, sharded, train, gloo (reducer, buckets and sharded apply to gloo too)")
     ap.add_argument("--train-only", default="", help="train only the runs whose label has this")
     args = ap.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -1146,14 +1375,17 @@ def main() -> None:
             checkpoint_to_cpu_resume_whole(device, prefix)
             control_checks(device, prefix, 0, 1)
             ladder_checks(device, prefix, 0, 1)
+        if "buckets" not in skip:
+            bucket_checks(device, prefix, 0, 1)
         if "sharded" not in skip:
             sharded_comm_checks(device, prefix, 0, 1)
             sharded_fsdp_checks(device, prefix, 0, 1)
+            sharded_state_checks(device, prefix, 0, 1)
         if "train" not in skip:
             train_rows = training_runs(device, args.quick, args.train_only)
         dist.destroy_process_group()
     if "gloo" not in skip:
-        gloo_two_ranks(device)
+        gloo_two_ranks(device, skip)
 
     print("\n==== SUMMARY ====")
     width = max(len(r["check"]) for r in RESULTS)

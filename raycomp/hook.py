@@ -136,15 +136,27 @@ class CompressionState(CompressedReducer):
         """Whether the hook reduces buckets on its background threads, beside backward."""
         return self._sender is not None
 
-    def submit(self, send: Callable[[], Pending[T]], receive: Callable[[T], torch.Tensor]) -> torch.futures.Future:
+    def submit(self, send: Callable[[], Pending[T]], receive: Callable[[T], torch.Tensor],
+               device: torch.device) -> torch.futures.Future:
         """A future of ``receive(send().wait())``: ``send`` on the sending thread (on the
         caller's in a step that :meth:`begin_step` found dense everywhere), the wait and
-        ``receive`` on the receiving one (all inline without ``async_comm``)."""
-        future: torch.futures.Future = torch.futures.Future()
+        ``receive`` on the receiving one (all inline without ``async_comm``).
+
+        On CUDA both run on the stream that is current for ``device`` in the caller (DDP
+        calls the hook where autograd ordered the bucket's writes), and the future is a
+        CUDA future: its result carries an event of that stream, and whoever reads it
+        (DDP's copy into ``.grad``, on the stream backward was called on) waits for it.
+        With a plain future, a model trained under ``torch.cuda.stream(s)`` had its
+        gradients copied before the background thread had decoded them: int4 means off by
+        up to 2x on an H100 (docs/gpu.md)."""
+        cuda = device.type == "cuda"
+        future: torch.futures.Future = torch.futures.Future(devices=[device] if cuda else None)
+        stream = torch.cuda.current_stream(device) if cuda else None
 
         def guarded(work: Callable[[], Any], then: Callable[[Any], None]) -> None:
             try:
-                then(work())
+                with torch.cuda.stream(stream):  # None: a no-op
+                    then(work())
             except BaseException as error:  # noqa: BLE001 - DDP re-raises it in backward
                 future.set_exception(error)
 
@@ -204,4 +216,4 @@ def compression_hook(
             state.comm_seconds += time.perf_counter() - handed_over
         return out.to(buffer.dtype).view(buffer.shape)
 
-    return state.submit(send, receive)
+    return state.submit(send, receive, buffer.device)

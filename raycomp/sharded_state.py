@@ -56,6 +56,19 @@ def unit_parameters(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter
     return owned
 
 
+def control_row(values: Sequence[float], norm_sq: torch.Tensor) -> torch.Tensor:
+    """This rank's row of the guard's control floats, ``[non-finite flag, *values, squared
+    gradient norm]``, on the norm's device and built there: on CUDA the staged values go
+    over pinned and asynchronously, so the row rides with the last unit without a host
+    sync (the rows are read once, on arrival). Built on the CPU it cost two more syncs a
+    step on an H100 (reading the norm, copying the row back; docs/gpu.md)."""
+    norm_sq = norm_sq.float().reshape(1)
+    staged = torch.tensor(list(values), dtype=torch.float32)
+    if norm_sq.is_cuda:
+        staged = staged.pin_memory().to(norm_sq.device, non_blocking=True)
+    return torch.cat([(~torch.isfinite(norm_sq)).float(), staged.to(norm_sq.device), norm_sq])
+
+
 class ShardedState:
     """Plan, ledger, statistics and control rows for a ``fully_shard`` model.
 
@@ -158,7 +171,7 @@ class ShardedState:
         if not self._in_step:
             self._begin()
         if self.control_rows is None and self._control is not None:
-            row = self._row(self._local_norm_sq())
+            row = control_row(self._control, self._local_norm_sq())
             rows = torch.zeros(self.world_size, row.numel())
             rows[self.rank] = row
             if self.world_size > 1:
@@ -178,12 +191,6 @@ class ShardedState:
     def stage_control(self, values: Sequence[float]) -> None:
         """Carry ``[non-finite flag, *values, squared norm]`` of every rank with the next step."""
         self._control = [float(v) for v in values]
-
-    def _row(self, norm_sq: torch.Tensor) -> torch.Tensor:
-        assert self._control is not None
-        norm_sq = norm_sq.float().reshape(1).cpu()
-        flag = (~torch.isfinite(norm_sq)).float()
-        return torch.cat([flag, torch.tensor(self._control, dtype=torch.float32), norm_sq])
 
     def _take_rows(self, rows: torch.Tensor) -> None:
         self.control_rows = rows[:, :-1]
@@ -215,7 +222,7 @@ class ShardedState:
         self._calls += 1
         if self._calls != len(self.comms) or self._control is None:
             return None
-        row = self._row(self._norm_sq)  # one host sync per step, in the last unit
+        row = control_row(self._control, self._norm_sq)
         self.ledger.add(collectives.OVERHEAD, (self.world_size - 1) * row.numel() * 4)
         return row.view(torch.uint8)
 

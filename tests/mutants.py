@@ -293,6 +293,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "every seed's step is divided by the first seed's no-communication step, not its own group's",
     ),
     mutant(
+        "sharded-control-row-via-host", "raycomp/sharded_state.py",
+        "    norm_sq = norm_sq.float().reshape(1)\n",
+        "    norm_sq = norm_sq.float().reshape(1).cpu()\n",
+        "tests/test_device.py -k control_row",
+        "FSDP's control row reads the gradient norm on the host: a sync every step on CUDA",
+    ),
+    mutant(
+        "gpu-check-misses-a-compressor", "jobs/gpu_check.py",
+        "    \"int4\": {\"chunk_size\": 2048},\n",
+        "",
+        "tests/test_device.py -k gpu_check",
+        "a registered compressor without parameters in the GPU check: KeyError in every CUDA row it is in",
+    ),
+    mutant(
         "bitpack-shift-off-by-one", "raycomp/bitpack.py",
         "        out |= grid[:, i] << (i * bits)\n",
         "        out |= grid[:, i] << (i * bits - 1)\n",

@@ -164,3 +164,30 @@ def test_sharded_residual_from_a_cpu_checkpoint_follows_the_gradient_device() ->
     out = torch.empty(500, device=META)
     resumed(out, torch.empty(1000, device=META), None, torch.distributed.ReduceOp.AVG)
     assert resumed.residual is not None and resumed.residual.device == META
+
+
+def test_the_gpu_check_runs_every_registered_compressor_and_every_transport() -> None:
+    """jobs/gpu_check.py takes each compressor's parameters from its own table: a
+    compressor registered without an entry there fails every CUDA row it appears in
+    (int4 did, KeyError, on the first H100 run after it was added)."""
+    from jobs import gpu_check
+    from raycomp.compressors import COMPRESSORS, Transport
+
+    assert set(gpu_check.PARAMS) == set(COMPRESSORS)
+    for name, params in gpu_check.PARAMS.items():
+        CompressorSpec.of(name, **params).build("layer", 0)  # valid parameters
+    checked = {CompressorSpec.of(n, **gpu_check.PARAMS[n]).build("layer", 0).transport
+               for n in gpu_check.TRANSPORT_PLANS.values()}
+    assert checked == set(Transport)
+
+
+def test_the_sharded_control_row_is_built_on_the_gradient_device_without_host_syncs() -> None:
+    """FSDP's last unit carries this row; built on the CPU it read the norm and copied the
+    row back, two host syncs a step on CUDA. On meta, any such read raises."""
+    from raycomp.sharded_state import control_row
+
+    row = control_row([3.0, 1.0, 0.5], torch.zeros((), device=META))
+    assert row.device == META and row.dtype == torch.float32 and row.shape == (5,)
+    values = control_row([3.0, 1.0, 0.5], torch.tensor(4.0)).tolist()
+    assert values == [0.0, 3.0, 1.0, 0.5, 4.0]
+    assert control_row([], torch.tensor(float("inf"))).tolist()[0] == 1.0  # the non-finite flag
