@@ -6,9 +6,10 @@ Run on a machine with a CUDA device (no Ray, no pydantic needed)::
 
 It prints a PASS/FAIL table and writes ``results.json`` (and the same table) under
 ``--out``. Also covered: the guard's control rows riding in the last reduction, the DDP
-hook while the plan walks the adaptive policy's ladder (PowerSGD/Top-K, int8, bf16,
-dense), and the FSDP2 compressed reduce-scatter (``raycomp.sharded``); a check this torch
-cannot run is SKIP with the reason. ``--device cpu --quick`` runs the same logic on CPU with gloo (to check the
+hook while the plan walks the adaptive policy's ladder (PowerSGD/Top-K, int4, int8, bf16,
+dense), DDP with ``raycomp.bucket_cap_mb``'s buckets and the hook's threads, the hook on the
+caller's own CUDA stream, and the FSDP2 path (``raycomp.sharded``, ``ShardedState``); a
+check this torch cannot run is SKIP with the reason. ``--device cpu --quick`` runs the same logic on CPU with gloo (to check the
 script itself; sync counts and CUDA timings are then skipped). Findings are written up in
 ``docs/gpu.md``.
 """
