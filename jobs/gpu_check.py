@@ -755,6 +755,37 @@ def bucket_checks(device: torch.device, prefix: str, rank: int, world: int) -> N
             guarded(f"{prefix}/ddp-caller-stream({label}, async={async_comm})", stream)
 
 
+_CPU_RUN = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from raycomp import Plan
+from raycomp.hook import CompressionState, compression_hook
+from jobs.gpu_check import _kjv_transformer
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+model = _kjv_transformer(torch.device("cpu"))
+ddp = DDP(model)
+state = CompressionState(ddp, Plan.uniform("int4"), async_comm=True)
+ddp.register_comm_hook(state, compression_hook)
+ddp(torch.randint(0, 63, (2, 128))).logsumexp(-1).mean().backward()
+state.close()
+print("cuda initialised:", torch.cuda.is_initialized())
+"""
+
+
+def cpu_run_on_a_cuda_machine() -> str:
+    """A CPU run of the hook with its threads, in a fresh process on a machine with CUDA,
+    must not initialise CUDA (a forked worker that did would fail; ``torch.cuda.stream``
+    does initialise it, even with ``None``)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CPU_RUN % free_port()], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-400:]
+    assert "cuda initialised: False" in out.stdout, out.stdout[-200:]
+    return "CUDA left uninitialised"
+
+
 # --- 2c. sharded data parallel (FSDP2, raycomp.sharded) -------------------------------------
 
 SHARDED_TOL = {"none": 1e-6, "fp16": 1e-3, "bf16": 1e-2, "int8": 3e-2}  # rel. error of the mean shard
@@ -1378,6 +1409,8 @@ def main() -> None:
             ladder_checks(device, prefix, 0, 1)
         if "buckets" not in skip:
             bucket_checks(device, prefix, 0, 1)
+            if device.type == "cuda":
+                guarded("cpu-run/hook threads on a CUDA machine", cpu_run_on_a_cuda_machine)
         if "sharded" not in skip:
             sharded_comm_checks(device, prefix, 0, 1)
             sharded_fsdp_checks(device, prefix, 0, 1)

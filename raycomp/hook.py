@@ -30,6 +30,8 @@ the synchronising step, with the accumulated gradients.
 # no "from __future__ import annotations": DDP checks the hook's annotations at run time
 
 import concurrent.futures
+import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -151,11 +153,14 @@ class CompressionState(CompressedReducer):
         up to 2x on an H100 (docs/gpu.md)."""
         cuda = device.type == "cuda"
         future: torch.futures.Future = torch.futures.Future(devices=[device] if cuda else None)
-        stream = torch.cuda.current_stream(device) if cuda else None
+        # off CUDA no stream context at all: even torch.cuda.stream(None) initialises CUDA
+        # on a machine that has it (a CPU run there, or a forked worker)
+        on_stream = functools.partial(torch.cuda.stream, torch.cuda.current_stream(device)) if cuda \
+            else contextlib.nullcontext
 
         def guarded(work: Callable[[], Any], then: Callable[[Any], None]) -> None:
             try:
-                with torch.cuda.stream(stream):  # None: a no-op
+                with on_stream():
                     then(work())
             except BaseException as error:  # noqa: BLE001 - DDP re-raises it in backward
                 future.set_exception(error)
