@@ -44,18 +44,24 @@ def layer_stats(
     profile_ratios: tuple[float, ...] = (),
 ) -> LayerStats:
     norm = torch.linalg.vector_norm
-    compensated_norm = float(norm(compensated.float()))
-    grad_norm = compensated_norm if compensated is grad else float(norm(grad.float()))  # no residual
-    error = 0.0
-    if sent is not compensated and compensated_norm > 0:
-        error = float(norm(compensated.float() - sent.float())) / compensated_norm
+    zero = compensated.new_zeros((), dtype=torch.float32)
+    norms = [norm(compensated.float()),
+             zero if compensated is grad else norm(grad.float()),  # no residual: the same norm
+             zero if sent is compensated else norm(compensated.float() - sent.float()),
+             zero if residual is None else norm(residual)]
+    # one host read for the layer's norms, not one each (on CUDA each read is a sync)
+    compensated_norm, grad_norm, error_norm, residual_norm = torch.stack(
+        [n.float().to(zero.device) for n in norms]).tolist()
+    if compensated is grad:
+        grad_norm = compensated_norm
+    error = error_norm / compensated_norm if sent is not compensated and compensated_norm > 0 else 0.0
     return LayerStats(
         layer=layer,
         compressor=compressor,
         numel=grad.numel(),
         grad_norm=grad_norm,
         compression_error=error,
-        residual_norm=0.0 if residual is None else float(norm(residual)),
+        residual_norm=residual_norm,
         wire_bytes=wire_bytes,
         dense_bytes=dense_bytes,
         topk_errors=topk_error_profile(compensated, profile_ratios) if profile_ratios else {},

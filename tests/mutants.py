@@ -667,10 +667,17 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "stats-grad-norm-of-compensated", "raycomp/stats.py",
-        "    grad_norm = compensated_norm if compensated is grad else float(norm(grad.float()))  # no residual\n",
-        "    grad_norm = compensated_norm\n",
+        "             zero if compensated is grad else norm(grad.float()),  # no residual: the same norm\n",
+        "             norm(compensated.float()),\n",
         "tests/test_hook.py -k statistics_tell",
         "the statistics report the norm of gradient plus residual as the gradient's norm",
+    ),
+    mutant(
+        "stats-error-relative-to-gradient", "raycomp/stats.py",
+        "    error = error_norm / compensated_norm if sent is not compensated and compensated_norm > 0 else 0.0\n",
+        "    error = error_norm / grad_norm if sent is not compensated and compensated_norm > 0 else 0.0\n",
+        "tests/test_hook.py -k statistics_tell",
+        "the compression error is measured against the gradient, not what was compressed (gradient plus residual)",
     ),
     mutant(
         "hook-never-sends-inline", "raycomp/hook.py",

@@ -421,13 +421,19 @@ def test_statistics_tell_the_gradient_from_the_gradient_plus_residual():
     # gradient plus that residual; the gradient norm is the gradient's own
     reducer = CompressedReducer(Plan.uniform("topk", ratio=0.1), min_compress_numel=0, stats_every=1)
     gen = torch.Generator().manual_seed(0)
+    residuals = []
     for _ in range(2):
         grad = torch.randn(32, 16, generator=gen)
         reducer.reduce(["w"], [grad.clone()], closes_step=True)
         reducer.end_step()
+        residuals.append(reducer.memory.residuals["w"].clone())
     (stats,) = reducer.stats
     assert stats.grad_norm == pytest.approx(float(grad.norm()), rel=1e-6)
     assert stats.residual_norm > 0.5 * stats.grad_norm  # the residual is far from negligible
+    # what was compressed is grad + the first residual; what was not sent is the second
+    assert stats.residual_norm == pytest.approx(float(residuals[1].norm()), rel=1e-6)
+    compensated = grad + residuals[0]
+    assert stats.compression_error == pytest.approx(float(residuals[1].norm() / compensated.norm()), rel=1e-5)
 
 
 class _KeepingMemory:
