@@ -472,7 +472,7 @@ def method_overrides(name: str, settings: dict[str, Any], seed: int, interval: i
     if settings["stop_at_target"] and settings["target"] is not None and name not in REFERENCES:
         overrides += [f"workload.stop_at_target={settings['target']}", f"workload.stop_consecutive={CONSECUTIVE}"]
     if name == COMPUTE:  # one worker, no DDP, no communication; raycomp's plan stays dense
-        return [*overrides, "scaling.num_workers=1", *TORCH_BASELINE_OVERRIDES,
+        return [*overrides, *REFERENCES[COMPUTE], *TORCH_BASELINE_OVERRIDES,
                 f"compression.warmup_steps={10 * steps}"]
     if name == NO_COMM:
         return [*overrides, *REFERENCES[NO_COMM], *TORCH_BASELINE_OVERRIDES]

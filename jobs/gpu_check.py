@@ -105,6 +105,17 @@ def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x - y) / torch.linalg.vector_norm(x).clamp_min(1e-30))
 
 
+def same_on_every_rank(tensors: list[torch.Tensor]) -> bool:
+    """Whether every rank holds these tensors bit for bit (flattened and all-gathered)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return True
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]).contiguous()
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], t) for t in gathered)
+
+
 def payload_tensors(p: Payload) -> list[torch.Tensor]:
     return list(p.tensors.values()) + [v for v in p.meta.values() if isinstance(v, torch.Tensor)]
 
@@ -347,15 +358,12 @@ def reducer_checks(device: torch.device, prefix: str, rank: int, world: int) -> 
                     assert torch.isfinite(m).all(), "non-finite mean"
                 for t in getattr(reducer.memory, "residuals", {}).values():
                     assert t.device == device, f"residual on {t.device}"
-            if world > 1:
-                gathered = [torch.empty_like(means[0]) for _ in range(world)]
-                dist.all_gather(gathered, means[0])
-                assert all(torch.equal(gathered[0], t) for t in gathered), "ranks disagree on the mean"
-                if name in ("none", "fp16"):
-                    true = g.clone()
-                    dist.all_reduce(true)
-                    e = rel_err(true / world, means[0])
-                    assert e < 1e-3, f"mean off by {e:.2e}"
+            assert same_on_every_rank([means[0]]), "ranks disagree on the mean"
+            if world > 1 and name in ("none", "fp16"):
+                true = g.clone()
+                dist.all_reduce(true)
+                e = rel_err(true / world, means[0])
+                assert e < 1e-3, f"mean off by {e:.2e}"
             if device.type == "cuda":
                 n_sync, msgs = count_syncs(lambda: (reducer.reduce(["w", "b"], [g, b]), reducer.end_step()))
                 notes.append(f"syncs/reduce={n_sync} [{sites(msgs)}]")
@@ -395,11 +403,7 @@ def ddp_checks(device: torch.device, prefix: str, rank: int, world: int, steps: 
             assert calls[0] > 0, "DDP never called the comm hook"
             for p in model.parameters():
                 assert torch.isfinite(p).all()
-            if world > 1:
-                flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-                gathered = [torch.empty_like(flat) for _ in range(world)]
-                dist.all_gather(gathered, flat)
-                assert all(torch.equal(gathered[0], t) for t in gathered), "parameters diverged across ranks"
+            assert same_on_every_rank(list(model.parameters())), "parameters diverged across ranks"
             sync_note = ""
             if device.type == "cuda" and not async_comm:
                 x = torch.randn(32, 64, device=device)
@@ -618,11 +622,7 @@ def ladder_checks(device: torch.device, prefix: str, rank: int, world: int) -> N
         assert all(math.isfinite(v) for v in losses), f"non-finite loss {losses}"
         for p in model.parameters():
             assert torch.isfinite(p).all(), "non-finite parameter"
-        if world > 1:
-            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            gathered = [torch.empty_like(flat) for _ in range(world)]
-            dist.all_gather(gathered, flat)
-            assert all(torch.equal(gathered[0], t) for t in gathered), "parameters diverged across ranks"
+        assert same_on_every_rank(list(model.parameters())), "parameters diverged across ranks"
         note = f"{len(LADDER)} plans, loss {losses[0]:.3f}->{losses[-1]:.3f}"
         if syncs:
             note += "; syncs/step: " + ", ".join(f"{k}={v}" for k, v in syncs.items())
@@ -726,11 +726,7 @@ def bucket_checks(device: torch.device, prefix: str, rank: int, world: int) -> N
         for key, (_, means, _) in runs.items():
             diff = _same(ref, means)
             assert not diff, f"auto={key[0]}, async={key[1]}: means {diff} from DDP's default buckets inline"
-        if world > 1:
-            flat = torch.cat([m.reshape(-1) for m in ref])
-            gathered = [torch.empty_like(flat) for _ in range(world)]
-            dist.all_gather(gathered, flat)
-            assert all(torch.equal(gathered[0], t) for t in gathered), "ranks disagree on the means"
+        assert same_on_every_rank(ref), "ranks disagree on the means"
         note = (f"{len(sizes_auto)} buckets with auto, {len(sizes_ddp)} with DDP's default; "
                 "int4 means bit-identical across buckets x threads")
         if device.type == "cuda":
@@ -1028,11 +1024,7 @@ def sharded_fsdp_checks(device: torch.device, prefix: str, rank: int, world: int
                 losses.append(float(loss))
             full = [_full(p.detach(), world) for p in model.parameters()]
             param_err = max(rel_err(r, f) for r, f in zip(ref_params, full, strict=True))
-            flat = torch.cat([f.float().reshape(-1) for f in full])
-            if world > 1:
-                gathered = [torch.empty_like(flat) for _ in range(world)]
-                dist.all_gather(gathered, flat)
-                assert all(torch.equal(gathered[0], t) for t in gathered), "parameters differ across ranks"
+            assert same_on_every_rank(full), "parameters differ across ranks"
             calls = sum(c.calls for c in comms.values())
             assert all(math.isfinite(v) for v in losses), f"non-finite loss {losses}"
             assert losses[-1] < losses[0], f"loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})"
@@ -1072,14 +1064,6 @@ def sharded_state_checks(device: torch.device, prefix: str, rank: int, world: in
 
     from raycomp.sharded_state import ShardedState
 
-    def same_everywhere(t: torch.Tensor) -> bool:
-        if world == 1:
-            return True
-        t = t.to(device).contiguous()
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t)
-        return all(torch.equal(parts[0], p) for p in parts)
-
     def run() -> str:
         mesh = init_device_mesh(device.type, (world,))
         model = _sharded_model(device)
@@ -1112,7 +1096,7 @@ def sharded_state_checks(device: torch.device, prefix: str, rank: int, world: in
                 backward()
             rows = state.control_rows
             assert rows is not None and tuple(rows.shape) == (world, 4), f"step {step}: rows {rows}"
-            assert same_everywhere(rows), f"step {step}: ranks hold different control rows"
+            assert same_on_every_rank([rows.to(device)]), f"step {step}: ranks hold different control rows"
             assert rows[:, 1].tolist() == [10.0 * r + step for r in range(world)], f"step {step}: {rows}"
             if step < 2:
                 assert rows[:, 0].eq(0).all() and math.isfinite(state.gradient_norm([])), f"step {step}: {rows}"

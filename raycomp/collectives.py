@@ -463,6 +463,14 @@ def _chunks(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return list(flat.split([base + (1 if j < extra else 0) for j in range(parts)]))
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (control floats) on ``device`` without a host sync: on CUDA
+    through pinned memory, asynchronously, ordered on the current stream."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The 1-D view of the storage that holds ``tensors`` back to back, in order and
     contiguous (a DDP bucket's gradients, or their means split from one buffer); None if

@@ -287,10 +287,7 @@ class CompressedReducer:
             return None
         control, self._control = self._control, None
         device = grads[0].device if grads else torch.device("cpu")
-        if device.type == "cuda":  # pinned and asynchronous: no host sync on the hot path
-            control = control.pin_memory().to(device, non_blocking=True)
-        else:
-            control = control.to(device)
+        control = collectives.to_device(control, device)  # no host sync on the hot path
         n = control.numel() // self.group.size
         if self._finite is not None:
             control[self.group.rank * n] = (~self._finite).to(control.dtype)

@@ -63,10 +63,8 @@ def control_row(values: Sequence[float], norm_sq: torch.Tensor) -> torch.Tensor:
     sync (the rows are read once, on arrival). Built on the CPU it cost two more syncs a
     step on an H100 (reading the norm, copying the row back; docs/gpu.md)."""
     norm_sq = norm_sq.float().reshape(1)
-    staged = torch.tensor(list(values), dtype=torch.float32)
-    if norm_sq.is_cuda:
-        staged = staged.pin_memory().to(norm_sq.device, non_blocking=True)
-    return torch.cat([(~torch.isfinite(norm_sq)).float(), staged.to(norm_sq.device), norm_sq])
+    staged = collectives.to_device(torch.tensor(list(values), dtype=torch.float32), norm_sq.device)
+    return torch.cat([(~torch.isfinite(norm_sq)).float(), staged, norm_sq])
 
 
 class ShardedState:
