@@ -74,8 +74,8 @@ move a layer off it while training still converges: the lossy rungs are offered 
 the update is linear in the gradient (``lossy``), and there error feedback converges at
 SGD's asymptotic rate for any contractive compressor, its error costing only a transient
 (Stich et al., "Sparsified SGD with Memory", NeurIPS 2018; Karimireddy et al., "Error
-Feedback Fixes SignSGD", ICML 2019). The loss shows when it does harm. Until a dense interval has been
-timed (no warm-up) the plan stays dense: that interval measures the link.
+Feedback Fixes SignSGD", ICML 2019). The loss shows when it does harm. Until a dense
+interval has been timed (no warm-up) the plan stays dense: that interval measures the link.
 """
 
 from __future__ import annotations
@@ -348,10 +348,10 @@ class AdaptivePolicy(Policy):
         higher rank barely lowers that error, see max_error).
 
         On a lossy rung the error is not enough: the layer moves only once the loss has
-        stopped falling (see the module's docstring). On the CNN (SGD) PowerSGD ran at 0.89-0.96
-        while the loss stayed within 0.01 of static int4's, and torch's PowerSGD rank 4 reached the
-        target at the same steps; moved to int4 at 0.9, three layers paid twice PowerSGD's
-        step for the rest of the run."""
+        stopped falling (see the module's docstring). On the CNN (SGD) PowerSGD ran at
+        0.89-0.96 while the loss stayed within 0.01 of static int4's, and torch's PowerSGD
+        rank 4 reached the target at the same steps; moved to int4 at 0.9, three layers
+        paid twice PowerSGD's step for the rest of the run."""
         falling = self.loss_falling = self._loss_falling(run)
         self.tolerated = set()
         for name, h in layers.items():
