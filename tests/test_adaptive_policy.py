@@ -30,7 +30,7 @@ W = 2
 TWO_RUNGS = ["int8", "bf16"]
 #: ... and their critical layers' rung: the first near-lossless one, which a boost of 4
 #: reaches from rank 1 past the four ranks. The default boost (2: rank 1 -> rank 4,
-#: Accordion's pair) has its own tests
+#: Accordion's pair) has its own test
 TO_NEAR_LOSSLESS = 4
 
 
@@ -84,10 +84,7 @@ class Sim:
     def plan(self) -> Plan:
         return self.controller.runs["run"].plan
 
-    def run(self, intervals: int, link: Link, norm: Callable[[int, str], float] = lambda s, n: 1.0,
-            loss: Callable[[int], float] = lambda s: 1.0) -> Plan:
-        """``norm(step, layer)``: the gradient norm reported; ``loss(step)``: the interval's
-        mean loss (flat by default: never falling)."""
+    def run(self, intervals: int, link: Link, norm: Callable[[int, str], float] = lambda s, n: 1.0) -> Plan:
         for _ in range(intervals):
             plan = self.plan  # workers run the latest published plan for the whole interval
             self.step += K
@@ -117,7 +114,7 @@ class Sim:
             for rank in range(W):
                 assert self.controller.ingest({
                     "run_id": "run", "rank": rank, "step": self.step, "epoch": 0, "plan_version": plan.version,
-                    "loss": loss(self.step), "step_seconds": compute + comm, "compute_seconds": compute,
+                    "loss": 1.0, "step_seconds": compute + comm, "compute_seconds": compute,
                     "comm_seconds": comm, "samples_per_second": 1000.0, "wire_bytes": self.wire,
                     "dense_bytes": self.dense, "layers": layers})
             self.plans.append(self.plan)
@@ -288,46 +285,6 @@ def test_with_lossy_rungs_a_critical_layer_goes_critical_boost_rungs_lighter_as_
     assert ranks(three.run(4, SLOW)) == {"fc1.weight": 8, "fc2.weight": 8, "out.weight": 8, "norm.weight": "int4"}
     # calm by step 39: the heaviest rungs, as before
     assert ranks(sim.run(4, SLOW)) == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1, "norm.weight": 0.01}
-
-
-def test_a_lossy_layer_over_max_error_stays_while_the_loss_falls_and_leaves_once_it_stalls():
-    # as in the test above, rank 1 measures 0.97; but the loss falls until step 60 and is
-    # flat from there. Error feedback repays a linear optimizer's error: rank 1 stays while
-    # the loss falls, and the layers leave for int8 once a window's mean loss is no lower
-    # than the window's before (step 99: (79, 99] against (59, 79])
-    def loss(step: int) -> float:
-        return 2.0 - step / 100 if step < 60 else 1.0
-
-    sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.8, "topk": 0.6, "int8": 0.004})
-    sim.run(12, SLOW, loss=loss)  # to step 59
-    assert ranks(sim.plan)["fc1.weight"] == 1
-    assert "3 over max_error, loss falling" in sim.details()["history"][-1][2]
-    assert sim.details()["error_tolerated"] == sorted(MATRICES) and sim.details()["loss_falling"] is True
-    sim.run(7, SLOW, loss=loss)  # 64-94: the window before still holds the falling steps
-    assert all(ranks(p)["fc1.weight"] == 1 for p in sim.plans[-7:])
-    stalled = sim.run(1, SLOW, loss=loss)  # 99
-    assert ranks(stalled) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": "int8"}
-    assert "3 lighter for error" in stalled.reason and sim.details()["loss_falling"] is False
-    assert sim.details()["error_floor"] == {"fc1.weight": 4, "fc2.weight": 4, "out.weight": 4}
-    # a near-lossless rung is judged by its error alone, the loss falling or not
-    strict = Sim(max_error=0.3, lossy="never")
-    strict.run(8, SLOW, loss=lambda step: 2.0 - step / 100)
-    assert ranks(strict.plan) == dict.fromkeys(MATRICES + ("norm.weight",), "bf16")
-
-
-def test_before_two_windows_of_loss_a_lossy_layer_is_not_judged_by_its_error():
-    # a regime window of 100 steps (detection off): rank 1 from step 19, its error over 0.9
-    # from step 39, but the window before the last holds fewer than two boundaries (the
-    # first report is at step 4) until step 109
-    sim = Sim(errors={"powersgd r=1": 0.97, "topk": 0.6}, window_steps=100, critical_boost=0)
-    sim.run(8, SLOW)  # to step 39
-    assert ranks(sim.plan)["fc1.weight"] == 1
-    assert "3 over max_error, loss not judged yet" in sim.details()["history"][-1][2]
-    assert sim.details()["loss_falling"] is None
-    sim.run(13, SLOW)  # to step 104: (-96, 4] holds one boundary
-    assert [ranks(p)["fc1.weight"] for p in sim.plans[4:]] == [1] * 17
-    judged = sim.run(1, SLOW)  # 109: the flat loss over (9, 109] against (-91, 9]
-    assert ranks(judged)["fc1.weight"] == "int8" and sim.details()["loss_falling"] is False
 
 
 def test_layers_leaving_for_error_land_on_their_floor_not_past_it():
@@ -636,15 +593,13 @@ def test_options_reject_empty_ladders_in_one_line():
 
 # --- end to end: the digits job through the real controller actor -----------------------------
 #: dense (compression.policy=static, compressor none) reached 0.930 on this job here (88 steps,
-#: seed 0); the adaptive run below reached 0.930 too, at 4.24x fewer wire bytes (2026-11-25:
-#: int4 through the critical start, PowerSGD rank 1 from step 49, kept from step 69 on while
-#: two layers' error passed max_error, for the loss still fell. Before the loss was
-#: consulted they went back to int4 at step 69: 3.98x, the same accuracy)
+#: seed 0); the adaptive run below reached 0.930 too, at 3.98x fewer wire bytes (2026-11-24:
+#: int4 through the critical start, PowerSGD rank 1 from step 49, int4 again from step 69 as
+#: rank 1's error passed max_error; with int8 as the first rung, 3.05x and the same plans)
 DENSE_ACCURACY = 0.930
 
 
-def test_digits_job_on_a_slow_link_starts_on_int4_keeps_powersgd_while_the_loss_falls_and_keeps_accuracy(
-        ray_cluster, tmp_path):
+def test_digits_job_on_a_slow_link_starts_on_int4_tries_powersgd_and_keeps_accuracy(ray_cluster, tmp_path):
     from jobs.train import prepare, run
     from tests.conftest import REPO
 
@@ -671,14 +626,14 @@ def test_digits_job_on_a_slow_link_starts_on_int4_keeps_powersgd_while_the_loss_
     assert "→ int4 on 3 (3 critical);" in reasons[0], reasons[0]
     # once regimes settle, the slow link makes PowerSGD the choice for the non-critical layers
     assert any("powersgd r=" in r and "critical" in r for r in reasons[1:]), reasons
-    # layers whose PowerSGD error passed max_error keep it while the run's loss falls (88
-    # steps of digits: it falls throughout); were the loss to stall they would end on int4,
-    # never dense
-    assert any("over max_error, loss falling" in r for r in reasons), reasons
+    # and layers whose PowerSGD error passed max_error end on int4, not dense (the last
+    # boundary's decision, for the third matrix, comes after the last step)
     final = summary["final_plan"]
     names = {layer: spec["name"] for layer, spec in final["layers"].items()}
-    assert set(names) == set(matrices) and set(names.values()) <= {"int4", "powersgd"}, names
+    assert set(names) == set(matrices) and list(names.values()).count("int4") >= 2, names
+    assert set(names.values()) <= {"int4", "powersgd"}, names
+    assert len(set(details["error_floor"]) & set(matrices)) >= 2, details["error_floor"]
     assert final["reason"].startswith("slow link 2.5 MB/s")
     assert details["bandwidth_assumed"] and details["round_overhead_measured"]  # learned from the run
-    assert summary["compression_ratio"] > 3.5  # 4.24 measured (dense warm-up included); 3.98 before
+    assert summary["compression_ratio"] > 3.5  # 3.98 measured (dense warm-up included); int8: 3.05
     assert summary["final_eval_accuracy"] >= DENSE_ACCURACY - 0.015

@@ -25,13 +25,10 @@ It combines three measurements the controller already has (options:
     regime (every window_steps; Accordion, per layer):
         cur, prev = mean grad norm over the last two windows
         critical = no prev  or  |prev - cur| / prev >= threshold
-    convergence (every boundary): falling = the mean reported loss over the last window <
-        the mean over the window before (None until each holds >= 2 boundaries)
     error (every boundary, per layer): the mean measured compression error of its rung over
-        the last window (>= 2 samples taken after the rung arrived) > max_error  =>
-        on a lossy rung, only when the loss is not falling (falling False): the layer
-        leaves the lossy rungs for good: error_floor = max(max(error_floor, its rung) + 1,
-        first near-lossless rung); on a near-lossless rung: one rung lighter
+        the last window (>= 2 samples taken after the rung arrived) > max_error  =>  the
+        layer leaves the lossy rungs for good: error_floor = max(max(error_floor, its rung)
+        + 1, first near-lossless rung) (on a near-lossless rung: one rung lighter)
     floor = error_floor; for a critical layer (critical_boost > 0) on a lossy rung:
         + critical_boost, but at most the first near-lossless rung (int4); a layer on a
         near-lossless rung stays there; never above cap = the last near-lossless rung (bf16)
@@ -69,13 +66,8 @@ Training Systems", MLSys 2022: it paid off in 6 of 200+ data-center setups). Pow
 matrix compressor (Vogels et al., NeurIPS 2019): fixed tiny payload, all-reduced, so its
 bytes per rank do not grow with the number of ranks, unlike Top-K's all-gather. Critical
 layers get lighter compression (Agarwal et al., "Adaptive Gradient Communication via
-Critical Learning Regime Identification", MLSys 2021). A lossy rung's error alone does not
-move a layer off it while training still converges: the lossy rungs are offered only where
-the update is linear in the gradient (``lossy``), and there error feedback converges at
-SGD's asymptotic rate for any contractive compressor, its error costing only a transient
-(Stich et al., "Sparsified SGD with Memory", NeurIPS 2018; Karimireddy et al., "Error
-Feedback Fixes SignSGD", ICML 2019). The loss shows when it does harm. Until a dense
-interval has been timed (no warm-up) the plan stays dense: that interval measures the link.
+Critical Learning Regime Identification", MLSys 2021). Until a dense interval has been
+timed (no warm-up) the plan stays dense: that interval measures the link.
 """
 
 from __future__ import annotations
@@ -152,10 +144,6 @@ class AdaptivePolicy(Policy):
         #: was decided, or its last error judgement (a rank change within PowerSGD does not
         #: restart it, see _judge_errors)
         self.rung_since: dict[str, int] = {}
-        #: layers whose lossy error is over max_error, kept at the latest boundary because
-        #: the loss was still falling (or not yet measured over two windows)
-        self.tolerated: set[str] = set()
-        self.loss_falling: bool | None = None  # at the latest boundary; None: not judged yet
         self.floors: dict[str, int] = {}  # layer -> floor rung at the latest decision
         # the choice
         self.shift: int | None = None  # None: nothing decided yet
@@ -345,15 +333,7 @@ class AdaptivePolicy(Policy):
         the count: on the transformer the shift moved 12 layers r2 -> r1 -> r4 every 20-30
         steps, each rank too short-lived for two settled samples, and the layers ran
         PowerSGD from step 59 to 149 before one was judged, its error over 0.9 by then (a
-        higher rank barely lowers that error, see max_error).
-
-        On a lossy rung the error is not enough: the layer moves only once the loss has
-        stopped falling (see the module's docstring). On the CNN (SGD) PowerSGD ran at
-        0.89-0.96 while the loss stayed within 0.01 of static int4's, and torch's PowerSGD
-        rank 4 reached the target at the same steps; moved to int4 at 0.9, three layers
-        paid twice PowerSGD's step for the rest of the run."""
-        falling = self.loss_falling = self._loss_falling(run)
-        self.tolerated = set()
+        higher rank barely lowers that error, see max_error)."""
         for name, h in layers.items():
             if name not in self.rungs:
                 continue
@@ -362,28 +342,13 @@ class AdaptivePolicy(Policy):
             if len(samples) < ERROR_SAMPLES or sum(samples) / len(samples) <= self.max_error:
                 continue
             ladder = self._ladder(run, h)
-            first = self._first_near_lossless(ladder)  # without near-lossless rungs: dense's index
-            lossy = self.rungs[name] < first
-            if lossy and falling is not False:
-                self.tolerated.add(name)  # still converging: error feedback repays the error
-                continue
             # one rung lighter than the rung it was judged on (its floor could lie below it:
             # a layer on int8 for the critical start went back to PowerSGD rank 2 this way)
             raised = min(max(self.error_floor.get(name, 0), self.rungs[name]) + 1, len(ladder) - 1)
-            if self.near_lossless and lossy:  # out of the lossy rungs
+            first = self._first_near_lossless(ladder)
+            if self.near_lossless and self.rungs[name] < first:  # out of the lossy rungs
                 raised = max(raised, first)
             self.error_floor[name], self.rung_since[name] = raised, run.step  # judge anew from here
-
-    def _loss_falling(self, run: RunState) -> bool | None:
-        """Whether the run's mean loss over the last window is below the window before's;
-        None until each window holds ERROR_SAMPLES boundaries. A noisy but flat loss reads
-        as falling at about every other boundary, and as not falling at the next."""
-        step, w = run.step, self.window
-        cur = [v for s, v in run.losses if step - w < s <= step]
-        prev = [v for s, v in run.losses if step - 2 * w < s <= step - w]
-        if len(cur) < ERROR_SAMPLES or len(prev) < ERROR_SAMPLES:
-            return None
-        return sum(cur) / len(cur) < sum(prev) / len(prev)
 
     # --- the cost model ---------------------------------------------------------------------
     def _compressible(self, run: RunState) -> dict[str, LayerHistory]:
@@ -471,9 +436,6 @@ class AdaptivePolicy(Policy):
         dense = len(layers) - len(chosen)
         extras = [f"{critical} critical"] if critical else []
         extras += [f"{raised} lighter for error"] if raised else []
-        tolerated = len(self.tolerated & chosen.keys())
-        trend = "loss falling" if self.loss_falling else "loss not judged yet"
-        extras += [f"{tolerated} over max_error, {trend}"] if tolerated else []
         extras += [f"{dense} dense"] if dense else []
         extras += ["lossy rungs off"] if not self.lossy and not self.sharded else []
         tail = f" ({', '.join(extras)})" if extras else ""
@@ -488,9 +450,7 @@ class AdaptivePolicy(Policy):
             "compute_s": self.compute, "predicted_step_s": list(self.predicted),
             "shift": self.shift, "dense": self.dense_chosen, "switches": self.switches, "lossy": self.lossy,
             "critical_layers": sorted(n for n, c in self.critical.items() if c),
-            "error_floor": dict(self.error_floor), "error_tolerated": sorted(self.tolerated),
-            "loss_falling": self.loss_falling,
-            "last_detection_step": self.last_detect,
+            "error_floor": dict(self.error_floor), "last_detection_step": self.last_detect,
             "history": list(self.history),
         }
 

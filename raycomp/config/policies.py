@@ -147,18 +147,13 @@ class AdaptivePolicy(_Strict):
     critical_boost: Annotated[int, Field(ge=0, le=16)] = 2
     #: A layer whose measured relative compression error ||c - sent|| / ||c|| over a window
     #: (its samples since its compressor family arrived: a PowerSGD rank change does not
-    #: restart the count) exceeds this goes lighter for the rest of the run (never back: no
-    #: flapping). On a near-lossless rung: one rung lighter. On a lossy rung (PowerSGD,
-    #: Top-K) only once the run's loss has stopped falling (its mean over the last
-    #: ``window_steps`` not below the window before's): it then moves to the first
-    #: near-lossless rung (one rung lighter without them). The lossy rungs run where the
-    #: update is linear in the gradient, and there error feedback repays what a step holds
-    #: back: PowerSGD runs at 0.7-0.93 on the digits MLP and at 0.89-0.96 on the
-    #: Fashion-MNIST CNN, both at dense's accuracy. On the KJV transformer under AdamW its
-    #: error climbed from 0.7-0.9 to 0.94-0.98 within 100 steps and it fell behind dense per
-    #: step. Above 0.9 less than a fifth (1 - 0.9^2) of the gradient's energy is sent per
-    #: step. Lower it (e.g. 0.8) for models sensitive to compression, raise it to keep
-    #: PowerSGD longer.
+    #: restart the count) exceeds this leaves the lossy rungs for the rest of the run: it
+    #: moves to the first near-lossless rung (one rung lighter if it is already there or there is none; never
+    #: back: no flapping). With error feedback PowerSGD runs at 0.7-0.93 on the digits MLP
+    #: and still matches dense accuracy; on the KJV transformer its error climbs from 0.7-0.9
+    #: to 0.94-0.98 within 100 steps and it falls behind dense per step from there. Above
+    #: 0.9 less than a fifth (1 - 0.9^2) of the gradient's energy is sent per step. Lower it
+    #: (e.g. 0.8) for models sensitive to compression, raise it to keep PowerSGD longer.
     max_error: Annotated[float, Field(gt=0, le=1)] = 0.9
     #: Among candidate plans take the lightest whose predicted step time is within this
     #: fraction of the fastest; dense counts as the lightest, so compression must save more
