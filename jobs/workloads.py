@@ -5,7 +5,8 @@
   (``model: bn_cnn``, ``jobs/configs/cnn_fashion.yaml``) on Fashion-MNIST;
 * ``kjv``: a decoder-only character transformer on the King James Bible (its size from
   ``model_width``/``model_layers``/``model_heads``/``block``; ``jobs/configs/gpt_kjv.yaml``
-  is the 3.2M-parameter one);
+  is the 3.2M-parameter one), or a stacked character LSTM (``model: lstm``, its size from
+  ``model_width``/``model_layers``; ``jobs/configs/lstm_kjv.yaml``, 1.1M parameters);
 * ``workload.entrypoint=pkg.mod:build``: a user workload, any callable with the signature of
   :func:`build` returning a :class:`Workload`.
 
@@ -103,8 +104,12 @@ def _classification(config: WorkloadSection, model: nn.Module, train: data.Split
 
 def _kjv(config: WorkloadSection, rank: int, world_size: int, seed: int) -> Workload:
     corpus = data.kjv_corpus(max_chars=config.max_chars)
-    model = models.char_transformer(corpus.vocab_size, block=config.block, d_model=config.model_width or 128,
-                                    heads=config.model_heads or 4, layers=config.model_layers or 2)
+    if config.model == "lstm":
+        model = models.char_lstm(corpus.vocab_size, d_model=config.model_width or 256,
+                                 layers=config.model_layers or 2)
+    else:
+        model = models.char_transformer(corpus.vocab_size, block=config.block, d_model=config.model_width or 128,
+                                        heads=config.model_heads or 4, layers=config.model_layers or 2)
     steps = config.steps_per_epoch or 200
 
     def batches(epoch: int, start: int) -> Iterator[Batch]:

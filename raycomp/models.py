@@ -93,6 +93,25 @@ def char_transformer(vocab_size: int, block: int = 64, d_model: int = 128, heads
     return CharTransformer(vocab_size, block, d_model, heads, layers, dropout)
 
 
+class CharLSTM(nn.Module):
+    """Token embedding, a stacked LSTM, a linear head: the recurrent counterpart of
+    :class:`CharTransformer` (its weight matrices are what PowerSGD compresses)."""
+
+    def __init__(self, vocab_size: int, d_model: int, layers: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, d_model)
+        self.lstm = nn.LSTM(d_model, d_model, layers, batch_first=True)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.tokens(x))[0])
+
+
+def char_lstm(vocab_size: int, d_model: int = 256, layers: int = 2) -> nn.Module:
+    """Char-level LM returning logits (B, T, vocab); the defaults are about 1.1M parameters."""
+    return CharLSTM(vocab_size, d_model, layers)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in nats over every position."""
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

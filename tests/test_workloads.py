@@ -14,7 +14,7 @@ import torch
 from jobs.workloads import Workload, build, metric_of, optimizer_for
 from raycomp.config import ConfigError, WorkloadSection, load_config
 from raycomp.data import KJV_PACKAGES, digits, fashion_mnist, kjv_corpus, kjv_text, read_idx
-from raycomp.models import char_transformer, evaluate_lm, lm_loss
+from raycomp.models import char_lstm, char_transformer, evaluate_lm, lm_loss
 
 GENESIS = "In the beginning God created the heaven and the earth."
 
@@ -139,6 +139,40 @@ def test_char_transformer_learns_the_kjv(small):
     assert before > 0.95 * math.log(vocab)
     assert after < 0.8 * math.log(vocab)
     assert after < unigram - 0.4  # it uses context, not just character frequencies
+
+
+def test_char_lstm_learns_the_kjv_with_momentum_sgd(small):
+    torch.manual_seed(0)
+    vocab = small.vocab_size
+    model = char_lstm(vocab, d_model=64)
+    assert model(torch.randint(vocab, (2, 16))).shape == (2, 16, vocab)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    before = evaluate_lm(model, small.test, 64)
+    for x, y in small.epoch_batches("train", 0, 0, 1, batch_size=32, block=64, steps=150):
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        opt.step()
+    after = evaluate_lm(model, small.test, 64)
+    print(f"test loss {before:.3f} -> {after:.3f} nats; ln(vocab) {math.log(vocab):.3f}")
+    assert before > 0.95 * math.log(vocab)
+    assert after < 0.8 * math.log(vocab)
+
+
+def test_the_shipped_lstm_config_builds_a_1_1m_parameter_lstm_trained_with_sgd(cache, monkeypatch):
+    from tests.conftest import REPO
+
+    monkeypatch.setenv("RAYCOMP_CACHE_DIR", str(cache))
+    config = load_config(REPO / "jobs" / "configs" / "lstm_kjv.yaml", [])
+    workload = build(config.workload, rank=0, world_size=2, seed=0)
+    # what the config's comment says: 1.1M parameters, 97% of them in the four LSTM matrices
+    assert 1.05e6 < workload.parameters < 1.15e6 and workload.metric == "loss"
+    sizes = {name: p.numel() for name, p in workload.model.named_parameters()}
+    matrices = sum(sizes[f"lstm.weight_{kind}_l{layer}"] for kind in ("ih", "hh") for layer in (0, 1))
+    assert matrices / workload.parameters > 0.96
+    opt, scheduler = optimizer_for(config.workload, workload.model, total_steps=400)
+    assert isinstance(opt, torch.optim.SGD) and scheduler is not None  # linear in the gradient: lossy rungs on
+    with pytest.raises(ConfigError, match=r"^workload\.model: .*'transformer', 'lstm'"):
+        load_config(REPO / "jobs" / "configs" / "lstm_kjv.yaml", ["workload.model=gru"])
 
 
 def test_fashion_mnist_shapes_and_labels():

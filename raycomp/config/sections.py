@@ -56,9 +56,9 @@ class WorkloadSection(_Strict):
     #: evaluate every this many steps on the fixed validation set (None: once per epoch)
     eval_every_steps: Annotated[int | None, Field(ge=1)] = None
     #: the model of the workload (None: its default): digits ``mlp``; fashion_mnist ``cnn`` or
-    #: ``bn_cnn`` (BatchNorm, 2.5M parameters); kjv ``transformer``
+    #: ``bn_cnn`` (BatchNorm, 2.5M parameters); kjv ``transformer`` or ``lstm``
     model: str | None = None
-    model_layers: Annotated[int | None, Field(ge=1, le=64)] = None  # kjv: transformer blocks (2)
+    model_layers: Annotated[int | None, Field(ge=1, le=64)] = None  # kjv: transformer blocks or LSTM layers (2)
     model_heads: Annotated[int | None, Field(ge=1, le=64)] = None  # kjv: attention heads (4)
     #: fashion_mnist: evaluate on the first N test images only (a fixed validation set)
     eval_examples: Annotated[int | None, Field(ge=1, le=10_000)] = None
@@ -96,7 +96,7 @@ class WorkloadSection(_Strict):
 
 
 #: the models each shipped workload offers (first: its default)
-WORKLOAD_MODELS = {"digits": ("mlp",), "fashion_mnist": ("cnn", "bn_cnn"), "kjv": ("transformer",)}
+WORKLOAD_MODELS = {"digits": ("mlp",), "fashion_mnist": ("cnn", "bn_cnn"), "kjv": ("transformer", "lstm")}
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
