@@ -560,6 +560,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "lossy: never still offers PowerSGD and Top-K",
     ),
     mutant(
+        "kjv-lstm-builds-the-transformer", "jobs/workloads.py",
+        '    if config.model == "lstm":\n',
+        '    if config.model == "gru":\n',
+        "tests/test_workloads.py -k lstm",
+        "workload.model: lstm silently trains the character transformer",
+    ),
+    mutant(
         "lossy-auto-for-every-optimizer", "raycomp/train/lossy.py",
         "    return isinstance(optimizer, LINEAR_IN_GRADIENT)\n",
         "    return True\n",
