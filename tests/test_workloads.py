@@ -120,19 +120,23 @@ def test_char_transformer_is_causal():
     assert not torch.allclose(a[:, 10:], b[:, 10:])
 
 
+def _fit_lm(model: torch.nn.Module, opt: torch.optim.Optimizer, corpus, steps: int = 150) -> tuple[float, float]:
+    """Test loss before and after ``steps`` steps of 32 windows of 64 characters."""
+    before = evaluate_lm(model, corpus.test, 64)
+    for x, y in corpus.epoch_batches("train", 0, 0, 1, batch_size=32, block=64, steps=steps):
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        opt.step()
+    return before, evaluate_lm(model, corpus.test, 64)
+
+
 def test_char_transformer_learns_the_kjv(small):
     torch.manual_seed(0)
     vocab = small.vocab_size
     counts = torch.bincount(small.train, minlength=vocab).double() / len(small.train)
     unigram = float(-(counts[counts > 0] * counts[counts > 0].log()).sum())
     model = char_transformer(vocab, block=64, d_model=64)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    before = evaluate_lm(model, small.test, 64)
-    for x, y in small.epoch_batches("train", 0, 0, 1, batch_size=32, block=64, steps=150):
-        opt.zero_grad()
-        lm_loss(model(x), y).backward()
-        opt.step()
-    after = evaluate_lm(model, small.test, 64)
+    before, after = _fit_lm(model, torch.optim.AdamW(model.parameters(), lr=3e-3), small)
     print(f"test loss {before:.3f} -> {after:.3f} nats; ln(vocab) {math.log(vocab):.3f}, "
           f"unigram entropy {unigram:.3f}")
     assert model.training  # evaluate_lm restores the mode
@@ -146,13 +150,7 @@ def test_char_lstm_learns_the_kjv_with_momentum_sgd(small):
     vocab = small.vocab_size
     model = char_lstm(vocab, d_model=64)
     assert model(torch.randint(vocab, (2, 16))).shape == (2, 16, vocab)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    before = evaluate_lm(model, small.test, 64)
-    for x, y in small.epoch_batches("train", 0, 0, 1, batch_size=32, block=64, steps=150):
-        opt.zero_grad()
-        lm_loss(model(x), y).backward()
-        opt.step()
-    after = evaluate_lm(model, small.test, 64)
+    before, after = _fit_lm(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), small)
     print(f"test loss {before:.3f} -> {after:.3f} nats; ln(vocab) {math.log(vocab):.3f}")
     assert before > 0.95 * math.log(vocab)
     assert after < 0.8 * math.log(vocab)
