@@ -45,16 +45,15 @@ def layer_stats(
 ) -> LayerStats:
     norm = torch.linalg.vector_norm
     zero = compensated.new_zeros((), dtype=torch.float32)
-    norms = [norm(compensated.float()),
-             zero if compensated is grad else norm(grad.float()),  # no residual: the same norm
+    of_compensated = norm(compensated.float())
+    norms = [of_compensated,
+             of_compensated if compensated is grad else norm(grad.float()),  # no residual: the same norm
              zero if sent is compensated else norm(compensated.float() - sent.float()),
              zero if residual is None else norm(residual)]
     # one host read for the layer's norms, not one each (on CUDA each read is a sync)
     compensated_norm, grad_norm, error_norm, residual_norm = torch.stack(
         [n.float().to(zero.device) for n in norms]).tolist()
-    if compensated is grad:
-        grad_norm = compensated_norm
-    error = error_norm / compensated_norm if sent is not compensated and compensated_norm > 0 else 0.0
+    error = error_norm / compensated_norm if compensated_norm > 0 else 0.0  # 0 when all was sent
     return LayerStats(
         layer=layer,
         compressor=compressor,
