@@ -241,9 +241,9 @@ class AdaptivePolicy(Policy):
         int4 on 2 seeds of 3 at half int4's step, while int4 through the critical start cost
         adaptive 40 steps at twice PowerSGD's step (1.26x torch's time to target; 1.02x with
         this rule). On the character LSTM (SGD) it cost 0.6% of validation loss (1.693
-        against 1.683, 3 seeds). The transformer, where PowerSGD rank 8
-        through the critical start cost validation loss, trains with AdamW: its ladders hold
-        no lossy rungs (``lossy``), so its critical layers sit on int4 as before. A
+        against 1.683, 3 seeds). The transformer, where PowerSGD rank 8 through the critical
+        start cost validation loss, trains with AdamW: its ladders hold no lossy rungs
+        (``lossy``), so its critical layers sit on int4 as before. A
         near-lossless rung is light already, so a layer on one (after its error, or with no
         lossy rungs) stays there: boosting it put FSDP's critical units and error-floored
         layers on bf16."""
