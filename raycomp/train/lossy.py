@@ -11,6 +11,16 @@ variance term. Measured here: the KJV transformer (AdamW) lost validation loss o
 plan that held PowerSGD or Top-K for long; the Fashion-MNIST CNN (SGD) reached its target
 fastest on torch's PowerSGD. The near-lossless rungs (int4, int8, bf16) stay on the menu
 either way.
+
+On that transformer the variance term is not what costs the loss, though: with 1-bit Adam's
+remedy (the second moment frozen from step 20, so that the update is linear in the gradient)
+static PowerSGD rank 4 ended 160 steps at 2.3203 against 2.3195 without it, while dense
+ended at 2.2988 frozen and 2.2992 not (seed 0). The rank is: rank 16 ended at 2.3058, rank
+32 at 2.3020. Against the benchmark's target (2.3058), dense and rank 32 reached it at step
+140, rank 16 at 160; int4 reaches it at dense's steps on every seed
+(``docs/benchmarks/e2e-gpt-100mbit-no-comm.md``). Rank 16 sends about 0.6x int4's bytes on
+these matrices, rank 32 about 1.2x. So the rule stands for this model for a second reason:
+a rank that sends fewer bytes than int4 costs steps.
 """
 
 from __future__ import annotations
