@@ -196,6 +196,18 @@ def test_fast_link_and_cnn_goals():
     assert _verdicts(_results(cnn, workload="cnn")) == [False]
 
 
+def test_other_workloads_judge_the_final_loss_against_dense_when_dense_ran():
+    rows = [_row("dense", 120.0, final=2.0), _row("raycomp_int4", 60.0, final=2.0),
+            _row("raycomp_adaptive", 60.0, final=2.019)]
+    goals = e2e.goals(_results(rows, workload="lstm"))
+    assert [g["ok"] for g in goals] == [True, True]
+    assert goals[1]["value"] == pytest.approx(0.0095) and "within 1% of dense" in goals[1]["goal"]
+    rows[-1]["final_metric"] = 2.0201
+    assert _verdicts(_results(rows, workload="lstm")) == [True, False]
+    rows[-1]["final_metric"] = None  # no number: a MISS
+    assert _verdicts(_results(rows, workload="lstm")) == [True, False]
+
+
 # --- fairness of the runs ----------------------------------------------------------------------
 def test_every_method_gets_the_same_budget_seed_cadence_and_warmup():
     settings = {"extra": [], "steps": 240, "eval_every": 20, "warmup": 20, "stop_at_target": False,
@@ -222,6 +234,18 @@ def test_every_method_gets_the_same_budget_seed_cadence_and_warmup():
     stop = e2e.method_overrides("dense", {**settings, "stop_at_target": True, "target": 1.9}, 0, 10, 16.0)
     config = load_config(REPO / "jobs/configs/gpt_kjv.yaml", stop)
     assert (config.workload.stop_at_target, config.workload.stop_consecutive) == (1.9, 2)
+
+
+def test_the_lstm_workload_runs_its_own_config_at_the_benchmark_budget():
+    spec = e2e.WORKLOADS["lstm"]
+    settings = {"extra": spec.get("overrides", []), "steps": spec["full"]["steps"],
+                "eval_every": spec["full"]["eval_every"], "warmup": spec["warmup"],
+                "stop_at_target": False, "target": None}
+    for name in ("dense", "torch_powersgd_r4", "raycomp_adaptive"):
+        config = load_config(REPO / spec["config"], e2e.method_overrides(name, settings, 0, 10, 16.0))
+        w = config.workload
+        assert (w.model, w.optimizer, w.steps_per_epoch * w.epochs, w.eval_every_steps) == ("lstm", "sgd", 200, 20)
+        assert config.compression.baseline_warmup_steps == 20
 
 
 def test_fsdp_methods_share_the_budget_and_differ_only_in_the_reduce_scatter():
