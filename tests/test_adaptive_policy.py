@@ -32,6 +32,9 @@ TWO_RUNGS = ["int8", "bf16"]
 #: reaches from rank 1 past the four ranks. The default boost (2: rank 1 -> rank 4,
 #: Accordion's pair) has its own test
 TO_NEAR_LOSSLESS = 4
+#: ... and no margin for the lossy rungs: the mechanism tests compare plans on time alone. The
+#: default margin has its own test
+ON_TIME_ALONE = 0.0
 
 
 @dataclass
@@ -68,7 +71,8 @@ def layer_bytes(name: str, spec_name: str, params: dict) -> float:
 class Sim:
     def __init__(self, errors: dict[str, float] | None = None, **options) -> None:
         self.options = config.AdaptivePolicy(**{"window_steps": WINDOW, "near_lossless": TWO_RUNGS,
-                                                "critical_boost": TO_NEAR_LOSSLESS, **options}).model_dump(mode="json")
+                                                "critical_boost": TO_NEAR_LOSSLESS, "lossy_margin": ON_TIME_ALONE,
+                                                **options}).model_dump(mode="json")
         self.controller = Controller()
         self.controller.register_run("run", W, SHAPES, "adaptive", self.options, WARMUP, K, 1024)
         self.step = -1
@@ -219,6 +223,28 @@ def test_medium_link_picks_the_lightest_plan_within_slack_of_the_fastest():
     predicted = sim.details()["predicted_step_s"]
     assert predicted[1] <= 1.1 * min(predicted) < predicted[2]
     assert predicted[-1] > 3 * min(predicted)  # dense is 4x slower
+
+
+def test_a_lossy_plan_must_be_lossy_margin_faster_than_the_fastest_plan_without_one():
+    link = Link(bandwidth=12e6)  # PowerSGD predicted about a quarter under int8
+    default = config.AdaptivePolicy().lossy_margin
+    assert default == 0.3
+    sim = Sim(lossy_margin=default)
+    plan = sim.run(12, link)
+    assert set(ranks(plan).values()) == {"int8"}
+    predicted = sim.details()["predicted_step_s"]
+    # shifts 0-3: PowerSGD ranks 1, 2, 4, 8 (the vector on Top-K or int8); then int8, bf16
+    # and dense everywhere, no lossy layer
+    lossy, safe = min(predicted[:4]), min(predicted[4:])
+    assert 0.7 * safe < lossy < 0.8 * safe  # faster, not by the margin
+    assert sim.details()["history"][-1][2].startswith("slow link 12 MB/s, comm 2x compute → int8 on 4 "
+                                                      "(lossy not 30% faster);")
+    # the same link, a smaller margin: PowerSGD
+    sim = Sim(lossy_margin=0.2)
+    assert ranks(sim.run(12, link))["fc2.weight"] in (1, 2, 4)
+    assert "lossy not" not in sim.details()["history"][-1][2]
+    # a slower link: PowerSGD saves more than the default margin (37% at 8 MB/s)
+    assert ranks(Sim(lossy_margin=default).run(12, Link(bandwidth=8e6)))["fc2.weight"] == 4
 
 
 def test_fast_link_does_not_compress():

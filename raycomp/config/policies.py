@@ -161,6 +161,16 @@ class AdaptivePolicy(_Strict):
     #: 0.9 less than a fifth (1 - 0.9^2) of the gradient's energy is sent per step. Lower it
     #: (e.g. 0.8) for models sensitive to compression, raise it to keep PowerSGD longer.
     max_error: Annotated[float, Field(gt=0, le=1)] = 0.9
+    #: A plan that puts any layer on a lossy rung (PowerSGD, Top-K) is taken only if it is
+    #: predicted at least this fraction faster than the fastest plan without one
+    #: (near-lossless rungs or dense). A lossy rung can cost accuracy that int4 does not,
+    #: so it has to buy a large speed-up. At 100 Mbit/s PowerSGD was predicted 37-45% under
+    #: int4 on the Fashion-MNIST CNN, which reached its target at int4's steps on it, and
+    #: 23% under int4 on the character LSTM (``jobs/configs/lstm_kjv.yaml``), which ended
+    #: 1.8% above dense's validation loss on it while int4 matched dense. Lower it to take
+    #: PowerSGD for smaller savings on a model it suits; 0 compares lossy plans with the
+    #: others on time alone.
+    lossy_margin: Annotated[float, Field(ge=0, lt=1)] = 0.3
     #: Among candidate plans take the lightest whose predicted step time is within this
     #: fraction of the fastest; dense counts as the lightest, so compression must save more
     #: than this to be used. It is also the hysteresis band: the current plan is kept while
