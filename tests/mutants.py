@@ -524,6 +524,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "a critical layer over its error limit is floored at dense, not at bf16",
     ),
     mutant(
+        "adaptive-lossy-margin-ignored", "controllers/policies/adaptive.py",
+        "        bar = (1 - self.margin) * min(",
+        "        bar = min(",
+        "tests/test_adaptive_policy.py",
+        "a plan with a lossy layer is taken when it is faster at all, not lossy_margin faster",
+    ),
+    mutant(
+        "adaptive-lossy-margin-against-dense", "controllers/policies/adaptive.py",
+        "        bar = (1 - self.margin) * min(t for t, risky in zip(self.predicted, lossy, strict=True) if not risky)\n",
+        "        bar = (1 - self.margin) * self.predicted[-1]\n",
+        "tests/test_adaptive_policy.py",
+        "the margin is measured against dense instead of the fastest plan without a lossy layer (int4/int8)",
+    ),
+    mutant(
         "adaptive-critical-to-first-near-lossless", "controllers/policies/adaptive.py",
         "            floor = min(floor + self.boost, first)\n",
         "            floor = first\n",
