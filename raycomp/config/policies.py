@@ -175,8 +175,8 @@ class AdaptivePolicy(_Strict):
     #:   plans did not change.
     #:
     #: A lossy family is still tried once on the assumed round overhead (``round_seconds``),
-    #: which can clear the margin: the LSTM ran PowerSGD for 20 steps of its critical start
-    #: on 2 seeds of 3. Lower it to take PowerSGD for smaller savings on a model it suits; 0
+    #: which can clear the margin: the LSTM ran PowerSGD for 20 of its first 50 steps on
+    #: every seed. Lower it to take PowerSGD for smaller savings on a model it suits; 0
     #: compares lossy plans with the others on time alone.
     lossy_margin: Annotated[float, Field(ge=0, lt=1)] = 0.3
     #: Among candidate plans take the lightest whose predicted step time is within this
