@@ -265,12 +265,12 @@ class AdaptivePolicy(Policy):
         adaptive 40 steps at twice PowerSGD's step (1.26x torch's time to target; 1.02x with
         this rule). On the character LSTM (SGD) adaptive ends 0.9% above dense's validation
         loss with it (medians of 3 seeds: 1.682 against 1.668); runs of one seed differ by
-        about 0.01, since the plans follow measured timings. The transformer, where PowerSGD rank 8 through the critical
-        start cost validation loss, trains with AdamW: its ladders hold no lossy rungs
-        (``lossy``), so its critical layers sit on int4 as before. A
-        near-lossless rung is light already, so a layer on one (after its error, or with no
-        lossy rungs) stays there: boosting it put FSDP's critical units and error-floored
-        layers on bf16."""
+        about 0.01, since the plans follow measured timings. The transformer, where PowerSGD
+        rank 8 through the critical start cost validation loss, trains with AdamW: its
+        ladders hold no lossy rungs (``lossy``), so its critical layers sit on int4 as
+        before. A near-lossless rung is light already, so a layer on one (after its error,
+        or with no lossy rungs) stays there: boosting it put FSDP's critical units and
+        error-floored layers on bf16."""
         floor = self.error_floor.get(name, 0)
         first = self._first_near_lossless(ladder)  # without near-lossless rungs: dense's index
         if self.critical.get(name) and self.boost and floor < first:

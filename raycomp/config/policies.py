@@ -169,7 +169,7 @@ class AdaptivePolicy(_Strict):
     #: - on the character LSTM (``jobs/configs/lstm_kjv.yaml``) PowerSGD was predicted under
     #:   30% faster than int4 (75 against 98 ms). It missed the loss target at every rank
     #:   and seed, while int4 reached it at dense's steps. With this margin adaptive ended
-    #:   0.9% above dense's final loss, against 1.7% without it
+    #:   0.5-0.9% above dense's final loss, against 1.5-1.8% without it
     #:   (``docs/benchmarks/e2e-lstm-100mbit.md``, ``e2e-lstm-100mbit-lossy-margin.md``);
     #: - on the Fashion-MNIST CNN PowerSGD is predicted 36-45% faster than int4, and its
     #:   plans did not change.
