@@ -127,7 +127,6 @@ class AdaptivePolicy(Policy):
         self.max_error = float(options["max_error"])
         self.slack = float(options["slack"])
         self.margin = float(options["lossy_margin"])
-        self.lossy_passed_over = False  # the latest decision: a lossy plan was faster, not by the margin
         self.assumed_bw = None if options.get("bandwidth") is None else float(options["bandwidth"])
         # measurements (per rank, per step)
         self.bw: float | None = self.assumed_bw
@@ -185,7 +184,6 @@ class AdaptivePolicy(Policy):
         self.predicted = [seconds for seconds, _ in priced]
         eligible = self._worth_the_risk(ladders, candidates)
         fastest = min(eligible, key=self.predicted.__getitem__)
-        self.lossy_passed_over = self.predicted.index(min(self.predicted)) not in eligible
         best = self.predicted[fastest]
         within = [s for s in eligible if self.predicted[s] <= (1 + self.slack) * best]
         best_on_prior = bool(self._on_prior(priced[fastest][1]))
@@ -227,7 +225,8 @@ class AdaptivePolicy(Policy):
             self.rungs[name] = rung
             if not ladders[name][rung].is_dense:
                 chosen[name] = ladders[name][rung]
-        reason = self._reason(run, layers, chosen, current, top, best_on_prior)
+        passed_over = min(self.predicted) < best  # a lossy plan was faster, not by the margin
+        reason = self._reason(run, layers, chosen, current, top, best_on_prior, passed_over)
         self.history.append([run.step, current if current < top else "dense", reason])
         return Plan.per_layer(chosen, reason=reason)
 
@@ -441,8 +440,9 @@ class AdaptivePolicy(Policy):
         return {f for f in rounds if f not in self.overhead}
 
     def _reason(self, run: RunState, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec],
-                shift: int, top: int, best_on_prior: bool) -> str:
-        """``best_on_prior``: the fastest candidate holds a family priced at round_seconds."""
+                shift: int, top: int, best_on_prior: bool, passed_over: bool) -> str:
+        """``best_on_prior``: the fastest candidate holds a family priced at round_seconds;
+        ``passed_over``: a faster plan with a lossy layer fell short of ``lossy_margin``."""
         assert self.bw is not None and self.compute is not None
         dense_s, best_s = self.predicted[top], self.predicted[shift]
         ratio = (dense_s - self.compute) / self.compute if self.compute > 0 else math.inf
@@ -464,7 +464,7 @@ class AdaptivePolicy(Policy):
         extras += [f"{raised} lighter for error"] if raised else []
         extras += [f"{dense} dense"] if dense else []
         extras += ["lossy rungs off"] if not self.lossy and not self.sharded else []
-        extras += [f"lossy not {self.margin:.0%} faster"] if self.lossy_passed_over else []
+        extras += [f"lossy not {self.margin:.0%} faster"] if passed_over else []
         tail = f" ({', '.join(extras)})" if extras else ""
         return (f"{link} → {'; '.join(parts)}{tail}; "
                 f"{best_s * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms")

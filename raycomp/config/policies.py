@@ -147,19 +147,19 @@ class AdaptivePolicy(_Strict):
     critical_boost: Annotated[int, Field(ge=0, le=16)] = 2
     #: A layer whose measured relative compression error ||c - sent|| / ||c|| over a window
     #: (its samples since its compressor family arrived: a PowerSGD rank change does not
-    #: restart the count) exceeds this leaves the lossy rungs for the rest of the run: it
-    #: moves to the first near-lossless rung (one rung lighter if it is already there or there is none; never
-    #: back: no flapping). With error feedback PowerSGD runs at 0.7-0.93 on the digits MLP
-    #: and still matches dense accuracy; on the KJV transformer its error climbs from 0.7-0.9
-    #: to 0.94-0.98 within 100 steps and it falls behind dense per step from there; on a
-    #: character LSTM trained with SGD (``jobs/configs/lstm_kjv.yaml``) it climbs to
-    #: 0.98-0.99. Left on PowerSGD for as long as its loss still fell, that LSTM ended 5.6%
-    #: above dense's validation loss (medians of 3 seeds), against 0.9% with this rule; on
-    #: the Fashion-MNIST CNN (0.89-0.96) the same leniency cost nothing. Climbing PowerSGD
-    #: ranks (up to 32) instead of leaving for int4 ended that LSTM 1.8% above dense, and
-    #: ``max_error: 0.95`` 3.2% (1.721 against 1.668; 0.97 with the climb: 5.3%). Above
-    #: 0.9 less than a fifth (1 - 0.9^2) of the gradient's energy is sent per step. Lower it
-    #: (e.g. 0.8) for models sensitive to compression, raise it to keep PowerSGD longer.
+    #: restart the count) exceeds this leaves the lossy rungs for the rest of the run: it moves
+    #: to the first near-lossless rung (one rung lighter if it is already there or there is
+    #: none; never back: no flapping). With error feedback PowerSGD runs at 0.7-0.93 on the
+    #: digits MLP and still matches dense accuracy; on the KJV transformer its error climbs
+    #: from 0.7-0.9 to 0.94-0.98 within 100 steps and it falls behind dense per step from
+    #: there; on a character LSTM trained with SGD (``jobs/configs/lstm_kjv.yaml``) it climbs
+    #: to 0.98-0.99. Left on PowerSGD for as long as its loss still fell, that LSTM ended 5.6%
+    #: above dense's validation loss (medians of 3 seeds), against 0.9% with this rule; on the
+    #: Fashion-MNIST CNN (0.89-0.96) the same leniency cost nothing. Climbing PowerSGD ranks
+    #: (up to 32) instead of leaving for int4 ended that LSTM 1.8% above dense, and
+    #: ``max_error: 0.95`` 3.2% (1.721 against 1.668; 0.97 with the climb: 5.3%). Above 0.9
+    #: less than a fifth (1 - 0.9^2) of the gradient's energy is sent per step. Lower it (e.g.
+    #: 0.8) for models sensitive to compression, raise it to keep PowerSGD longer.
     max_error: Annotated[float, Field(gt=0, le=1)] = 0.9
     #: A plan that puts any layer on a lossy rung (PowerSGD, Top-K) is taken only if it is
     #: predicted at least this fraction faster than the fastest plan without one
