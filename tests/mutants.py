@@ -546,17 +546,10 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "adaptive-lossy-trial-waits-for-patience", "controllers/policies/adaptive.py",
-        "        if current is None or (self.prior_families | self.on_trial) & self.overhead.keys() or trial:\n",
-        "        if current is None or (self.prior_families | self.on_trial) & self.overhead.keys():\n",
+        "        if current is None or self.prior_families & self.overhead.keys() or trial:\n",
+        "        if current is None or self.prior_families & self.overhead.keys():\n",
         "tests/test_adaptive_policy.py",
         "a choice left out as a lossy trial is kept by hysteresis instead of re-decided at once",
-    ),
-    mutant(
-        "adaptive-lossy-trial-measured-kept-by-hysteresis", "controllers/policies/adaptive.py",
-        "        if current is None or (self.prior_families | self.on_trial) & self.overhead.keys() or trial:\n",
-        "        if current is None or self.prior_families & self.overhead.keys() or trial:\n",
-        "tests/test_adaptive_policy.py",
-        "once a trial left out is measured, the choice made without it is kept by hysteresis",
     ),
     mutant(
         "adaptive-critical-to-first-near-lossless", "controllers/policies/adaptive.py",

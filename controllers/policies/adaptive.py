@@ -60,8 +60,8 @@ It combines three measurements the controller already has (options:
         PRIOR_BAND * slack) * best (a saving predicted on a guess must be larger before
         compression is started on it)
         first decision, the first after a family the choice in force was priced on the
-        assumed round_seconds for, or the last decision left out on trial, has been measured,
-        and one that leaves a lossy trial out: target (no hysteresis); floors changed
+        assumed round_seconds for has been measured, and one that leaves a lossy trial out:
+        target (no hysteresis); floors changed
         (a regime window ended, or a layer's error moved it): with a floor raised, the
         lightest of target and the first shift that leaves every layer whose floor did not
         change on its rung or a lighter one, so layers that move lighter never push the
@@ -161,10 +161,6 @@ class AdaptivePolicy(Policy):
         self.dense_chosen = False
         #: the families of the choice in force that were priced at round_seconds
         self.prior_families: set[str] = set()
-        #: the lossy families the last decision left out while their trial ran: once measured
-        #: the choice is made afresh, as for prior_families (kept by hysteresis, the CNN ran
-        #: int4 for a second interval after PowerSGD measured at half its step)
-        self.on_trial: set[str] = set()
         self.strikes = 0
         self.switches = 0
         self.predicted: list[float] = []
@@ -206,13 +202,12 @@ class AdaptivePolicy(Policy):
             within.append(top)  # on the assumed overhead compression must save more to be used
         target = max(within)
         current = None if self.shift is None else (top if self.dense_chosen else min(self.shift, top))
-        if current is None or (self.prior_families | self.on_trial) & self.overhead.keys() or trial:
+        if current is None or self.prior_families & self.overhead.keys() or trial:
             # the first decision, or the first since a family the choice in force was priced
             # on the assumed round_seconds for has been measured: that choice rested on a
             # guess, so it gets no hysteresis (on the fast link the prior chose bf16, then
             # kept it for 30 steps at 493 ms predicted against dense's 490 ms, because both
-            # lay within the slack). A lossy trial in flight: the choice is made without it;
-            # and afresh once the trial is measured
+            # lay within the slack). A lossy trial in flight: the choice is made without it
             current, self.strikes = target, 0
         elif floors != self.floors:
             # a regime or error change moves the layers it concerns. Layers that move lighter
@@ -231,7 +226,7 @@ class AdaptivePolicy(Policy):
                 current, self.strikes = target, 0
                 self.switches += 1
         self.shift, self.dense_chosen, self.floors = current, current == top, floors
-        self.prior_families, self.on_trial = self._on_prior(priced[current][1]), trial
+        self.prior_families = self._on_prior(priced[current][1])
         chosen: dict[str, CompressorSpec] = {}
         for name in layers:
             rung = candidates[current][name]
@@ -508,7 +503,6 @@ class AdaptivePolicy(Policy):
             "rungs": dict(self.rungs), "rung_since": dict(self.rung_since), "floors": dict(self.floors),
             "shift": self.shift,
             "dense_chosen": self.dense_chosen, "prior_families": sorted(self.prior_families),
-            "on_trial": sorted(self.on_trial),
             "strikes": self.strikes, "switches": self.switches,
             "history": [list(h) for h in self.history],
         }
@@ -533,7 +527,6 @@ class AdaptivePolicy(Policy):
         # absent before 2026-11-23; "on_prior" (a bool: the choice rested on the prior) before 2026-11-24
         self.prior_families = (set(state["prior_families"]) if "prior_families" in state
                                else set(FAMILIES) if state.get("on_prior") else set())
-        self.on_trial = set(state.get("on_trial", ()))  # absent before 2026-11-25
         self.strikes, self.switches = int(state["strikes"]), int(state["switches"])
         self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
 
