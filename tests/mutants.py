@@ -538,20 +538,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "the margin is measured against dense instead of the fastest plan without a lossy layer (int4/int8)",
     ),
     mutant(
-        "adaptive-lossy-trial-taken-again", "controllers/policies/adaptive.py",
-        "        eligible = [s for s in worth if not trial & priced[s][1].keys()]\n",
-        "        eligible = worth\n",
-        "tests/test_adaptive_policy.py",
-        "a lossy family on trial is chosen again before its interval is measured: a two-interval trial",
-    ),
-    mutant(
-        "adaptive-lossy-trial-waits-for-patience", "controllers/policies/adaptive.py",
-        "        if current is None or self.prior_families & self.overhead.keys() or trial:\n",
-        "        if current is None or self.prior_families & self.overhead.keys():\n",
-        "tests/test_adaptive_policy.py",
-        "a choice left out as a lossy trial is kept by hysteresis instead of re-decided at once",
-    ),
-    mutant(
         "adaptive-critical-to-first-near-lossless", "controllers/policies/adaptive.py",
         "            floor = min(floor + self.boost, first)\n",
         "            floor = first\n",

@@ -49,19 +49,14 @@ It combines three measurements the controller already has (options:
                all-gather), 1 with any bf16 layer (its own all-reduce)
     eligible: every s whose plan has no layer on a lossy rung, and an s with one only when
         predicted(s) <= (1 - lossy_margin) * min(predicted over the plans without one)
-        (lossy compression must buy a large speed-up for the accuracy it may cost); and no s
-        with a lossy family that the choice in force took on the assumed round_seconds: a
-        plan runs from the boundary after the one that decides it, so that choice is still
-        unmeasured here, and taken again its trial would last two intervals (on the character
-        LSTM 20 PowerSGD steps cost 0.7% of the final loss, 10 steps 0.3%)
+        (lossy compression must buy a large speed-up for the accuracy it may cost)
     choice: target = the lightest eligible s with predicted(s) <= (1 + slack) * best, best =
         min(predicted over the eligible); while the fastest eligible candidate holds a family
         priced at the assumed round_seconds, dense also when predicted(dense) <= (1 +
         PRIOR_BAND * slack) * best (a saving predicted on a guess must be larger before
         compression is started on it)
-        first decision, the first after a family the choice in force was priced on the
-        assumed round_seconds for has been measured, and one that leaves a lossy trial out:
-        target (no hysteresis); floors changed
+        first decision, and the first after a family the choice in force was priced on the
+        assumed round_seconds for has been measured: target (no hysteresis); floors changed
         (a regime window ended, or a layer's error moved it): with a floor raised, the
         lightest of target and the first shift that leaves every layer whose floor did not
         change on its rung or a lighter one, so layers that move lighter never push the
@@ -107,7 +102,6 @@ HISTORY = 32
 QUANTIZERS = {q.name: q() for q in (MinMaxInt4, MinMaxInt8)}
 ERROR_SAMPLES = 2  # error samples of a rung (one per control interval) before it is judged
 LOWRANK, ALLGATHER, DENSE_FAMILY = "powersgd", "topk", "none"
-LOSSY = (LOWRANK, ALLGATHER)  # the families that can cost accuracy (lossy_margin, trials)
 QUANTIZED, CASTS = tuple(QUANTIZERS), ("bf16", "fp16")  # the near-lossless rungs
 #: extra collective rounds per family, beyond the dense all-reduce the measured bandwidth includes
 #: (the quantized rungs share one scalable collective, at W = 2 one all-gather; see
@@ -188,12 +182,7 @@ class AdaptivePolicy(Policy):
                       for s in range(top + 1)]
         priced = [self._predict(run, layers, ladders, rungs) for rungs in candidates]
         self.predicted = [seconds for seconds, _ in priced]
-        # a lossy family chosen at the last boundary on the assumed round_seconds runs from
-        # the next step (plans arrive one boundary late); until that interval is measured it
-        # is not chosen again, so a trial costs one interval, not two
-        trial = {f for f in self.prior_families - self.overhead.keys() if f in LOSSY}
-        worth = self._worth_the_risk(ladders, candidates)
-        eligible = [s for s in worth if not trial & priced[s][1].keys()]
+        eligible = self._worth_the_risk(ladders, candidates)
         fastest = min(eligible, key=self.predicted.__getitem__)
         best = self.predicted[fastest]
         within = [s for s in eligible if self.predicted[s] <= (1 + self.slack) * best]
@@ -202,12 +191,12 @@ class AdaptivePolicy(Policy):
             within.append(top)  # on the assumed overhead compression must save more to be used
         target = max(within)
         current = None if self.shift is None else (top if self.dense_chosen else min(self.shift, top))
-        if current is None or self.prior_families & self.overhead.keys() or trial:
+        if current is None or self.prior_families & self.overhead.keys():
             # the first decision, or the first since a family the choice in force was priced
             # on the assumed round_seconds for has been measured: that choice rested on a
             # guess, so it gets no hysteresis (on the fast link the prior chose bf16, then
             # kept it for 30 steps at 493 ms predicted against dense's 490 ms, because both
-            # lay within the slack). A lossy trial in flight: the choice is made without it
+            # lay within the slack)
             current, self.strikes = target, 0
         elif floors != self.floors:
             # a regime or error change moves the layers it concerns. Layers that move lighter
@@ -236,9 +225,8 @@ class AdaptivePolicy(Policy):
             self.rungs[name] = rung
             if not ladders[name][rung].is_dense:
                 chosen[name] = ladders[name][rung]
-        # a lossy plan was faster, not by the margin
-        passed_over = any(t < best and s not in worth for s, t in enumerate(self.predicted))
-        reason = self._reason(run, layers, chosen, current, top, best_on_prior, passed_over, trial)
+        passed_over = min(self.predicted) < best  # a lossy plan was faster, not by the margin
+        reason = self._reason(run, layers, chosen, current, top, best_on_prior, passed_over)
         self.history.append([run.step, current if current < top else "dense", reason])
         return Plan.per_layer(chosen, reason=reason)
 
@@ -452,10 +440,9 @@ class AdaptivePolicy(Policy):
         return {f for f in rounds if f not in self.overhead}
 
     def _reason(self, run: RunState, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec],
-                shift: int, top: int, best_on_prior: bool, passed_over: bool, trial: set[str]) -> str:
+                shift: int, top: int, best_on_prior: bool, passed_over: bool) -> str:
         """``best_on_prior``: the fastest candidate holds a family priced at round_seconds;
-        ``passed_over``: a faster plan with a lossy layer fell short of ``lossy_margin``;
-        ``trial``: lossy families on trial, left out until their interval is measured."""
+        ``passed_over``: a faster plan with a lossy layer fell short of ``lossy_margin``."""
         assert self.bw is not None and self.compute is not None
         dense_s, best_s = self.predicted[top], self.predicted[shift]
         ratio = (dense_s - self.compute) / self.compute if self.compute > 0 else math.inf
@@ -478,7 +465,6 @@ class AdaptivePolicy(Policy):
         extras += [f"{dense} dense"] if dense else []
         extras += ["lossy rungs off"] if not self.lossy and not self.sharded else []
         extras += [f"lossy not {self.margin:.0%} faster"] if passed_over else []
-        extras += [f"{' and '.join(sorted(trial))} on trial until measured"] if trial else []
         tail = f" ({', '.join(extras)})" if extras else ""
         return (f"{link} → {'; '.join(parts)}{tail}; "
                 f"{best_s * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms")
