@@ -170,7 +170,7 @@ class AdaptivePolicy(_Strict):
     #:   30% faster than int4 (75 against 98 ms). It missed the loss target at every rank
     #:   and seed, while int4 reached it at dense's steps. With this margin adaptive ended
     #:   0.5-0.9% above dense's final loss in one hour and 1.4-1.8% in another, against
-    #:   1.5-1.8% without it: PowerSGD is predicted 30-35% faster than int4 there, at the
+    #:   1.5-1.8% without it: PowerSGD is predicted 30-36% faster than int4 there, at the
     #:   edge of the margin (``docs/benchmarks/e2e-lstm-100mbit.md``,
     #:   ``e2e-lstm-100mbit-lossy-margin.md``, ``e2e-lstm-100mbit-lossy-margin-rerun.md``);
     #: - on the Fashion-MNIST CNN PowerSGD is predicted 36-45% faster than int4, and its
