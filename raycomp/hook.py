@@ -25,6 +25,14 @@ needs several buckets: DDP's default gives a model under 25 MB two,
 :func:`raycomp.bucket_cap_mb` about eight (raycomp.buckets).
 Gradient accumulation with ``no_sync()`` needs nothing special: DDP calls the hook only on
 the synchronising step, with the accumulated gradients.
+
+The hook's collectives travel on a process group of their own, created with the state.
+DDP issues a collective of its own during backward: with ``find_unused_parameters`` it
+all-reduces the map of used parameters right after handing over the last bucket, from its
+own thread. On one shared group the order of
+that all-reduce and the hook's last collective is a race between threads, which two ranks
+can lose differently: gloo then reports a size mismatch, hangs, or, where the sizes happen
+to agree, adds one rank's gradients to the other's map.
 """
 
 # no "from __future__ import annotations": DDP checks the hook's annotations at run time
@@ -59,7 +67,13 @@ class CompressionState(CompressedReducer):
             computes the next buckets while this one communicates, and the next bucket is
             compressed while this one is on the wire. Turn it off to debug a hook step by
             step; it costs that overlap.
-        process_group, memory, min_compress_numel, seed, stats_every, profile_ratios: as
+        process_group: the group the hook reduces over. ``None`` (the default) creates a
+            group of the state's own over all ranks (``dist.new_group``, so every rank
+            must build its state at the same point, as it builds DDP): DDP's group is busy
+            with DDP's own collectives during backward (see the module docstring). A group
+            you pass must span DDP's ranks and, with ``find_unused_parameters``, must not
+            be DDP's own.
+        memory, min_compress_numel, seed, stats_every, profile_ratios: as
             in :class:`CompressedReducer`. In short: ``memory="residual"`` is error
             feedback, which every biased compressor needs to keep dense accuracy;
             ``min_compress_numel`` keeps small layers (biases, norms) dense, where the
@@ -71,7 +85,7 @@ class CompressionState(CompressedReducer):
         process_group: Any = None, memory: str | Memory = "residual", min_compress_numel: int = 1024,
         seed: int = 0, stats_every: int = 0, profile_ratios: tuple[float, ...] = (),
     ) -> None:
-        super().__init__(plan, process_group=process_group, memory=memory,
+        super().__init__(plan, process_group=hook_group(model, process_group), memory=memory,
                          min_compress_numel=min_compress_numel, seed=seed, stats_every=stats_every,
                          profile_ratios=profile_ratios)
         module = getattr(model, "module", model)
@@ -194,6 +208,29 @@ class CompressionState(CompressedReducer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("CompressionState holds threads and a process group; save state_dict() instead")
+
+
+def hook_group(model: torch.nn.Module, process_group: Any) -> Any:
+    """The group the hook's collectives travel on: ``process_group`` as given, or for
+    ``None`` a new group over every rank (``None`` outside a multi-process run). Raises
+    ValueError where the hook and DDP would race on one group, or where DDP reduces over
+    other ranks than the new group would span."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return process_group
+    ddp_group = getattr(model, "process_group", None) if isinstance(
+        model, torch.nn.parallel.DistributedDataParallel) else None
+    if process_group is None:
+        if ddp_group is not None and dist.get_world_size(ddp_group) != dist.get_world_size():
+            raise ValueError(
+                f"process_group: DDP reduces over {dist.get_world_size(ddp_group)} of the "
+                f"{dist.get_world_size()} ranks; pass a group over DDP's ranks that DDP does not "
+                "use (dist.new_group(ranks)), or None only when DDP spans every rank")
+        return dist.new_group()
+    if process_group is ddp_group and getattr(model, "find_unused_parameters", False):
+        raise ValueError(
+            "process_group: DDP's own group, which DDP uses during backward (find_unused_parameters); "
+            "pass None (a group of the hook's own) or another group over the same ranks")
+    return process_group
 
 
 def compression_hook(

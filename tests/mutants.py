@@ -722,6 +722,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "a plan with some dense layers issues from DDP's thread while compressed layers need the sending thread",
     ),
     mutant(
+        "hook-shares-ddp-group", "raycomp/hook.py",
+        "        return dist.new_group()\n",
+        "        return process_group\n",
+        "tests/test_hook.py -k collide",
+        "the hook's collectives share DDP's group: DDP's used-parameter all-reduce races the last bucket's",
+        timeout_s=300,
+    ),
+    mutant(
+        "hook-allows-ddp-group-with-unused-map", "raycomp/hook.py",
+        '    if process_group is ddp_group and getattr(model, "find_unused_parameters", False):\n',
+        '    if process_group is ddp_group and getattr(model, "static_graph", False):\n',
+        "tests/test_hook.py -k refused",
+        "DDP's own group is accepted for the hook while DDP all-reduces its used-parameter map on it",
+    ),
+    mutant(
         "finite-flag-checks-dense-layers-only", "raycomp/reducer.py",
         "        finite = all_finite([grads[i] for t, members in routes.items() if t is not Transport.DENSE\n",
         "        finite = all_finite([grads[i] for t, members in routes.items() if t is Transport.DENSE\n",

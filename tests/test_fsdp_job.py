@@ -101,3 +101,8 @@ def test_train_options_check_the_strategy_as_job_configs_do():
         validate({"compression": {"baseline_hook": "torch_fsdp_bf16"}})
     with pytest.raises(ValueError, match=r"^compression\.baseline_hook: 'torch_powersgd' is a DDP hook"):
         TrainOptions(strategy="fsdp", compression=CompressionSection(baseline_hook="torch_powersgd"))
+    assert TrainOptions(find_unused_parameters=True).find_unused_parameters
+    with pytest.raises(ValueError, match=r"^find_unused_parameters: a DDP option; allowed with strategy='ddp' only"):
+        TrainOptions(strategy="fsdp", find_unused_parameters=True)
+    with pytest.raises(ValueError, match=r"^find_unused_parameters: must be True or False, got 'yes'"):
+        TrainOptions(find_unused_parameters="yes")

@@ -189,6 +189,88 @@ def test_gradient_accumulation_under_no_sync():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class _Branchy(nn.Module):
+    """A model whose middle layer is skipped on some steps (the same steps on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x, use_b: bool):
+        h = torch.relu(self.a(x))
+        return self.head(torch.relu(self.b(h)) if use_b else h)
+
+
+def _unused_parameters(rank: int, world_size: int):
+    """Each rank's gradients, plain DDP's and the hook's (``find_unused_parameters``), with
+    DDP's own collective during
+    backward (the used-parameter map, all-reduced after the last bucket is handed over)
+    forced into a different order against the hook's last collective on each rank."""
+    out = {}
+    for label in ("plain", "hooked"):
+        ddp = DDP(_Branchy(), **DDP_KW, find_unused_parameters=True)
+        if label == "hooked":
+            state = CompressionState(ddp, Plan.uniform("topk", ratio=1.0), min_compress_numel=0)
+            start = state.start
+
+            def late_start(*args, start=start, **kwargs):  # rank 0: DDP's all-reduce first, then the hook's
+                if rank == 0 and kwargs.get("closes_step"):
+                    time.sleep(0.3)
+                return start(*args, **kwargs)
+
+            def hook(s, bucket):  # rank 1: the hook's collective first, then DDP's
+                future = compression_hook(s, bucket)
+                if rank == 1 and bucket.is_last():
+                    time.sleep(0.3)
+                return future
+
+            state.start = late_start
+            ddp.register_comm_hook(state, hook)
+        grads = []
+        for step, use_b in enumerate([True, False, True, False]):
+            ddp.zero_grad()
+            x, y = _batch(rank, step)
+            nn.functional.cross_entropy(ddp(x, use_b), y).backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in ddp.parameters()])
+        if label == "hooked":
+            state.close()
+        out[label] = grads
+    return out
+
+
+def test_ddp_collectives_during_backward_do_not_collide_with_the_hook():
+    # the hook's collectives have a group of their own: on DDP's, this order on the two
+    # ranks made gloo fail with a size mismatch (or hang), and plain DDP's reference and the
+    # lossless hook's means must agree on the steps that skip a layer too
+    for result in run_distributed(_unused_parameters, 2, timeout=90, pg_timeout_s=30):
+        for plain, hooked in zip(result["plain"], result["hooked"], strict=True):
+            for a, b in zip(plain, hooked, strict=True):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def _group_errors(rank: int, world_size: int) -> list[str]:
+    errors = []
+    ddp = DDP(_Branchy(), **DDP_KW, find_unused_parameters=True)
+    with pytest.raises(ValueError, match="DDP's own group") as shared:
+        CompressionState(ddp, process_group=ddp.process_group)
+    errors.append(str(shared.value))
+    first = dist.new_group([0])  # every rank creates it; only rank 0 is in it
+    if rank == 0:
+        with pytest.raises(ValueError, match="DDP reduces over 1 of the 2 ranks") as subgroup:
+            CompressionState(DDP(_Branchy(), process_group=first), Plan())
+        errors.append(str(subgroup.value))
+    return errors
+
+
+def test_a_group_the_hook_cannot_use_is_refused_before_any_step():
+    for rank, errors in enumerate(run_distributed(_group_errors, 2)):
+        assert len(errors) == 2 - rank  # the subgroup case runs on its one member
+        assert all("\n" not in e and e.startswith("process_group:") for e in errors)
+
+
 def _bf16(rank: int, world_size: int):
     results = {}
     # 1) fp32 model under bf16 autocast: gradients are fp32

@@ -199,3 +199,65 @@ def test_stop_at_target_leaves_after_the_second_consecutive_evaluation_on_every_
     assert summary["steps"] == stop_step == evals[-1]["step"]  # no step and no evaluation after it
     assert stop_step < 66  # the digits config trains 66 steps
     assert [len(log) for log in step_logs(output)] == [stop_step, stop_step]  # both ranks stopped there
+
+
+class _SkipsAHead(torch.nn.Module):
+    """Two heads; every other step uses only the first (the same steps on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = torch.nn.Linear(64, 128), torch.nn.Linear(128, 10), torch.nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor, both: bool) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        return self.a(h) + self.b(h) if both else self.a(h)
+
+
+def _train_skipping_a_head(config: dict) -> dict:
+    import ray.train
+
+    import raycomp.train
+    from raycomp.config import CompressionSection, ControllerSection, StaticPolicy, compressor
+
+    rank = ray.train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    model = _SkipsAHead()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = raycomp.train.TrainOptions(
+        compression=CompressionSection(policy="static", warmup_steps=2,
+                                       static=StaticPolicy(compressor=compressor("topk", ratio=0.05))),
+        controller=ControllerSection(name=config["controller"], interval_steps=2),
+        output_dir=config["output_dir"], find_unused_parameters=True)
+    model = raycomp.train.prepare_model(model, optimizer, options=options)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in raycomp.train.current().epochs(1, 12):
+        for step in range(12):
+            x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(model(x, both=step % 2 == 0), y)
+            loss.backward()
+            raycomp.train.step(loss, samples=len(y))
+    return raycomp.train.finish()
+
+
+def test_a_model_that_skips_parameters_trains_compressed_with_find_unused_parameters(ray_cluster, tmp_path):
+    # DDP's all-reduce of the used-parameter map runs during backward; the hook's compressed
+    # collectives beside it on one group could cross (gloo: a size mismatch, or a hang)
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    import raycomp.train
+    from raycomp.config import ControllerSection
+
+    name = f"skips-{tmp_path.name}"[:60]
+    trainer = TorchTrainer(
+        _train_skipping_a_head,
+        train_loop_config={"controller": name, "output_dir": str(tmp_path / "out")},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path),
+                             callbacks=[raycomp.train.ControllerCallback(ControllerSection(name=name,
+                                                                                           metrics_enabled=False))]))
+    totals = trainer.fit().return_value
+    assert totals["steps"] == 12 and totals["skipped_steps"] == 0
+    assert totals["wire_bytes_total"] < 0.5 * totals["dense_bytes_total"]  # Top-K 5% after 2 dense steps
+    logs = step_logs(tmp_path / "out")
+    assert len(logs) == 2 and [r["plan_version"] for r in logs[0]] == [r["plan_version"] for r in logs[1]]

@@ -71,7 +71,10 @@ class TrainLoop:
             self.model = shard_model(model, optimizer, ray.train.torch.get_device(),
                                      torch.bfloat16 if c.baseline_hook == "torch_fsdp_bf16" else None)
         else:
-            self.model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs(c, model))
+            ddp_options = ddp_kwargs(c, model)
+            if options.find_unused_parameters:
+                ddp_options["find_unused_parameters"] = True
+            self.model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         module = getattr(self.model, "module", self.model)

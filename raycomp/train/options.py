@@ -38,6 +38,12 @@ class TrainOptions:
             policy then chooses int4, int8, bf16 or dense per unit). With "fsdp" build the
             optimizer over ``model.parameters()`` before :func:`raycomp.train.prepare_model`;
             raycomp points it at the sharded parameters.
+        find_unused_parameters: DDP's option of that name (``strategy="ddp"`` only), for a
+            model that skips parameters on some steps: a branch taken now and then, a head
+            used by some batches. DDP then finds the unused parameters after each forward
+            and all-reduces the map of used ones during backward (on DDP's group; the hook
+            has a group of its own). It costs a traversal of the autograd graph a step, so
+            leave it off for a model that uses every parameter on every step.
     """
 
     compression: CompressionSection = field(default_factory=CompressionSection)
@@ -49,10 +55,16 @@ class TrainOptions:
     progress_every: int = 0
     eval_kind: Literal["accuracy", "loss"] = "accuracy"
     strategy: Literal["ddp", "fsdp"] = "ddp"
+    find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "fsdp"):
             raise ValueError(f"strategy: must be 'ddp' or 'fsdp', got {self.strategy!r}")
+        if not isinstance(self.find_unused_parameters, bool):
+            raise ValueError(f"find_unused_parameters: must be True or False, got {self.find_unused_parameters!r}")
+        if self.find_unused_parameters and self.strategy != "ddp":
+            raise ValueError("find_unused_parameters: a DDP option; allowed with strategy='ddp' only, "
+                             f"got strategy={self.strategy!r}")
         self.compression.check_strategy(self.strategy)
 
 
