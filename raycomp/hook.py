@@ -85,6 +85,7 @@ class CompressionState(CompressedReducer):
         process_group: Any = None, memory: str | Memory = "residual", min_compress_numel: int = 1024,
         seed: int = 0, stats_every: int = 0, profile_ratios: tuple[float, ...] = (),
     ) -> None:
+        refuse_sparse_gradients(model)  # before the group: nothing to undo
         super().__init__(plan, process_group=hook_group(model, process_group), memory=memory,
                          min_compress_numel=min_compress_numel, seed=seed, stats_every=stats_every,
                          profile_ratios=profile_ratios)
@@ -208,6 +209,17 @@ class CompressionState(CompressedReducer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("CompressionState holds threads and a process group; save state_dict() instead")
+
+
+def refuse_sparse_gradients(model: torch.nn.Module) -> None:
+    """ValueError for an embedding built with ``sparse=True``: its gradient is a sparse
+    tensor, which DDP hands to a hook as a bucket of its own and no compressor encodes.
+    With ``sparse=False`` the same table goes through the plan like any layer."""
+    for name, layer in getattr(model, "module", model).named_modules():
+        if isinstance(layer, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and layer.sparse \
+                and layer.weight.requires_grad:
+            raise ValueError(f"model: {name!r} is an {type(layer).__name__} with sparse=True; "
+                             "raycomp reduces dense gradients only: build it with sparse=False")
 
 
 def hook_group(model: torch.nn.Module, process_group: Any) -> Any:

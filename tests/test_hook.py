@@ -271,6 +271,16 @@ def test_a_group_the_hook_cannot_use_is_refused_before_any_step():
         assert all("\n" not in e and e.startswith("process_group:") for e in errors)
 
 
+def test_a_sparse_embedding_is_refused_at_construction():
+    # DDP would hand its sparse gradient to the hook, which failed deep inside backward
+    model = nn.Sequential(nn.Embedding(100, 8, sparse=True), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"^model: '0' is an Embedding with sparse=True; raycomp reduces dense"):
+        CompressionState(model)
+    model[0].weight.requires_grad_(False)  # frozen: no gradient to reduce
+    CompressionState(model, async_comm=False)
+    CompressionState(nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 2)), async_comm=False)
+
+
 def _bf16(rank: int, world_size: int):
     results = {}
     # 1) fp32 model under bf16 autocast: gradients are fp32
