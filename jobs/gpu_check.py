@@ -634,13 +634,6 @@ def ladder_checks(device: torch.device, prefix: str, rank: int, world: int) -> N
 # --- 2b'. DDP's buckets, the hook's threads and the caller's CUDA stream -------------------
 
 
-def _kjv_transformer(device: torch.device) -> nn.Module:
-    from raycomp.models import char_transformer
-
-    torch.manual_seed(0)  # jobs/configs/gpt_kjv.yaml's sizes: 3,224,639 parameters, 12.9 MB fp32
-    return char_transformer(vocab_size=63, block=128, d_model=256, heads=4, layers=4).to(device)
-
-
 def _hook_means(device: torch.device, rank: int, plan: Plan, *, auto: bool, async_comm: bool,
                 side_stream: str = "", steps: int = 2) -> tuple[list[int], list[torch.Tensor], int]:
     """The bucket sizes DDP hands raycomp's hook at the last step (DDP rebuilds its
@@ -653,6 +646,7 @@ def _hook_means(device: torch.device, rank: int, plan: Plan, *, auto: bool, asyn
     gradient accumulators); ``"all"``: the model and DDP are built on it as well."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from jobs.workloads import model_of
     from raycomp.buckets import bucket_cap_mb
     from raycomp.hook import CompressionState, compression_hook
 
@@ -660,7 +654,7 @@ def _hook_means(device: torch.device, rank: int, plan: Plan, *, auto: bool, asyn
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side if side_stream == "all" else None):
-        model = _kjv_transformer(device)
+        model = model_of("gpt_kjv").to(device)
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   **({"bucket_cap_mb": bucket_cap_mb(model)} if auto else {}))
     state = CompressionState(ddp, plan, async_comm=async_comm)
@@ -756,9 +750,9 @@ import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from raycomp import Plan
 from raycomp.hook import CompressionState, compression_hook
-from jobs.gpu_check import _kjv_transformer
+from jobs.workloads import model_of
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
-model = _kjv_transformer(torch.device("cpu"))
+model = model_of("gpt_kjv")
 ddp = DDP(model)
 state = CompressionState(ddp, Plan.uniform("int4"), async_comm=True)
 ddp.register_comm_hook(state, compression_hook)

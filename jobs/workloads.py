@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from raycomp import data, models
-from raycomp.config import WorkloadSection, resolve_entrypoint
+from raycomp.config import WorkloadSection, load_config, resolve_entrypoint
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -133,6 +136,12 @@ def optimizer_for(config: WorkloadSection, model: nn.Module, total_steps: int):
     else:
         scheduler = None
     return opt, scheduler
+
+
+def model_of(config_name: str, seed: int = 0) -> nn.Module:
+    """The model a shipped job config (``jobs/configs/<config_name>.yaml``) trains, with the
+    initial weights the job gives it for ``seed``."""
+    return build(load_config(CONFIGS / f"{config_name}.yaml").workload, 0, 1, seed).model
 
 
 def layer_sizes(config: WorkloadSection, seed: int) -> dict[str, int]:

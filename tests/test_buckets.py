@@ -6,16 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jobs.workloads import model_of
 from raycomp import CompressionState, Plan, bucket_cap_mb, compression_hook
 from raycomp.buckets import MAX_CAP_MB, MIN_CAP_MB, ddp_kwargs
 from raycomp.config import CompressionSection
-from raycomp.models import char_transformer
 from tests.distributed import run_distributed
-
-
-def _kjv_transformer() -> torch.nn.Module:
-    torch.manual_seed(0)  # jobs/configs/gpt_kjv.yaml's sizes: 3,224,639 parameters, 12.9 MB fp32
-    return char_transformer(vocab_size=63, block=128, d_model=256, heads=4, layers=4)
 
 
 def _buckets_and_means(rank: int, world_size: int, auto: bool) -> tuple[list[int], list[torch.Tensor]]:
@@ -23,7 +18,7 @@ def _buckets_and_means(rank: int, world_size: int, auto: bool) -> tuple[list[int
     the elements of each bucket in the order they arrive, and the int4 means of every layer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _kjv_transformer()
+    model = model_of("gpt_kjv")
     ddp = DDP(model, **(ddp_kwargs(CompressionSection(), model) if auto else {}))
     state = CompressionState(ddp, Plan.uniform("int4"), async_comm=False)
     sizes: list[int] = []
@@ -53,7 +48,7 @@ def runs() -> dict[str, list[tuple[list[int], list[torch.Tensor]]]]:
 def test_auto_buckets_hand_most_gradients_to_the_hook_before_backward_ends(runs, kind):
     (sizes, means), (other_sizes, other_means) = runs[kind]
     assert sizes == other_sizes  # both ranks see the same buckets in the same order
-    total = sum(p.numel() for p in _kjv_transformer().parameters())
+    total = sum(p.numel() for p in model_of("gpt_kjv").parameters())
     assert sum(sizes) == total
     # the last bucket's communication is the part that cannot overlap backward
     if kind == "auto":
@@ -83,7 +78,7 @@ def test_the_cap_stays_between_ddps_first_bucket_and_its_default():
 
 
 def test_torch_baselines_take_their_own_cap_only_when_one_is_set():
-    model = _kjv_transformer()
+    model = model_of("gpt_kjv")
     auto = bucket_cap_mb(model)
     assert 1.5 < auto < 1.7  # 12.9 MB / 8
     cases = [
