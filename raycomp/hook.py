@@ -39,6 +39,7 @@ to agree, adds one rank's gradients to the other's map.
 
 import concurrent.futures
 import contextlib
+import datetime
 import functools
 import time
 from collections.abc import Callable
@@ -222,6 +223,18 @@ def refuse_sparse_gradients(model: torch.nn.Module) -> None:
                              "raycomp reduces dense gradients only: build it with sparse=False")
 
 
+def timeout_of(group: Any) -> datetime.timedelta | None:
+    """The timeout ``group`` was created with (``None``: torch's default), so that a hung
+    collective on the hook's group fails when one on DDP's would; ``dist.new_group`` alone
+    gives gloo 30 minutes whatever ``init_process_group`` was told."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):  # no backend for that device; another torch
+            continue
+    return None
+
+
 def hook_group(model: torch.nn.Module, process_group: Any) -> Any:
     """The group the hook's collectives travel on: ``process_group`` as given, or for
     ``None`` a new group over every rank (``None`` outside a multi-process run). Raises
@@ -237,7 +250,7 @@ def hook_group(model: torch.nn.Module, process_group: Any) -> Any:
                 f"process_group: DDP reduces over {dist.get_world_size(ddp_group)} of the "
                 f"{dist.get_world_size()} ranks; pass a group over DDP's ranks that DDP does not "
                 "use (dist.new_group(ranks)), or None only when DDP spans every rank")
-        return dist.new_group()
+        return dist.new_group(timeout=timeout_of(ddp_group or dist.group.WORLD))
     if process_group is ddp_group and getattr(model, "find_unused_parameters", False):
         raise ValueError(
             "process_group: DDP's own group, which DDP uses during backward (find_unused_parameters); "

@@ -723,10 +723,18 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "hook-shares-ddp-group", "raycomp/hook.py",
-        "        return dist.new_group()\n",
+        "        return dist.new_group(timeout=timeout_of(ddp_group or dist.group.WORLD))\n",
         "        return process_group\n",
         "tests/test_hook.py -k collide",
         "the hook's collectives share DDP's group: DDP's used-parameter all-reduce races the last bucket's",
+        timeout_s=300,
+    ),
+    mutant(
+        "hook-group-default-timeout", "raycomp/hook.py",
+        "        return dist.new_group(timeout=timeout_of(ddp_group or dist.group.WORLD))\n",
+        "        return dist.new_group()\n",
+        "tests/test_hook.py -k within_the_process_group_timeout",
+        "the hook's group gets gloo's 30-minute default: a rank that never arrives hangs the others that long",
         timeout_s=300,
     ),
     mutant(

@@ -271,6 +271,26 @@ def test_a_group_the_hook_cannot_use_is_refused_before_any_step():
         assert all("\n" not in e and e.startswith("process_group:") for e in errors)
 
 
+def _hook_waits_for_an_absent_rank(rank: int, world_size: int):
+    ddp = DDP(_model(), **DDP_KW)
+    state = CompressionState(ddp, Plan.uniform("topk"), min_compress_numel=0)
+    ddp.register_comm_hook(state, compression_hook)
+    if rank == 1:  # never joins the step, but stays up (an exit would reset the connection)
+        time.sleep(6)
+        return None
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="Timed out") as error:
+        _backward(ddp, rank)
+    return time.perf_counter() - started, str(error.value)
+
+
+def test_a_hook_collective_fails_within_the_process_group_timeout():
+    # the hook's own group takes the default group's timeout (2 s here); created with
+    # torch's default, gloo would wait 30 minutes
+    waited, _ = run_distributed(_hook_waits_for_an_absent_rank, 2, timeout=60, pg_timeout_s=2)[0]
+    assert 1.5 < waited < 5
+
+
 def test_a_sparse_embedding_is_refused_at_construction():
     # DDP would hand its sparse gradient to the hook, which failed deep inside backward
     model = nn.Sequential(nn.Embedding(100, 8, sparse=True), nn.Linear(8, 2))
