@@ -33,6 +33,12 @@ own thread. On one shared group the order of
 that all-reduce and the hook's last collective is a race between threads, which two ranks
 can lose differently: gloo then reports a size mismatch, hangs, or, where the sizes happen
 to agree, adds one rank's gradients to the other's map.
+
+With ``find_unused_parameters`` DDP also drops the mean of a layer that no rank used at a
+step. Error feedback must then keep what it sent for that layer: the hook holds back the
+memory update of a lossy layer whose gradient is all zero on this rank, and once backward
+has finished, reads DDP's map of used parameters and applies it as sent (some rank used
+the layer) or as nothing sent (no rank did).
 """
 
 # no "from __future__ import annotations": DDP checks the hook's annotations at run time
@@ -108,6 +114,13 @@ class CompressionState(CompressedReducer):
             else (None, None)
         )
         self._send_inline = self._sender is None  # this step's: see begin_step
+        # DDP with find_unused_parameters drops the mean of a layer no rank used, after the
+        # hook: such a layer's memory update waits until DDP's map of used parameters is in
+        self._ddp_reducer = getattr(model, "reducer", None) if getattr(model, "find_unused_parameters", False) \
+            else None
+        self.defer_unused = self._ddp_reducer is not None
+        self._map_index = {self._names[id(p)]: i for i, p in enumerate(_reducer_order(model))} \
+            if self.defer_unused else {}
         self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
 
     def name_of(self, parameter: torch.Tensor) -> str:
@@ -197,6 +210,19 @@ class CompressionState(CompressedReducer):
             self._sender.submit(start)  # type: ignore[union-attr]
         return future
 
+    def settle_after_backward(self) -> None:
+        """Queue :meth:`settle_unused` to run once DDP has finished this backward: its map
+        of used parameters is all-reduced after the last bucket and read under DDP's lock,
+        which the hook runs inside. A callback queued by a callback runs after DDP's own."""
+        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+        def settle() -> None:
+            if self._unsettled:  # a layer idle here: DDP waited for the map to decide on it
+                counts = self._ddp_reducer._get_local_used_map().tolist()  # type: ignore[union-attr]
+                self.settle_unused(lambda name: counts[self._map_index[name]] > 0)
+
+        engine.queue_callback(lambda: engine.queue_callback(settle))
+
     def close(self) -> None:
         for executor in (self._sender, self._receiver):  # the receiver last: the sender feeds it
             if executor is not None:
@@ -210,6 +236,19 @@ class CompressionState(CompressedReducer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("CompressionState holds threads and a process group; save state_dict() instead")
+
+
+def _reducer_order(ddp: torch.nn.Module) -> list[torch.Tensor]:
+    """DDP's parameters in its reducer's order (the index of its map of used parameters):
+    each module's own trainable parameters, modules in ``named_modules()`` order, shared
+    ones once, ignored ones left out."""
+    ignored, seen, order = getattr(ddp, "parameters_to_ignore", set()), set(), []
+    for module_name, module in ddp.module.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad and f"{module_name}.{name}" not in ignored and id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+    return order
 
 
 def refuse_sparse_gradients(model: torch.nn.Module) -> None:
@@ -267,6 +306,8 @@ def compression_hook(
     buffer = bucket.buffer()
     last = bucket.is_last()
     handed_over = time.perf_counter()
+    if last and state.defer_unused:
+        state.settle_after_backward()
 
     def send() -> Pending[list[torch.Tensor]]:
         return state.start(names, grads, closes_step=last, overwrite=True)  # the result replaces them

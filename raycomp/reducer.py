@@ -28,7 +28,7 @@ rank's row also carries its local non-finite flag. See :mod:`raycomp.train.guard
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -117,6 +117,11 @@ class CompressedReducer:
         self._finite: torch.Tensor | None = None  # all compressed gradients of this step finite so far
         self._control: torch.Tensor | None = None  # staged: rides with the next step's last reduction
         self.control_rows: torch.Tensor | None = None  # (world, n) rows of every rank, after that
+        #: hold back the memory update of a lossy layer whose gradient is all zero on this
+        #: rank, until :meth:`settle_unused` learns whether any rank used it (the DDP hook
+        #: with ``find_unused_parameters``: DDP drops the mean of a layer no rank used)
+        self.defer_unused = False
+        self._unsettled: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
 
     # --- plan and step boundaries -----------------------------------------------------
     @property
@@ -228,6 +233,7 @@ class CompressedReducer:
         if finite is not None:
             self._finite = finite if self._finite is None else self._finite & finite
         control = self._take_control(grads) if closes_step else None
+        used_here = [g.any() for g in grads] if self.defer_unused else []  # read in finish()
         overhead = 0.0
         if control is not None:  # the carried floats are on the wire too: charge them as overhead
             overhead += self.group.allreduce_bytes(control.numel() * control.element_size())
@@ -254,6 +260,7 @@ class CompressedReducer:
                     reduced[i] = result
             if total_overhead:
                 self.ledger.add(collectives.OVERHEAD, total_overhead)
+            idle = _none_true(used_here) if used_here else [False] * len(grads)
             for i, name in enumerate(names):
                 result, compressor = reduced[i], compressors[i]
                 assert result is not None
@@ -261,7 +268,10 @@ class CompressedReducer:
                 self.ledger.add(name, result.wire_bytes, dense)
                 lossy = result.sent is not compensated[i] and compressor.error_feedback
                 sent = result.sent if lossy else compensated[i]
-                self.memory.update(name, compensated[i], sent, compressor.sparse)
+                if lossy and idle[i]:
+                    self._unsettled[name] = (compensated[i], sent, compressor.sparse)
+                else:
+                    self.memory.update(name, compensated[i], sent, compressor.sparse)
                 if collecting_stats:
                     kind = compressor.name if result.sent is not compensated[i] else "none"
                     self.stats.append(
@@ -312,6 +322,17 @@ class CompressedReducer:
             return collectives.sparse_allgather(group_tensors, compressors, self.group)
         return self.scalable([names[i] for i in members], group_tensors, compressors, self.group)
 
+    def settle_unused(self, used: Callable[[str], bool]) -> None:
+        """Apply the held-back memory updates: as sent where ``used(layer)`` (some rank used
+        the layer, so its mean reached the optimizer), else as if nothing had been sent
+        (the residual keeps all it held: DDP dropped the mean of a layer no rank used)."""
+        unsettled, self._unsettled = self._unsettled, {}
+        for name, (compensated, sent, sparse) in unsettled.items():
+            if used(name):
+                self.memory.update(name, compensated, sent, sparse)
+            else:
+                self.memory.update(name, compensated, torch.zeros_like(sent), False)
+
     def discard_step(self) -> None:
         """Forget the error-feedback memory after a step the optimizer skipped.
 
@@ -321,6 +342,7 @@ class CompressedReducer:
         bad gradient. Every rank calls this at the same step (the guard's decision is shared).
         """
         self.memory.reset()
+        self._unsettled.clear()
         self.scalable.reset()
 
     # --- checkpointing -----------------------------------------------------------------
@@ -352,3 +374,8 @@ class CompressedReducer:
             compressor.load_state_dict(entry["state"])
             self._compressors[name] = (spec, compressor)
         self.ledger.load_state_dict(state["ledger"])
+
+
+def _none_true(flags: Sequence[torch.Tensor]) -> list[bool]:
+    """``not flag`` for each boolean scalar tensor, read in one host transfer."""
+    return (~torch.stack([f.to(flags[0].device) for f in flags])).tolist()

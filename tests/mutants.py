@@ -730,6 +730,27 @@ MUTANTS: tuple[Mutant, ...] = (
         timeout_s=300,
     ),
     mutant(
+        "unused-layer-residual-spent", "raycomp/reducer.py",
+        "                self.memory.update(name, compensated, torch.zeros_like(sent), False)\n",
+        "                self.memory.update(name, compensated, sent, sparse)\n",
+        "tests/test_hook.py -k keeps_its_error",
+        "a layer no rank used loses from its residual what was sent, though DDP dropped that mean",
+    ),
+    mutant(
+        "unused-layer-needs-every-rank", "raycomp/hook.py",
+        "                self.settle_unused(lambda name: counts[self._map_index[name]] > 0)\n",
+        "                self.settle_unused(lambda name: counts[self._map_index[name]] >= self.group.size)\n",
+        "tests/test_hook.py -k keeps_its_error",
+        "a layer counts as used only if every rank used it: an idle rank keeps what it sent into the mean",
+    ),
+    mutant(
+        "hook-never-defers-unused", "raycomp/hook.py",
+        "        self.defer_unused = self._ddp_reducer is not None\n",
+        "        self.defer_unused = False\n",
+        "tests/test_hook.py -k keeps_its_error",
+        "with find_unused_parameters the memory is updated at once, before DDP says whether anyone used the layer",
+    ),
+    mutant(
         "hook-group-default-timeout", "raycomp/hook.py",
         "        return dist.new_group(timeout=timeout_of(ddp_group or dist.group.WORLD))\n",
         "        return dist.new_group()\n",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import ClassVar
 
@@ -249,6 +250,33 @@ def test_ddp_collectives_during_backward_do_not_collide_with_the_hook():
                 assert (a is None) == (b is None)
                 if a is not None:
                     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def _residuals_of_a_skipped_layer(rank: int, world_size: int):
+    ddp = DDP(_Branchy(), **DDP_KW, find_unused_parameters=True)
+    with CompressionState(ddp, Plan.uniform("topk", ratio=0.1), min_compress_numel=0) as state:
+        ddp.register_comm_hook(state, compression_hook)
+        residuals = []
+        # b: used by both ranks, by rank 1 only, by neither, by neither, by both
+        for step, use_b in enumerate([True, rank == 1, False, False, True]):
+            ddp.zero_grad()
+            x, y = _batch(rank, step)
+            nn.functional.cross_entropy(ddp(x, use_b), y).backward()
+            residuals.append(state.memory.residual("b.weight").clone())
+    return residuals
+
+
+def test_a_layer_no_rank_used_keeps_its_error_feedback_residual():
+    # DDP drops the mean of a layer that no rank used; what Top-K took from its residual
+    # for that mean must stay in the residual, or error feedback loses it for good
+    k = math.ceil(0.1 * 64 * 64)
+    for rank, residuals in enumerate(run_distributed(_residuals_of_a_skipped_layer, 2)):
+        before, after = residuals[0], residuals[1]
+        if rank == 0:  # idle here, used by rank 1: this rank's Top-K reached the mean
+            assert int((after == 0).sum()) - int((before == 0).sum()) == k
+            assert torch.equal(after, before * (after != 0))
+        assert torch.equal(residuals[2], residuals[1]) and torch.equal(residuals[3], residuals[1])
+        assert not torch.equal(residuals[4], residuals[3])  # used again: sent and refilled
 
 
 def _group_errors(rank: int, world_size: int) -> list[str]:
