@@ -29,10 +29,9 @@ the synchronising step, with the accumulated gradients.
 The hook's collectives travel on a process group of their own, created with the state.
 DDP issues a collective of its own during backward: with ``find_unused_parameters`` it
 all-reduces the map of used parameters right after handing over the last bucket, from its
-own thread. On one shared group the order of
-that all-reduce and the hook's last collective is a race between threads, which two ranks
-can lose differently: gloo then reports a size mismatch, hangs, or, where the sizes happen
-to agree, adds one rank's gradients to the other's map.
+own thread. On one shared group, the order of that all-reduce and the hook's last
+collective is a race between two threads, which two ranks can resolve differently: gloo
+then reported a size mismatch, or the run hung.
 
 With ``find_unused_parameters`` DDP also drops the mean of a layer that no rank used at a
 step. Error feedback must then keep what it sent for that layer: the hook holds back the
