@@ -220,7 +220,10 @@ class CompressionState(CompressedReducer):
                 counts = self._ddp_reducer._get_local_used_map().tolist()  # type: ignore[union-attr]
                 self.settle_unused(lambda name: counts[self._map_index[name]] > 0)
 
-        engine.queue_callback(lambda: engine.queue_callback(settle))
+        try:
+            engine.queue_callback(lambda: engine.queue_callback(settle))
+        except RuntimeError:  # not in a backward: DDP's join shadows a step of a joined rank
+            pass  # begin_step settles them as used
 
     def close(self) -> None:
         for executor in (self._sender, self._receiver):  # the receiver last: the sender feeds it

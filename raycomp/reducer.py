@@ -140,6 +140,8 @@ class CompressedReducer:
             return
         if self._pending is not None:
             self._plan, self._pending = self._pending, None
+        if self._unsettled:  # nothing settled the last step's (no backward ran it): as sent
+            self.settle_unused(lambda name: True)
         self._in_step = True
         self._finite = None
         self.control_rows = None

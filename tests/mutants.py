@@ -751,6 +751,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "with find_unused_parameters the memory is updated at once, before DDP says whether anyone used the layer",
     ),
     mutant(
+        "settle-queued-outside-backward", "raycomp/hook.py",
+        "        try:\n            engine.queue_callback(lambda: engine.queue_callback(settle))\n"
+        "        except RuntimeError:  # not in a backward: DDP's join shadows a step of a joined rank\n"
+        "            pass  # begin_step settles them as used\n",
+        "        engine.queue_callback(lambda: engine.queue_callback(settle))\n",
+        "tests/test_hook.py -k join",
+        "a joined rank's shadow step (no backward) tries to queue the settling callback and fails",
+    ),
+    mutant(
+        "held-updates-left-over", "raycomp/reducer.py",
+        "        if self._unsettled:  # nothing settled the last step's (no backward ran it): as sent\n",
+        "        if False:  # nothing settled the last step's (no backward ran it): as sent\n",
+        "tests/test_hook.py -k held_back",
+        "updates no callback settled stay held back: the next step compensates with a stale residual",
+    ),
+    mutant(
         "hook-group-default-timeout", "raycomp/hook.py",
         "        return dist.new_group(timeout=timeout_of(ddp_group or dist.group.WORLD))\n",
         "        return dist.new_group()\n",

@@ -279,6 +279,48 @@ def test_a_layer_no_rank_used_keeps_its_error_feedback_residual():
         assert not torch.equal(residuals[4], residuals[3])  # used again: sent and refilled
 
 
+def _uneven_inputs_under_join(rank: int, world_size: int):
+    from torch.distributed.algorithms.join import Join
+
+    ddp = DDP(_model(), **DDP_KW, find_unused_parameters=True)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with CompressionState(ddp, Plan.uniform("topk", ratio=0.1), min_compress_numel=0) as state:
+        ddp.register_comm_hook(state, compression_hook)
+        with Join([ddp]):  # rank 1 runs out of batches first; DDP shadows its last two steps
+            for step in range(5 if rank == 0 else 3):
+                optimizer.zero_grad()
+                _backward(ddp, rank, step)
+                optimizer.step()
+    return [p.detach().clone() for p in ddp.parameters()], state.step
+
+
+def test_uneven_inputs_under_join_with_find_unused_parameters():
+    # a joined rank runs the hook outside any backward, where no callback can be queued
+    (params0, steps0), (params1, steps1) = run_distributed(_uneven_inputs_under_join, 2)
+    assert steps0 == steps1 == 5
+    for a, b in zip(params0, params1, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_held_back_updates_nothing_settled_apply_as_sent_at_the_next_step():
+    # a joined rank's shadow step runs the hook outside backward, so no callback settles its
+    # idle layers: the next step must apply them as sent before compensating, exactly as a
+    # reducer that never held anything back
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.zeros(32, 32), torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen)]
+    held, plain = (CompressedReducer(Plan.uniform("topk", ratio=0.1), min_compress_numel=0) for _ in range(2))
+    held.defer_unused = True
+    plain.reduce(["w"], [torch.randn(32, 32, generator=torch.Generator().manual_seed(1))])
+    plain.end_step()
+    held.load_state_dict(plain.state_dict())  # a residual to spend on the idle step
+    for grad in grads:
+        means = [r.reduce(["w"], [grad.clone()])[0] for r in (held, plain)]
+        assert torch.equal(*means)
+        held.end_step()
+        plain.end_step()
+    assert torch.equal(held.memory.residual("w"), plain.memory.residual("w"))
+
+
 def _group_errors(rank: int, world_size: int) -> list[str]:
     errors = []
     ddp = DDP(_Branchy(), **DDP_KW, find_unused_parameters=True)
