@@ -70,8 +70,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "ef-skipped-for-sparse", "raycomp/reducer.py",
-        "                self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
-        "                if not compressor.sparse:\n"
+        "                else:\n                    self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
+        "                elif not compressor.sparse:\n"
         "                    self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
         "tests/test_error_feedback.py",
         "the reducer skips the memory update for sparse compressors (Top-K, DGC, threshold, Random-K)",
