@@ -328,9 +328,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_hook.py -k plan_swapped",
         "rank 1 defers a plan set between steps to the end of the next step",
         ("        if self._pending is not None:\n            self._plan, self._pending = self._pending, None\n"
-         "        self._in_step = True\n",
+         "        if self._unsettled:",
          "        if self._pending is not None and self.group.rank != 1:\n"
-         "            self._plan, self._pending = self._pending, None\n        self._in_step = True\n"),
+         "            self._plan, self._pending = self._pending, None\n        if self._unsettled:"),
     ),
     mutant(
         "finite-flag-reads-max-only", "raycomp/reducer.py",
