@@ -660,10 +660,17 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "buckets-not-given-to-ddp", "raycomp/train/loop.py",
-        "parallel_strategy_kwargs=ddp_kwargs(c, model))",
-        "parallel_strategy_kwargs=None)",
+        "            ddp_options = ddp_kwargs(c, model)\n",
+        "            ddp_options = {}\n",
         "tests/test_train_job.py -k critical_policy_switches",
         "raycomp.train.prepare_model builds DDP with its default buckets, whatever compression.bucket_cap_mb says",
+    ),
+    mutant(
+        "find-unused-not-given-to-ddp", "raycomp/train/loop.py",
+        "                ddp_options[\"find_unused_parameters\"] = True\n",
+        "                pass\n",
+        "tests/test_train_job.py -k skips_parameters",
+        "TrainOptions.find_unused_parameters never reaches DDP: a model that skips a head fails",
     ),
     mutant(
         "hook-counts-hidden-reductions", "raycomp/hook.py",
