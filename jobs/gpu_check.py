@@ -425,6 +425,50 @@ def ddp_checks(device: torch.device, prefix: str, rank: int, world: int, steps: 
         guarded(f"{prefix}/ddp-hook-mixed(async={async_comm})", run)
 
 
+def unused_layer_checks(device: torch.device, prefix: str, rank: int, world: int) -> None:
+    """DDP with ``find_unused_parameters``: the hook on a group of its own beside DDP's
+    all-reduce of used parameters, and a layer no rank used keeping its residual (the
+    settling callback reads DDP's map on the device)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raycomp.hook import CompressionState, compression_hook
+
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 10), nn.Linear(256, 10)
+
+        def forward(self, x: torch.Tensor, both: bool) -> torch.Tensor:
+            h = torch.relu(self.body(x))
+            return self.a(h) + self.b(h) if both else self.a(h)
+
+    for async_comm in (True, False):
+        def run(async_comm: bool = async_comm) -> str:
+            torch.manual_seed(0)
+            model = TwoHeads().to(device)
+            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      find_unused_parameters=True, bucket_cap_mb=0.01)
+            state = CompressionState(ddp, Plan.uniform("topk", ratio=0.05), min_compress_numel=256,
+                                     async_comm=async_comm)
+            ddp.register_comm_hook(state, compression_hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            gen = torch.Generator().manual_seed(rank)
+            norms = []
+            for step in range(4):  # head b: used, used, unused, unused
+                x = torch.randn(32, 64, generator=gen).to(device)
+                y = torch.randint(0, 10, (32,), generator=gen).to(device)
+                opt.zero_grad()
+                nn.functional.cross_entropy(ddp(x, both=step < 2), y).backward()
+                opt.step()
+                norms.append(float(state.memory.residual("b.weight").norm()))
+            state.close()
+            assert same_on_every_rank(list(model.parameters())), "parameters diverged across ranks"
+            assert norms[2] == norms[1] == norms[3], f"head b's residual changed while unused: {norms}"
+            return f"head b residual {norms[1]:.4f} kept over 2 unused steps"
+
+        guarded(f"{prefix}/ddp-hook-find-unused(async={async_comm})", run)
+
+
 def _cpu_copy(state: Any) -> Any:
     buf = __import__("io").BytesIO()
     torch.save(state, buf)
@@ -1233,6 +1277,7 @@ def _gloo_worker(rank: int, world: int, port: int, device_type: str, outdir: str
             torch.empty(8, device=device), t, [4] * world, [4] * world))
         reducer_checks(device, prefix, rank, world)
         ddp_checks(device, prefix, rank, world, steps=3)
+        unused_layer_checks(device, prefix, rank, world)
         control_checks(device, prefix, rank, world)
         ladder_checks(device, prefix, rank, world)
         sharded_comm_checks(device, prefix, rank, world)
