@@ -729,7 +729,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a plan with some dense layers issues from DDP's thread while compressed layers need the sending thread",
     ),
     mutant(
-        "hook-shares-ddp-group", "raycomp/hook.py",
+        "hook-shares-ddp-group", "raycomp/ddp.py",
         "        return dist.new_group(timeout=timeout_of(ddp_group or dist.group.WORLD))\n",
         "        return process_group\n",
         "tests/test_hook.py -k collide",
@@ -774,7 +774,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "updates no callback settled stay held back: the next step compensates with a stale residual",
     ),
     mutant(
-        "hook-group-default-timeout", "raycomp/hook.py",
+        "hook-group-default-timeout", "raycomp/ddp.py",
         "        return dist.new_group(timeout=timeout_of(ddp_group or dist.group.WORLD))\n",
         "        return dist.new_group()\n",
         "tests/test_hook.py -k within_the_process_group_timeout",
@@ -782,7 +782,7 @@ MUTANTS: tuple[Mutant, ...] = (
         timeout_s=300,
     ),
     mutant(
-        "hook-allows-ddp-group-with-unused-map", "raycomp/hook.py",
+        "hook-allows-ddp-group-with-unused-map", "raycomp/ddp.py",
         '    if process_group is ddp_group and getattr(model, "find_unused_parameters", False):\n',
         '    if process_group is ddp_group and getattr(model, "static_graph", False):\n',
         "tests/test_hook.py -k refused",
