@@ -36,6 +36,7 @@ import torch.distributed as dist
 from raycomp.compressors import Compressor
 from raycomp.compressors.powersgd import PowerSGD
 from raycomp.compressors.sparse import scatter_dense
+from raycomp.loss_scale import rescale
 from raycomp.payload import Payload, pack, unpack_like
 
 OVERHEAD = "(overhead)"
@@ -401,6 +402,9 @@ class ScalableAllreduce:
 
     def reset(self) -> None:
         self.server_residuals.clear()
+
+    def rescale(self, factor: torch.Tensor) -> None:
+        rescale(self.server_residuals.values(), factor)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.server_residuals.items()}

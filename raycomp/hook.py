@@ -55,6 +55,7 @@ import torch.distributed as dist
 from raycomp.collectives import Pending, flat_view
 from raycomp.compressors import Transport
 from raycomp.ddp import hook_group, reducer_order, refuse_sparse_gradients
+from raycomp.loss_scale import check_scaler
 from raycomp.memory import Memory
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
@@ -79,6 +80,9 @@ class CompressionState(CompressedReducer):
             with DDP's own collectives during backward (see the module docstring). A group
             you pass must span DDP's ranks and, with ``find_unused_parameters``, must not
             be DDP's own.
+        grad_scaler: your ``torch.amp.GradScaler`` when you train in fp16 with loss
+            scaling: the gradients the hook sees are scaled, and error feedback must follow
+            the scale as it changes (``raycomp.loss_scale``). Not needed for bf16.
         memory, min_compress_numel, seed, stats_every, profile_ratios: as
             in :class:`CompressedReducer`. In short: ``memory="residual"`` is error
             feedback, which every biased compressor needs to keep dense accuracy;
@@ -90,11 +94,13 @@ class CompressionState(CompressedReducer):
         self, model: torch.nn.Module, plan: Plan | None = None, *, async_comm: bool = True,
         process_group: Any = None, memory: str | Memory = "residual", min_compress_numel: int = 1024,
         seed: int = 0, stats_every: int = 0, profile_ratios: tuple[float, ...] = (),
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         refuse_sparse_gradients(model)  # before the group: nothing to undo
+        check_scaler(grad_scaler)
         super().__init__(plan, process_group=hook_group(model, process_group), memory=memory,
                          min_compress_numel=min_compress_numel, seed=seed, stats_every=stats_every,
-                         profile_ratios=profile_ratios)
+                         profile_ratios=profile_ratios, grad_scaler=grad_scaler)
         module = getattr(model, "module", model)
         #: seconds the steps waited for their reductions (the adaptive policy's "comm"): a
         #: reduction run inline is waited for whole; with the background thread, only what is

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from raycomp.loss_scale import rescale
+
 
 class Memory(Protocol):
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor: ...
@@ -30,6 +32,8 @@ class Memory(Protocol):
     def residual(self, name: str) -> torch.Tensor | None: ...
 
     def reset(self) -> None: ...
+
+    def rescale(self, factor: torch.Tensor) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -49,6 +53,9 @@ class NoMemory:
         return None
 
     def reset(self) -> None:
+        pass
+
+    def rescale(self, factor: torch.Tensor) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any]:
@@ -80,6 +87,10 @@ class ResidualMemory:
 
     def reset(self) -> None:
         self.residuals.clear()
+
+    def rescale(self, factor: torch.Tensor) -> None:
+        """The gradients' units changed by ``factor`` (a loss scaler's new scale)."""
+        rescale(self.residuals.values(), factor)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
@@ -141,6 +152,9 @@ class DGCMemory:
     def reset(self) -> None:
         self.velocity.clear()
         self.accumulated.clear()
+
+    def rescale(self, factor: torch.Tensor) -> None:
+        rescale([*self.velocity.values(), *self.accumulated.values()], factor)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -37,6 +37,7 @@ from raycomp import collectives
 from raycomp.collectives import Group, Pending, Reduced
 from raycomp.compressors import Compressor, Transport
 from raycomp.ledger import WireLedger
+from raycomp.loss_scale import ScaleFollower
 from raycomp.memory import DGCMemory, Memory, NoMemory, ResidualMemory
 from raycomp.plan import CompressorSpec, Plan
 from raycomp.stats import LayerStats, layer_stats
@@ -81,6 +82,11 @@ class CompressedReducer:
         stats_every: measure :class:`LayerStats` every this many steps (0: never).
         profile_ratios: on statistics steps also measure each layer's Top-K error at these
             ratios (for error-budget policies).
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss (fp16 training), or
+            None. Error feedback keeps what was not sent in the units of its step; told the
+            scaler, the memory follows each change of its scale (``raycomp.loss_scale``), and
+            statistics are reported in the loss's units. Without it, every growth or backoff
+            of the scale halves or doubles what the memory sends later.
     """
 
     def __init__(
@@ -93,11 +99,13 @@ class CompressedReducer:
         seed: int = 0,
         stats_every: int = 0,
         profile_ratios: tuple[float, ...] = (),
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 0:
             raise ValueError(f"min_compress_numel: expected an integer >= 0, got {min_compress_numel!r}")
         if isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 0:
             raise ValueError(f"stats_every: expected an integer >= 0, got {stats_every!r}")
+        self.loss_scale = ScaleFollower(grad_scaler)
         self.group = Group(process_group)
         self.memory = make_memory(memory, self.group.size) if isinstance(memory, str) else memory
         self.min_compress_numel = min_compress_numel
@@ -142,6 +150,10 @@ class CompressedReducer:
             self._plan, self._pending = self._pending, None
         if self._unsettled:  # nothing settled the last step's (no backward ran it): as sent
             self.settle_unused(lambda name: True)
+        factor = self.loss_scale.change()
+        if factor is not None:  # the memory joins gradients scaled by this step's scale
+            self.memory.rescale(factor)
+            self.scalable.rescale(factor)
         self._in_step = True
         self._finite = None
         self.control_rows = None
@@ -263,6 +275,7 @@ class CompressedReducer:
             if total_overhead:
                 self.ledger.add(collectives.OVERHEAD, total_overhead)
             idle = _none_true(used_here) if used_here else [False] * len(grads)
+            unscale = self.loss_scale.unscale() if collecting_stats else 1.0
             for i, name in enumerate(names):
                 result, compressor = reduced[i], compressors[i]
                 assert result is not None
@@ -279,7 +292,7 @@ class CompressedReducer:
                     self.stats.append(
                         layer_stats(name, kind, grads[i], compensated[i], result.sent,
                                     self.memory.residual(name), result.wire_bytes, dense,
-                                    self.profile_ratios)
+                                    self.profile_ratios, unscale)
                     )
             return [r.mean for r in reduced]  # type: ignore[union-attr]
 
@@ -361,6 +374,7 @@ class CompressedReducer:
                 for name, (spec, comp) in self._compressors.items()
             },
             "ledger": self.ledger.state_dict(),
+            "loss_scale": self.loss_scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -376,6 +390,7 @@ class CompressedReducer:
             compressor.load_state_dict(entry["state"])
             self._compressors[name] = (spec, compressor)
         self.ledger.load_state_dict(state["ledger"])
+        self.loss_scale.load_state_dict(state.get("loss_scale", {"scale": None}))
 
 
 def _none_true(flags: Sequence[torch.Tensor]) -> list[bool]:

@@ -42,7 +42,10 @@ def layer_stats(
     wire_bytes: float,
     dense_bytes: float,
     profile_ratios: tuple[float, ...] = (),
+    unscale: float = 1.0,
 ) -> LayerStats:
+    """``unscale``: the loss scale the gradients carry (``raycomp.loss_scale``); the norms
+    are reported divided by it, in the loss's units."""
     norm = torch.linalg.vector_norm
     zero = compensated.new_zeros((), dtype=torch.float32)
     of_compensated = norm(compensated.float())
@@ -58,9 +61,9 @@ def layer_stats(
         layer=layer,
         compressor=compressor,
         numel=grad.numel(),
-        grad_norm=grad_norm,
+        grad_norm=grad_norm / unscale,
         compression_error=error,
-        residual_norm=residual_norm,
+        residual_norm=residual_norm / unscale,
         wire_bytes=wire_bytes,
         dense_bytes=dense_bytes,
         topk_errors=topk_error_profile(compensated, profile_ratios) if profile_ratios else {},

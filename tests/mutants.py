@@ -795,6 +795,48 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_hook.py -k covers_compressed",
         "a compressed layer's NaN is not flagged: a compressor may drop it from the mean and the guard never skips the step",
     ),
+    mutant(
+        "memory-ignores-loss-scale", "raycomp/reducer.py",
+        "            self.memory.rescale(factor)\n",
+        "            pass\n",
+        "tests/test_loss_scale.py -k bit_for_bit",
+        "after a GradScaler growth or backoff the residual joins gradients at twice or half its weight",
+    ),
+    mutant(
+        "server-residuals-ignore-loss-scale", "raycomp/reducer.py",
+        "            self.scalable.rescale(factor)\n",
+        "            pass\n",
+        "tests/test_loss_scale.py -k int8",
+        "the scalable transport's server residuals stay in the old scale's units",
+    ),
+    mutant(
+        "dgc-velocity-ignores-loss-scale", "raycomp/memory.py",
+        "        rescale([*self.velocity.values(), *self.accumulated.values()], factor)\n",
+        "        rescale(self.accumulated.values(), factor)\n",
+        "tests/test_loss_scale.py -k dgc",
+        "DGC's momentum keeps the old scale's units while its accumulation follows the new one",
+    ),
+    mutant(
+        "loss-scale-followed-from-the-scaler-tensor", "raycomp/loss_scale.py",
+        "        self.scale = scale.clone()  # the scaler's update() changes its tensor in place\n",
+        "        self.scale = scale  # the scaler's update() changes its tensor in place\n",
+        "tests/test_loss_scale.py -k topk",
+        "the follower keeps the scaler's own tensor, which update() changes in place: the factor is always 1",
+    ),
+    mutant(
+        "stats-in-scaled-units", "raycomp/stats.py",
+        "        grad_norm=grad_norm / unscale,\n",
+        "        grad_norm=grad_norm,\n",
+        "tests/test_loss_scale.py -k topk",
+        "the controller sees a gradient norm that doubles when the loss scale grows (a false critical regime)",
+    ),
+    mutant(
+        "loss-scale-not-checkpointed", "raycomp/reducer.py",
+        '        self.loss_scale.load_state_dict(state.get("loss_scale", {"scale": None}))\n',
+        "",
+        "tests/test_loss_scale.py -k resumed",
+        "a resumed run does not know which scale its memory was saved in: the first change after it is missed",
+    ),
 )
 
 
