@@ -469,6 +469,77 @@ def unused_layer_checks(device: torch.device, prefix: str, rank: int, world: int
         guarded(f"{prefix}/ddp-hook-find-unused(async={async_comm})", run)
 
 
+def loss_scale_checks(device: torch.device, prefix: str, rank: int, world: int) -> None:
+    """fp16 loss scaling through the hook (``CompressionState(grad_scaler=...)``).
+
+    1. Scales set to powers of two: the run whose memory follows the scale must be the run
+       without a scaler, bit for bit (as on the CPU: ``tests/test_loss_scale.py``).
+    2. fp16 autocast with a GradScaler left to itself, from a scale that overflows: it
+       backs off, skips those steps and grows again; the loss must stay finite and fall.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raycomp.hook import CompressionState, compression_hook
+
+    scales = [2.0**4, 2.0**6, 2.0**3, 2.0**9, 2.0**5, 2.0**2] * 2
+    plans = {"topk": Plan.uniform("topk", ratio=0.01), "int8": Plan.uniform("int8", chunk_size=512),
+             "powersgd": Plan.uniform("powersgd", rank=1)}
+
+    def train(plan: Plan, scaled: bool, amp: bool, steps: int) -> tuple[list[torch.Tensor], list[float], str]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                              nn.Linear(512, 10)).to(device)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        scaler = None
+        if amp:
+            scaler = torch.amp.GradScaler(device.type, init_scale=2.0**24, growth_interval=8)
+        elif scaled:
+            scaler = torch.amp.GradScaler(device.type, init_scale=scales[0])
+        state = CompressionState(ddp, plan, min_compress_numel=256, grad_scaler=scaler)
+        ddp.register_comm_hook(state, compression_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        losses, seen = [], []
+        for step in range(steps):
+            x = torch.randn(64, 64, generator=gen).to(device)
+            y = torch.randint(0, 10, (64,), generator=gen).to(device)
+            opt.zero_grad()
+            with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+                loss = nn.functional.cross_entropy(ddp(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                seen.append(scaler.get_scale())
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update(None if amp else scales[(step + 1) % len(scales)])
+            losses.append(float(loss.detach()))
+        state.close()
+        assert same_on_every_rank(list(model.parameters())), "parameters diverged across ranks"
+        skipped = sum(b < a for a, b in zip(seen, seen[1:], strict=False))
+        return [p.detach().clone() for p in model.parameters()], losses, f"scale {seen[:1]}..{seen[-1:]}, {skipped} backoffs"
+
+    for name, plan in plans.items():
+        def follows(plan: Plan = plan) -> str:
+            plain, _, _ = train(plan, False, False, len(scales))
+            scaled, _, _ = train(plan, True, False, len(scales))
+            diff = max(float((a - b).abs().max()) for a, b in zip(plain, scaled, strict=True))
+            assert diff == 0.0, f"parameters differ from the run without a scaler by {diff:.3g}"
+            return "bit-identical to the run without a scaler"
+
+        guarded(f"{prefix}/loss-scale/{name} follows powers of two", follows)
+
+    if device.type == "cuda":
+        def amp_run() -> str:
+            _, losses, note = train(plans["topk"], True, True, 60)
+            assert all(math.isfinite(v) for v in losses), f"non-finite loss: {losses}"
+            assert sum(losses[-10:]) < sum(losses[:10]), f"loss did not fall: {losses[:3]} .. {losses[-3:]}"
+            return f"fp16 autocast, loss {sum(losses[:10]) / 10:.3f}->{sum(losses[-10:]) / 10:.3f}, {note}"
+
+        guarded(f"{prefix}/loss-scale/fp16 autocast + GradScaler (topk)", amp_run)
+
+
 def _cpu_copy(state: Any) -> Any:
     buf = __import__("io").BytesIO()
     torch.save(state, buf)
@@ -678,6 +749,17 @@ def ladder_checks(device: torch.device, prefix: str, rank: int, world: int) -> N
 # --- 2b'. DDP's buckets, the hook's threads and the caller's CUDA stream -------------------
 
 
+def kjv_transformer(device: torch.device) -> nn.Module:
+    """The model ``jobs/configs/gpt_kjv.yaml`` trains (3,224,639 parameters), built from its
+    sizes here: ``jobs.workloads.model_of`` needs pydantic, PyYAML and the KJV text, which a
+    GPU machine may lack, and this check must run with torch alone.
+    ``tests/test_device.py`` checks that the two stay the same model."""
+    from raycomp.models import char_transformer
+
+    torch.manual_seed(0)
+    return char_transformer(vocab_size=63, block=128, d_model=256, heads=4, layers=4).to(device)
+
+
 def _hook_means(device: torch.device, rank: int, plan: Plan, *, auto: bool, async_comm: bool,
                 side_stream: str = "", steps: int = 2) -> tuple[list[int], list[torch.Tensor], int]:
     """The bucket sizes DDP hands raycomp's hook at the last step (DDP rebuilds its
@@ -690,7 +772,6 @@ def _hook_means(device: torch.device, rank: int, plan: Plan, *, auto: bool, asyn
     gradient accumulators); ``"all"``: the model and DDP are built on it as well."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from jobs.workloads import model_of
     from raycomp.buckets import bucket_cap_mb
     from raycomp.hook import CompressionState, compression_hook
 
@@ -698,7 +779,7 @@ def _hook_means(device: torch.device, rank: int, plan: Plan, *, auto: bool, asyn
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side if side_stream == "all" else None):
-        model = model_of("gpt_kjv").to(device)
+        model = kjv_transformer(device)
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   **({"bucket_cap_mb": bucket_cap_mb(model)} if auto else {}))
     state = CompressionState(ddp, plan, async_comm=async_comm)
@@ -794,9 +875,9 @@ import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from raycomp import Plan
 from raycomp.hook import CompressionState, compression_hook
-from jobs.workloads import model_of
+from jobs.gpu_check import kjv_transformer
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
-model = model_of("gpt_kjv")
+model = kjv_transformer(torch.device("cpu"))
 ddp = DDP(model)
 state = CompressionState(ddp, Plan.uniform("int4"), async_comm=True)
 ddp.register_comm_hook(state, compression_hook)
@@ -1278,6 +1359,7 @@ def _gloo_worker(rank: int, world: int, port: int, device_type: str, outdir: str
         reducer_checks(device, prefix, rank, world)
         ddp_checks(device, prefix, rank, world, steps=3)
         unused_layer_checks(device, prefix, rank, world)
+        loss_scale_checks(device, prefix, rank, world)
         control_checks(device, prefix, rank, world)
         ladder_checks(device, prefix, rank, world)
         sharded_comm_checks(device, prefix, rank, world)
@@ -1426,6 +1508,7 @@ def main() -> None:
                 nccl_cpu_tensor_demo(prefix)
             reducer_checks(device, prefix, 0, 1)
             ddp_checks(device, prefix, 0, 1)
+            loss_scale_checks(device, prefix, 0, 1)
             checkpoint_to_cpu_resume(device, prefix)
             checkpoint_to_cpu_resume_whole(device, prefix)
             control_checks(device, prefix, 0, 1)

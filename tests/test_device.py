@@ -9,6 +9,11 @@ and (b) that it makes no host sync: reading a meta tensor's value (``bool(t)``,
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +21,8 @@ from raycomp.compressors import PowerSGD
 from raycomp.compressors.base import SeededDraws
 from raycomp.payload import Payload, pack, unpack_like
 from raycomp.plan import CompressorSpec
+
+REPO = Path(__file__).resolve().parents[1]
 
 META = torch.device("meta")
 
@@ -179,6 +186,23 @@ def test_the_gpu_check_runs_every_registered_compressor_and_every_transport() ->
     checked = {CompressorSpec.of(n, **gpu_check.PARAMS[n]).build("layer", 0).transport
                for n in gpu_check.TRANSPORT_PLANS.values()}
     assert checked == set(Transport)
+
+
+def test_the_gpu_check_builds_the_shipped_transformer_with_torch_alone(tmp_path) -> None:
+    """A GPU machine may have torch and nothing else (2026-11-25: no pydantic, PyYAML or KJV
+    text there), so the check builds gpt_kjv's transformer from its sizes, and it must be
+    the model the shipped config trains, weights included."""
+    from jobs.workloads import model_of
+
+    out = tmp_path / "model.pt"
+    code = ("import sys\n"
+            "for name in ('pydantic', 'yaml', 'ray'): sys.modules[name] = None  # import fails\n"
+            "import torch\nfrom jobs.gpu_check import kjv_transformer\n"
+            f"torch.save(kjv_transformer(torch.device('cpu')).state_dict(), {str(out)!r})\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    built, shipped = torch.load(out), model_of("gpt_kjv").state_dict()
+    assert built.keys() == shipped.keys()
+    assert all(torch.equal(built[k], shipped[k]) for k in built)
 
 
 def test_the_sharded_control_row_is_built_on_the_gradient_device_without_host_syncs() -> None:
