@@ -469,6 +469,19 @@ def unused_layer_checks(device: torch.device, prefix: str, rank: int, world: int
         guarded(f"{prefix}/ddp-hook-find-unused(async={async_comm})", run)
 
 
+def group_timeout_check(device: torch.device) -> str:
+    """``raycomp.ddp.timeout_of`` reads a group's timeout from its backend's options: the
+    hook's own group takes DDP's. On NCCL the options sit behind the CUDA device."""
+    import datetime
+
+    from raycomp.ddp import timeout_of
+
+    wanted = datetime.timedelta(seconds=77)
+    got = timeout_of(dist.new_group(timeout=wanted))
+    assert got == wanted, f"timeout_of gave {got}, the group was created with {wanted}"
+    return f"{dist.get_backend()}: {got.total_seconds():.0f} s read back"
+
+
 def loss_scale_checks(device: torch.device, prefix: str, rank: int, world: int) -> None:
     """fp16 loss scaling through the hook (``CompressionState(grad_scaler=...)``).
 
@@ -1277,6 +1290,8 @@ def training_runs(device: torch.device, quick: bool, only: str = "") -> list[dic
         ("hook, int4", Plan.uniform("int4")),
         ("hook, bf16", Plan.uniform("bf16")),
         ("hook, int4, raycomp.bucket_cap_mb buckets", Plan.uniform("int4")),
+        ("plain DDP, fp16 autocast + GradScaler", None),
+        ("hook, topk 1%, fp16 autocast + GradScaler", Plan.uniform("topk", ratio=0.01)),
     ]
     rows = []
     for label, plan in configs:
@@ -1287,9 +1302,11 @@ def training_runs(device: torch.device, quick: bool, only: str = "") -> list[dic
             model = char_transformer(vocab, block=block).to(device)
             buckets = {"bucket_cap_mb": bucket_cap_mb(model)} if "bucket_cap_mb" in label else {}
             ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **buckets)
+            amp = "fp16 autocast" in label
+            scaler = torch.amp.GradScaler(device.type) if amp else None
             state = None
             if plan is not None:
-                state = CompressionState(ddp, plan)
+                state = CompressionState(ddp, plan, grad_scaler=scaler)
                 ddp.register_comm_hook(state, compression_hook)
             opt = torch.optim.Adam(ddp.parameters(), lr=3e-3)
             gen = torch.Generator().manual_seed(1)
@@ -1301,10 +1318,16 @@ def training_runs(device: torch.device, quick: bool, only: str = "") -> list[dic
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                loss = lm_loss(ddp(window[:, :-1]), window[:, 1:])
+                with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+                    loss = lm_loss(ddp(window[:, :-1]), window[:, 1:])
                 opt.zero_grad()
-                loss.backward()
-                opt.step()
+                if scaler is None:
+                    loss.backward()
+                    opt.step()
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
@@ -1508,6 +1531,8 @@ def main() -> None:
                 nccl_cpu_tensor_demo(prefix)
             reducer_checks(device, prefix, 0, 1)
             ddp_checks(device, prefix, 0, 1)
+            unused_layer_checks(device, prefix, 0, 1)
+            guarded(f"{prefix}/timeout_of a new group", lambda: group_timeout_check(device))
             loss_scale_checks(device, prefix, 0, 1)
             checkpoint_to_cpu_resume(device, prefix)
             checkpoint_to_cpu_resume_whole(device, prefix)
