@@ -837,6 +837,46 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_loss_scale.py -k resumed",
         "a resumed run does not know which scale its memory was saved in: the first change after it is missed",
     ),
+    mutant(
+        "scaler-overflow-falls-back", "raycomp/train/guard_step.py",
+        "        if nonfinite and self.grad_scaler is not None and self.grad_scaler.get_scale() > 1.0:\n",
+        "        if False:\n",
+        "tests/test_train_loss_scale.py -k resumes",
+        "every GradScaler overflow (routine in fp16) makes the guard fall back to dense for stable_steps steps",
+        timeout_s=300,
+    ),
+    mutant(
+        "guard-judges-scaled-gradients", "raycomp/train/loop.py",
+        "            self.grad_scaler.unscale_(self.optimizer)  # the guard judges the gradient itself\n",
+        "            pass\n",
+        "tests/test_train_loss_scale.py -k resumes",
+        "the guard's explosion test sees gradients times the loss scale, and the optimizer steps with them",
+        timeout_s=300,
+    ),
+    mutant(
+        "scaler-never-updated", "raycomp/train/loop.py",
+        "            self.grad_scaler.update()  # backs off after an overflow, grows after clean steps\n",
+        "            pass\n",
+        "tests/test_train_loss_scale.py -k resumes",
+        "the scale never backs off: an overflowing scale overflows every step and no step applies",
+        timeout_s=300,
+    ),
+    mutant(
+        "scaler-not-restored", "raycomp/train/loop.py",
+        "                    self.grad_scaler.load_state_dict(own[\"grad_scaler\"])\n",
+        "                    pass\n",
+        "tests/test_train_loss_scale.py -k resumes",
+        "a restarted worker starts a fresh scaler: it overflows again from the initial scale",
+        timeout_s=300,
+    ),
+    mutant(
+        "train-memory-ignores-scaler", "raycomp/train/loop.py",
+        "                                          grad_scaler=grad_scaler)\n",
+        "                                          grad_scaler=None)\n",
+        "tests/test_train_loss_scale.py -k resumes",
+        "raycomp.train's hook is not told the scaler: the memory mixes scales, the controller gets scaled norms",
+        timeout_s=300,
+    ),
 )
 
 

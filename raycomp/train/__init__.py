@@ -13,7 +13,7 @@
         for epoch in loop.epochs(num_epochs, steps_per_epoch):  # resumes mid-epoch
             for x, y in my_batches(epoch, start=loop.step_in_epoch):
                 loss = loss_fn(model(x), y)
-                loss.backward()
+                loss.backward()                                 # fp16: grad_scaler.scale(loss).backward()
                 raycomp.train.step(loss, samples=len(y))       # guard, optimizer, boundary
             raycomp.train.report({"accuracy": evaluate(model)})  # + checkpoint with raycomp state
         return raycomp.train.finish()                          # run totals (rank 0's is returned)
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from raycomp.train.callback import ControllerCallback
-from raycomp.train.loop import TrainLoop
+from raycomp.train.loop import TrainLoop, refuse_scaler
 from raycomp.train.options import TrainOptions
 from raycomp.train.plan_sync import PlanMismatchError
 
@@ -45,6 +45,7 @@ _loop: TrainLoop | None = None
 
 
 def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
+                  grad_scaler: torch.amp.GradScaler | None = None,
                   options: TrainOptions | None = None) -> torch.nn.Module:
     """Wrap ``model`` in DDP (``ray.train.torch.prepare_model``) with raycomp's comm hook,
     link this worker to the controller, restore from ``ray.train.get_checkpoint()`` if it
@@ -53,12 +54,19 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
     Args:
         model: your model, on this worker's device; ``optimizer`` and ``scheduler`` (optional,
             stepped once per step) over its parameters — raycomp steps them in :func:`step`.
+        grad_scaler: your ``torch.amp.GradScaler`` for fp16 training with loss scaling (not
+            needed for bf16). Call ``grad_scaler.scale(loss).backward()`` and then
+            :func:`step` with the unscaled ``loss``: raycomp unscales the gradients before
+            the guard judges them, steps the optimizer through the scaler and updates its
+            scale; error feedback follows the scale, and the scaler's state is checkpointed.
+            An overflow is skipped as the scaler would skip it, without a fallback to dense.
         options: see :class:`TrainOptions` (default: the critical-regime policy, K=10).
     """
     global _loop
     options = options or TrainOptions()
+    refuse_scaler(grad_scaler, options)
     controller = _find_controller(options)
-    _loop = TrainLoop(model, optimizer, scheduler, options=options, controller=controller)
+    _loop = TrainLoop(model, optimizer, scheduler, options=options, controller=controller, grad_scaler=grad_scaler)
     return _loop.model
 
 

@@ -37,11 +37,19 @@ class GuardStep:
             norm every rank sees).
         group: process group for the fallback exchange when no raycomp reducer ran this
             step (torch's baseline hooks carry nothing).
+        grad_scaler: the run's ``torch.amp.GradScaler``, or None. Its overflows are its own
+            business: a step whose gradients are not finite while the scale is above 1 is
+            skipped (the scaler backs off) without a fallback. At a scale of 1 or below
+            the unscaled gradient itself overflows, and the guard falls back as without a
+            scaler. Every rank holds the same scale: it follows the same reduced gradient.
     """
 
-    def __init__(self, guard: Guard, state: Any, rank: int, world_size: int, group: Any = None) -> None:
+    def __init__(self, guard: Guard, state: Any, rank: int, world_size: int, group: Any = None,
+                 grad_scaler: Any = None) -> None:
         self.guard, self.state = guard, state
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.grad_scaler = grad_scaler
+        self.overflows = 0  # steps skipped for the loss scaler
         self.carry = [0.0, 0.0, -1.0]  # the previous step's (loss, has loss, worst error)
         self.state.stage_control(self.carry)
 
@@ -53,6 +61,9 @@ class GuardStep:
         loss = (math.fsum(losses) / len(losses) if all(map(math.isfinite, losses)) else float("nan")) \
             if losses else None
         errors = [r[3] for r in rows if r[3] >= 0]
+        if nonfinite and self.grad_scaler is not None and self.grad_scaler.get_scale() > 1.0:
+            self.overflows += 1
+            return Verdict(skip_update=True, changed=False)
         return self.guard.observe(step, nonfinite, loss, max(errors) if errors else None,
                                   norm if math.isfinite(norm) else 0.0)
 

@@ -29,6 +29,7 @@ from raycomp.baselines import register_torch_hook
 from raycomp.buckets import ddp_kwargs
 from raycomp.guard import Guard
 from raycomp.hook import CompressionState, compression_hook
+from raycomp.loss_scale import check_scaler
 from raycomp.plan import Plan
 from raycomp.train import checkpoint
 from raycomp.train.guard_step import GuardStep
@@ -50,9 +51,13 @@ class TrainLoop:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
-                 options: TrainOptions, controller: Any = None) -> None:
+                 options: TrainOptions, controller: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
         import ray.train
         import ray.train.torch
+
+        refuse_scaler(grad_scaler, options)
+        self.grad_scaler = grad_scaler
 
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
@@ -93,7 +98,8 @@ class TrainLoop:
                                       control_group=group)
         else:
             self.state = CompressionState(self.model, Plan(), memory=c.memory, min_compress_numel=c.min_compress_numel,
-                                          seed=options.seed, stats_every=self.interval, profile_ratios=profile)
+                                          seed=options.seed, stats_every=self.interval, profile_ratios=profile,
+                                          grad_scaler=grad_scaler)
         if self.ddp and c.baseline_hook != "none":
             register_torch_hook(self.model, c)  # raycomp stays out of the way
         elif self.ddp:
@@ -101,7 +107,8 @@ class TrainLoop:
         outages = Outages()
         self.outages = outages
         self.plans = PlanSync(self.rank, self.world_size, group, controller, self.run_id, outages)
-        self.guard = GuardStep(Guard(**c.guard.model_dump()), self.state, self.rank, self.world_size, group)
+        self.guard = GuardStep(Guard(**c.guard.model_dump()), self.state, self.rank, self.world_size, group,
+                               grad_scaler)
         self.reporter = StatsReporter(controller, self.run_id, self.rank, outages)
         self.log = StepLog(self.output_dir, self.rank, options.progress_every)
         self.global_step = self.epoch = self.plan_switches = self.skipped_steps = 0
@@ -143,6 +150,8 @@ class TrainLoop:
             self.state.allreduce_gradients()  # one process: local compression + memory
         loss_value = float(loss.detach())
         started = time.perf_counter()
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)  # the guard judges the gradient itself
         verdict = self.guard.decide(self.global_step, self._params)
         if verdict.changed:
             event = self.guard.guard.events[-1]
@@ -153,11 +162,13 @@ class TrainLoop:
         self.guard.stage(loss_value, applied)
         self.control_seconds += time.perf_counter() - started
         self._lr_used = self.optimizer.param_groups[0]["lr"] * self.lr_ramp.factor(self.global_step)
-        if applied:
+        if applied:  # unscaled and finite: the scaler's own step() would do no more
             self.lr_ramp.optimizer_step(self.optimizer, self.global_step)
         else:
             self.skipped_steps += 1
             self.state.discard_step()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -258,7 +269,9 @@ class TrainLoop:
             "compression": self.state.state_dict(), "guard": self.guard.state_dict(),
             "controller_plan": self.controller_plan.to_dict(), "rng": torch.get_rng_state(),
             "counters": {"plan_switches": self.plan_switches, "outages": self.outages.count,
-                         "skipped_steps": self.skipped_steps, "lr_ramp_from": self.lr_ramp.started_at},
+                         "skipped_steps": self.skipped_steps, "lr_ramp_from": self.lr_ramp.started_at,
+                         "loss_scale_overflows": self.guard.overflows},
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
         })
         if self.sharded:  # every rank writes its shards (a collective)
             checkpoint.save_sharded(directory, self.model, self.optimizer)
@@ -292,6 +305,9 @@ class TrainLoop:
                 counters = own["counters"]
                 self.plan_switches, self.outages.count = counters["plan_switches"], counters["outages"]
                 self.skipped_steps, self.lr_ramp.started_at = counters["skipped_steps"], counters["lr_ramp_from"]
+                self.guard.overflows = counters.get("loss_scale_overflows", 0)
+                if self.grad_scaler is not None and own.get("grad_scaler"):
+                    self.grad_scaler.load_state_dict(own["grad_scaler"])
         self.global_step = self.restored_from = meta["global_step"]
         log.info("resumed from step %d", self.global_step)
 
@@ -307,6 +323,7 @@ class TrainLoop:
             "wire_bytes_total": float(sums[0]), "dense_bytes_total": float(sums[1]),
             "controller_outages": int(sums[2]), "steps": self.global_step, "stats_dropped": self.reporter.dropped,
             "plan_switches": self.plan_switches, "skipped_steps": self.skipped_steps,
+            "loss_scale_overflows": self.guard.overflows,
             "fallback_events": [e.to_dict() for e in self.guard.guard.events],
             "replayed_steps": self.replayed_steps, "restored_from_step": self.restored_from,
             "final_plan": self.state.plan.to_dict(), "control_seconds": self.control_seconds,
@@ -327,6 +344,14 @@ class TrainLoop:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def refuse_scaler(grad_scaler: Any, options: TrainOptions) -> None:
+    """A one-line error for a GradScaler raycomp.train cannot follow."""
+    check_scaler(grad_scaler)
+    if grad_scaler is not None and options.strategy == "fsdp":
+        raise ValueError("grad_scaler: not supported with strategy 'fsdp'; allowed there: None "
+                         "(train in bf16, which needs no loss scaling)")
 
 
 def _is_dense(plan: Plan) -> bool:
