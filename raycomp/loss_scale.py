@@ -40,6 +40,16 @@ def current_scale(grad_scaler: torch.amp.GradScaler | None) -> torch.Tensor | No
     return grad_scaler._scale
 
 
+def unscale_once(grad_scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """``grad_scaler.unscale_(optimizer)`` unless the caller already did this step (to clip
+    the gradients, torch's recipe): a second call raises. Reads the scaler's per-optimizer
+    stage, a private field that has held it since torch 1.6."""
+    from torch.amp.grad_scaler import OptState
+
+    if grad_scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
+        grad_scaler.unscale_(optimizer)
+
+
 def rescale(tensors: Iterable[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply every tensor in place by the 0-d ``factor``, one fused kernel per device
     (a memory loaded onto the CPU may sit beside a CUDA factor until its layer is next used)."""

@@ -363,6 +363,8 @@ class CompressedReducer:
     # --- checkpointing -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-for-bit: step, plan, memory, compressor state."""
+        if self._unsettled:  # held back by a step no backward closed: as sent, as the next step would
+            self.settle_unused(lambda name: True)
         return {
             "step": self.step,
             "plan": self._plan.to_dict(),

@@ -847,7 +847,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "guard-judges-scaled-gradients", "raycomp/train/loop.py",
-        "            self.grad_scaler.unscale_(self.optimizer)  # the guard judges the gradient itself\n",
+        "            unscale_once(self.grad_scaler, self.optimizer)\n",
         "            pass\n",
         "tests/test_train_loss_scale.py -k resumes",
         "the guard's explosion test sees gradients times the loss scale, and the optimizer steps with them",
@@ -876,6 +876,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_train_loss_scale.py -k resumes",
         "raycomp.train's hook is not told the scaler: the memory mixes scales, the controller gets scaled norms",
         timeout_s=300,
+    ),
+    mutant(
+        "scaler-unscaled-twice", "raycomp/loss_scale.py",
+        "    if grad_scaler._per_optimizer_states[id(optimizer)][\"stage\"] is not OptState.UNSCALED:\n",
+        "    if True:\n",
+        "tests/test_train_loss_scale.py -k resumes",
+        "a caller who unscaled to clip (torch's recipe) gets a RuntimeError from the second unscale_",
+        timeout_s=300,
+    ),
+    mutant(
+        "checkpoint-without-held-updates", "raycomp/reducer.py",
+        "        if self._unsettled:  # held back by a step no backward closed: as sent, as the next step would\n",
+        "        if False:  # held back by a step no backward closed: as sent, as the next step would\n",
+        "tests/test_hook.py -k held_back",
+        "a joined rank checkpointed between a shadow step and its next step saves its memory without the update",
     ),
 )
 

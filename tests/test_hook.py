@@ -318,6 +318,9 @@ def test_held_back_updates_nothing_settled_apply_as_sent_at_the_next_step():
         assert torch.equal(*means)
         held.end_step()
         plain.end_step()
+        # a checkpoint taken now holds the update too (a joined rank saved between steps)
+        saved = held.state_dict()["memory"]["residuals"]["w"]
+        assert torch.equal(saved, plain.memory.residual("w"))
     assert torch.equal(held.memory.residual("w"), plain.memory.residual("w"))
 
 

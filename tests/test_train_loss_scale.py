@@ -1,6 +1,7 @@
 """raycomp.train with a GradScaler, on a real local Ray (2 workers, gloo): overflows are
-skipped without a fallback to dense, the guard judges unscaled gradients, and a restarted
-worker resumes the scaler where the checkpoint left it."""
+skipped without a fallback to dense, the guard judges unscaled gradients (whether or not the
+caller unscaled them first, to clip), and a restarted worker resumes the scaler where the
+checkpoint left it."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def _train_with_a_scaler(config: dict) -> dict:
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
             scaler.scale(loss).backward()
+            if loop.global_step % 2:  # torch's recipe for clipping: unscale first, then step
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 50.0)
             raycomp.train.step(loss, samples=len(y))
             norms.extend(loop.guard.guard.grad_norms)  # what the guard judged
             # what the controller is sent (an overflowed step's statistics are not finite: never sent)

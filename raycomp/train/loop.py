@@ -29,7 +29,7 @@ from raycomp.baselines import register_torch_hook
 from raycomp.buckets import ddp_kwargs
 from raycomp.guard import Guard
 from raycomp.hook import CompressionState, compression_hook
-from raycomp.loss_scale import check_scaler
+from raycomp.loss_scale import check_scaler, unscale_once
 from raycomp.plan import Plan
 from raycomp.train import checkpoint
 from raycomp.train.guard_step import GuardStep
@@ -150,8 +150,8 @@ class TrainLoop:
             self.state.allreduce_gradients()  # one process: local compression + memory
         loss_value = float(loss.detach())
         started = time.perf_counter()
-        if self.grad_scaler is not None:
-            self.grad_scaler.unscale_(self.optimizer)  # the guard judges the gradient itself
+        if self.grad_scaler is not None:  # the guard judges the gradient itself
+            unscale_once(self.grad_scaler, self.optimizer)
         verdict = self.guard.decide(self.global_step, self._params)
         if verdict.changed:
             event = self.guard.guard.events[-1]
@@ -162,7 +162,8 @@ class TrainLoop:
         self.guard.stage(loss_value, applied)
         self.control_seconds += time.perf_counter() - started
         self._lr_used = self.optimizer.param_groups[0]["lr"] * self.lr_ramp.factor(self.global_step)
-        if applied:  # unscaled and finite: the scaler's own step() would do no more
+        # with a scaler the gradients are unscaled and finite here: its step() would do no more
+        if applied:
             self.lr_ramp.optimizer_step(self.optimizer, self.global_step)
         else:
             self.skipped_steps += 1
