@@ -469,6 +469,59 @@ def unused_layer_checks(device: torch.device, prefix: str, rank: int, world: int
         guarded(f"{prefix}/ddp-hook-find-unused(async={async_comm})", run)
 
 
+def compiled_ddp_checks(device: torch.device, prefix: str, rank: int, world: int) -> None:
+    """``torch.compile`` of a DDP model with the hook (DDPOptimizer splits the graph at each
+    of its 8 buckets): the dense plan must give plain compiled DDP's parameters bit for bit,
+    and int4 must train; both with the hook's threads."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raycomp.buckets import bucket_cap_mb
+    from raycomp.hook import CompressionState, compression_hook
+
+    def train(plan: Plan | None) -> tuple[list[torch.Tensor], list[float]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(),
+                              *[m for _ in range(5) for m in (nn.Linear(1024, 1024), nn.ReLU())],
+                              nn.Linear(1024, 10)).to(device)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  bucket_cap_mb=bucket_cap_mb(model))
+        state = None
+        if plan is not None:
+            state = CompressionState(ddp, plan, min_compress_numel=256)
+            ddp.register_comm_hook(state, compression_hook)
+        net = torch.compile(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(6):
+            x = torch.randn(64, 64, generator=gen).to(device)
+            y = torch.randint(0, 10, (64,), generator=gen).to(device)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        if state is not None:
+            state.close()
+        assert same_on_every_rank(list(model.parameters())), "parameters diverged across ranks"
+        return [p.detach().clone() for p in model.parameters()], losses
+
+    def dense() -> str:
+        plain, _ = train(None)
+        hooked, _ = train(Plan())
+        diff = max(float((a - b).abs().max()) for a, b in zip(plain, hooked, strict=True))
+        assert diff == 0.0, f"the hook's dense plan differs from plain compiled DDP by {diff:.3g}"
+        return "bit-identical to plain compiled DDP"
+
+    def int4() -> str:
+        _, losses = train(Plan.uniform("int4"))
+        assert all(math.isfinite(v) for v in losses), f"non-finite loss: {losses}"
+        return f"loss {losses[0]:.4f}->{losses[-1]:.4f}"
+
+    guarded(f"{prefix}/ddp-hook-compiled(dense plan)", dense)
+    guarded(f"{prefix}/ddp-hook-compiled(int4)", int4)
+
+
 def group_timeout_check(device: torch.device) -> str:
     """``raycomp.ddp.timeout_of`` reads a group's timeout from its backend's options: the
     hook's own group takes DDP's. On NCCL the options sit behind the CUDA device."""
@@ -1382,6 +1435,7 @@ def _gloo_worker(rank: int, world: int, port: int, device_type: str, outdir: str
         reducer_checks(device, prefix, rank, world)
         ddp_checks(device, prefix, rank, world, steps=3)
         unused_layer_checks(device, prefix, rank, world)
+        compiled_ddp_checks(device, prefix, rank, world)
         loss_scale_checks(device, prefix, rank, world)
         control_checks(device, prefix, rank, world)
         ladder_checks(device, prefix, rank, world)
@@ -1532,6 +1586,7 @@ def main() -> None:
             reducer_checks(device, prefix, 0, 1)
             ddp_checks(device, prefix, 0, 1)
             unused_layer_checks(device, prefix, 0, 1)
+            compiled_ddp_checks(device, prefix, 0, 1)
             guarded(f"{prefix}/timeout_of a new group", lambda: group_timeout_check(device))
             loss_scale_checks(device, prefix, 0, 1)
             checkpoint_to_cpu_resume(device, prefix)

@@ -17,6 +17,7 @@ from raycomp import (
     CompressionState,
     CompressorSpec,
     Plan,
+    bucket_cap_mb,
     compression_hook,
 )
 from raycomp.compressors import Compressor, Transport
@@ -322,6 +323,38 @@ def test_held_back_updates_nothing_settled_apply_as_sent_at_the_next_step():
         saved = held.state_dict()["memory"]["residuals"]["w"]
         assert torch.equal(saved, plain.memory.residual("w"))
     assert torch.equal(held.memory.residual("w"), plain.memory.residual("w"))
+
+
+def _compiled_or_eager(rank: int, world_size: int, compiled: bool):
+    torch.manual_seed(0)  # 8 buckets of 2.5 MB: DDP under torch.compile splits its graph at each
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(),
+                          *[m for _ in range(5) for m in (nn.Linear(1024, 1024), nn.ReLU())], nn.Linear(1024, 10))
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb(model))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with CompressionState(ddp, Plan.uniform("topk", ratio=0.05), min_compress_numel=256) as state:
+        ddp.register_comm_hook(state, compression_hook)
+        net = torch.compile(ddp) if compiled else ddp
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            optimizer.step()
+    from torch._dynamo.utils import counters
+
+    compiled_frames = counters["frames"]["ok"]
+    return [p.detach().clone() for p in model.parameters()], state.ledger.wire_total, state.step, compiled_frames
+
+
+def test_a_compiled_ddp_model_reduces_as_the_eager_one():
+    # torch.compile of a DDP model (DDPOptimizer: one graph per bucket; it needs buckets of at
+    # least DDP's 1 MB first bucket, raycomp.bucket_cap_mb's floor): the same hook calls
+    (eager, compiled) = (run_distributed(_compiled_or_eager, 2, flag, timeout=300) for flag in (False, True))
+    for r in range(2):
+        assert eager[r][3] == 0 < compiled[r][3]  # dynamo compiled frames in the compiled run only
+        assert compiled[r][1:3] == eager[r][1:3] and eager[r][2] == 3
+        for a, b in zip(eager[r][0], compiled[r][0], strict=True):
+            assert torch.equal(a, b)
 
 
 def _group_errors(rank: int, world_size: int) -> list[str]:
