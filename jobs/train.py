@@ -77,6 +77,7 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     config = JobConfig.model_validate(loop_config["config"])
     quiet_worker_logs(config.run.ray_logs)
     import ray.train
+    import ray.train.torch
 
     context = ray.train.get_context()
     torch.set_num_threads(max(1, int(config.scaling.cpus_per_worker)))
@@ -88,7 +89,9 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         output_dir=loop_config["output_dir"], run_id=loop_config["run_id"], seed=config.run.seed,
         progress_every=config.run.progress_every_steps, eval_kind="loss" if workload.metric == "loss" else "accuracy",
         strategy=config.scaling.strategy)
-    model = raycomp.train.prepare_model(workload.model, optimizer, scheduler, options=options)
+    precision = Precision(config.workload.precision, ray.train.torch.get_device().type)
+    model = raycomp.train.prepare_model(workload.model, optimizer, scheduler, grad_scaler=precision.scaler,
+                                        options=options)
     loop = raycomp.train.current()
     loss_fn = workload.loss
     if config.faults != FaultsSection():  # test-only machinery, wrapped around the loop
@@ -111,8 +114,9 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
 
     for epoch in loop.epochs(config.workload.epochs, workload.steps_per_epoch):
         for x, y in workload.batches(epoch, loop.step_in_epoch):
-            loss = loss_fn(model(x), y)
-            loss.backward()
+            with precision.autocast():
+                loss = loss_fn(model(x), y)
+            precision.backward(loss)
             raycomp.train.step(loss, samples=len(y))
             if every and loop.global_step % every == 0:
                 metric = evaluate()
@@ -127,6 +131,27 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     totals = raycomp.train.finish()
     return {**totals, "epochs": config.workload.epochs, "world_size": context.get_world_size(),
             f"final_eval_{workload.metric}": metric}
+
+
+class Precision:
+    """``workload.precision`` on one worker: the autocast the forward pass runs under and,
+    for fp16, the GradScaler that scales the loss for backward. raycomp.train unscales the
+    gradients, steps the optimizer and updates the scale."""
+
+    def __init__(self, precision: str, device_type: str) -> None:
+        import torch
+
+        self.device_type = device_type
+        self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
+
+    def autocast(self) -> Any:
+        import torch
+
+        return torch.autocast(self.device_type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None)
+
+    def backward(self, loss: Any) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
 
 class TargetStop:

@@ -892,6 +892,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_hook.py -k held_back",
         "a joined rank checkpointed between a shadow step and its next step saves its memory without the update",
     ),
+    mutant(
+        "job-autocast-never-enabled", "jobs/train.py",
+        "        return torch.autocast(self.device_type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None)\n",
+        "        return torch.autocast(self.device_type, dtype=self.dtype or torch.bfloat16, enabled=False)\n",
+        "tests/test_train_loss_scale.py -k its_precision",
+        "workload.precision=bf16/fp16 trains in fp32: the setting is accepted and ignored",
+    ),
+    mutant(
+        "job-fp16-scaler-not-given", "jobs/train.py",
+        "    model = raycomp.train.prepare_model(workload.model, optimizer, scheduler, grad_scaler=precision.scaler,\n",
+        "    model = raycomp.train.prepare_model(workload.model, optimizer, scheduler, grad_scaler=None,\n",
+        "tests/test_train_loss_scale.py -k in_fp16",
+        "the job scales the loss but raycomp.train never unscales: the optimizer steps with gradients x 65536",
+        timeout_s=300,
+    ),
 )
 
 

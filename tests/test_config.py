@@ -36,6 +36,9 @@ BAD = [
     (["run.name=has space"], r"run.name: String should match pattern"),
     (["compression.bucket_cap_mb=0"], r"compression.bucket_cap_mb: must be 'auto' or a size in MB in \(0, 100000\], got 0$"),
     (["compression.bucket_cap_mb=big"], r"compression.bucket_cap_mb: must be 'auto' or a size in MB .*got 'big'$"),
+    (["workload.precision=fp8"], r"workload.precision: must be one of 'fp32', 'bf16' or 'fp16'"),
+    (["workload.precision=fp16", "scaling.strategy=fsdp", "compression.policy=static"],
+     r"workload.precision: 'fp16' \(a loss scaler\) is not available with scaling.strategy=fsdp; allowed there: fp32, bf16$"),
 ]
 
 

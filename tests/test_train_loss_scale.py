@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobs.train import Precision, prepare, run
+from tests.conftest import REPO
+
 
 def _train_with_a_scaler(config: dict) -> dict:
     import ray.train
@@ -96,3 +99,26 @@ def test_a_grad_scaler_is_refused_where_raycomp_train_cannot_follow_it():
     with pytest.raises(ValueError, match=r"^grad_scaler: not supported with strategy 'fsdp'; allowed there: None"):
         raycomp.train.prepare_model(model, None, grad_scaler=scaler,  # type: ignore[arg-type]
                                     options=raycomp.train.TrainOptions(strategy="fsdp"))
+
+
+@pytest.mark.parametrize("precision,dtype,scale", [("fp32", torch.float32, 1.0), ("bf16", torch.bfloat16, 1.0),
+                                                   ("fp16", torch.float16, 2.0**16)])
+def test_the_job_runs_the_forward_pass_in_its_precision(precision, dtype, scale):
+    chosen = Precision(precision, "cpu")
+    model = torch.nn.Linear(8, 4)
+    with chosen.autocast():
+        out = model(torch.randn(2, 8))
+    assert out.dtype == dtype
+    chosen.backward(out.float().mean())  # 8 outputs: 1/8 each, over 2 rows into the bias
+    assert torch.equal(model.bias.grad, torch.full((4,), 0.25 * scale))  # fp16: the scaler's default scale
+
+
+def test_a_job_in_fp16_trains_with_a_scaler_in_its_checkpoints(ray_cluster, tmp_path):
+    config, run_id, output = prepare(["--config", str(REPO / "jobs" / "configs" / "digits.yaml"),
+                                      "--output", str(tmp_path / "fp16"), "--run-id", f"fp16-{tmp_path.name}",
+                                      "workload.epochs=1", "workload.precision=fp16"])
+    summary = run(config, run_id, output)
+    assert summary["status"] == "succeeded" and summary["final_eval_accuracy"] > 0.5  # fp32: 0.59 after 1 epoch
+    latest = sorted(p for p in output.glob("checkpoint_*") if p.is_dir())[-1]
+    own = torch.load(latest / "rank0.pt", weights_only=False)
+    assert own["grad_scaler"]["scale"] == 2.0**16  # no overflow on digits: the default scale

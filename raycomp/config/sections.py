@@ -69,6 +69,10 @@ class WorkloadSection(_Strict):
     #: ``stop_consecutive`` consecutive evaluations (benchmarks: time to target)
     stop_at_target: float | None = None
     stop_consecutive: Annotated[int, Field(ge=1, le=100)] = 2
+    #: the forward pass's precision: ``fp32``; ``bf16`` (autocast); ``fp16`` (autocast and a
+    #: ``torch.amp.GradScaler``, which raycomp's error feedback and guard follow). fp16 is
+    #: for GPUs: on a CPU, autocast computes it slower than fp32
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
     @field_validator("entrypoint")
     @classmethod
@@ -353,6 +357,9 @@ class JobConfig(_Strict):
     @model_validator(mode="after")
     def _strategy(self) -> JobConfig:
         self.compression.check_strategy(self.scaling.strategy)
+        if self.workload.precision == "fp16" and self.scaling.strategy == "fsdp":
+            raise ValueError("workload.precision: 'fp16' (a loss scaler) is not available with "
+                             "scaling.strategy=fsdp; allowed there: fp32, bf16")
         return self
 
     @model_validator(mode="after")
