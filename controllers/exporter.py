@@ -92,6 +92,9 @@ class ControllerCollector:
         if run.eval_metric is not None:
             f["raycomp_eval_metric"].add_metric([rid, run.eval_kind], run.eval_metric)
         f["raycomp_fallback_active"].add_metric([rid], float(run.fallback_active))
+        f["raycomp_skipped_steps_total"].add_metric([rid], run.skipped_steps)
+        if run.loss_scale is not None:
+            f["raycomp_loss_scale"].add_metric([rid], run.loss_scale)
         # every known reason from the start at 0, so the first event is an increase
         reasons = {reason: 0 for reason in REASONS} | run.fallback_by_reason
         for reason, count in sorted(reasons.items()):

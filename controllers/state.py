@@ -112,6 +112,8 @@ class RunState:
         self.status = "running"
         self.per_rank_bytes: dict[int, tuple[float, float]] = {}
         self.per_rank_outages: dict[int, int] = {}
+        self.skipped_steps = 0  # the optimizer steps skipped (the same on every rank)
+        self.loss_scale: float | None = None  # the latest GradScaler scale reported (fp16 runs)
         self.eval_kind = eval_kind
         self.fallback_by_reason: dict[str, int] = {}
         self.histograms = {name: Histogram() for name in TIMED}
@@ -130,6 +132,9 @@ class RunState:
             self._totals_step[stats.rank] = stats.step
             self.per_rank_bytes[stats.rank] = (stats.wire_bytes, stats.dense_bytes)
         self.per_rank_outages[stats.rank] = max(stats.outages, self.per_rank_outages.get(stats.rank, 0))
+        self.skipped_steps = max(self.skipped_steps, stats.skipped_steps)
+        if stats.loss_scale is not None and stats.step >= self._totals_step.get(stats.rank, -1):
+            self.loss_scale = stats.loss_scale
         for name in TIMED:
             self.histograms[name].observe(getattr(stats, name))
         for event in stats.events:
@@ -234,6 +239,7 @@ class RunState:
             "reports": self.reports, "status": self.status,
             "per_rank_bytes": {str(k): list(v) for k, v in self.per_rank_bytes.items()},
             "per_rank_outages": {str(k): v for k, v in self.per_rank_outages.items()},
+            "skipped_steps": self.skipped_steps, "loss_scale": self.loss_scale,
             "eval_kind": self.eval_kind, "fallback_by_reason": self.fallback_by_reason,
             "histograms": {k: vars(h) for k, h in self.histograms.items()},
         }
@@ -261,6 +267,7 @@ class RunState:
         run.reports, run.status = data["reports"], data["status"]
         run.per_rank_bytes = {int(k): (v[0], v[1]) for k, v in data["per_rank_bytes"].items()}
         run.per_rank_outages = {int(k): v for k, v in data["per_rank_outages"].items()}
+        run.skipped_steps, run.loss_scale = data.get("skipped_steps", 0), data.get("loss_scale")
         run.fallback_by_reason = dict(data["fallback_by_reason"])
         run.histograms = {k: Histogram(**h) for k, h in data["histograms"].items()}
         return run

@@ -46,6 +46,8 @@ class GradStats:
     events: tuple[dict[str, Any], ...] = ()
     eval_metric: float | None = None  # accuracy, or loss for the LM; at epoch ends
     outages: int = 0  # times this rank could not reach the controller so far
+    skipped_steps: int = 0  # steps this rank's optimizer skipped so far (guard or loss-scale overflow)
+    loss_scale: float | None = None  # the GradScaler's scale at the boundary (fp16; None without one)
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -71,14 +73,18 @@ class GradStats:
             raise ValueError("stats.run_id: expected a non-empty string")
         if len(run_id) > MAX_NAME_CHARS:
             raise ReportTooLarge(f"stats.run_id: longer than {MAX_NAME_CHARS} characters")
-        for key in ("rank", "step", "epoch", "plan_version", "outages"):
-            value = data.get(key, 0 if key == "outages" else None)
+        for key in ("rank", "step", "epoch", "plan_version", "outages", "skipped_steps"):
+            value = data.get(key, 0 if key in ("outages", "skipped_steps") else None)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"stats.{key}: expected an integer >= 0, got {value!r}")
         for key in _STATS_FLOATS:
             _finite(f"stats.{key}", data.get(key))
         if data.get("eval_metric") is not None:
             _finite("stats.eval_metric", data["eval_metric"])
+        if data.get("loss_scale") is not None:
+            _finite("stats.loss_scale", data["loss_scale"])
+            if data["loss_scale"] <= 0:
+                raise ValueError(f"stats.loss_scale: expected a positive number, got {data['loss_scale']!r}")
         layers = data.get("layers", ())
         if not isinstance(layers, (list, tuple)):
             raise ValueError("stats.layers: expected a list of layer statistics")

@@ -907,6 +907,29 @@ MUTANTS: tuple[Mutant, ...] = (
         "the job scales the loss but raycomp.train never unscales: the optimizer steps with gradients x 65536",
         timeout_s=300,
     ),
+    mutant(
+        "controller-accepts-bad-loss-scale", "raycomp/messages.py",
+        "            if data[\"loss_scale\"] <= 0:\n",
+        "            if False:\n",
+        "tests/test_controller.py -k malformed",
+        "a report with a zero or negative loss scale is accepted and exported",
+    ),
+    mutant(
+        "loss-scale-not-reported", "raycomp/train/loop.py",
+        "        scale = None if self.grad_scaler is None else self.grad_scaler.get_scale()\n",
+        "        scale = None\n",
+        "tests/test_observability.py -k real_run",
+        "an fp16 run's loss scale never reaches the controller: the dashboard's loss-scale panel stays empty",
+        timeout_s=300,
+    ),
+    mutant(
+        "skipped-steps-not-exported", "controllers/exporter.py",
+        "        f[\"raycomp_skipped_steps_total\"].add_metric([rid], run.skipped_steps)\n",
+        "        f[\"raycomp_skipped_steps_total\"].add_metric([rid], 0)\n",
+        "tests/test_observability.py -k real_run",
+        "the skipped-steps counter stays at 0 whatever the guard or the scaler skipped",
+        timeout_s=300,
+    ),
 )
 
 

@@ -64,6 +64,9 @@ def test_malformed_reports_are_rejected_counted_and_harmless():
         {**report("r1", 0, 4), "layers": [{**report("r1", 0, 4)["layers"][0], "topk_errors": {"0.1": "x"}}]},
         {**report("r1", 0, 4), "layers": [{"layer": "x"}] * 20_000},
         {**report("r1", 5, 4)},  # rank beyond the world size
+        {**report("r1", 0, 4), "skipped_steps": -1},
+        {**report("r1", 0, 4), "loss_scale": float("inf")},
+        {**report("r1", 0, 4), "loss_scale": 0.0},
     ]
     for item in bad:
         assert controller.ingest(item) is False

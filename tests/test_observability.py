@@ -106,6 +106,13 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     started = time.time()
     summary = run(config, run_id, output)
     assert summary["status"] == "succeeded"
+    # and an fp16 run beside it, for the loss-scale panel
+    fp16_config, fp16_id, fp16_output = prepare([
+        "--config", DIGITS, "--output", str(tmp_path / "fp16"), "--run-id", f"prom16-{tmp_path.name}",
+        "workload.epochs=1", "workload.precision=fp16", "faults.slow_eval_seconds=2",
+        f"controller.name={name}", "controller.metrics_port=0", f"controller.metrics_sd_file={sd_file}",
+    ])
+    assert run(fp16_config, fp16_id, fp16_output)["status"] == "succeeded"
     import ray
 
     controller = ray.get_actor(name, namespace=config.controller.namespace)
@@ -119,6 +126,11 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     dense = query(base, f'sum(raycomp_dense_bytes_total{{run="{run_id}"}})')
     assert float(dense[0]["value"][1]) == summary["dense_bytes_total"]
     assert wait_for(lambda: query(base, 'sum(raycomp_controller_rejected_reports_total) >= 2'))
+    skipped = query(base, f'raycomp_skipped_steps_total{{run="{run_id}"}}')
+    assert float(skipped[0]["value"][1]) == summary["skipped_steps"] == 1  # the NaN step
+    scale = query(base, f'raycomp_loss_scale{{run="{fp16_id}"}}')
+    assert float(scale[0]["value"][1]) == 2.0**16  # the scaler's default: digits never overflows
+    assert not query(base, f'raycomp_loss_scale{{run="{run_id}"}}')  # fp32: no scaler, no series
 
     board = json.loads((REPO / "dashboards" / "grafana" / "raycomp.json").read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
@@ -127,7 +139,7 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     # over the run's time range, as the dashboard shows it: a windowed expression such as
     # changes(...[1m]) has data only within a minute of its event, not at any one instant
     ended = time.time()
-    empty = [e for e in exprs if not query_range(base, e.replace("$run", run_id), started, ended)]
+    empty = [e for e in exprs if not query_range(base, e.replace("$run", f"{run_id}|{fp16_id}"), started, ended)]
     assert not empty, f"queries without data: {empty}"
     rules = json.loads(scrape(f"{base}/api/v1/rules"))["data"]["groups"]
     assert {r["name"] for g in rules for r in g["rules"]} == {"RaycompFallbackStuck", "RaycompNoReports"}

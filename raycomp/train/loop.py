@@ -210,12 +210,18 @@ class TrainLoop:
     # --- control boundary -------------------------------------------------------------------
     def _boundary(self) -> None:
         self.log.flush()
-        self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active)
+        self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active,
+                           **self._skips())
         new_plan = self.sync_plan(self.plans.poll(self.controller_plan.version))
         if new_plan is not None and new_plan.version > self.controller_plan.version:
             self.controller_plan = new_plan
             self.plan_switches += 1
             self._install(new_plan)
+
+    def _skips(self) -> dict[str, Any]:
+        """Skipped steps so far and the loss scale, for the controller's report."""
+        scale = None if self.grad_scaler is None else self.grad_scaler.get_scale()
+        return {"skipped_steps": self.skipped_steps, "loss_scale": scale}
 
     def sync_plan(self, offer: Plan | None) -> Plan | None:
         """Agreement check of plan and guard state; rank 0's ``offer`` on every rank."""
@@ -336,7 +342,8 @@ class TrainLoop:
 
     def close(self) -> None:
         """Send the last statistics (final byte totals) and release the thread and files."""
-        self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active, final=True)
+        self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active, final=True,
+                           **self._skips())
         self.log.close()
         self.state.close()
 
