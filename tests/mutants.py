@@ -871,7 +871,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     mutant(
         "train-memory-ignores-scaler", "raycomp/train/loop.py",
-        "                                          grad_scaler=grad_scaler)\n",
+        "                                          grad_scaler=self.grad_scaler)\n",
         "                                          grad_scaler=None)\n",
         "tests/test_train_loss_scale.py -k resumes",
         "raycomp.train's hook is not told the scaler: the memory mixes scales, the controller gets scaled norms",

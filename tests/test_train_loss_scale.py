@@ -92,6 +92,7 @@ def test_a_grad_scaler_trains_compressed_and_resumes_where_the_checkpoint_left_i
 
 def test_a_grad_scaler_is_refused_where_raycomp_train_cannot_follow_it():
     import raycomp.train
+    from raycomp.train.loop import refuse_scaler
 
     model, scaler = torch.nn.Linear(2, 2), torch.amp.GradScaler("cpu")
     with pytest.raises(ValueError, match=r"^grad_scaler: expected a torch.amp.GradScaler or None, got str$"):
@@ -99,6 +100,8 @@ def test_a_grad_scaler_is_refused_where_raycomp_train_cannot_follow_it():
     with pytest.raises(ValueError, match=r"^grad_scaler: not supported with strategy 'fsdp'; allowed there: None"):
         raycomp.train.prepare_model(model, None, grad_scaler=scaler,  # type: ignore[arg-type]
                                     options=raycomp.train.TrainOptions(strategy="fsdp"))
+    # a disabled scaler (behind a flag) scales nothing: no reason to refuse it
+    refuse_scaler(torch.amp.GradScaler("cpu", enabled=False), raycomp.train.TrainOptions(strategy="fsdp"))
 
 
 @pytest.mark.parametrize("precision,dtype,scale", [("fp32", torch.float32, 1.0), ("bf16", torch.bfloat16, 1.0),

@@ -57,7 +57,8 @@ class TrainLoop:
         import ray.train.torch
 
         refuse_scaler(grad_scaler, options)
-        self.grad_scaler = grad_scaler
+        # a disabled scaler (GradScaler(enabled=False), common behind a flag) scales nothing
+        self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
 
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
@@ -99,7 +100,7 @@ class TrainLoop:
         else:
             self.state = CompressionState(self.model, Plan(), memory=c.memory, min_compress_numel=c.min_compress_numel,
                                           seed=options.seed, stats_every=self.interval, profile_ratios=profile,
-                                          grad_scaler=grad_scaler)
+                                          grad_scaler=self.grad_scaler)
         if self.ddp and c.baseline_hook != "none":
             register_torch_hook(self.model, c)  # raycomp stays out of the way
         elif self.ddp:
@@ -108,7 +109,7 @@ class TrainLoop:
         self.outages = outages
         self.plans = PlanSync(self.rank, self.world_size, group, controller, self.run_id, outages)
         self.guard = GuardStep(Guard(**c.guard.model_dump()), self.state, self.rank, self.world_size, group,
-                               grad_scaler)
+                               self.grad_scaler)
         self.reporter = StatsReporter(controller, self.run_id, self.rank, outages)
         self.log = StepLog(self.output_dir, self.rank, options.progress_every)
         self.global_step = self.epoch = self.plan_switches = self.skipped_steps = 0
@@ -357,7 +358,7 @@ class TrainLoop:
 def refuse_scaler(grad_scaler: Any, options: TrainOptions) -> None:
     """A one-line error for a GradScaler raycomp.train cannot follow."""
     check_scaler(grad_scaler)
-    if grad_scaler is not None and options.strategy == "fsdp":
+    if grad_scaler is not None and grad_scaler.is_enabled() and options.strategy == "fsdp":
         raise ValueError("grad_scaler: not supported with strategy 'fsdp'; allowed there: None "
                          "(train in bf16, which needs no loss scaling)")
 
