@@ -597,6 +597,35 @@ def loss_scale_checks(device: torch.device, prefix: str, rank: int, world: int) 
         guarded(f"{prefix}/loss-scale/{name} follows powers of two", follows)
 
     if device.type == "cuda":
+        def syncs() -> str:  # following the scale must cost no host sync: count a backward's
+            counts = {}
+            for follow in (False, True):
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10)).to(device)
+                ddp = DDP(model, device_ids=[device.index])
+                scaler = torch.amp.GradScaler("cuda", init_scale=2.0**4)
+                state = CompressionState(ddp, plans["topk"], min_compress_numel=256, async_comm=False,
+                                         grad_scaler=scaler if follow else None)
+                ddp.register_comm_hook(state, compression_hook)
+                x = torch.randn(64, 64, device=device)
+                y = torch.randint(0, 10, (64,), device=device)
+                def backward(ddp: DDP = ddp, scaler: torch.amp.GradScaler = scaler,
+                             x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+                    scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
+
+                for step in range(3):  # the last backward is counted, after a change of scale
+                    if step == 2:
+                        counts[follow] = count_syncs(backward)
+                    else:
+                        backward()
+                        scaler.update(2.0**(5 + step))
+                    ddp.zero_grad()
+                state.close()
+            assert counts[True][0] == counts[False][0], f"followed {counts[True]}, not followed {counts[False]}"
+            return f"syncs in a backward: {counts[True][0]} followed, {counts[False][0]} not [{sites(counts[True][1])}]"
+
+        guarded(f"{prefix}/loss-scale/host syncs of following the scale", syncs)
+
         def amp_run() -> str:
             _, losses, note = train(plans["topk"], True, True, 60)
             assert all(math.isfinite(v) for v in losses), f"non-finite loss: {losses}"
