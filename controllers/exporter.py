@@ -32,13 +32,12 @@ from prometheus_client.core import (
 from prometheus_client.exposition import start_http_server
 
 from raycomp.guard import REASONS
-from raycomp.metrics import BY_NAME, CATALOGUE, STEP_BUCKETS, group_layers
+from raycomp.metrics import BY_NAME, CATALOGUE, SD_DIR, STEP_BUCKETS, group_layers
 
 if TYPE_CHECKING:
     from controllers.service import Controller
     from controllers.state import RunState
 
-SD_DIR = "/tmp/raycomp/prometheus"  # dashboards/prometheus/prometheus.yml watches *.json here
 DEFAULT_SD_FILE = f"{SD_DIR}/raycomp-controller.json"
 
 

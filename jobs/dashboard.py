@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from raycomp.metrics import CATALOGUE, ROWS
+from raycomp.metrics import CATALOGUE, ROWS, SD_DIR
 
 ROOT = Path(__file__).resolve().parents[1] / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -68,7 +68,7 @@ def dashboard() -> dict[str, Any]:
     }
 
 
-def prometheus_config(sd_file: str = "/tmp/raycomp/prometheus/*.json", interval: str = "5s") -> dict[str, Any]:
+def prometheus_config(sd_file: str = f"{SD_DIR}/*.json", interval: str = "5s") -> dict[str, Any]:
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": ["alerts.yml"],

@@ -196,8 +196,8 @@ def controller_for(config: JobConfig, runs_dir: Path) -> Any:
 
     Its snapshots default to ``<runs_dir>/_controller``, beside the runs it steers.
     """
-    from controllers.exporter import SD_DIR
     from controllers.service import get_or_create
+    from raycomp.metrics import SD_DIR
 
     c = config.controller
     sd_file = c.metrics_sd_file or f"{SD_DIR}/{c.name}.json"

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: where controllers write their file-SD target lists; dashboards/prometheus/prometheus.yml
+#: watches ``*.json`` here (here, not in controllers/: the driver's preflight checks the path)
+SD_DIR = "/tmp/raycomp/prometheus"
 MAX_LAYER_LABELS = 24
 OTHER_LAYERS = "(other)"
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -197,7 +197,7 @@ def test_metrics_endpoint_binds_loopback_by_default():
     from raycomp.config import ControllerSection
 
     assert ControllerSection().metrics_host == "127.0.0.1"
-    from controllers.exporter import SD_DIR
+    from raycomp.metrics import SD_DIR
 
     prometheus_yml = (REPO / "dashboards" / "prometheus" / "prometheus.yml").read_text()
     assert f"{SD_DIR}/*.json" in prometheus_yml

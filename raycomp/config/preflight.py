@@ -44,7 +44,7 @@ def check_resources(config: JobConfig) -> None:
             "compression.memory: 'dgc' applies momentum itself; set workload.momentum=0 "
             f"(got {config.workload.momentum})"
         )
-    from controllers.exporter import SD_DIR
+    from raycomp.metrics import SD_DIR
 
     address = os.environ.get("RAY_ADDRESS")
     check_sizes(config)

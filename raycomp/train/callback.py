@@ -28,8 +28,8 @@ class ControllerCallback(UserCallback):
     """
 
     def __init__(self, controller: ControllerSection | None = None, snapshot_dir: str | None = None) -> None:
-        from controllers.exporter import SD_DIR
         from controllers.service import get_or_create
+        from raycomp.metrics import SD_DIR
 
         c = controller or ControllerSection()
         metrics = {"host": c.metrics_host, "port": c.metrics_port,
