@@ -37,7 +37,8 @@ BAD = [
     (["compression.bucket_cap_mb=0"], r"compression.bucket_cap_mb: must be 'auto' or a size in MB in \(0, 100000\], got 0$"),
     (["compression.bucket_cap_mb=big"], r"compression.bucket_cap_mb: must be 'auto' or a size in MB .*got 'big'$"),
     (["workload.precision=fp8"], r"workload.precision: must be one of 'fp32', 'bf16' or 'fp16'"),
-    (["workload.precision=fp16", "scaling.strategy=fsdp", "compression.policy=static"],
+    (["workload.precision=fp16", "scaling.strategy=fsdp", "compression.policy=static",
+      "compression.static.compressor={name: int8}"],
      r"workload.precision: 'fp16' \(a loss scaler\) is not available with scaling.strategy=fsdp; allowed there: fp32, bf16$"),
 ]
 
