@@ -62,3 +62,23 @@ def ray_cluster():
              runtime_env={"env_vars": RAY_TEST_ENV}, namespace="raycomp-tests")
     yield ray
     ray.shutdown()
+
+
+def fit_with_controller(train_func, tmp_path: Path, prefix: str, max_failures: int = 0):
+    """Rank 0's return value of a 2-worker Ray Train run of ``train_func``, with a controller
+    service of its own (metrics off). ``train_func`` gets ``{"controller": its name,
+    "output_dir": tmp_path / "out"}``; ``max_failures`` worker-group restarts are allowed."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    import raycomp.train
+    from raycomp.config import ControllerSection
+
+    name = f"{prefix}-{tmp_path.name}"[:60]
+    callback = raycomp.train.ControllerCallback(ControllerSection(name=name, metrics_enabled=False))
+    trainer = TorchTrainer(
+        train_func, train_loop_config={"controller": name, "output_dir": str(tmp_path / "out")},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path), callbacks=[callback],
+                             failure_config=FailureConfig(max_failures=max_failures)))
+    return trainer.fit().return_value

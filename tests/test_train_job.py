@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jobs.train import prepare, run
-from tests.conftest import REPO
+from tests.conftest import REPO, fit_with_controller
 
 DIGITS = str(REPO / "jobs" / "configs" / "digits.yaml")
 
@@ -242,21 +242,7 @@ def _train_skipping_a_head(config: dict) -> dict:
 def test_a_model_that_skips_parameters_trains_compressed_with_find_unused_parameters(ray_cluster, tmp_path):
     # DDP's all-reduce of the used-parameter map runs during backward; the hook's compressed
     # collectives beside it on one group could cross (gloo: a size mismatch, or a hang)
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    import raycomp.train
-    from raycomp.config import ControllerSection
-
-    name = f"skips-{tmp_path.name}"[:60]
-    trainer = TorchTrainer(
-        _train_skipping_a_head,
-        train_loop_config={"controller": name, "output_dir": str(tmp_path / "out")},
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name=name, storage_path=str(tmp_path),
-                             callbacks=[raycomp.train.ControllerCallback(ControllerSection(name=name,
-                                                                                           metrics_enabled=False))]))
-    totals = trainer.fit().return_value
+    totals = fit_with_controller(_train_skipping_a_head, tmp_path, "skips")
     assert totals["steps"] == 12 and totals["skipped_steps"] == 0
     assert totals["wire_bytes_total"] < 0.5 * totals["dense_bytes_total"]  # Top-K 5% after 2 dense steps
     logs = step_logs(tmp_path / "out")

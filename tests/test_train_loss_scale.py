@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jobs.train import Precision, prepare, run
-from tests.conftest import REPO
+from tests.conftest import REPO, fit_with_controller
 
 
 def _train_with_a_scaler(config: dict) -> dict:
@@ -64,21 +64,7 @@ def _train_with_a_scaler(config: dict) -> dict:
 
 
 def test_a_grad_scaler_trains_compressed_and_resumes_where_the_checkpoint_left_it(ray_cluster, tmp_path):
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    import raycomp.train
-    from raycomp.config import ControllerSection
-
-    name = f"fp16-{tmp_path.name}"[:60]
-    trainer = TorchTrainer(
-        _train_with_a_scaler,
-        train_loop_config={"controller": name, "output_dir": str(tmp_path / "out")},
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name=name, storage_path=str(tmp_path), failure_config=FailureConfig(max_failures=1),
-                             callbacks=[raycomp.train.ControllerCallback(ControllerSection(name=name,
-                                                                                           metrics_enabled=False))]))
-    totals = trainer.fit().return_value
+    totals = fit_with_controller(_train_with_a_scaler, tmp_path, "fp16", max_failures=1)
     assert totals["restored_from_step"] == 10 and totals["steps"] == 20
     # the restarted worker's scaler is the checkpoint's, not a fresh one at 2**24
     assert totals["resumed_scale"] == totals["saved_scale"] < 2.0**24
