@@ -57,9 +57,10 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
         grad_scaler: your ``torch.amp.GradScaler`` for fp16 training with loss scaling (not
             needed for bf16). Call ``grad_scaler.scale(loss).backward()`` and then
             :func:`step` with the unscaled ``loss``: raycomp unscales the gradients before
-            the guard judges them (unless you did, to clip them), steps the optimizer through the scaler and updates its
-            scale; error feedback follows the scale, and the scaler's state is checkpointed.
-            An overflow is skipped as the scaler would skip it, without a fallback to dense.
+            the guard judges them (unless you did, to clip them), steps the optimizer and
+            updates the scale; error feedback follows the scale, and the scaler's state is
+            checkpointed. An overflow is skipped as the scaler would skip it, without a
+            fallback to dense.
         options: see :class:`TrainOptions` (default: the critical-regime policy, K=10).
     """
     global _loop
