@@ -889,7 +889,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "checkpoint-without-held-updates", "raycomp/reducer.py",
         "        if self._unsettled:  # held back by a step no backward closed: as sent, as the next step would\n",
         "        if False:  # held back by a step no backward closed: as sent, as the next step would\n",
-        "tests/test_hook.py -k held_back",
+        "tests/test_hook.py -k checkpoint_between_steps",
         "a joined rank checkpointed between a shadow step and its next step saves its memory without the update",
     ),
     mutant(

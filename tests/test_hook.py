@@ -319,10 +319,23 @@ def test_held_back_updates_nothing_settled_apply_as_sent_at_the_next_step():
         assert torch.equal(*means)
         held.end_step()
         plain.end_step()
-        # a checkpoint taken now holds the update too (a joined rank saved between steps)
-        saved = held.state_dict()["memory"]["residuals"]["w"]
-        assert torch.equal(saved, plain.memory.residual("w"))
     assert torch.equal(held.memory.residual("w"), plain.memory.residual("w"))
+
+
+def test_a_checkpoint_between_steps_holds_the_held_back_updates():
+    # a joined rank checkpointed between its shadow step and its next step: what it saves
+    # must be the memory that next step would use, the held-back update applied as sent
+    grad = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+    held, plain = (CompressedReducer(Plan.uniform("topk", ratio=0.1), min_compress_numel=0) for _ in range(2))
+    held.defer_unused = True
+    for r in (held, plain):
+        r.reduce(["w"], [grad.clone()])
+        r.end_step()
+        r.reduce(["w"], [torch.zeros(32, 32)])  # idle here: held back by the deferring reducer
+        r.end_step()
+    assert "w" in held._unsettled
+    saved = held.state_dict()["memory"]["residuals"]["w"]
+    assert torch.equal(saved, plain.memory.residual("w"))
 
 
 def _compiled_or_eager(rank: int, world_size: int, compiled: bool):
