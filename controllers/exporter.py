@@ -17,10 +17,10 @@ import contextlib
 import json
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import (
     CollectorRegistry,
@@ -35,8 +35,15 @@ from raycomp.guard import REASONS
 from raycomp.metrics import BY_NAME, CATALOGUE, SD_DIR, STEP_BUCKETS, group_layers
 
 if TYPE_CHECKING:
-    from controllers.service import Controller
     from controllers.state import RunState
+
+
+class ControllerView(Protocol):
+    """What the exporter reads of the controller (``controllers.service.Controller``, which
+    builds the exporter: naming the class here would make the two modules import each other)."""
+
+    runs: dict[str, RunState]
+    rejected: Mapping[str, int]
 
 DEFAULT_SD_FILE = f"{SD_DIR}/raycomp-controller.json"
 
@@ -53,7 +60,7 @@ class ControllerCollector:
     """Renders the controller's state at each scrape, holding ``lock`` (the lock the
     controller's writers hold) so that a scrape never sees a half-merged report."""
 
-    def __init__(self, controller: Controller, lock: AbstractContextManager[Any] | None = None) -> None:
+    def __init__(self, controller: ControllerView, lock: AbstractContextManager[Any] | None = None) -> None:
         self.controller = controller
         self.lock = lock if lock is not None else contextlib.nullcontext()
 
@@ -114,7 +121,7 @@ class ControllerCollector:
 class Exporter:
     """Serves ``/metrics`` for a controller and advertises it via a file-SD target list."""
 
-    def __init__(self, controller: Controller, host: str = "127.0.0.1", port: int = 9478,
+    def __init__(self, controller: ControllerView, host: str = "127.0.0.1", port: int = 9478,
                  sd_file: str | None = DEFAULT_SD_FILE, lock: AbstractContextManager[Any] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ControllerCollector(controller, lock))  # type: ignore[arg-type]
