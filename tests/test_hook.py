@@ -346,7 +346,9 @@ def _compiled_or_eager(rank: int, world_size: int, compiled: bool):
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with CompressionState(ddp, Plan.uniform("topk", ratio=0.05), min_compress_numel=256) as state:
         ddp.register_comm_hook(state, compression_hook)
-        net = torch.compile(ddp) if compiled else ddp
+        # aot_eager: dynamo, AOTAutograd and DDP's graph split without a C++ toolchain
+        # (jobs/gpu_check.py compiles with inductor's Triton kernels on a GPU)
+        net = torch.compile(ddp, backend="aot_eager") if compiled else ddp
         gen = torch.Generator().manual_seed(rank)
         for _ in range(3):
             x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
