@@ -238,6 +238,7 @@ class CompressedReducer:
                 raise ValueError(f"gradient {name!r}: dtype {grad.dtype} is not floating point")
             routes.setdefault(self.transport_for(name, grad.shape), []).append(i)
             compressors.append(self.compressor_for(name))
+            compressors[-1].loss_scale = self.loss_scale.scale  # None without a GradScaler
             compensated.append(self.memory.compensate(name, grad))
         # only what compression may hide: a dense layer's NaN/Inf reaches the mean, which
         # every rank holds; a compressed layer's may be dropped or smeared. No host

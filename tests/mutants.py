@@ -817,6 +817,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "DGC's momentum keeps the old scale's units while its accumulation follows the new one",
     ),
     mutant(
+        "threshold-ignores-loss-scale", "raycomp/compressors/threshold.py",
+        "        bar = self.threshold if self.loss_scale is None else self.threshold * self.loss_scale.to(flat.device)\n",
+        "        bar = self.threshold\n",
+        "tests/test_loss_scale.py -k threshold",
+        "under fp16 loss scaling the fixed threshold meets the scaled gradient: far more is sent",
+    ),
+    mutant(
+        "compressors-not-told-the-loss-scale", "raycomp/reducer.py",
+        "            compressors[-1].loss_scale = self.loss_scale.scale  # None without a GradScaler\n",
+        "",
+        "tests/test_loss_scale.py -k threshold",
+        "the reducer never tells a compressor the loss scale: threshold compares with the scaled gradient",
+    ),
+    mutant(
         "loss-scale-followed-from-the-scaler-tensor", "raycomp/loss_scale.py",
         "        self.scale = scale.clone()  # the scaler's update() changes its tensor in place\n",
         "        self.scale = scale  # the scaler's update() changes its tensor in place\n",

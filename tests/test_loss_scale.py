@@ -2,7 +2,8 @@
 
 Scales are powers of two, so a scaled gradient is the unscaled one times an exact factor,
 and every compressor here is equivariant to it (Top-K picks the same entries, min-max
-quantisation the same codes, PowerSGD's orthonormalisation divides the factor out). A run
+quantisation the same codes, PowerSGD's orthonormalisation divides the factor out; the
+fixed threshold is scaled with the gradient it is compared with). A run
 whose memory follows the scale is then the run without a scaler, bit for bit; a memory that
 kept the old scale's units would add its residual at twice or half its weight.
 """
@@ -26,6 +27,9 @@ CASES = {  # plan, memory, world size
     "dgc": (Plan.uniform("dgc_topk", ratio=0.01), "dgc", 2),
     "powersgd": (Plan.uniform("powersgd", rank=1), "residual", 2),
     "int8-server-residuals": (Plan.uniform("int8", chunk_size=512), "residual", 3),  # W=3: two rounds
+    # an absolute threshold, in the loss's units: compared with the scaled gradient as it is,
+    # it would send about everything at these scales
+    "threshold": (Plan.uniform("threshold", threshold=0.01), "residual", 2),
 }
 
 

@@ -45,6 +45,13 @@ class Compressor(ABC):
     sparse: ClassVar[bool] = False
     #: Lossless (or cast-only) compressors need no error feedback.
     lossy: ClassVar[bool] = True
+    #: The loss scale the tensors given to :meth:`compress` carry under fp16 loss scaling
+    #: (a 0-d tensor; None without a ``torch.amp.GradScaler``), set by the reducer before
+    #: each compression (``raycomp.loss_scale``). A compressor that compares values with an
+    #: absolute constant must scale the constant by it (``threshold``); one whose choices do
+    #: not change when its input is multiplied by a constant (Top-K, the quantizers,
+    #: PowerSGD, sign) ignores it.
+    loss_scale: torch.Tensor | None = None
 
     @property
     def error_feedback(self) -> bool:

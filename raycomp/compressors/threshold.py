@@ -16,6 +16,10 @@ class Threshold(Compressor):
 
     Strom, "Scalable Distributed DNN Training Using Commodity GPU Cloud Computing",
     Interspeech 2015. Payload size varies with the data: values + int32 indices.
+    ``threshold`` is in the loss's units: under fp16 loss scaling the scaled gradient is
+    compared with ``threshold`` times the scale (``loss_scale``), so a GradScaler leaves
+    the choice as it is (compared with ``threshold`` itself, at a scale of 65,536 nearly
+    every element would pass).
     """
 
     name = "threshold"
@@ -30,7 +34,8 @@ class Threshold(Compressor):
         return {"threshold": self.threshold}
 
     def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
-        indices = torch.nonzero(flat.abs() >= self.threshold).squeeze(1)
+        bar = self.threshold if self.loss_scale is None else self.threshold * self.loss_scale.to(flat.device)
+        indices = torch.nonzero(flat.abs() >= bar).squeeze(1)
         return sparse_payload(flat, indices, shape, dtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
