@@ -25,6 +25,12 @@ from raycomp.loss_scale import rescale
 
 
 class Memory(Protocol):
+    #: The loss scale the gradients carry under fp16 loss scaling (a 0-d tensor; None
+    #: without a ``torch.amp.GradScaler``), set by the reducer at each step's start after
+    #: :meth:`rescale`. A memory that compares values with an absolute constant (DGC's
+    #: ``clip_norm``) multiplies the constant by it.
+    loss_scale: torch.Tensor | None
+
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor: ...
 
     def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor, sparse: bool) -> None: ...
@@ -42,6 +48,8 @@ class Memory(Protocol):
 
 class NoMemory:
     """No error feedback: what compression drops is lost."""
+
+    loss_scale: torch.Tensor | None = None
 
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         return grad
@@ -67,6 +75,8 @@ class NoMemory:
 
 class ResidualMemory:
     """Error feedback with one residual tensor per layer (absent while it is zero)."""
+
+    loss_scale: torch.Tensor | None = None
 
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
@@ -111,8 +121,12 @@ class DGCMemory:
 
     Layers sent in full (dense) keep their momentum: ``v`` empties, ``u`` is not masked,
     which is plain momentum SGD. Clipping is per layer because a comm hook sees one bucket
-    at a time, not the whole model's norm.
+    at a time, not the whole model's norm. ``clip_norm`` is in the loss's units: under fp16
+    loss scaling the limit is multiplied by the scale (``loss_scale``); compared with the
+    scaled norm as it is, it would shrink every gradient by about the scale.
     """
+
+    loss_scale: torch.Tensor | None = None
 
     def __init__(self, momentum: float = 0.9, clip_norm: float | None = None, world_size: int = 1) -> None:
         if not (0.0 <= momentum < 1.0):
@@ -128,7 +142,10 @@ class DGCMemory:
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         g = grad.float()
         if self.clip_norm is not None:
-            limit = self.clip_norm / math.sqrt(self.world_size)
+            # an fp32 tensor either way: the same rounding with and without a loss scale
+            limit = g.new_tensor(self.clip_norm / math.sqrt(self.world_size))
+            if self.loss_scale is not None:
+                limit = limit * self.loss_scale.to(g.device)
             norm = torch.linalg.vector_norm(g)
             g = g * (limit / norm).clamp(max=1.0)  # no `if norm > limit`: a host sync
         u = self.velocity.get(name)

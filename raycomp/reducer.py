@@ -154,6 +154,7 @@ class CompressedReducer:
         if factor is not None:  # the memory joins gradients scaled by this step's scale
             self.memory.rescale(factor)
             self.scalable.rescale(factor)
+        self.memory.loss_scale = self.loss_scale.scale  # None without a GradScaler
         self._in_step = True
         self._finite = None
         self.control_rows = None

@@ -831,6 +831,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "the reducer never tells a compressor the loss scale: threshold compares with the scaled gradient",
     ),
     mutant(
+        "dgc-clip-ignores-loss-scale", "raycomp/memory.py",
+        "                limit = limit * self.loss_scale.to(g.device)\n",
+        "                pass\n",
+        "tests/test_loss_scale.py -k clipped",
+        "under fp16 loss scaling DGC clips the scaled gradient at the unscaled norm: updates shrink by the scale",
+    ),
+    mutant(
+        "memory-not-told-the-loss-scale", "raycomp/reducer.py",
+        "        self.memory.loss_scale = self.loss_scale.scale  # None without a GradScaler\n",
+        "",
+        "tests/test_loss_scale.py -k clipped",
+        "the reducer never tells the memory the loss scale: DGC's clipping meets the scaled gradient",
+    ),
+    mutant(
         "loss-scale-followed-from-the-scaler-tensor", "raycomp/loss_scale.py",
         "        self.scale = scale.clone()  # the scaler's update() changes its tensor in place\n",
         "        self.scale = scale  # the scaler's update() changes its tensor in place\n",

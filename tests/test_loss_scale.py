@@ -3,9 +3,9 @@
 Scales are powers of two, so a scaled gradient is the unscaled one times an exact factor,
 and every compressor here is equivariant to it (Top-K picks the same entries, min-max
 quantisation the same codes, PowerSGD's orthonormalisation divides the factor out; the
-fixed threshold is scaled with the gradient it is compared with). A run
-whose memory follows the scale is then the run without a scaler, bit for bit; a memory that
-kept the old scale's units would add its residual at twice or half its weight.
+fixed threshold and DGC's clipping norm are scaled with the gradient they are compared
+with). A run whose memory follows the scale is then the run without a scaler, bit for bit;
+a memory that kept the old scale's units would add its residual at twice or half its weight.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import Plan
 from raycomp.hook import CompressionState, compression_hook
+from raycomp.memory import DGCMemory
 from tests.distributed import run_distributed
 
 # the scale each step's backward runs under: growths and backoffs, and a change at step 6,
@@ -30,17 +31,20 @@ CASES = {  # plan, memory, world size
     # an absolute threshold, in the loss's units: compared with the scaled gradient as it is,
     # it would send about everything at these scales
     "threshold": (Plan.uniform("threshold", threshold=0.01), "residual", 2),
+    # DGC's local clipping at an absolute norm (in the loss's units) that most layers exceed
+    "dgc-clipped": (Plan.uniform("dgc_topk", ratio=0.01), lambda: DGCMemory(clip_norm=0.2, world_size=2), 2),
 }
 
 
 def _train(rank: int, world_size: int, case: str, scaled: bool, resume_at: int | None):
-    plan, memory, _ = CASES[case]
+    plan, memory_kind, _ = CASES[case]
     torch.manual_seed(0)
 
     def build():
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
         ddp = DDP(model)
         scaler = torch.amp.GradScaler("cpu", init_scale=SCALES[0]) if scaled else None
+        memory = memory_kind() if callable(memory_kind) else memory_kind
         state = CompressionState(ddp, plan, memory=memory, min_compress_numel=256, stats_every=1,
                                  grad_scaler=scaler)
         ddp.register_comm_hook(state, compression_hook)
