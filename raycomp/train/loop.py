@@ -56,8 +56,8 @@ class TrainLoop:
         import ray.train
         import ray.train.torch
 
-        refuse_scaler(grad_scaler, options)
-        # a disabled scaler (GradScaler(enabled=False), common behind a flag) scales nothing
+        # prepare_model, the only caller, has refused a scaler this loop cannot follow.
+        # A disabled scaler (GradScaler(enabled=False), common behind a flag) scales nothing
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
 
         context = ray.train.get_context()
