@@ -176,6 +176,9 @@ def locate(edit: Edit, index: Index) -> Site:
     code = [t for t in snippet if not t.comment]
     if not code:
         raise Stale(f"anchor {edit.anchor}: the snippet holds no code")
+    comma = len(code) > 1 and code[-1].text == ","  # a closing bracket may follow it in the code
+    if comma:
+        snippet.remove(code.pop())
     hits: list[tuple[str, list[_Token], int]] = []
     with_comments: list[tuple[str, list[_Token], int]] = []
     for rel, first, last in regions:
@@ -203,6 +206,8 @@ def locate(edit: Edit, index: Index) -> Site:
         own = edit.original.lstrip("\n")
         replacement = _shift(replacement, (start - line_start) - _indent(own))
         start = line_start
+    if comma and (after := re.match(r"\s*,", text[end:])):
+        end += after.end()
     if edit.original.endswith("\n"):  # through the end of the last line
         stop = text.find("\n", end)
         stop = len(text) if stop < 0 else stop + 1
