@@ -186,3 +186,12 @@ def test_the_catalog_is_well_formed():
         assert m.tests and m.why and m.edits, m.name
         for edit in m.edits:
             assert edit.anchor and edit.original.strip() and edit.original != edit.replacement, m.name
+
+
+def test_a_mutant_reports_which_of_its_edits_is_stale(tmp_path):
+    index = tree(tmp_path, {"raycomp/memory.py": MEMORY})
+    m = mutant("one-stale", "ResidualMemory.store", "sent", "0", "tests/test_memory.py", "an example",
+               ("ResidualMemory.reset", "self.residuals.clear()", "pass"))
+    sites, problems = place(m, index)
+    assert sites[0] is None and sites[1] is not None and sites[1].line == 13
+    assert problems == ["anchor ResidualMemory.store is not defined under raycomp/, controllers/, jobs/"]

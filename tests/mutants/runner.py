@@ -44,17 +44,19 @@ REPO = Path(__file__).resolve().parents[2]
 STATUSES = ("KILLED", "SURVIVED", "STALE", "ERROR")
 
 
-def place(m: Mutant, index: Index) -> tuple[list[Site], list[str]]:
-    """Where each of the mutant's edits lands, and why any cannot be placed (empty: all can)."""
-    sites, problems = [], []
+def place(m: Mutant, index: Index) -> tuple[list[Site | None], list[str]]:
+    """Where each of the mutant's edits lands (None: it cannot), and why any cannot (empty: all can)."""
+    sites: list[Site | None] = []
+    problems = []
     for edit in m.edits:
         try:
             sites.append(locate(edit, index))
         except Stale as e:
+            sites.append(None)
             problems.append(str(e))
     if not problems:
         try:
-            apply_sites(sites, index.texts)
+            apply_sites([s for s in sites if s], index.texts)
         except Stale as e:
             problems.append(str(e))
     return sites, problems
@@ -65,7 +67,7 @@ def apply(m: Mutant, root: Path) -> None:
     sites, problems = place(m, index)
     if problems:
         raise Stale("; ".join(problems))
-    for rel, text in apply_sites(sites, index.texts).items():
+    for rel, text in apply_sites([s for s in sites if s], index.texts).items():
         (root / rel).write_text(text)
 
 
@@ -161,7 +163,7 @@ def list_mutants(selected: list[Mutant], index: Index) -> int:
         sites, problems = place(m, index)
         stale += bool(problems)
         print(f"{m.name:<46} {'STALE' if problems else 'applies':<8} {' '.join(m.tests)}")
-        for edit, site in zip(m.edits, sites + [None] * len(m.edits), strict=False):
+        for edit, site in zip(m.edits, sites, strict=True):
             print(f"    {edit.anchor:<42} {f'{site.file}:{site.line}' if site else '-'}")
         for problem in problems:
             print(f"    STALE: {problem}")
