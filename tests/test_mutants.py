@@ -131,10 +131,12 @@ def test_stale_when_the_anchor_is_gone(tmp_path):
         locate(EDIT, index)
 
 
-def test_stale_when_the_snippet_is_found_only_inside_a_line(tmp_path):
+def test_stale_when_a_whole_line_snippet_is_found_only_inside_a_line(tmp_path):
     index = tree(tmp_path, {"raycomp/memory.py": MEMORY})
     with pytest.raises(Stale, match="starts inside a line"):
         locate(Edit("ResidualMemory.update", "    residual_of(compensated, sent, scale=1.0)\n", "    0\n"), index)
+    with pytest.raises(Stale, match="ends inside a line"):
+        locate(Edit("ResidualMemory.update", "        self.residuals[name] = residual_of(\n", "        x = (\n"), index)
 
 
 def test_comments_tell_apart_code_that_occurs_twice(tmp_path):

@@ -70,15 +70,16 @@ class _Token:
 def _tokens(text: str, offset: int = 0) -> list[_Token]:
     """Code and comment tokens of ``text`` (spans shifted by ``offset``), trailing commas dropped."""
     out: list[_Token] = []
+    last_code = -1  # index in ``out`` of the last code token
     for m in _TOKEN.finditer(text):
         if m.lastgroup == "space":
             continue
         comment = m.lastgroup == "comment"
         word = " ".join(m.group().split()) if comment else m.group()
-        if not comment and word in _CLOSERS:
-            code = [t for t in out if not t.comment]
-            if code and code[-1].text == ",":
-                out.remove(code[-1])
+        if not comment:
+            if word in _CLOSERS and last_code >= 0 and out[last_code].text == ",":
+                del out[last_code]
+            last_code = len(out)
         out.append(_Token(word, m.start() + offset, m.end() + offset, comment))
     return out
 
@@ -159,9 +160,11 @@ def _shift(text: str, delta: int) -> str:
 
 
 def _find(snippet: list[_Token], tokens: list[_Token]) -> list[int]:
-    n = len(snippet)
+    """Where the snippet's token texts start in ``tokens``."""
     words = [t.text for t in snippet]
-    return [i for i in range(len(tokens) - n + 1) if [t.text for t in tokens[i:i + n]] == words]
+    texts = [t.text for t in tokens]
+    n = len(words)
+    return [i for i in range(len(texts) - n + 1) if texts[i] == words[0] and texts[i:i + n] == words]
 
 
 def locate(edit: Edit, index: Index) -> Site:
@@ -183,9 +186,9 @@ def locate(edit: Edit, index: Index) -> Site:
     with_comments: list[tuple[str, list[_Token], int]] = []
     for rel, first, last in regions:
         text = index.texts[rel]
-        lines = text.splitlines(keepends=True)
-        begin = sum(len(ln) for ln in lines[:first - 1])
-        tokens = _tokens("".join(lines[first - 1:last]), begin)
+        starts = [0, *(m.end() for m in re.finditer("\n", text)), len(text)]  # ast counts lines by \n
+        begin, stop = starts[first - 1], starts[min(last, len(starts) - 1)]
+        tokens = _tokens(text[begin:stop], begin)
         plain = [t for t in tokens if not t.comment]
         hits += [(rel, plain[i:i + len(code)], i) for i in _find(code, plain)]
         with_comments += [(rel, tokens[i:i + len(snippet)], i) for i in _find(snippet, tokens)]
@@ -203,7 +206,7 @@ def locate(edit: Edit, index: Index) -> Site:
     if edit.original[:1].isspace():  # whole lines from the first one's start, re-indented
         if text[line_start:start].strip():
             raise Stale(f"anchor {edit.anchor} ({rel}): snippet {head!r} starts inside a line")
-        own = edit.original.lstrip("\n")
+        own = next(ln for ln in edit.original.splitlines() if ln.strip())
         replacement = _shift(replacement, (start - line_start) - _indent(own))
         start = line_start
     if comma and (after := re.match(r"\s*,", text[end:])):
