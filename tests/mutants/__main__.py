@@ -1,0 +1,7 @@
+"""``python -m tests.mutants``: the mutation check (see tests/mutants/runner.py)."""
+
+import sys
+
+from .runner import main
+
+sys.exit(main())

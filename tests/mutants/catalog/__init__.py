@@ -1,0 +1,33 @@
+"""Every mutant, by area. An entry: name, anchor (the function, method, class or assignment
+that holds the code, by qualified name), the snippet inside it, its replacement, the test
+selection, and the bug in one line. See tests/mutants/anchor.py for how a snippet is found."""
+
+from . import (
+    benchmarks,
+    compressors,
+    controller,
+    error_feedback,
+    hook,
+    loss_scale,
+    policies,
+    reducer,
+    sharded,
+    training,
+    transports,
+)
+
+__all__ = ["MUTANTS"]
+
+MUTANTS = (
+    *error_feedback.MUTANTS,
+    *transports.MUTANTS,
+    *compressors.MUTANTS,
+    *reducer.MUTANTS,
+    *hook.MUTANTS,
+    *training.MUTANTS,
+    *loss_scale.MUTANTS,
+    *policies.MUTANTS,
+    *controller.MUTANTS,
+    *sharded.MUTANTS,
+    *benchmarks.MUTANTS,
+)

@@ -1,0 +1,27 @@
+"""Benchmark references and the GPU check."""
+
+from ..mutant import mutant
+
+MUTANTS = (
+    mutant(
+        "torch-noop-all-reduces", "register_torch_hook",
+        "        model.register_comm_hook(None, debugging_hooks.noop_hook)\n",
+        "        model.register_comm_hook(None, default_hooks.allreduce_hook)\n",
+        "tests/test_bench_e2e.py -k noop_hook",
+        "the no-communication reference all-reduces: the step ratio's denominator includes the network",
+    ),
+    mutant(
+        "bench-no-comm-one-seed-for-all", "analyze",
+        "        m[\"step_vs_no_comm\"] = _median([r[\"step_s\"] / no_comm[r[\"seed\"]] for r in m[\"runs\"]\n",
+        "        m[\"step_vs_no_comm\"] = _median([r[\"step_s\"] / no_comm[min(no_comm)] for r in m[\"runs\"]\n",
+        "tests/test_bench_e2e.py -k documented_schema",
+        "every seed's step is divided by the first seed's no-communication step, not its own group's",
+    ),
+    mutant(
+        "gpu-check-misses-a-compressor", "PARAMS",
+        "    \"int4\": {\"chunk_size\": 2048},\n",
+        "",
+        "tests/test_device.py -k gpu_check",
+        "a registered compressor without parameters in the GPU check: KeyError in every CUDA row it is in",
+    ),
+)

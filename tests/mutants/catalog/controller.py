@@ -1,0 +1,28 @@
+"""The controller's intake and exporter: what reports it accepts and what it exports."""
+
+from ..mutant import mutant
+
+MUTANTS = (
+    mutant(
+        "controller-accepts-nan-stats", "GradStats.from_dict",
+        '        for key in _STATS_FLOATS:\n            _finite(f"stats.{key}", data.get(key))\n',
+        '        for key in _STATS_FLOATS:\n            pass\n',
+        "tests/test_controller.py",
+        "GradStats.from_dict lets NaN/Inf/missing run-level statistics through",
+    ),
+    mutant(
+        "controller-accepts-nan-layer-stats", "_layer_ok",
+        "            if type(value) is bool or not isfinite(value):\n                return False\n",
+        "            if type(value) is bool:\n                return False\n",
+        "tests/test_controller.py",
+        "per-layer statistics with NaN/Inf pass the controller's fast check",
+    ),
+    mutant(
+        "skipped-steps-not-exported", "ControllerCollector._run",
+        "        f[\"raycomp_skipped_steps_total\"].add_metric([rid], run.skipped_steps)\n",
+        "        f[\"raycomp_skipped_steps_total\"].add_metric([rid], 0)\n",
+        "tests/test_observability.py -k real_run",
+        "the skipped-steps counter stays at 0 whatever the guard or the scaler skipped",
+        timeout_s=300,
+    ),
+)

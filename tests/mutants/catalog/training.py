@@ -1,0 +1,105 @@
+"""The worker guard, raycomp.train's loop and the job that drives it."""
+
+from ..mutant import mutant
+
+MUTANTS = (
+    mutant(
+        "checkpoint-drops-ef-residuals", "TrainLoop.save_state",
+        '            "compression": self.state.state_dict(), "guard": self.guard.state_dict(),\n',
+        '            "compression": {**self.state.state_dict(), "memory": {"residuals": {}}},\n'
+        '            "guard": self.guard.state_dict(),\n',
+        "tests/test_train_job.py -k step_checkpoints_resume_mid_epoch",
+        "the Ray Train checkpoint (rank*.pt) drops the error-feedback residuals",
+    ),
+    mutant(
+        "guard-ignores-nonfinite", "Guard._trigger",
+        '        if nonfinite or (loss is not None and (loss != loss or loss in (float("inf"), float("-inf")))):\n',
+        "        if False:\n",
+        "tests/test_guard.py",
+        "the guard never falls back (or skips) on NaN/Inf gradients or loss",
+    ),
+    mutant(
+        "guard-never-recovers", "Guard.observe",
+        "            if self.clean_steps >= self.stable_steps:\n",
+        "            if self.clean_steps > 10 ** 9:\n",
+        "tests/test_guard.py",
+        "after a fallback the guard never resumes compression",
+    ),
+    mutant(
+        "skipped-step-applied", "TrainLoop.step",
+        "        if applied:\n            self.lr_ramp.optimizer_step(self.optimizer, self.global_step)\n",
+        "        if True:\n            self.lr_ramp.optimizer_step(self.optimizer, self.global_step)\n",
+        "tests/test_train_job.py -k nan_gradients",
+        "a step the guard skips (NaN/Inf gradients) still reaches the optimizer",
+    ),
+    mutant(
+        "evaluation-counted-as-step-time", "TrainLoop.record_eval",
+        "        self._restart_step_clock()  # the evaluation ran since the last step: not step time\n",
+        "",
+        "tests/test_train_job.py -k stop_at_target",
+        "an evaluation's time lands in the next step's: the cost model sees inflated compute",
+    ),
+    mutant(
+        "report-counted-as-step-time", "TrainLoop.report",
+        "        self._restart_step_clock()  # the report (a barrier) and what came before it: not step time\n",
+        "",
+        "tests/test_train_job.py -k stop_at_target",
+        "an epoch-end report's time (its barrier, the epoch's evaluation) lands in the next step's",
+    ),
+    mutant(
+        "plan-digest-check-removed", "PlanSync.sync",
+        "        digest = installed.digest()  # 63 bits: two exact float64 halves\n",
+        "        digest = 0  # every rank reports the same constant\n",
+        "tests/test_faults.py -k forced_plan_disagreement",
+        "ranks compare a constant instead of the plan's fingerprint: disagreement goes unnoticed",
+    ),
+    mutant(
+        "kjv-lstm-builds-the-transformer", "_kjv",
+        '    if config.model == "lstm":\n',
+        '    if config.model == "gru":\n',
+        "tests/test_workloads.py -k lstm",
+        "workload.model: lstm silently trains the character transformer",
+    ),
+    mutant(
+        "lossy-auto-for-every-optimizer", "lossy_suits",
+        "    return isinstance(optimizer, LINEAR_IN_GRADIENT)\n",
+        "    return True\n",
+        "tests/test_lossy.py",
+        "AdamW runs get the lossy rungs that error feedback cannot make work with it",
+    ),
+    mutant(
+        "lossy-auto-empties-the-ladder", "lossy_options",
+        "    lossy = \"always\" if lossy_suits(optimizer) or not adaptive.near_lossless else \"never\"\n",
+        "    lossy = \"always\" if lossy_suits(optimizer) else \"never\"\n",
+        "tests/test_lossy.py",
+        "near_lossless: [] with AdamW leaves no rung but dense",
+    ),
+    mutant(
+        "lossy-auto-never-resolved", "TrainLoop.__init__",
+        "        options = lossy_options(options, optimizer)  # \"auto\": the optimizer decides\n",
+        "",
+        "tests/test_train_job.py::test_stop_at_target_leaves_after_the_second_consecutive_evaluation_on_every_rank",
+        "prepare_model never resolves lossy: auto, so an AdamW run is offered PowerSGD and Top-K",
+    ),
+    mutant(
+        "buckets-not-given-to-ddp", "TrainLoop.__init__",
+        "            ddp_options = ddp_kwargs(c, model)\n",
+        "            ddp_options = {}\n",
+        "tests/test_train_job.py -k critical_policy_switches",
+        "raycomp.train.prepare_model builds DDP with its default buckets, whatever compression.bucket_cap_mb says",
+    ),
+    mutant(
+        "find-unused-not-given-to-ddp", "TrainLoop.__init__",
+        "                ddp_options[\"find_unused_parameters\"] = True\n",
+        "                pass\n",
+        "tests/test_train_job.py -k skips_parameters",
+        "TrainOptions.find_unused_parameters never reaches DDP: a model that skips a head fails",
+    ),
+    mutant(
+        "job-autocast-never-enabled", "Precision.autocast",
+        "        return torch.autocast(self.device_type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None)\n",
+        "        return torch.autocast(self.device_type, dtype=self.dtype or torch.bfloat16, enabled=False)\n",
+        "tests/test_train_loss_scale.py -k its_precision",
+        "workload.precision=bf16/fp16 trains in fp32: the setting is accepted and ignored",
+    ),
+)

@@ -1,0 +1,71 @@
+"""Transports: the collectives that carry each plan's payloads and their means."""
+
+from ..mutant import mutant
+
+MUTANTS = (
+    mutant(
+        "sparse-also-sends-dense", "sparse_allgather",
+        "    gathering, overhead = _gather_payloads(payloads, compressors, group)\n\n    def merge(",
+        "    group.all_reduce_(torch.cat([t.detach().reshape(-1).float() for t in tensors]))\n"
+        "    gathering, overhead = _gather_payloads(payloads, compressors, group)\n\n    def merge(",
+        "tests/test_wire.py tests/test_collectives.py",
+        "the sparse all-gather path also all-reduces the dense tensor (wire grows, ledger unchanged)",
+    ),
+    mutant(
+        "dense-mean-divided-twice", "dense_allreduce.finish",
+        "            for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):\n",
+        "            flat.div_(group.size)\n"
+        "            for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):\n",
+        "tests/test_collectives.py",
+        "dense all-reduce divides by the world size before and after summing",
+    ),
+    mutant(
+        "summable-not-divided", "summable_allreduce",
+        "    payloads = [c.compress(t / w) for t, c in zip(tensors, compressors, strict=True)]\n",
+        "    payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]\n",
+        "tests/test_hook.py::test_lossless_settings_of_every_transport_give_ddps_mean",
+        "casts/Random-K all-reduce the sum, not the mean",
+    ),
+    mutant(
+        "powersgd-no-orthogonalisation", "lowrank_allreduce",
+        "        c.orthogonalize(p.reshape(ref.shape).clone())\n",
+        "        p.reshape(ref.shape).clone()\n",
+        "tests/test_hook.py::test_powersgd_recovers_an_exactly_low_rank_mean_across_ranks",
+        "distributed PowerSGD skips the Gram-Schmidt step between its two all-reduces",
+    ),
+    mutant(
+        "scalable-server-ef-removed", "ScalableAllreduce.__call__",
+        "                self.server_residuals[name] = average - comp.decompress(payload).float()\n",
+        "                pass\n",
+        "tests/test_error_feedback.py",
+        "the scalable all-reduce (sign/int8/QSGD) keeps no server-side error feedback",
+    ),
+    mutant(
+        "two-ranks-take-two-rounds", "ScalableAllreduce.__call__",
+        "        if w == 2 and self.gather_two_ranks:\n",
+        "        if False:\n",
+        "tests/test_collectives.py tests/test_wire.py",
+        "at W = 2 the scalable all-reduce still takes two rounds and quantizes twice",
+    ),
+    mutant(
+        "gathered-mean-drops-a-peer", "gathered_mean.average",
+        "            for d in decoded[1:]:  # rank order, the same on every rank\n",
+        "            for d in decoded[1:1]:  # rank order, the same on every rank\n",
+        "tests/test_collectives.py",
+        "the two-rank all-gather averages only the first rank's payload",
+    ),
+    mutant(
+        "dense-bucket-always-copied", "dense_allreduce",
+        "        flat = flat_view([tensors[i] for i in members]) if in_place else None\n",
+        "        flat = None\n",
+        "tests/test_hook.py",
+        "a dense DDP bucket is flattened into a new buffer every step instead of reduced where it lies",
+    ),
+    mutant(
+        "gathered-mean-waits-before-returning", "gathered_mean",
+        "    return gathering.then(average)\n",
+        "    return Pending.done(gathering.then(average).wait())\n",
+        "tests/test_hook.py",
+        "the two-rank all-gather is waited for inside the sending thread: pipelining undone for int8/int4",
+    ),
+)
