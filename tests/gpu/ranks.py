@@ -53,9 +53,6 @@ class Check:
 class Nccl:
     """Checks run here, on the session's NCCL group of one rank."""
 
-    name = "nccl-w1"
-    world = 1
-
     def run(self, check: Check) -> str:
         return check.run(CUDA, 0, 1)
 
@@ -89,8 +86,6 @@ class TwoRanks:
 
     results: list[dict[str, dict[str, str]]]
     ended: str = ""
-    name: str = "gloo-w2"
-    world: int = 2
 
     def failure(self, check: Check) -> str:
         """'' if no rank failed ``check``, else how the first one did (or that it never reported it)."""
