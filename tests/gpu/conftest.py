@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason=NO_CUDA)
     for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
+        if HERE in item.path.resolve().parents:
             item.add_marker(skip)
 
 
