@@ -1,4 +1,4 @@
-"""Device propagation, checked without a GPU (the CUDA run is jobs/gpu_check.py).
+"""Device propagation, checked without a GPU (the CUDA tests are tests/gpu).
 
 Tensors on the ``meta`` device have a shape, a dtype and a device but no data. A
 compressor run on meta tensors therefore shows (a) that every tensor it creates follows
@@ -173,36 +173,81 @@ def test_sharded_residual_from_a_cpu_checkpoint_follows_the_gradient_device() ->
     assert resumed.residual is not None and resumed.residual.device == META
 
 
-def test_the_gpu_check_runs_every_registered_compressor_and_every_transport() -> None:
-    """jobs/gpu_check.py takes each compressor's parameters from its own table: a
-    compressor registered without an entry there fails every CUDA row it appears in
-    (int4 did, KeyError, on the first H100 run after it was added)."""
-    from jobs import gpu_check
+def test_the_gpu_tests_run_every_registered_compressor_and_every_transport() -> None:
+    """tests/gpu takes each compressor's parameters from its own table: a compressor
+    registered without an entry there fails every CUDA test it appears in (int4 did,
+    KeyError, on the first H100 run after it was added)."""
     from raycomp.compressors import COMPRESSORS, Transport
+    from tests.gpu import support
 
-    assert set(gpu_check.PARAMS) == set(COMPRESSORS)
-    for name, params in gpu_check.PARAMS.items():
+    assert set(support.PARAMS) == set(COMPRESSORS)
+    for name, params in support.PARAMS.items():
         CompressorSpec.of(name, **params).build("layer", 0)  # valid parameters
-    checked = {CompressorSpec.of(n, **gpu_check.PARAMS[n]).build("layer", 0).transport
-               for n in gpu_check.TRANSPORT_PLANS.values()}
+    checked = {CompressorSpec.of(n, **support.PARAMS[n]).build("layer", 0).transport
+               for n in support.TRANSPORT_PLANS.values()}
     assert checked == set(Transport)
 
 
-def test_the_gpu_check_builds_the_shipped_transformer_with_torch_alone(tmp_path) -> None:
-    """A GPU machine may have torch and nothing else (2026-11-25: no pydantic, PyYAML or KJV
-    text there), so the check builds gpt_kjv's transformer from its sizes, and it must be
-    the model the shipped config trains, weights included."""
+def test_the_gpu_tests_build_the_shipped_transformer_with_torch_alone(tmp_path) -> None:
+    """A GPU machine may have torch and pytest and nothing else (no pydantic, PyYAML, Ray or
+    KJV text there), so every module of tests/gpu imports without them, and the tests build
+    gpt_kjv's transformer from its sizes: it must be the model the shipped config trains,
+    weights included."""
     from jobs.workloads import model_of
 
     out = tmp_path / "model.pt"
-    code = ("import sys\n"
+    modules = sorted(f"tests.gpu.{p.stem}" for p in (REPO / "tests" / "gpu").glob("*.py") if p.stem != "__init__")
+    code = ("import importlib, sys\n"
             "for name in ('pydantic', 'yaml', 'ray'): sys.modules[name] = None  # import fails\n"
-            "import torch\nfrom jobs.gpu_check import kjv_transformer\n"
+            f"for module in {modules!r}: importlib.import_module(module)\n"
+            "import torch\nfrom tests.gpu.models import kjv_transformer\n"
             f"torch.save(kjv_transformer(torch.device('cpu')).state_dict(), {str(out)!r})\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     built, shipped = torch.load(out), model_of("gpt_kjv").state_dict()
     assert built.keys() == shipped.keys()
     assert all(torch.equal(built[k], shipped[k]) for k in built)
+
+
+def agree(device: torch.device, rank: int, world: int) -> str:
+    """A two-rank check that passes: every rank sums the ranks."""
+    total = torch.tensor([float(rank)], device=device)
+    torch.distributed.all_reduce(total)
+    assert total.item() == world * (world - 1) / 2
+    return f"rank {rank} of {world}"
+
+
+def fails_on_the_last_rank(device: torch.device, rank: int, world: int, message: str) -> str:
+    assert rank < world - 1, message
+    return ""
+
+
+def skipped(device: torch.device, rank: int, world: int) -> str:
+    pytest.skip("not on this machine")
+
+
+def dies_on_the_last_rank(device: torch.device, rank: int, world: int) -> str:
+    if rank == world - 1:
+        os._exit(3)
+    return ""
+
+
+def test_the_gpu_tests_two_rank_runner_reports_what_each_rank_saw(tmp_path) -> None:
+    """tests/gpu runs a module's two-rank checks in one spawned pair (here on CPU tensors):
+    a test passes only if both ranks passed its check, fails with the failing rank's error,
+    is skipped where rank 0 skipped, and fails where a rank never reported (the pair died)."""
+    from tests.gpu.ranks import Check, spawn_two_ranks
+
+    checks = [Check(agree), Check(fails_on_the_last_rank, {"message": "boom"}), Check(skipped),
+              Check(dies_on_the_last_rank), Check(fails_on_the_last_rank, {"message": "after"})]
+    pair = spawn_two_ranks(checks, tmp_path, torch.device("cpu"))
+    assert pair.run(checks[0]) == "rank 0 of 2"
+    with pytest.raises(pytest.fail.Exception, match="rank 1: AssertionError: boom"):
+        pair.run(checks[1])
+    with pytest.raises(pytest.skip.Exception, match="not on this machine"):
+        pair.run(checks[2])
+    with pytest.raises(pytest.fail.Exception, match="rank 1 never reported .*exit code 3"):
+        pair.run(checks[4])
+    assert pair.failure(checks[0]) == ""
 
 
 def test_the_sharded_control_row_is_built_on_the_gradient_device_without_host_syncs() -> None:

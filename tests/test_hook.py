@@ -347,7 +347,7 @@ def _compiled_or_eager(rank: int, world_size: int, compiled: bool):
     with CompressionState(ddp, Plan.uniform("topk", ratio=0.05), min_compress_numel=256) as state:
         ddp.register_comm_hook(state, compression_hook)
         # aot_eager: dynamo, AOTAutograd and DDP's graph split without a C++ toolchain
-        # (jobs/gpu_check.py compiles with inductor's Triton kernels on a GPU)
+        # (tests/gpu/test_ddp_hook.py compiles with inductor's Triton kernels on a GPU)
         net = torch.compile(ddp, backend="aot_eager") if compiled else ddp
         gen = torch.Generator().manual_seed(rank)
         for _ in range(3):
