@@ -18,10 +18,10 @@ MUTANTS = (
         "every seed's step is divided by the first seed's no-communication step, not its own group's",
     ),
     mutant(
-        "gpu-check-misses-a-compressor", "PARAMS",
+        "gpu-tests-miss-a-compressor", "tests/gpu/support.py:PARAMS",
         "    \"int4\": {\"chunk_size\": 2048},\n",
         "",
-        "tests/test_device.py -k gpu_check",
-        "a registered compressor without parameters in the GPU check: KeyError in every CUDA row it is in",
+        "tests/test_device.py -k every_registered_compressor",
+        "a registered compressor without parameters in the GPU tests: KeyError in every CUDA test it is in",
     ),
 )
