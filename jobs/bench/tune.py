@@ -3,9 +3,9 @@
     python -m jobs.bench tune --config jobs/configs/tune_gpt.yaml --link 100mbit
 
 The search is ``python -m jobs.tune`` unchanged (same tune config, same trials, same
-outputs), run as the driver of the two-node cluster of ``jobs.bench e2e`` (:mod:`jobs.bench.cluster`): a Ray head in
-namespace ``a`` and a worker node in ``b``, one CPU each, joined by a veth pair shaped with
-``tbf`` (``--link 100mbit``) or bare (``--link fast``). Each trial's two workers land one per
+outputs), run as the driver of the two-node cluster of ``jobs.bench e2e``
+(:mod:`jobs.bench.cluster`): a Ray head in namespace ``a`` and a worker node in ``b``, one
+CPU each, joined by a veth pair shaped with ``tbf`` (``--link 100mbit``) or bare (``--link fast``). Each trial's two workers land one per
 node (the tune config asks for ``scaling.placement_strategy=SPREAD``), so every gradient byte
 crosses the link and a ``time_to_target`` objective measures what a user on that link would
 see. Trials run one at a time (two one-CPU workers on two CPUs).
@@ -42,6 +42,7 @@ NUMBER = re.compile(r"-?(\d+(\.\d*)?([eE][-+]?\d+)?|nan|inf)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``python -m jobs.bench tune``."""
     parser.add_argument("--config", default="jobs/configs/tune_gpt.yaml", help="tune config (jobs.tune)")
     parser.add_argument("--link", "--bandwidth", default="100mbit",
                         help="link rate each way in tc units (default 100mbit), or 'fast' (unshaped veth)")
@@ -55,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Build the link and the cluster, run ``jobs.tune`` as the driver in namespace a, write the
+    report (or only rebuild it with ``--reanalyze``); the exit status."""
     import os
 
     from jobs.tune import load_tune_config
@@ -137,6 +140,8 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_report(exp: Path, meta: dict[str, Any], out: Path, stem: str) -> list[Path]:
+    """Write ``<stem>.json``, ``.md`` and ``.png`` into ``out`` from the search directory ``exp``;
+    the paths."""
     tune_config = json.loads((exp / "tune_config.json").read_text())
     rows = read_rows(exp)
     result = {**meta, "name": exp.name, "tune_config": tune_config, "comparison": compare(rows), "rows": rows}
@@ -157,6 +162,7 @@ def _row(label: str, row: dict[str, Any] | None, metric: str) -> str:
 
 
 def render_markdown(result: dict[str, Any], table: str, stem: str) -> str:
+    """The markdown report: set-up, the untuned default against the best searched schedule, every trial."""
     from jobs.tune import ObjectiveSection
 
     spec = result["tune_config"]["spec"]

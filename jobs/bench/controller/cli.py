@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from jobs.bench.controller.load import run_load
+from jobs.bench.controller.ranks import MAX_REPORTS_IN_FLIGHT
 from jobs.bench.controller.report import render_markdown
 from jobs.bench.report import command_line, eprint, machine_info, write_results
-from raycomp.session import MAX_REPORTS_IN_FLIGHT
 
 __all__ = ["DEFAULTS", "HELP", "NAME", "QUICK", "add_arguments", "run"]
 
@@ -70,6 +70,7 @@ def _positive(kind: type) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``python -m jobs.bench controller``."""
     q = QUICK
     parser.add_argument("--workers", type=_positive(int), default=None,
                         help=f"simulated ranks (default {DEFAULTS['workers']}; {q['workers']} with --quick)")
@@ -98,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Start Ray if needed, run the load, write ``controller.json`` and ``controller.md``; the exit
+    status."""
     import ray
 
     preset = QUICK if args.quick else DEFAULTS

@@ -22,6 +22,7 @@ import ray
 from controllers.snapshots import SnapshotStore
 from jobs.bench.controller.ranks import (
     LAYER_NUMEL,
+    MAX_REPORTS_IN_FLIGHT,
     WINDOW_STEPS,
     LoadGenerator,
     layer_names,
@@ -30,7 +31,6 @@ from jobs.bench.controller.ranks import (
 from jobs.bench.controller.stats import latency_summary
 from jobs.bench.controller.summary import summarise
 from jobs.bench.report import eprint
-from raycomp.session import MAX_REPORTS_IN_FLIGHT
 
 __all__ = ["MIN_COMPRESS_NUMEL", "WARMUP_STEPS", "NoopService", "noop_baseline", "offline_costs", "run_load",
            "world_sizes"]
@@ -70,6 +70,7 @@ def _scrape(url: str, t: float) -> dict[str, Any]:
 
 
 def world_sizes(workers: int, runs: int) -> list[int]:
+    """``workers`` ranks split over ``runs`` runs as evenly as possible."""
     return [workers // runs + (1 if i < workers % runs else 0) for i in range(runs)]
 
 

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from jobs.bench.controller.stats import percentile
-from raycomp.session import MAX_REPORTS_IN_FLIGHT
+from raycomp.session import MAX_REPORTS_IN_FLIGHT  # the workers' backpressure, mirrored here
 
 __all__ = [
-    "LATENCY_SAMPLE_CAP", "LAYER_NUMEL", "PHASE_STEPS", "TOPK_RATIOS", "WINDOW_STEPS", "LoadGenerator",
-    "grad_norm", "layer_names", "make_report",
+    "LATENCY_SAMPLE_CAP", "LAYER_NUMEL", "MAX_REPORTS_IN_FLIGHT", "PHASE_STEPS", "TOPK_RATIOS", "WINDOW_STEPS",
+    "LoadGenerator", "grad_norm", "layer_names", "make_report",
 ]
 
 WINDOW_STEPS = 10  # critical-policy detection window (production default 50): more decisions
@@ -28,6 +28,7 @@ LATENCY_SAMPLE_CAP = 200_000  # latencies kept per generator (every call up to t
 
 
 def layer_names(n: int) -> list[str]:
+    """``n`` layer names, as a model's parameters would be named."""
     return [f"block{i:03d}.weight" for i in range(n)]
 
 

@@ -124,6 +124,7 @@ def interpretation(res: dict[str, Any]) -> list[str]:
 
 
 def render_markdown(res: dict[str, Any], command: str, info: dict[str, Any]) -> str:
+    """The markdown report of :func:`~jobs.bench.controller.summary.summarise`'s results."""
     cfg, lat, rss = res["config"], res["latency"], res["rss"]
     ms = "{:.1f}".format
     summary = markdown_table(["figure", "value"], [

@@ -23,6 +23,7 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def latency_summary(latencies_s: Sequence[float]) -> dict[str, float]:
+    """Percentiles (p50, p90, p99, p99.9), mean and max in ms, and the sample count."""
     values = sorted(latencies_s)
     out = {f"p{q}_ms": percentile(values, q) * 1e3 for q in (50, 90, 99)}
     out["p99_9_ms"] = percentile(values, 99.9) * 1e3
@@ -33,7 +34,8 @@ def latency_summary(latencies_s: Sequence[float]) -> dict[str, float]:
 
 
 def memory_verdict(timeline: Sequence[dict[str, float]], duration: float) -> dict[str, Any]:
-    """RSS growth over the second half of the load (see the module docstring)."""
+    """RSS growth over the second half of the load: bounded when the largest RSS sample of the
+    second half is less than :data:`BOUNDED_GROWTH` above the RSS at its midpoint."""
     during = [s for s in timeline if 0 <= s["t_s"] <= duration]
     if not during:
         return {"bounded": False, "reason": "no samples"}

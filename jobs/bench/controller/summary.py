@@ -18,6 +18,7 @@ def summarise(config: dict[str, Any], results: Sequence[dict[str, Any]], timelin
               scraped: list[dict[str, Any]], health: dict[str, Any], summaries: dict[str, Any],
               pids: dict[str, Any], load_avg: tuple[Any, Any], snapshot_bytes: int,
               offline: dict[str, float]) -> dict[str, Any]:
+    """The benchmark's results from the generators' results and the driver's samples."""
     duration, rate, workers = config["duration_s"], config["rate"], config["workers"]
     samples = [s for r in results for s in r["samples"]]
     sent = sum(r["sent"] for r in results)

@@ -1,7 +1,7 @@
 """End-to-end benchmark: time to target of 15 methods, 2 Ray nodes over a veth link.
 
-Two network namespaces joined by a veth pair (:mod:`jobs.bench.netns`, :mod:`jobs.bench.cluster`) each hold one Ray node
-with one CPU: the head in ``a``, a worker node in ``b``. The driver runs inside ``a``. Each
+Two network namespaces joined by a veth pair (:mod:`jobs.bench.netns`) each hold one Ray node
+(:mod:`jobs.bench.cluster`) with one CPU: the head in ``a``, a worker node in ``b``. The driver runs inside ``a``. Each
 training worker needs one CPU, so Ray Train places one on each node
 (``scaling.placement_strategy=SPREAD`` too) and every gradient byte crosses the link; gloo
 is bound to the veth of each node (``GLOO_SOCKET_IFNAME``). The link is ``--link 100mbit``
@@ -17,7 +17,7 @@ One invocation = one workload x one link x ``--seeds``:
 ``mlp``               the old digits MLP (234,762 parameters): a smoke case
 ====================  ==================================================================
 
-Methods (:data:`jobs.bench.e2e.methods.METHODS`): ``dense`` (torch ``allreduce_hook``), ``torch_fp16``,
+Methods (:mod:`jobs.bench.e2e.methods`): ``dense`` (torch ``allreduce_hook``), ``torch_fp16``,
 ``torch_bf16``, ``torch_powersgd_r1|r2|r4`` (torch's hooks), raycomp static ``topk`` (1%),
 ``dgc`` (sampled-threshold Top-0.1%), ``powersgd_r1|r2|r4``, ``sign``, ``int8``, ``int4``, and
 ``raycomp_adaptive`` (the shipped default ``compression.policy``, untuned).
@@ -37,7 +37,8 @@ Time to target: training wall time (from the end of step 0; evaluation and repor
 subtracted) at the first evaluation from which the target holds at two consecutive
 evaluations; the median over seeds counts a seed that never got there as infinitely slow
 (so the median is null when most seeds miss). ``--target auto`` (the default) takes the
-dense runs' median metric at the evaluation at 3/4 of the step budget.
+dense runs' median metric at the evaluation at 3/4 of the step budget. The goals
+(:mod:`jobs.bench.e2e.goals`, a table) are judged on the medians over seeds.
 
 Output: ``<output-dir>/e2e-<workload>-<link>.json``, ``.md`` and ``.png``; raw traces of every
 run stay in ``--work-dir`` (``--reanalyze WORK_DIR`` rebuilds the reports from them).

@@ -213,6 +213,7 @@ def _log(message: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jobs.bench.e2e.driver SPEC_JSON``; the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1:
         print("usage: python -m jobs.bench.e2e.driver SPEC_JSON", file=sys.stderr)

@@ -41,6 +41,7 @@ _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
 
 def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536 (K/M/G are powers of 1024); a positive element count."""
     match = _SIZE_RE.match(text)
     if not match or int(match.group(1)) <= 0:
         raise argparse.ArgumentTypeError(
@@ -51,6 +52,7 @@ def parse_size(text: str) -> int:
 
 
 def parse_sizes(text: str) -> list[int]:
+    """``--sizes``: comma-separated sizes, duplicates dropped, order kept."""
     parts = [p for p in text.split(",") if p.strip()]
     if not parts:
         raise argparse.ArgumentTypeError(
@@ -60,6 +62,7 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def positive_int(text: str) -> int:
+    """A positive integer (``--repeats``, ``--threads``)."""
     try:
         value = int(text)
     except ValueError:
@@ -70,6 +73,7 @@ def positive_int(text: str) -> int:
 
 
 def parse_compressors(text: str) -> list[str]:
+    """``--compressors``: registered names or ``torch_topk``, duplicates dropped."""
     allowed = [*COMPRESSORS, BASELINE]
     names = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [n for n in names if n not in allowed]
@@ -81,6 +85,7 @@ def parse_compressors(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``python -m jobs.bench kernels``."""
     parser.add_argument(
         "--sizes",
         type=parse_sizes,
@@ -121,6 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Time every compressor at every size, write ``kernels.json`` and ``kernels.md``; the exit status."""
     sizes = args.sizes or parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)
     repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     names = args.compressors or [*COMPRESSORS, BASELINE]

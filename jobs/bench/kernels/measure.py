@@ -114,6 +114,7 @@ def _row(
 
 
 def bench_compressor(name: str, x: torch.Tensor, repeats: int, threads: int) -> dict[str, Any]:
+    """One row: ``name`` (with :data:`PARAMS`) compressing and decompressing ``x``."""
     params = PARAMS.get(name, {})
     compressor = make_compressor(name, **params)
     if name == "powersgd":
@@ -174,6 +175,8 @@ def bench_torch_topk(x: torch.Tensor, repeats: int, threads: int) -> dict[str, A
 def run_benchmark(
     sizes: Sequence[int], names: Sequence[str], repeats: int, threads: int, seed: int
 ) -> list[dict[str, Any]]:
+    """Every compressor at every size on the same seeded input; the rows (an input modified in
+    place is flagged)."""
     rows: list[dict[str, Any]] = []
     for numel in sizes:
         gen = torch.Generator().manual_seed(seed)

@@ -19,6 +19,7 @@ TARGET_NUMEL = 16 * 2**20
 
 
 def size_label(numel: int) -> str:
+    """65536 -> ``"64K"`` (the largest power-of-1024 unit that divides it)."""
     for unit, factor in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if numel % factor == 0:
             return f"{numel // factor}{unit}"
@@ -30,6 +31,7 @@ def _verdict(ok: bool) -> str:
 
 
 def targets_markdown(rows: Sequence[dict[str, Any]], threads: int) -> str:
+    """The "Targets" section: each target's measured value and PASS/MISS."""
     by_key = {(r["compressor"], r["numel"]): r for r in rows}
     sizes = sorted({r["numel"] for r in rows})
     lines = ["## Targets", ""]
@@ -100,6 +102,7 @@ def render_markdown(
     seed: int,
     alloc: dict[int, tuple[float, float]] | None = None,
 ) -> str:
+    """The markdown report: command, machine, method, the table, the targets, the allocation check."""
     threads = info["torch_threads"]
     table = markdown_table(
         [
