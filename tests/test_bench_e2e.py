@@ -208,6 +208,24 @@ def test_other_workloads_judge_the_final_loss_against_dense_when_dense_ran():
     assert _verdicts(_results(rows, workload="lstm")) == [True, False]
 
 
+def test_the_goals_table_names_only_known_scopes_measures_comparisons_and_ceilings():
+    from jobs.bench.e2e.goals import GOALS, SCOPES
+
+    scopes = [name for name, _ in SCOPES]
+    assert SCOPES[-1][1] == {}  # the last scope takes any report the others leave
+    for goal in GOALS:
+        assert goal.scope in scopes and goal.measure in judge.MEASURES, goal
+        assert goal.comparison in judge.COMPARISONS, goal
+        assert (goal.threshold is None) == (goal.comparison == "present"), goal
+        assert goal.ceiling in (None, "nic", "vs_dense"), goal
+    assert {g.scope for g in GOALS} == set(scopes)
+    # FSDP is judged by its own goals whatever the link; the fast link by its one goal whatever the workload
+    rows = [_row("dense", 300.0), _row("raycomp_adaptive", 240.0)]
+    assert judge.scope_of({**_results(rows, rate="fast"), "strategy": "fsdp"}) == "fsdp"
+    assert judge.scope_of(_results(rows, workload="cnn", rate="fast")) == "fast link"
+    assert judge.scope_of(_results(rows, workload="cnn")) == "other workloads"
+
+
 # --- fairness of the runs ----------------------------------------------------------------------
 def test_every_method_gets_the_same_budget_seed_cadence_and_warmup():
     settings = {"extra": [], "steps": 240, "eval_every": 20, "warmup": 20, "stop_at_target": False,

@@ -5,10 +5,11 @@
 The search is ``python -m jobs.tune`` unchanged (same tune config, same trials, same
 outputs), run as the driver of the two-node cluster of ``jobs.bench e2e``
 (:mod:`jobs.bench.cluster`): a Ray head in namespace ``a`` and a worker node in ``b``, one
-CPU each, joined by a veth pair shaped with ``tbf`` (``--link 100mbit``) or bare (``--link fast``). Each trial's two workers land one per
-node (the tune config asks for ``scaling.placement_strategy=SPREAD``), so every gradient byte
-crosses the link and a ``time_to_target`` objective measures what a user on that link would
-see. Trials run one at a time (two one-CPU workers on two CPUs).
+CPU each, joined by a veth pair shaped with ``tbf`` (``--link 100mbit``) or bare
+(``--link fast``). Each trial's two workers land one per node (the tune config asks for
+``scaling.placement_strategy=SPREAD``), so every gradient byte crosses the link and a
+``time_to_target`` objective measures what a user on that link would see. Trials run one at
+a time (two one-CPU workers on two CPUs).
 
 Writes ``<output-dir>/tune-<search name>-<link>.{md,json,png}``: the search's table, the
 untuned adaptive default against the best searched schedule and dense, the Pareto plot. The
