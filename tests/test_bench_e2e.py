@@ -1,4 +1,4 @@
-"""The analysis of the end-to-end benchmark (``jobs/bench_e2e.py``) on synthetic traces:
+"""The analysis of the end-to-end benchmark (``jobs/bench/e2e/``) on synthetic traces:
 time to target (two consecutive evaluations), the training clock without evaluation pauses,
 medians over seeds with misses, PASS/MISS, the per-method overrides and the output schema."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from jobs import bench_e2e as e2e
+from jobs.bench.e2e import analysis, judge, methods, report, stats, traces
 from raycomp.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,12 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
     ([1.0, math.nan, 1.0, 1.0], 2.0, True, 2),
 ])
 def test_target_index_two_consecutive(values, target, lower, expected):
-    assert e2e.target_index(values, target, lower) == expected
+    assert traces.target_index(values, target, lower) == expected
 
 
 def test_target_index_other_run_lengths():
-    assert e2e.target_index([1, 1, 3, 1, 1, 1], 2.0, True, consecutive=3) == 3
-    assert e2e.target_index([3, 1], 2.0, True, consecutive=1) == 1
+    assert traces.target_index([1, 1, 3, 1, 1, 1], 2.0, True, consecutive=3) == 3
+    assert traces.target_index([3, 1], 2.0, True, consecutive=1) == 1
 
 
 def _steps(n: int, pauses: dict[int, float] | None = None, step_s: float = 1.0, t0: float = 100.0):
@@ -50,7 +50,7 @@ def _steps(n: int, pauses: dict[int, float] | None = None, step_s: float = 1.0, 
 def test_training_clock_uses_the_record_before_the_evaluation_and_drops_pauses():
     # evaluations after 10 and 20 steps, 5 s and 7 s long (they sit before records 10 and 20)
     steps = _steps(30, {10: 5.0, 20: 7.0})
-    clock = e2e.training_clock(steps, [10, 20, 30])
+    clock = traces.training_clock(steps, [10, 20, 30])
     assert clock[1] == 0.0  # the clock starts at the end of step 0
     assert clock[10] == pytest.approx(9.0)  # record 9: nine 1-s steps after step 0, no pause yet
     assert clock[11] == pytest.approx(10.0)  # the 5-s evaluation is not training time
@@ -59,23 +59,23 @@ def test_training_clock_uses_the_record_before_the_evaluation_and_drops_pauses()
     assert clock[30] == pytest.approx(29.0)
     assert 31 not in clock
     # without the evaluation steps the pauses count
-    assert e2e.training_clock(steps, [])[21] == pytest.approx(32.0)
-    assert e2e.training_clock([], [10]) == {}
+    assert traces.training_clock(steps, [])[21] == pytest.approx(32.0)
+    assert traces.training_clock([], [10]) == {}
 
 
 def test_steady_step_time_excludes_evaluation_gaps():
     steps = _steps(30, {10: 5.0, 20: 7.0}, step_s=0.5)
-    seconds, n = e2e.steady_step_s(steps, [10, 20], start=5)
+    seconds, n = traces.steady_step_s(steps, [10, 20], start=5)
     assert seconds == pytest.approx(0.5) and n == 25 - 2  # gaps 5..29 minus the two with evaluations
-    seconds, n = e2e.steady_step_s(steps, [], start=5)
+    seconds, n = traces.steady_step_s(steps, [], start=5)
     assert seconds == pytest.approx((25 * 0.5 + 12) / 25)
 
 
 def test_first_compressed_step_from_the_ledger():
     steps = [{"step": i, "wire_bytes": 100 * min(i + 1, 3) + (i >= 3) * 5 * (i - 2),
               "dense_bytes": 100 * (i + 1)} for i in range(6)]
-    assert e2e.first_compressed_step(steps) == 3
-    assert e2e.first_compressed_step([{"step": i, "wire_bytes": 10 * (i + 1), "dense_bytes": 10 * (i + 1)}
+    assert traces.first_compressed_step(steps) == 3
+    assert traces.first_compressed_step([{"step": i, "wire_bytes": 10 * (i + 1), "dense_bytes": 10 * (i + 1)}
                                       for i in range(4)]) is None
 
 
@@ -89,13 +89,13 @@ def test_first_compressed_step_from_the_ledger():
     ([], None),
 ])
 def test_median_with_misses(values, median):
-    assert e2e.median_with_misses(values) == median
+    assert stats.median_with_misses(values) == median
 
 
 def test_spread():
-    assert e2e.spread([12.0, 10.0, 11.0]) == [10.0, 12.0]
-    assert e2e.spread([12.0, None, 11.0]) == [11.0, None]
-    assert e2e.spread([None, None]) == [None, None]
+    assert stats.spread([12.0, 10.0, 11.0]) == [10.0, 12.0]
+    assert stats.spread([12.0, None, 11.0]) == [11.0, None]
+    assert stats.spread([None, None]) == [None, None]
 
 
 # --- PASS / MISS -----------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def _results(rows, workload="gpt", rate="100mbit", compute=0.25):
 
 
 def _verdicts(results):
-    return [g["ok"] for g in e2e.goals(results)]
+    return [g["ok"] for g in judge.judge(results)]
 
 
 def test_gpt_goals_pass_at_their_boundaries():
@@ -118,7 +118,7 @@ def test_gpt_goals_pass_at_their_boundaries():
             _row("torch_powersgd_r2", 126.0), _row("raycomp_topk", 80.0),
             _row("raycomp_adaptive", 84.0, final=101.0, nic=1024.0, step=0.3, control=0.01)]
     results = _results(rows, compute=0.25)
-    goals = e2e.goals(results)
+    goals = judge.judge(results)
     assert [g["value"] for g in goals] == [5.0, 1.5, 1.05, 0.01, 50.0, 1.2, 0.01]
     assert _verdicts(results) == [True, True, True, True, True, True, True]
     assert "raycomp_topk" in goals[2]["goal"]
@@ -135,32 +135,32 @@ def test_the_step_goal_divides_by_the_no_communication_step_when_the_report_has_
     rows = [_row("dense", 420.0), _row("raycomp_adaptive", 84.0, step=0.3)]
     rows[-1]["step_vs_no_comm"] = 1.2
     results = {**_results(rows, compute=0.2), "no_comm_step_s": 0.25}
-    goal = e2e.goals(results)[5]
+    goal = judge.judge(results)[5]
     assert "noop_hook" in goal["goal"] and goal["value"] == 1.2 and goal["ok"]  # 0.3 / 0.2 = 1.5 would MISS
     rows[-1]["step_vs_no_comm"] = 1.2001
-    assert not e2e.goals(results)[5]["ok"]
+    assert not judge.judge(results)[5]["ok"]
     rows[-1]["step_vs_no_comm"] = None  # no seed had both: a missing number
-    assert not e2e.goals(results)[5]["ok"]
+    assert not judge.judge(results)[5]["ok"]
 
 
 def test_a_missing_number_is_a_miss():
     rows = [_row("dense", None), _row("raycomp_adaptive", None, final=None, nic=None, step=None, control=None)]
-    goals = e2e.goals(_results(rows))
+    goals = judge.judge(_results(rows))
     assert len(goals) == 7 and not any(g["ok"] for g in goals)
-    assert e2e.goals(_results([_row("dense", 1.0)])) == []  # no adaptive run: nothing to judge
+    assert judge.judge(_results([_row("dense", 1.0)])) == []  # no adaptive run: nothing to judge
 
 
 def test_torch_powersgd_that_never_reaches_the_target_counts_as_infinitely_slow():
     rows = [_row("dense", 420.0), _row("torch_powersgd_r1", None), _row("torch_powersgd_r4", None),
             _row("raycomp_adaptive", 84.0)]
-    goal = e2e.goals(_results(rows))[1]
+    goal = judge.judge(_results(rows))[1]
     assert goal["ok"] and goal["value"] is None
     assert goal["note"].startswith("none of the 2 torch powerSGD ranks run reached the target")
     rows[-1]["time_to_target_s"] = None  # adaptive missed too: no verdict in its favour
-    assert not e2e.goals(_results(rows))[1]["ok"]
+    assert not judge.judge(_results(rows))[1]["ok"]
     rows[1]["time_to_target_s"] = 100.0  # one rank reached it: the ratio decides
     rows[-1]["time_to_target_s"] = 84.0
-    assert e2e.goals(_results(rows))[1] == {**e2e.goals(_results(rows))[1], "value": pytest.approx(100 / 84),
+    assert judge.judge(_results(rows))[1] == {**judge.judge(_results(rows))[1], "value": pytest.approx(100 / 84),
                                             "ok": False}
 
 
@@ -169,27 +169,27 @@ def test_the_shared_dense_warmup_caps_what_the_dense_and_nic_goals_can_reach():
     dense = {**_row("dense", 193.1, step=1.389), "steps_to_target_seeds": [140, 120, 140]}
     rows = [dense, _row("raycomp_adaptive", 117.8)]
     results = {**_results(rows, compute=0.26), "workload": {"name": "gpt", "steps": 160, "warmup_steps": 20}}
-    ceilings = e2e.warmup_ceilings(results, dense)
+    ceilings = judge.warmup_ceilings(results, dense)
     # NIC: steps 1-19 of the counted 1-159 send dense's bytes whatever comes after
     assert ceilings["nic"] == pytest.approx(159 / 19)
     # time: 19 dense steps of 1.389 s, then 121 compute-only steps of 0.26 s to dense's step 140
     assert ceilings["vs_dense"] == pytest.approx(193.1 / 57.851)
-    goals = e2e.goals(results)
+    goals = judge.judge(results)
     assert [g.get("ceiling") for g in goals] == [ceilings["vs_dense"], None, None, None, ceilings["nic"], None, None]
     # two workers without communication are slower than one alone: the ceiling uses them
-    no_comm = e2e.warmup_ceilings({**results, "no_comm_step_s": 0.3}, dense)["vs_dense"]
+    no_comm = judge.warmup_ceilings({**results, "no_comm_step_s": 0.3}, dense)["vs_dense"]
     assert no_comm == pytest.approx(193.1 / (19 * 1.389 + 121 * 0.3))
     dense["steps_to_target_seeds"] = [140, None, None]  # dense itself missed: no step to reach
-    assert e2e.warmup_ceilings(results, dense)["vs_dense"] is None
-    assert e2e.warmup_ceilings({**results, "workload": {"name": "gpt"}}, dense) == {"nic": None, "vs_dense": None}
+    assert judge.warmup_ceilings(results, dense)["vs_dense"] is None
+    assert judge.warmup_ceilings({**results, "workload": {"name": "gpt"}}, dense) == {"nic": None, "vs_dense": None}
 
 
 def test_fast_link_and_cnn_goals():
     rows = [_row("dense", 100.0), _row("torch_bf16", 90.0), _row("raycomp_adaptive", 94.5)]
-    fast = e2e.goals(_results(rows, rate="fast"))
+    fast = judge.judge(_results(rows, rate="fast"))
     assert len(fast) == 1 and fast[0]["ok"] and fast[0]["value"] == pytest.approx(1.05)
     rows[-1]["time_to_target_s"] = 94.6
-    assert not e2e.goals(_results(rows, rate="fast"))[0]["ok"]
+    assert not judge.judge(_results(rows, rate="fast"))[0]["ok"]
     cnn = [_row("raycomp_topk", 50.0), _row("raycomp_adaptive", 50.0)]
     assert _verdicts(_results(cnn, workload="cnn")) == [True]
     cnn[-1]["time_to_target_s"] = 50.5
@@ -199,7 +199,7 @@ def test_fast_link_and_cnn_goals():
 def test_other_workloads_judge_the_final_loss_against_dense_when_dense_ran():
     rows = [_row("dense", 120.0, final=2.0), _row("raycomp_int4", 60.0, final=2.0),
             _row("raycomp_adaptive", 60.0, final=2.019)]
-    goals = e2e.goals(_results(rows, workload="lstm"))
+    goals = judge.judge(_results(rows, workload="lstm"))
     assert [g["ok"] for g in goals] == [True, True]
     assert goals[1]["value"] == pytest.approx(0.0095) and "within 1% of dense" in goals[1]["goal"]
     rows[-1]["final_metric"] = 2.0201
@@ -208,21 +208,39 @@ def test_other_workloads_judge_the_final_loss_against_dense_when_dense_ran():
     assert _verdicts(_results(rows, workload="lstm")) == [True, False]
 
 
+def test_the_goals_table_names_only_known_scopes_measures_comparisons_and_ceilings():
+    from jobs.bench.e2e.goals import GOALS, SCOPES
+
+    scopes = [name for name, _ in SCOPES]
+    assert SCOPES[-1][1] == {}  # the last scope takes any report the others leave
+    for goal in GOALS:
+        assert goal.scope in scopes and goal.measure in judge.MEASURES, goal
+        assert goal.comparison in judge.COMPARISONS, goal
+        assert (goal.threshold is None) == (goal.comparison == "present"), goal
+        assert goal.ceiling in (None, "nic", "vs_dense"), goal
+    assert {g.scope for g in GOALS} == set(scopes)
+    # FSDP is judged by its own goals whatever the link; the fast link by its one goal whatever the workload
+    rows = [_row("dense", 300.0), _row("raycomp_adaptive", 240.0)]
+    assert judge.scope_of({**_results(rows, rate="fast"), "strategy": "fsdp"}) == "fsdp"
+    assert judge.scope_of(_results(rows, workload="cnn", rate="fast")) == "fast link"
+    assert judge.scope_of(_results(rows, workload="cnn")) == "other workloads"
+
+
 # --- fairness of the runs ----------------------------------------------------------------------
 def test_every_method_gets_the_same_budget_seed_cadence_and_warmup():
     settings = {"extra": [], "steps": 240, "eval_every": 20, "warmup": 20, "stop_at_target": False,
                 "target": None}
     shared = None
-    for name in [*e2e.METHODS, e2e.COMPUTE, e2e.NO_COMM]:
-        overrides = e2e.method_overrides(name, settings, seed=1, interval=10, bucket_cap_mb=16.0)
+    for name in [*methods.METHODS, methods.COMPUTE, methods.NO_COMM]:
+        overrides = methods.method_overrides(name, settings, seed=1, interval=10, bucket_cap_mb=16.0)
         config = load_config(REPO / "jobs/configs/gpt_kjv.yaml", overrides)
         w, c = config.workload, config.compression
         assert (config.run.seed, w.steps_per_epoch * w.epochs, w.eval_every_steps) == (1, 240, 20), name
         assert (w.lr, w.lr_schedule, w.batch_size) == (0.002, "cosine", 6)
         assert c.baseline_warmup_steps == c.baseline_powersgd_start_iter == 20
-        assert config.scaling.num_workers == (1 if name == e2e.COMPUTE else 2), name
-        assert (c.baseline_hook == "torch_noop") == (name == e2e.NO_COMM), name
-        if name == e2e.COMPUTE:
+        assert config.scaling.num_workers == (1 if name == methods.COMPUTE else 2), name
+        assert (c.baseline_hook == "torch_noop") == (name == methods.NO_COMM), name
+        if name == methods.COMPUTE:
             continue
         assert c.warmup_steps == 10  # + the control interval: the first compressed plan at step 20
         assert (c.baseline_bucket_cap_mb is not None) == name.startswith("torch_powersgd")
@@ -231,18 +249,18 @@ def test_every_method_gets_the_same_budget_seed_cadence_and_warmup():
         key = (w.model_dump(), c.warmup_steps)
         shared = shared or key
         assert key == shared, name
-    stop = e2e.method_overrides("dense", {**settings, "stop_at_target": True, "target": 1.9}, 0, 10, 16.0)
+    stop = methods.method_overrides("dense", {**settings, "stop_at_target": True, "target": 1.9}, 0, 10, 16.0)
     config = load_config(REPO / "jobs/configs/gpt_kjv.yaml", stop)
     assert (config.workload.stop_at_target, config.workload.stop_consecutive) == (1.9, 2)
 
 
 def test_the_lstm_workload_runs_its_own_config_at_the_benchmark_budget():
-    spec = e2e.WORKLOADS["lstm"]
+    spec = methods.WORKLOADS["lstm"]
     settings = {"extra": spec.get("overrides", []), "steps": spec["full"]["steps"],
                 "eval_every": spec["full"]["eval_every"], "warmup": spec["warmup"],
                 "stop_at_target": False, "target": None}
     for name in ("dense", "torch_powersgd_r4", "raycomp_adaptive"):
-        config = load_config(REPO / spec["config"], e2e.method_overrides(name, settings, 0, 10, 16.0))
+        config = load_config(REPO / spec["config"], methods.method_overrides(name, settings, 0, 10, 16.0))
         w = config.workload
         assert (w.model, w.optimizer, w.steps_per_epoch * w.epochs, w.eval_every_steps) == ("lstm", "sgd", 200, 20)
         assert config.compression.baseline_warmup_steps == 20
@@ -252,8 +270,8 @@ def test_fsdp_methods_share_the_budget_and_differ_only_in_the_reduce_scatter():
     settings = {"extra": [], "steps": 160, "eval_every": 20, "warmup": 20, "stop_at_target": False,
                 "target": None, "strategy": "fsdp"}
     seen = {}
-    for name in e2e.FSDP_METHODS:
-        config = load_config(REPO / "jobs/configs/gpt_kjv.yaml", e2e.method_overrides(name, settings, 2, 10, 16.0))
+    for name in methods.FSDP_METHODS:
+        config = load_config(REPO / "jobs/configs/gpt_kjv.yaml", methods.method_overrides(name, settings, 2, 10, 16.0))
         w, c = config.workload, config.compression
         assert config.scaling.strategy == "fsdp", name
         assert (config.run.seed, w.steps_per_epoch * w.epochs, w.eval_every_steps, c.warmup_steps) == (2, 160, 20, 10)
@@ -262,20 +280,20 @@ def test_fsdp_methods_share_the_budget_and_differ_only_in_the_reduce_scatter():
                     "raycomp_bf16": ("none", "static", "bf16"), "raycomp_int8": ("none", "static", "int8"),
                     "raycomp_adaptive": ("none", "adaptive", None)}
     with pytest.raises(SystemExit, match="allowed with --strategy fsdp: dense, torch_bf16, raycomp_bf16"):
-        e2e.parse_methods("raycomp_topk", quick=False, strategy="fsdp")
+        methods.parse_methods("raycomp_topk", quick=False, strategy="fsdp")
 
 
 def test_fsdp_goals_and_report_names():
     rows = [_row("dense", 300.0, nic=20e6), _row("torch_bf16", 250.0), _row("raycomp_adaptive", 240.0, nic=14e6)]
     results = {**_results(rows), "strategy": "fsdp"}
-    goals = e2e.goals(results)
+    goals = judge.judge(results)
     assert [g["value"] for g in goals] == [pytest.approx(1.25), pytest.approx(20 / 14), pytest.approx(0.96)]
     assert [g["ok"] for g in goals] == [True, True, True] and "FSDP" in goals[0]["goal"]
     rows[-1].update(time_to_target_s=None, nic_bytes_per_step=21e6)
-    assert [g["ok"] for g in e2e.goals(results)] == [False, False, False]
-    assert e2e.report_stem({**results, "link": {"rate": "100mbit"}}) == "fsdp-gpt-100mbit"
-    assert e2e.modeled(results, "dense") and not e2e.modeled(results, "raycomp_int8")
-    assert not e2e.modeled(results, "torch_powersgd_r1")
+    assert [g["ok"] for g in judge.judge(results)] == [False, False, False]
+    assert report.report_stem({**results, "link": {"rate": "100mbit"}}) == "fsdp-gpt-100mbit"
+    assert report.modeled(results, "dense") and not report.modeled(results, "raycomp_int8")
+    assert not report.modeled(results, "torch_powersgd_r1")
 
 
 # --- schema ---------------------------------------------------------------------------------
@@ -302,16 +320,16 @@ def test_analyze_writes_the_documented_schema(tmp_path):
                 "stop_at_target": False}
     raw = {"layers": {"w": [100, 2], "b": [2]}, "metric": "loss", "interval_steps": 10, "bucket_cap_mb": 1.0,
            "default_policy": "critical", "idle": [{"seconds": 10.0, "tx_bytes": 50, "rx_bytes": 50}],
-           "runs": [_raw_run(e2e.COMPUTE, 0, [3.0, 3.0], 0.15, 0.0),
-                    _raw_run(e2e.NO_COMM, 0, [3.0, 3.0], 0.25, 0.0),
+           "runs": [_raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.15, 0.0),
+                    _raw_run(methods.NO_COMM, 0, [3.0, 3.0], 0.25, 0.0),
                     _raw_run("dense", 0, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0),
                     _raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.45, 2.4], 0.3, 8.0),
-                    _raw_run(e2e.NO_COMM, 1, [3.0, 3.0], 0.2, 0.0),
+                    _raw_run(methods.NO_COMM, 1, [3.0, 3.0], 0.2, 0.0),
                     _raw_run("dense", 1, [3.0, 2.7, 2.5, 2.3], 1.0, 800.0),
                     _raw_run("raycomp_adaptive", 1, [3.0, 2.6, 2.6, 2.6], 0.4, 8.0)]}
     check = {"a_to_b": {"bits_per_s": 95.7e6}, "b_to_a": {"bits_per_s": 95.6e6}, "rtt": {"median_s": 2e-5}}
     shaping = {"qdisc": {"a": "tbf rate 100000000bit"}, "rate": "100mbit"}
-    results = e2e.analyze(raw, settings, shaping, check)
+    results = analysis.analyze(raw, settings, shaping, check)
     assert set(results) >= {"workload", "link", "target", "seeds", "compute_step_s", "methods", "goals"}
     assert results["workload"]["name"] == "gpt" and results["workload"]["parameters"] == 202
     assert results["link"] == {**results["link"], "rate": "100mbit", "measured_mbit_s": 95.6}
@@ -339,7 +357,7 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     step_goal = next(g for g in results["goals"] if g["goal"].startswith("adaptive steady step time"))
     assert "noop_hook" in step_goal["goal"] and step_goal["value"] == pytest.approx(1.6) and not step_goal["ok"]
     json.dumps(results, allow_nan=False)
-    paths = e2e.write_reports({**results, "command": "python -m jobs.bench e2e --quick"}, tmp_path)
+    paths = report.write_reports({**results, "command": "python -m jobs.bench e2e --quick"}, tmp_path)
     assert [p.name for p in paths] == ["e2e-gpt-100mbit.json", "e2e-gpt-100mbit.md", "e2e-gpt-100mbit.png"]
     text = paths[1].read_text()
     assert "MISS" in text and "raycomp_adaptive" in text
@@ -348,10 +366,10 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     assert "fewer than dense: **" in text and "MISS** (ceiling under this benchmark's shared dense warm-up: 2.05x)" in text
     assert json.loads(paths[0].read_text())["methods"][1]["name"] == "raycomp_adaptive"
     # FSDP: dense's bytes are an ideal fp32 reduce-scatter's, half an all-reduce's
-    sharded = e2e.analyze(raw, {**settings, "strategy": "fsdp"}, shaping, check)
+    sharded = analysis.analyze(raw, {**settings, "strategy": "fsdp"}, shaping, check)
     assert sharded["strategy"] == "fsdp"
     assert sharded["methods"][0]["wire_bytes"] == pytest.approx(2 * 4 * 202 * 40 / 2)
-    assert "FSDP2" in e2e.render_markdown({**sharded, "command": "x"})
+    assert "FSDP2" in report.render_markdown({**sharded, "command": "x"})
 
 
 def test_a_run_stopped_early_reports_the_seeds_that_ran(tmp_path):
@@ -364,10 +382,10 @@ def test_a_run_stopped_early_reports_the_seeds_that_ran(tmp_path):
                     _raw_run("dense", 1, [3.0, 2.7, 2.5, 2.3], 1.0, 800.0),
                     _raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.45, 2.4], 0.3, 8.0)]}  # stopped here
     check = {"a_to_b": {"bits_per_s": 95.7e6}, "b_to_a": {"bits_per_s": 95.6e6}, "rtt": {"median_s": 2e-5}}
-    results = e2e.analyze(raw, settings, {"qdisc": {"a": "tbf"}, "rate": "100mbit"}, check)
+    results = analysis.analyze(raw, settings, {"qdisc": {"a": "tbf"}, "rate": "100mbit"}, check)
     assert results["seeds"] == [0, 1] and results["seeds_requested"] == [0, 1, 2]
     assert results["methods"][1]["time_to_target_s_seeds"] == [pytest.approx(0.3 * 29)]
-    text = e2e.render_markdown({**results, "command": "x"})
+    text = report.render_markdown({**results, "command": "x"})
     assert "over a 100mbit link, 2 seeds" in text
     assert "**Stopped early: 2 of the 3 requested seeds (0, 1, 2) ran**" in text
 
@@ -388,7 +406,7 @@ def test_tiny_real_run_over_the_throttled_link(tmp_path):
     import subprocess
     import sys
 
-    from jobs.netns import NS_PREFIX, namespaces
+    from jobs.bench.netns import NS_PREFIX, namespaces
 
     before = {n for n in namespaces() if n.startswith(NS_PREFIX)}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.bench_controller import render_markdown, run_load, summarise
+from jobs.bench.controller.load import run_load
+from jobs.bench.controller.report import render_markdown
+from jobs.bench.controller.summary import summarise
 
 WORKERS, RATE, DURATION, RUNS = 16, 10.0, 5.0, 4
 
@@ -40,7 +42,7 @@ def test_controller_serves_quick_load_with_bounded_memory(ray_cluster):
 
 
 def test_generator_drops_reports_like_a_worker_when_the_controller_does_not_answer(ray_cluster):
-    from jobs.bench_controller import LoadGenerator
+    from jobs.bench.controller.ranks import LoadGenerator
 
     @ray_cluster.remote(num_cpus=0, max_concurrency=64)
     class Stalled:

@@ -1,5 +1,5 @@
-"""The throttled two-namespace link of the e2e benchmark (``jobs/netns.py``), and the
-pure analysis helpers of ``jobs/bench_e2e.py``.
+"""The throttled two-namespace link of the e2e benchmark (``jobs/bench/netns/``), and the
+pure analysis helpers of ``jobs/bench/e2e/``.
 
 Link tests need root and iproute2 (CI runs as root); they are skipped elsewhere. Each one
 checks that tear-down leaves no namespace, device or process behind.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.netns import (
+from jobs.bench.netns import (
     NS_PREFIX,
     NetnsError,
     ThrottledLink,
@@ -104,7 +104,7 @@ def test_names_are_unique_and_short() -> None:
 
 
 def test_torch_hook_bytes_model() -> None:
-    from jobs.bench_e2e import torch_hook_bytes
+    from jobs.bench.e2e.traces import torch_hook_bytes
 
     layers = {"w1": [512, 64], "b1": [512], "w2": [10, 512], "b2": [10]}
     numel = 512 * 64 + 512 + 10 * 512 + 10
@@ -177,7 +177,7 @@ def test_fast_link_is_an_unshaped_veth() -> None:
 
 _CHILD = """
 import sys, time
-from jobs.netns import ThrottledLink
+from jobs.bench.netns import ThrottledLink
 link = ThrottledLink("50mbit")
 with link:
     link.popen("b", ["sleep", "600"])

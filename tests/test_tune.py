@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from jobs import bench_tune, tune
-from jobs._report import machine_info
+from jobs import tune
+from jobs.bench import tune as bench_tune
+from jobs.bench.report import machine_info
 from jobs.train import prepare
 from raycomp.config import ConfigError, load_config
 from tests.conftest import REPO

@@ -22,6 +22,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+__all__ = [
+    "command_line", "cpu_model", "eprint", "machine_info", "machine_markdown", "markdown_table", "usable_cores",
+    "write_atomic", "write_results",
+]
+
 
 def cpu_model() -> str:
     """The CPU model name from ``/proc/cpuinfo`` (Linux), else what ``platform`` knows."""
@@ -142,12 +147,13 @@ def write_results(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
-    _write_atomic(json_path, json.dumps([dict(r) for r in rows], indent=2, allow_nan=False) + "\n")
-    _write_atomic(md_path, markdown if markdown.endswith("\n") else markdown + "\n")
+    write_atomic(json_path, json.dumps([dict(r) for r in rows], indent=2, allow_nan=False) + "\n")
+    write_atomic(md_path, markdown if markdown.endswith("\n") else markdown + "\n")
     return json_path, md_path
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary name beside ``path``, then rename it into place."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         tmp.write_text(text, encoding="utf-8")
@@ -158,4 +164,5 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def eprint(*args: Any) -> None:
+    """Print to stderr (progress and verdicts; stdout stays free), flushed."""
     print(*args, file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""Benchmark dispatcher: ``python -m jobs.bench <benchmark> [options]``.
+"""Benchmark dispatcher: ``python -m jobs.bench <benchmark> [options]`` (``jobs/bench/__main__.py``).
 
 Each benchmark lives in its own module that exposes
 
@@ -7,8 +7,8 @@ Each benchmark lives in its own module that exposes
 * ``run(args, argv) -> int``: runs it (``argv`` is the command line after
   ``jobs.bench``, recorded in the report) and returns the exit status.
 
-To add one (e.g. ``e2e``, ``controller``), write ``jobs/bench_<name>.py`` and add it to
-:data:`BENCHMARKS`.
+To add one, write its module (or a package with a ``cli`` module) under ``jobs/bench/`` and
+add it to :data:`BENCHMARKS`.
 """
 
 from __future__ import annotations
@@ -18,16 +18,19 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+__all__ = ["BENCHMARKS", "build_parser", "main"]
+
 #: subcommand name -> module implementing it
 BENCHMARKS: dict[str, str] = {
-    "kernels": "jobs.bench_kernels",
-    "e2e": "jobs.bench_e2e",
-    "controller": "jobs.bench_controller",
-    "tune": "jobs.bench_tune",
+    "kernels": "jobs.bench.kernels.cli",
+    "e2e": "jobs.bench.e2e.cli",
+    "controller": "jobs.bench.controller.cli",
+    "tune": "jobs.bench.tune",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One sub-command per benchmark, each with its module's options."""
     parser = argparse.ArgumentParser(
         prog="python -m jobs.bench",
         description="raycomp benchmarks; results go to JSON + markdown reports.",
@@ -47,10 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark named on the command line; its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     return int(args._module.run(args, argv) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

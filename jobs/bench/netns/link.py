@@ -1,0 +1,307 @@
+"""The throttled link itself: namespaces ``a`` and ``b`` joined by a veth pair, shaped with
+``tbf`` (and ``netem`` for delay) on both ends; processes run inside them; tear-down.
+See :mod:`jobs.bench.netns` for what it builds and how it is torn down."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import IO, Any
+
+from jobs.bench.netns import cleanup, probes
+from jobs.bench.netns.commands import NetnsError, alive, ip, namespaces, netem_available, run, tc
+from jobs.bench.netns.units import parse_latency, parse_rate, rate_label
+
+__all__ = ["DEV_PREFIX", "NS_PREFIX", "SUBNET", "ThrottledLink", "throttled_link"]
+
+NS_PREFIX = "rcbench-"
+DEV_PREFIX = "rcb"
+SUBNET = "10.77"
+
+
+class ThrottledLink:
+    """Namespaces ``a`` and ``b`` joined by a veth pair shaped to ``rate`` each way."""
+
+    def __init__(self, rate: str | float | None = "100mbit", latency: str | float = "0",
+                 suffix: str | None = None, mtu: int = 1500) -> None:
+        self.rate_bps = parse_rate(rate)
+        self.latency_s = parse_latency(latency)
+        self.suffix = suffix or secrets.token_hex(3)
+        if not re.fullmatch(r"[0-9a-z]{1,8}", self.suffix):
+            raise ValueError(f"suffix {self.suffix!r}: 1-8 lowercase letters/digits")
+        self.ns = {"a": f"{NS_PREFIX}{self.suffix}-a", "b": f"{NS_PREFIX}{self.suffix}-b"}
+        self.dev = {"a": f"{DEV_PREFIX}{self.suffix}a", "b": f"{DEV_PREFIX}{self.suffix}b"}
+        octet = int.from_bytes(self.suffix.encode(), "big") % 250 + 1
+        self.subnet = f"{SUBNET}.{octet}.0/24"
+        self.addr = {"a": f"{SUBNET}.{octet}.1", "b": f"{SUBNET}.{octet}.2"}
+        self.mtu = mtu
+        self.latency_applied = False
+        self.qdisc: dict[str, str] = {}
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._created: list[str] = []
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # --- convenience names ---------------------------------------------------------------
+    @property
+    def ns_a(self) -> str:
+        return self.ns["a"]
+
+    @property
+    def ns_b(self) -> str:
+        return self.ns["b"]
+
+    @property
+    def addr_a(self) -> str:
+        return self.addr["a"]
+
+    @property
+    def addr_b(self) -> str:
+        return self.addr["b"]
+
+    # --- set-up --------------------------------------------------------------------------
+    def __enter__(self) -> ThrottledLink:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def open(self) -> ThrottledLink:
+        if os.geteuid() != 0:
+            raise NetnsError("network namespaces need root")
+        cleanup.register(self)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _setup(self) -> None:
+        ip_ = ip()
+        for side in ("a", "b"):
+            if self.ns[side] in namespaces():
+                raise NetnsError(f"namespace {self.ns[side]} already exists")
+        for side in ("a", "b"):
+            run([ip_, "netns", "add", self.ns[side]])
+            self._created.append(self.ns[side])
+        # the pair is born inside namespace a, its peer inside b: the root namespace never sees it
+        run([ip_, "-n", self.ns_a, "link", "add", self.dev["a"], "mtu", str(self.mtu), "type", "veth",
+              "peer", "name", self.dev["b"], "mtu", str(self.mtu), "netns", self.ns_b])
+        for side in ("a", "b"):
+            ns, dev = self.ns[side], self.dev[side]
+            run([ip_, "-n", ns, "addr", "add", f"{self.addr[side]}/24", "dev", dev])
+            run([ip_, "-n", ns, "link", "set", "lo", "up"])
+            run([ip_, "-n", ns, "link", "set", dev, "up"])
+        for side in ("a", "b"):
+            self.qdisc[side] = self._shape(side)
+
+    def _shape(self, side: str) -> str:
+        """Egress shaping of one veth end; returns the qdisc description."""
+        tc_, ns, dev = tc(), self.ns[side], self.dev[side]
+        if self.rate_bps is None:
+            return "none (unshaped veth)"
+        rate_bytes = self.rate_bps / 8
+        # burst: >= 1 ms at the rate and a few full frames (the timer granularity); queue:
+        # 100 ms at the rate (no drops in normal use, a TCP flow just queues up)
+        burst = int(max(4 * (self.mtu + 14), rate_bytes * 1e-3))
+        limit = int(max(burst + 64 * 1024, rate_bytes * 0.1))
+        tbf = ["tbf", "rate", f"{int(self.rate_bps)}bit", "burst", str(burst), "limit", str(limit)]
+        if self.latency_s > 0 and netem_available(ns, dev):
+            delay = f"{self.latency_s * 1e6:.0f}us"
+            run([tc_, "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                  "delay", delay, "limit", "100000"])
+            run([tc_, "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
+            self.latency_applied = True
+            return f"netem delay {delay} -> {' '.join(tbf)}"
+        run([tc_, "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+        return " ".join(tbf)
+
+    def shaping(self) -> dict[str, Any]:
+        """What was asked for and what the kernel applied (for reports)."""
+        return {
+            "rate_bps": self.rate_bps, "rate": rate_label(self.rate_bps),
+            "latency_requested_s": self.latency_s,
+            "latency_applied": self.latency_applied,
+            "qdisc": dict(self.qdisc), "mtu": self.mtu,
+            "namespaces": dict(self.ns), "devices": dict(self.dev), "addresses": dict(self.addr),
+            "note": None if self.latency_applied or self.latency_s == 0 else
+            "the kernel has no sch_netem: one-way delay not emulated (tbf only)",
+        }
+
+    # --- processes inside the namespaces -------------------------------------------------
+    def argv(self, side: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` prefixed to run inside namespace ``side`` (``ip netns exec``)."""
+        return [ip(), "netns", "exec", self.ns[side], *argv]
+
+    def popen(self, side: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              cwd: str | os.PathLike[str] | None = None, stdout: int | IO[Any] | None = None,
+              stderr: int | IO[Any] | None = None, text: bool = False) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside namespace ``side`` in its own process group (tracked)."""
+        self._check_open()
+        proc = subprocess.Popen(self.argv(side, argv), env=dict(env) if env is not None else None, cwd=cwd,
+                                stdout=stdout, stderr=stderr, text=text, start_new_session=True)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, side: str, argv: Sequence[str], timeout: float = 60, check: bool = True,
+            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` to completion inside namespace ``side``."""
+        proc = self.popen(side, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._kill(proc)
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._procs.remove(proc)
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        if check and proc.returncode != 0:
+            raise NetnsError(f"{' '.join(argv)} in {self.ns[side]} failed ({proc.returncode}): "
+                             f"{err.strip()[-2000:]}")
+        return result
+
+    def pids(self, side: str) -> list[int]:
+        """Processes inside namespace ``side`` now."""
+        out = run([ip(), "netns", "pids", self.ns[side]], check=False).stdout
+        return [int(p) for p in out.split() if p.isdigit()]
+
+    def counters(self, side: str) -> dict[str, int]:
+        """The veth end's counters: tx/rx bytes and packets, drops (``ip -s link``)."""
+        out = run([ip(), "-n", self.ns[side], "-j", "-s", "link", "show", "dev", self.dev[side]]).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return {"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
+                "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"],
+                "tx_dropped": stats["tx"]["dropped"], "rx_dropped": stats["rx"]["dropped"]}
+
+    def qdisc_stats(self, side: str) -> list[dict[str, Any]]:
+        out = run([tc(), "-n", self.ns[side], "-j", "-s", "qdisc", "show", "dev", self.dev[side]]).stdout
+        return json.loads(out or "[]")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NetnsError("the link has been torn down")
+
+    # --- measurements --------------------------------------------------------------------
+    def measure_throughput(self, seconds: float = 2.0, src: str = "a", port: int = 5201) -> dict[str, float]:
+        """Bulk TCP from ``src`` to the other side for ``seconds``; receiver-side goodput.
+
+        Returns ``bytes``, ``seconds`` (first to last byte at the receiver), ``bits_per_s``
+        (TCP payload) and ``wire_bits_per_s`` (veth bytes of that direction, frames included).
+        """
+        dst = "b" if src == "a" else "a"
+        before = self.counters(src)
+        receiver = self.popen(dst, [sys.executable, "-c", probes.RECEIVER, self.addr[dst], str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = receiver.stdout.readline()  # "ready" once listening
+            if line.strip() != "ready":
+                raise NetnsError(f"receiver failed: {line}{receiver.stderr.read()}")
+            self.run(src, [sys.executable, "-c", probes.SENDER, self.addr[dst], str(port), str(seconds)],
+                     timeout=seconds + 30)
+            out, err = receiver.communicate(timeout=30)
+        finally:
+            self._kill(receiver)
+            with contextlib.suppress(ValueError):
+                self._procs.remove(receiver)
+        after = self.counters(src)
+        got = json.loads(out)
+        wire = after["tx_bytes"] - before["tx_bytes"]
+        return {"bytes": got["bytes"], "seconds": got["seconds"],
+                "bits_per_s": 8 * got["bytes"] / got["seconds"],
+                "wire_bits_per_s": 8 * wire / got["seconds"],
+                "rate_bps": self.rate_bps}
+
+    def measure_rtt(self, count: int = 50, port: int = 5202) -> dict[str, float]:
+        """TCP ping-pong of 1-byte messages: median and minimum round trip (seconds)."""
+        server = self.popen("b", [sys.executable, "-c", probes.ECHO, self.addr_b, str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            if server.stdout.readline().strip() != "ready":
+                raise NetnsError(f"echo server failed: {server.stderr.read()}")
+            out = self.run("a", [sys.executable, "-c", probes.PING, self.addr_b, str(port), str(count)]).stdout
+        finally:
+            self._kill(server)
+            with contextlib.suppress(ValueError):
+                self._procs.remove(server)
+        return json.loads(out)
+
+    # --- tear-down -----------------------------------------------------------------------
+    def _kill(self, proc: subprocess.Popen[Any], grace: float = 5.0) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=grace)
+        for stream in (proc.stdout, proc.stderr, proc.stdin):
+            if stream is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    stream.close()
+
+    def kill_namespace_processes(self, grace: float = 5.0) -> None:
+        """SIGTERM then SIGKILL every process inside our namespaces (all started by us)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = [p for side in ("a", "b") if self.ns[side] in self._created for p in self.pids(side)]
+            pids = [p for p in pids if p != os.getpid()]
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(alive(p) for p in pids):
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        """Kill our processes, delete both namespaces (and with them the veth). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                for proc in reversed(self._procs):
+                    self._kill(proc)
+                self._procs.clear()
+                self.kill_namespace_processes()
+                for ns in reversed(self._created):
+                    run([ip(), "netns", "del", ns], check=False)
+                # if the pair was somehow created outside (it never is), remove our own name only
+                for dev in self.dev.values():
+                    if run([ip(), "link", "show", "dev", dev], check=False).returncode == 0:
+                        run([ip(), "link", "del", "dev", dev], check=False)
+                self._created.clear()
+            finally:
+                cleanup.forget(self)
+
+    def leftovers(self) -> list[str]:
+        """Namespaces or devices of this link that still exist (empty after :meth:`close`)."""
+        left = [ns for ns in self.ns.values() if ns in namespaces()]
+        left += [dev for dev in self.dev.values()
+                 if run([ip(), "link", "show", "dev", dev], check=False).returncode == 0]
+        return left
+
+
+@contextlib.contextmanager
+def throttled_link(rate: str | float = "100mbit", latency: str | float = "0",
+                   suffix: str | None = None) -> Iterator[ThrottledLink]:
+    """``with throttled_link(...) as link``: a :class:`ThrottledLink`, open for the block."""
+    link = ThrottledLink(rate, latency, suffix)
+    with link:
+        yield link
