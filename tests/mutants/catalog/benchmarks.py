@@ -12,8 +12,8 @@ MUTANTS = (
     ),
     mutant(
         "bench-no-comm-one-seed-for-all", "analyze",
-        "        m[\"step_vs_no_comm\"] = _median([r[\"step_s\"] / no_comm[r[\"seed\"]] for r in m[\"runs\"]\n",
-        "        m[\"step_vs_no_comm\"] = _median([r[\"step_s\"] / no_comm[min(no_comm)] for r in m[\"runs\"]\n",
+        "        m[\"step_vs_no_comm\"] = median([r[\"step_s\"] / no_comm[r[\"seed\"]] for r in m[\"runs\"]\n",
+        "        m[\"step_vs_no_comm\"] = median([r[\"step_s\"] / no_comm[min(no_comm)] for r in m[\"runs\"]\n",
         "tests/test_bench_e2e.py -k documented_schema",
         "every seed's step is divided by the first seed's no-communication step, not its own group's",
     ),
