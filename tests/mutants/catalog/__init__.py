@@ -8,6 +8,7 @@ from . import (
     controller,
     error_feedback,
     hook,
+    local_steps,
     loss_scale,
     policies,
     reducer,
@@ -29,5 +30,6 @@ MUTANTS = (
     *policies.MUTANTS,
     *controller.MUTANTS,
     *sharded.MUTANTS,
+    *local_steps.MUTANTS,
     *benchmarks.MUTANTS,
 )
