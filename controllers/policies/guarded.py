@@ -28,7 +28,7 @@ from raycomp.plan import Plan
 
 class Guarded(Policy):
     def __init__(self, policy: Policy) -> None:
-        super().__init__(policy.options)
+        super().__init__(policy.options, policy.min_numel)
         self.inner = policy
         self.name = policy.name
         self.suppressed = 0
