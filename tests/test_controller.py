@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from controllers.service import Controller
 from controllers.policies import CriticalOptions, StaticOptions
+from controllers.service import Controller
 
 LAYERS = {"fc1.weight": 32768, "fc2.weight": 5120, "fc1.bias": 512}
 

@@ -56,10 +56,12 @@ class LargestLayers(Policy):
     name = "largest"
     options_model = LargestOptions
 
+    options: LargestOptions
+
     def decide(self, run: RunState) -> Plan:
         layers = sorted(compressible_layers(run, self.min_numel), key=lambda n: -run.layers[n].numel)
-        chosen = layers[: self.options["count"]]
-        spec = CompressorSpec.of(self.options["compressor"])
+        chosen = layers[: self.options.count]  # the typed options: an instance of LargestOptions
+        spec = CompressorSpec.of(self.options.compressor)
         return Plan.per_layer(dict.fromkeys(chosen, spec), reason=f"largest {len(chosen)}: {', '.join(chosen)}")
 
 
@@ -157,7 +159,7 @@ def test_register_again_is_idempotent_and_replace_and_unregister_work():
 # --- policies ---------------------------------------------------------------------------------
 @pytest.fixture
 def largest():
-    register_policy("largest", LargestLayers, LargestOptions)
+    register_policy("largest", LargestLayers)
     yield
     unregister_policy("largest")
 
@@ -170,7 +172,7 @@ def test_registered_policy_in_a_job_config_becomes_its_import_path(largest):
     unregister_policy("largest")
     again = config.validate(job.model_dump(mode="json"))
     assert again.compression.policy == "tests.test_registry:LargestLayers"
-    register_policy("largest", LargestLayers, LargestOptions)
+    register_policy("largest", LargestLayers)
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -192,9 +194,12 @@ def test_policy_registration_errors(largest):
         register_policy("adaptive", LargestLayers)
     with pytest.raises(ValueError, match=r"^policy 'z': <class 'dict'> is not a subclass of controllers\.policies\.Policy$"):
         register_policy("z", dict)
-    with pytest.raises(ValueError, match=r"^policy 'z': options must be a pydantic model class, got 3$"):
-        register_policy("z", LargestLayers, 3)
-    with pytest.raises(ValueError, match=r"^compression\.policy: unknown 'zz'; allowed: static, .*adaptive, largest, "
+    class BadOptions(LargestLayers):
+        options_model = 3  # type: ignore[assignment]
+
+    with pytest.raises(ValueError, match=r"^policy 'z': BadOptions\.options_model must be a pydantic model class, got 3$"):
+        register_policy("z", BadOptions)
+    with pytest.raises(ValueError, match=r"^compression\.policy: unknown name 'zz'; allowed: static, .*adaptive, largest, "
                                          r"or an import path 'package\.module:Class'$"):
         make_policy("zz", {})
     with pytest.raises(ValueError, match=r"^compression\.custom_options\.count: Input should be greater"):

@@ -27,8 +27,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from controllers.policies.chooser import Chooser
 from controllers.policies.base import Policy, PolicyOptions
+from controllers.policies.chooser import Chooser
 from controllers.policies.cost_model import CostModel
 from controllers.policies.ladders import check_near_lossless, heaviest_first, near_lossless_names
 from controllers.state import RunState
