@@ -17,7 +17,7 @@ from controllers.policies import make_policy
 from controllers.policies.adaptive import AdaptiveOptions
 from controllers.policies.cost_model import family_rounds
 from controllers.service import Controller
-from raycomp import config
+from raycomp import compressors, config
 from raycomp.plan import Plan
 
 #: the digits MLP (hidden 512) plus a large 1-D parameter that PowerSGD cannot take
@@ -64,6 +64,8 @@ def layer_bytes(name: str, spec_name: str, params: dict) -> float:
         return 2 * (W - 1) / W * (n + 8 * math.ceil(n / 2048))  # W = 2: one all-gather, the same bytes
     if spec_name == "int4":  # two codes a byte, the same (min, max) per chunk
         return 2 * (W - 1) / W * (math.ceil(n / 2) + 8 * math.ceil(n / 2048))
+    if spec_name == "int2":  # tests/support/cheap_codec.py: four codes a byte
+        return 2 * (W - 1) / W * (math.ceil(n / 4) + 8 * math.ceil(n / 2048))
     if spec_name == "bf16":
         return 2 * (W - 1) / W * 2 * n
     return 2 * (W - 1) / W * 4 * n
@@ -109,7 +111,7 @@ class Sim:
             dense = sum(layer_bytes(n, "none", {}) for n in SHAPES) * (0.5 if self.sharded else 1)
             rounds = {} if self.sharded else {
                 "powersgd": 2 * ("powersgd" in kinds), "topk": int("topk" in kinds),
-                "quantized": (1 if W == 2 else 2) * bool({"int8", "int4"} & kinds), "bf16": int("bf16" in kinds)}
+                "quantized": (1 if W == 2 else 2) * bool({"int8", "int4", "int2"} & kinds), "bf16": int("bf16" in kinds)}
             per_round = link.overhead if isinstance(link.overhead, dict) else dict.fromkeys(rounds, link.overhead)
             jitter = lambda: 1 + self.rng.uniform(-link.noise, link.noise)  # noqa: E731
             comm = (wire / link.bandwidth + sum(r * per_round[f] for f, r in rounds.items())) * jitter()
@@ -175,6 +177,44 @@ def test_an_int4_rung_is_the_critical_start_and_is_priced_at_half_a_byte():
     assert sim.details()["predicted_step_s"][0] == pytest.approx(0.05 + int4_bytes / 1.2e6 + 0.001)
     # calm by step 39: PowerSGD, as with the default rungs
     assert ranks(sim.run(4, SLOW)) == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1, "norm.weight": 0.01}
+
+
+@pytest.fixture
+def int2():
+    """A user's compressor, defined in one file and registered by its import path."""
+    compressors.register("int2", "tests.support.cheap_codec:MinMaxInt2")
+    yield
+    compressors.unregister("int2")
+
+
+def test_a_registered_compressor_is_a_rung_when_it_declares_a_near_lossless_cost(int2):
+    assert config.validate({"compression": {"adaptive": {"near_lossless": ["int8", "int2"]}}}
+                           ).compression.adaptive.near_lossless == ["int2", "int8"]  # a quarter byte: first
+    with pytest.raises(config.ConfigError, match=r"^compression\.adaptive\.near_lossless: 'topk' is not a "
+                                                 r"near-lossless compressor; allowed: int2, int4, int8, fp16, bf16"):
+        config.validate({"compression": {"adaptive": {"near_lossless": ["topk"]}}})
+    torch = pytest.importorskip("torch")
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    codec = compressors.make_compressor("int2")
+    back = codec.decompress(codec.compress(x))
+    # four levels per chunk: about 0.7 relative error on a Gaussian, which the policy's
+    # error judging (max_error) weighs once a run measures it
+    assert 0.6 < float((back - x).norm() / x.norm()) < 0.8
+
+
+def test_the_policy_chooses_a_registered_compressor_while_it_is_cheapest_within_the_error_bound(int2):
+    # lossy rungs off (an AdamW run): the near-lossless rungs int2, int8, bf16 and dense
+    rungs = {"near_lossless": ["int2", "int8", "bf16"], "lossy": "never"}
+    sim = Sim(**rungs)
+    sim.run(12, SLOW)
+    assert ranks(sim.plan) == dict.fromkeys((*MATRICES, "norm.weight"), "int2")  # the fewest bytes
+    assert sim.plan.reason.startswith("slow link 1.2 MB/s, comm 20x compute → int2 on 4")
+    # the same link, its measured error above max_error (0.9): the layers leave it for int8
+    noisy = Sim(errors={"int2": 0.95}, **rungs)
+    noisy.run(12, SLOW)
+    assert ranks(noisy.plan) == dict.fromkeys((*MATRICES, "norm.weight"), "int8")
+    assert "4 lighter for error" in noisy.plan.reason
+    assert all(spec.name != "int2" for plan in noisy.plans[-4:] for _, spec in plan.layers)
 
 
 def test_warm_up_is_dense_then_critical_start_then_heavy_on_a_slow_link():

@@ -19,21 +19,18 @@ _REFERENCE_NUMEL = 1 << 20  # the tensor size bytes per element are compared at
 
 
 def near_lossless_names() -> list[str]:
-    """The compressors this process knows that declare themselves near-lossless (dense
-    aside), heaviest compression first."""
-    return heaviest_first([n for n in REGISTRY.names() if n != DENSE.name and _near_lossless(n)])
+    """The compressors this process knows that can be near-lossless rungs (dense aside),
+    heaviest compression first."""
+    return heaviest_first([n for n in REGISTRY.names() if _problem(n) is None])
 
 
 def check_near_lossless(name: str) -> str:
-    """``name`` if it names a near-lossless compressor that needs no parameter; else
-    ValueError (one line) naming the allowed ones."""
-    allowed = f"allowed: {', '.join(near_lossless_names())}, or a registered compressor that declares one"
-    try:
-        fits = name != DENSE.name and _near_lossless(name)
-    except ValueError as error:
-        raise ValueError(f"{error}") from None
-    if not fits:
-        raise ValueError(f"{name!r} is not a near-lossless compressor; {allowed}")
+    """``name`` if it can be a near-lossless rung; else ValueError (one line) naming the
+    allowed ones."""
+    problem = _problem(name)
+    if problem is not None:
+        raise ValueError(f"{name!r} {problem}; allowed: {', '.join(near_lossless_names())}, "
+                         "or a compressor of yours that declares a near-lossless Cost")
     return name
 
 
@@ -49,9 +46,19 @@ def bytes_per_element(name: str) -> float:
     return compressor_class(name)().payload_bytes(n, (n,), 4.0) / n
 
 
-def _near_lossless(name: str) -> bool:
-    cost = compressor_class(name).cost
-    return cost is not None and cost.near_lossless
+def _problem(name: str) -> str | None:
+    """Why ``name`` cannot be a near-lossless rung (None: it can)."""
+    try:
+        cost = compressor_class(name).cost
+    except ValueError:
+        return "is not a compressor"
+    if name == DENSE.name or cost is None or not cost.near_lossless:
+        return "is not a near-lossless compressor"
+    try:
+        bytes_per_element(name)
+    except (TypeError, ValueError, NotImplementedError):
+        return "cannot be a rung: it must build without parameters and declare payload_bytes"
+    return None
 
 
 class Ladders:

@@ -44,7 +44,8 @@ def compressor(name: str, **params: Any) -> CompressorConfig:
     return CompressorConfig(name=name, **params)
 
 
-_NAMES_A_KEY = re.compile(r"^[a-z_]+(\.[A-Za-z0-9_\[\]]+)+:? ")
+#: a message that starts with the key it is about: ``a.b: ...``, ``a.b ...`` or ``a: ...``
+_NAMES_A_KEY = re.compile(r"^[a-z_]+((\.[A-Za-z0-9_\[\]]+)+:? |: )")
 
 
 def one_line(error: ValidationError, prefix: str = "") -> str:
