@@ -90,10 +90,6 @@ class Registry(Generic[T]):
         """The allowed names, for an error message."""
         return f"{', '.join(self.names())}, or {ANY_PATH}"
 
-    def knows(self, name: str) -> bool:
-        """Whether ``name`` is built in, registered, or shaped like an import path (not imported)."""
-        return name in self.builtins or name in self._registered or bool(IMPORT_PATH.match(name))
-
     def get(self, name: str) -> type[T]:
         """The class ``name`` stands for; ValueError (one line) if there is none."""
         if name in self.builtins:
