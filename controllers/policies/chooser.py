@@ -222,3 +222,6 @@ class Chooser:
                                else set(legacy_families) if state.get("on_prior") else set())
         self.strikes, self.switches = int(state["strikes"]), int(state["switches"])
         self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
+
+
+__all__ = ["ERROR_SAMPLES", "PATIENCE", "PRIOR_BAND", "Chooser"]

@@ -56,3 +56,6 @@ class Guarded(Policy):
         self.inner.load_state_dict(state["inner"])
         self.suppressed = int(state["suppressed"])
         self.last = None if state["last"] is None else Plan.from_dict(state["last"])
+
+
+__all__ = ["Guarded"]
