@@ -105,19 +105,24 @@ def options_of(section: BaseModel) -> dict[str, Any]:
     return model.model_validate(custom).model_dump(mode="json") if model is not None else dict(custom)
 
 
-def check_sharded(section: BaseModel) -> None:
-    """ValueError (one line naming the key) unless ``section.policy`` with its options can
-    steer a sharded (FSDP) run; a policy that is not built in is the user's to vouch for."""
+def check_sharded_policy(section: BaseModel) -> None:
+    """ValueError (one line) unless ``section.policy`` can steer a sharded (FSDP) run at all;
+    a policy that is not built in is the user's to vouch for."""
     policy = section.policy  # type: ignore[attr-defined]
-    registry = policies()
-    if policy not in registry.builtins:
+    if policy not in policies().builtins:
         return
-    options = getattr(section, policy, None)
-    reason = getattr(type(options), "not_shardable", None)
+    reason = getattr(type(getattr(section, policy, None)), "not_shardable", None)
     if reason:
         fits = [n for n, m in option_models().items() if getattr(m, "not_shardable", None) is None]
         raise ValueError(f"compression.policy: {policy!r} {reason}; allowed with scaling.strategy=fsdp: "
                          f"{', '.join(fits)}")
+
+
+def check_sharded_options(section: BaseModel) -> None:
+    """ValueError (one line naming the option) unless every compressor the options of a
+    built-in ``section.policy`` may choose fits a reduce-scatter row."""
+    policy = section.policy  # type: ignore[attr-defined]
+    options = getattr(section, policy, None) if policy in policies().builtins else None
     if options is not None and hasattr(options, "check_sharded"):
         options.check_sharded(f"compression.{policy}")
 
@@ -126,5 +131,6 @@ def check_sharded(section: BaseModel) -> None:
 #: validated by :func:`split_sections`
 SECTION_CONFIG = ConfigDict(extra="allow", frozen=True, validate_default=True)
 
-__all__ = ["SECTION_CONFIG", "check_custom_options", "check_policy_name", "check_sharded",
+__all__ = ["SECTION_CONFIG", "check_custom_options", "check_policy_name", "check_sharded_options",
+           "check_sharded_policy",
            "custom_model", "option_models", "options_of", "policies", "sections_model", "split_sections"]

@@ -223,13 +223,14 @@ class CompressionSection(_Strict):
             if self.baseline_hook in SHARDED_BASELINES:
                 raise ValueError(f"compression.baseline_hook: {self.baseline_hook!r} needs scaling.strategy=fsdp")
             return
-        policy_sections.check_sharded(self)
+        policy_sections.check_sharded_policy(self)
         if self.baseline_hook not in ("none", *SHARDED_BASELINES):
             raise ValueError(f"compression.baseline_hook: {self.baseline_hook!r} is a DDP hook; allowed with "
                              f"scaling.strategy=fsdp: none, {', '.join(SHARDED_BASELINES)}")
         if self.memory == "dgc":
             raise ValueError("compression.memory: 'dgc' is not available with scaling.strategy=fsdp; "
                              "allowed: residual, none")
+        policy_sections.check_sharded_options(self)
 
     def policy_options(self) -> dict[str, Any]:
         """The options the controller gets for ``policy`` (JSON)."""
