@@ -203,3 +203,7 @@ class SeededDraws:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed = int(state["seed"])
         self.draws = int(state["draws"])
+
+
+__all__ = ["Compressor", "Cost", "SeededDraws", "Transport", "check_float_tensor", "check_int", "check_positive",
+           "check_ratio", "mix_seed"]

@@ -65,3 +65,6 @@ def one_line(error: ValidationError, prefix: str = "") -> str:
     if not key and _NAMES_A_KEY.match(message):  # a whole-config check that names its own keys
         return f"{prefix}{message}"
     return f"{prefix}{key or 'config'}: {message}"
+
+
+__all__ = ["WORKLOADS", "CompressorConfig", "ConfigError", "Strict", "compressor", "one_line"]
