@@ -20,7 +20,8 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 import raycomp.train
-from raycomp.config import CompressionSection, ControllerSection, CriticalPolicy
+from controllers.policies import CriticalOptions
+from raycomp.config import CompressionSection, ControllerSection
 
 
 class Block(nn.Module):
@@ -55,7 +56,7 @@ def train_func(config: dict) -> dict:
     model = resnet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     options = raycomp.train.TrainOptions(
-        compression=CompressionSection(policy="critical", warmup_steps=5, critical=CriticalPolicy(window_steps=10)),
+        compression=CompressionSection(policy="critical", warmup_steps=5, critical=CriticalOptions(window_steps=10)),
         controller=ControllerSection(name=config["controller"], interval_steps=5),
         output_dir=config["output_dir"], progress_every=10)
     model = raycomp.train.prepare_model(model, optimizer, options=options)

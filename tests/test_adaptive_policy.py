@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import pytest
 
 from controllers.policies import make_policy
-from controllers.policies.adaptive import _family_rounds
+from controllers.policies.adaptive import AdaptiveOptions
+from controllers.policies.cost_model import family_rounds
 from controllers.service import Controller
-from raycomp import config
+from raycomp import compressors, config
 from raycomp.plan import Plan
 
 #: the digits MLP (hidden 512) plus a large 1-D parameter that PowerSGD cannot take
@@ -63,6 +64,8 @@ def layer_bytes(name: str, spec_name: str, params: dict) -> float:
         return 2 * (W - 1) / W * (n + 8 * math.ceil(n / 2048))  # W = 2: one all-gather, the same bytes
     if spec_name == "int4":  # two codes a byte, the same (min, max) per chunk
         return 2 * (W - 1) / W * (math.ceil(n / 2) + 8 * math.ceil(n / 2048))
+    if spec_name == "int2":  # tests/support/cheap_codec.py: four codes a byte
+        return 2 * (W - 1) / W * (math.ceil(n / 4) + 8 * math.ceil(n / 2048))
     if spec_name == "bf16":
         return 2 * (W - 1) / W * 2 * n
     return 2 * (W - 1) / W * 4 * n
@@ -70,7 +73,7 @@ def layer_bytes(name: str, spec_name: str, params: dict) -> float:
 
 class Sim:
     def __init__(self, errors: dict[str, float] | None = None, **options) -> None:
-        self.options = config.AdaptivePolicy(**{"window_steps": WINDOW, "near_lossless": TWO_RUNGS,
+        self.options = AdaptiveOptions(**{"window_steps": WINDOW, "near_lossless": TWO_RUNGS,
                                                 "critical_boost": TO_NEAR_LOSSLESS, "lossy_margin": ON_TIME_ALONE,
                                                 **options}).model_dump(mode="json")
         self.controller = Controller()
@@ -108,7 +111,7 @@ class Sim:
             dense = sum(layer_bytes(n, "none", {}) for n in SHAPES) * (0.5 if self.sharded else 1)
             rounds = {} if self.sharded else {
                 "powersgd": 2 * ("powersgd" in kinds), "topk": int("topk" in kinds),
-                "quantized": (1 if W == 2 else 2) * bool({"int8", "int4"} & kinds), "bf16": int("bf16" in kinds)}
+                "quantized": (1 if W == 2 else 2) * bool({"int8", "int4", "int2"} & kinds), "bf16": int("bf16" in kinds)}
             per_round = link.overhead if isinstance(link.overhead, dict) else dict.fromkeys(rounds, link.overhead)
             jitter = lambda: 1 + self.rng.uniform(-link.noise, link.noise)  # noqa: E731
             comm = (wire / link.bandwidth + sum(r * per_round[f] for f, r in rounds.items())) * jitter()
@@ -151,19 +154,19 @@ def test_default_policy_is_adaptive_and_registered():
 
 
 def test_the_near_lossless_rungs_go_heaviest_first_and_int4_and_int8_share_their_rounds():
-    assert config.AdaptivePolicy().near_lossless == ["int4", "int8", "bf16"]
-    assert config.AdaptivePolicy(near_lossless=["bf16", "int8", "fp16", "int4"]).near_lossless == \
+    assert AdaptiveOptions().near_lossless == ["int4", "int8", "bf16"]
+    assert AdaptiveOptions(near_lossless=["bf16", "int8", "fp16", "int4"]).near_lossless == \
         ["int4", "int8", "bf16", "fp16"]
     # int4 and int8 layers go out in one batch of the scalable transport (raycomp.reducer):
     # its all-gather (W = 2) or all-to-all + all-gather (W > 2) once, not once per quantizer
-    assert _family_rounds({"int4", "int8"}, 2) == {"quantized": 1}
-    assert _family_rounds({"int4", "int8", "none"}, 4) == {"quantized": 2}
-    assert _family_rounds({"int4", "int8", "powersgd", "bf16"}, 2) == {"quantized": 1, "powersgd": 2, "bf16": 1}
+    assert family_rounds({"int4", "int8"}, 2) == {"quantized": 1}
+    assert family_rounds({"int4", "int8", "none"}, 4) == {"quantized": 2}
+    assert family_rounds({"int4", "int8", "powersgd", "bf16"}, 2) == {"quantized": 1, "powersgd": 2, "bf16": 1}
 
 
 def test_an_int4_rung_is_the_critical_start_and_is_priced_at_half_a_byte():
     # the default ladder; the boost of the mechanism tests (4) takes critical layers to int4
-    sim = Sim(near_lossless=config.AdaptivePolicy().near_lossless)
+    sim = Sim(near_lossless=AdaptiveOptions().near_lossless)
     first = sim.run(4, SLOW)  # step 19: the first decision, every layer critical
     assert ranks(first) == {"fc1.weight": "int4", "fc2.weight": "int4", "out.weight": "int4", "norm.weight": "int4"}
     assert first.reason.startswith("slow link 1.2 MB/s, comm 20x compute → int4 on 4 (4 critical)")
@@ -174,6 +177,44 @@ def test_an_int4_rung_is_the_critical_start_and_is_priced_at_half_a_byte():
     assert sim.details()["predicted_step_s"][0] == pytest.approx(0.05 + int4_bytes / 1.2e6 + 0.001)
     # calm by step 39: PowerSGD, as with the default rungs
     assert ranks(sim.run(4, SLOW)) == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1, "norm.weight": 0.01}
+
+
+@pytest.fixture
+def int2():
+    """A user's compressor, defined in one file and registered by its import path."""
+    compressors.register("int2", "tests.support.cheap_codec:MinMaxInt2")
+    yield
+    compressors.unregister("int2")
+
+
+def test_a_registered_compressor_is_a_rung_when_it_declares_a_near_lossless_cost(int2):
+    assert config.validate({"compression": {"adaptive": {"near_lossless": ["int8", "int2"]}}}
+                           ).compression.adaptive.near_lossless == ["int2", "int8"]  # a quarter byte: first
+    with pytest.raises(config.ConfigError, match=r"^compression\.adaptive\.near_lossless: 'topk' is not a "
+                                                 r"near-lossless compressor; allowed: int2, int4, int8, fp16, bf16"):
+        config.validate({"compression": {"adaptive": {"near_lossless": ["topk"]}}})
+    torch = pytest.importorskip("torch")
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    codec = compressors.make_compressor("int2")
+    back = codec.decompress(codec.compress(x))
+    # four levels per chunk: about 0.7 relative error on a Gaussian, which the policy's
+    # error judging (max_error) weighs once a run measures it
+    assert 0.6 < float((back - x).norm() / x.norm()) < 0.8
+
+
+def test_the_policy_chooses_a_registered_compressor_while_it_is_cheapest_within_the_error_bound(int2):
+    # lossy rungs off (an AdamW run): the near-lossless rungs int2, int8, bf16 and dense
+    rungs = {"near_lossless": ["int2", "int8", "bf16"], "lossy": "never"}
+    sim = Sim(**rungs)
+    sim.run(12, SLOW)
+    assert ranks(sim.plan) == dict.fromkeys((*MATRICES, "norm.weight"), "int2")  # the fewest bytes
+    assert sim.plan.reason.startswith("slow link 1.2 MB/s, comm 20x compute → int2 on 4")
+    # the same link, its measured error above max_error (0.9): the layers leave it for int8
+    noisy = Sim(errors={"int2": 0.95}, **rungs)
+    noisy.run(12, SLOW)
+    assert ranks(noisy.plan) == dict.fromkeys((*MATRICES, "norm.weight"), "int8")
+    assert "4 lighter for error" in noisy.plan.reason
+    assert all(spec.name != "int2" for plan in noisy.plans[-4:] for _, spec in plan.layers)
 
 
 def test_warm_up_is_dense_then_critical_start_then_heavy_on_a_slow_link():
@@ -227,7 +268,7 @@ def test_medium_link_picks_the_lightest_plan_within_slack_of_the_fastest():
 
 def test_a_lossy_plan_must_be_lossy_margin_faster_than_the_fastest_plan_without_one():
     link = Link(bandwidth=12e6)  # PowerSGD predicted about a quarter under int8
-    default = config.AdaptivePolicy().lossy_margin
+    default = AdaptiveOptions().lossy_margin
     assert default == 0.3
     sim = Sim(lossy_margin=default)
     plan = sim.run(12, link)
@@ -300,7 +341,7 @@ def test_with_lossy_rungs_a_critical_layer_goes_critical_boost_rungs_lighter_as_
     # the default boost, 2: rank 1 -> rank 4 (Accordion's pair), and Top-K 1% -> past 10%
     # to the first near-lossless rung, int4; not int4 for every layer (the transformer's
     # rule, which holds where the ladders have no lossy rungs)
-    default = config.AdaptivePolicy()
+    default = AdaptiveOptions()
     sim = Sim(near_lossless=default.near_lossless, critical_boost=default.critical_boost)
     first = sim.run(4, SLOW)  # step 19: the first decision, every layer critical
     assert ranks(first) == {"fc1.weight": 4, "fc2.weight": 4, "out.weight": 4, "norm.weight": "int4"}
@@ -337,7 +378,7 @@ def test_a_raised_floor_does_not_move_the_others_heavier_before_patience():
 
     sim = Sim()
     sim.run(10, MEDIUM, burst)  # to step 49: shift 1
-    sim.controller.policies["run"].inner.shift = 3  # as a link-driven switch would leave it
+    sim.controller.policies["run"].inner.choice.shift = 3  # as a link-driven switch would leave it
     assert ranks(sim.run(1, MEDIUM, burst))["fc1.weight"] == 8  # 54: outside the band, one strike
     raised = sim.run(1, MEDIUM, burst)  # 59: out.weight critical
     assert ranks(raised) == {"fc1.weight": 8, "fc2.weight": 8, "out.weight": "int8", "norm.weight": "int8"}
@@ -421,7 +462,7 @@ def test_a_powersgd_rank_change_does_not_restart_the_error_count():
     sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.97, "topk": 0.6, "int8": 0.004})
     sim.run(8, SLOW)  # step 39: rank 1 from here
     sim.run(1, SLOW)  # 44: PowerSGD's round overhead measured, the choice re-decided: rank 1
-    sim.controller.policies["run"].inner.shift = 1  # as a link-driven switch would leave it
+    sim.controller.policies["run"].inner.choice.shift = 1  # as a link-driven switch would leave it
     sim.run(1, SLOW)  # 49: rank 2 (outside the band: one strike)
     assert ranks(sim.plan)["fc1.weight"] == 2
     sim.run(1, SLOW)  # 54: the second strike, back to rank 1
@@ -506,14 +547,14 @@ def test_each_collective_family_is_priced_by_its_own_measured_rounds():
     assert {spec.name for _, spec in sim.plan.layers} == {"powersgd", "topk"}
     assert all({s.name for _, s in p.layers} == {"powersgd", "topk"} for p in sim.plans[-4:])
     # a later interval that mixes int8 and PowerSGD scales both by what it measured
-    policy = sim.controller.policies["run"].inner
-    policy._measure_rounds({"quantized": 1, "powersgd": 2}, 0.22)  # 2x the expected 0.11 s
+    policy = sim.controller.policies["run"].inner.cost
+    policy.measure_rounds({"quantized": 1, "powersgd": 2}, 0.22)  # 2x the expected 0.11 s
     assert policy.overhead["quantized"] == pytest.approx((0.1 + 0.2) / 2, rel=0.05)
     assert policy.overhead["powersgd"] == pytest.approx((0.005 + 0.01) / 2, rel=0.05)
     # a family first run beside measured ones gets its share of the interval at the measured
     # families' mean round, not what they leave unexplained (here nothing: it was priced free)
     policy.overhead = {"powersgd": 0.005}
-    policy._measure_rounds({"powersgd": 2, "bf16": 1}, 0.009)  # 10 ms expected of PowerSGD alone
+    policy.measure_rounds({"powersgd": 2, "bf16": 1}, 0.009)  # 10 ms expected of PowerSGD alone
     assert policy.overhead["bf16"] == pytest.approx(0.009 / 3)  # 1 of 3 expected rounds' worth
     assert policy.overhead["powersgd"] == pytest.approx((0.005 + 0.009 / 3) / 2)
 
@@ -548,7 +589,7 @@ def test_on_the_assumed_round_overhead_compression_must_save_twice_the_slack():
     sim = Sim()
     link = Link(bandwidth=101e6, overhead=0.011)
     sim.run(8, link)  # boundaries at steps 19-39, a regime window ends at 39
-    history = list(sim.controller.policies["run"].inner.history)
+    history = list(sim.controller.policies["run"].inner.choice.history)
     assert [h[1] for h in history] == ["dense"] * 5
     assert history[0][2].endswith("→ dense: compressed 54.1 ms vs dense 62.1 ms "
                                   "(within 20% on the assumed round overhead)")
@@ -561,7 +602,7 @@ def test_on_the_assumed_round_overhead_compression_must_save_twice_the_slack():
 
 def test_no_warm_up_starts_dense_to_measure_the_link():
     controller = Controller()
-    options = config.AdaptivePolicy().model_dump(mode="json")
+    options = AdaptiveOptions().model_dump(mode="json")
     plan = controller.register_run("r", W, SHAPES, "adaptive", options, 0, K, 1024)
     assert plan["layers"] == {} and not plan["dense"]
     assert controller.policies["r"].last.reason == "adaptive: dense until a dense interval has timed the link"
@@ -593,10 +634,10 @@ def test_a_checkpoint_with_one_round_overhead_for_every_family_still_loads():
     del old["prior_families"]
     again = make_policy("adaptive", {**sim.options, "min_compress_numel": 1024}).inner
     again.load_state_dict(old)
-    assert again.overhead == dict.fromkeys(("powersgd", "topk", "quantized", "bf16", "fp16"), 0.03)
-    assert again.prior_families == {"powersgd", "topk", "quantized", "bf16", "fp16"}  # re-decided next
+    assert again.cost.overhead == dict.fromkeys(("powersgd", "topk", "quantized", "bf16", "fp16"), 0.03)
+    assert again.choice.prior_families == {"powersgd", "topk", "quantized", "bf16", "fp16"}  # re-decided next
     again.load_state_dict({**old, "overhead_measured": False, "on_prior": False})
-    assert again.overhead == {} and again.prior_families == set()
+    assert again.cost.overhead == {} and again.choice.prior_families == set()
 
 
 def test_shapes_size_powersgd_and_counts_assume_a_square():

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from controllers.policies import CriticalOptions, StaticOptions
 from controllers.service import Controller
-from raycomp.config import CriticalPolicy, StaticPolicy
 
 LAYERS = {"fc1.weight": 32768, "fc2.weight": 5120, "fc1.bias": 512}
 
@@ -22,7 +22,7 @@ def report(run_id: str, rank: int, step: int, loss: float = 1.0, norm: float = 1
 
 
 def register(controller: Controller, run_id: str, policy: str = "static", options=None, warmup: int = 10):
-    options = options or StaticPolicy().model_dump(mode="json")
+    options = options or StaticOptions().model_dump(mode="json")
     return controller.register_run(run_id, 2, LAYERS, policy, options, warmup, 5, 1024)
 
 
@@ -81,7 +81,7 @@ def test_malformed_reports_are_rejected_counted_and_harmless():
 
 
 def test_snapshot_restores_runs_and_policy_state(tmp_path):
-    options = CriticalPolicy(window_steps=5).model_dump(mode="json")
+    options = CriticalOptions(window_steps=5).model_dump(mode="json")
     first = Controller(snapshot_dir=str(tmp_path))
     register(first, "run", "critical", options, warmup=0)
     for step, norm in ((4, 1.0), (9, 5.0), (14, 5.0)):
@@ -113,7 +113,7 @@ def test_corrupt_snapshot_files_are_skipped(tmp_path):
 
 def test_snapshots_save_due_runs_one_at_a_time_changed_plans_first(tmp_path):
     controller = Controller(snapshot_dir=str(tmp_path))
-    options = CriticalPolicy(window_steps=5).model_dump(mode="json")
+    options = CriticalOptions(window_steps=5).model_dump(mode="json")
     register(controller, "quiet")
     register(controller, "steered", "critical", options, warmup=0)
     assert controller.flush() == 0  # both were saved when registered, nothing changed since

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raycomp.config import AdaptivePolicy, CompressionSection
+from controllers.policies import AdaptiveOptions
+from raycomp.config import CompressionSection
 from raycomp.train import TrainOptions
 from raycomp.train.lossy import lossy_options
 
 
 def _options(**adaptive) -> TrainOptions:
-    return TrainOptions(compression=CompressionSection(adaptive=AdaptivePolicy(**adaptive)))
+    return TrainOptions(compression=CompressionSection(adaptive=AdaptiveOptions(**adaptive)))
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -33,7 +34,7 @@ def test_auto_offers_the_lossy_rungs_only_to_optimizers_linear_in_the_gradient(o
     resolved = lossy_options(_options(), optimizer(_params()))
     assert resolved.compression.adaptive.lossy == lossy
     # nothing else changes
-    assert resolved.compression.adaptive.model_dump(exclude={"lossy"}) == AdaptivePolicy().model_dump(exclude={"lossy"})
+    assert resolved.compression.adaptive.model_dump(exclude={"lossy"}) == AdaptiveOptions().model_dump(exclude={"lossy"})
 
 
 def test_an_explicit_choice_is_kept_and_auto_without_near_lossless_rungs_stays_lossy():

@@ -56,10 +56,12 @@ class LargestLayers(Policy):
     name = "largest"
     options_model = LargestOptions
 
+    options: LargestOptions
+
     def decide(self, run: RunState) -> Plan:
         layers = sorted(compressible_layers(run, self.min_numel), key=lambda n: -run.layers[n].numel)
-        chosen = layers[: self.options["count"]]
-        spec = CompressorSpec.of(self.options["compressor"])
+        chosen = layers[: self.options.count]  # the typed options: an instance of LargestOptions
+        spec = CompressorSpec.of(self.options.compressor)
         return Plan.per_layer(dict.fromkeys(chosen, spec), reason=f"largest {len(chosen)}: {', '.join(chosen)}")
 
 
@@ -157,7 +159,7 @@ def test_register_again_is_idempotent_and_replace_and_unregister_work():
 # --- policies ---------------------------------------------------------------------------------
 @pytest.fixture
 def largest():
-    register_policy("largest", LargestLayers, LargestOptions)
+    register_policy("largest", LargestLayers)
     yield
     unregister_policy("largest")
 
@@ -170,7 +172,7 @@ def test_registered_policy_in_a_job_config_becomes_its_import_path(largest):
     unregister_policy("largest")
     again = config.validate(job.model_dump(mode="json"))
     assert again.compression.policy == "tests.test_registry:LargestLayers"
-    register_policy("largest", LargestLayers, LargestOptions)
+    register_policy("largest", LargestLayers)
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -192,9 +194,12 @@ def test_policy_registration_errors(largest):
         register_policy("adaptive", LargestLayers)
     with pytest.raises(ValueError, match=r"^policy 'z': <class 'dict'> is not a subclass of controllers\.policies\.Policy$"):
         register_policy("z", dict)
-    with pytest.raises(ValueError, match=r"^policy 'z': options must be a pydantic model class, got 3$"):
-        register_policy("z", LargestLayers, 3)
-    with pytest.raises(ValueError, match=r"^compression\.policy: unknown 'zz'; allowed: static, .*adaptive, largest, "
+    class BadOptions(LargestLayers):
+        options_model = 3  # type: ignore[assignment]
+
+    with pytest.raises(ValueError, match=r"^policy 'z': BadOptions\.options_model must be a pydantic model class, got 3$"):
+        register_policy("z", BadOptions)
+    with pytest.raises(ValueError, match=r"^compression\.policy: unknown name 'zz'; allowed: static, .*adaptive, largest, "
                                          r"or an import path 'package\.module:Class'$"):
         make_policy("zz", {})
     with pytest.raises(ValueError, match=r"^compression\.custom_options\.count: Input should be greater"):
@@ -236,3 +241,43 @@ def test_custom_policy_through_the_real_controller_actor(ray_cluster, tmp_path):
             ray.get(actor.register_run.remote("bad", 2, LAYERS, path, {"count": 0}, 10, 5, 1024))
     finally:
         ray.kill(actor)
+
+
+# --- a new policy: one file plus its registration -----------------------------------------------
+@pytest.fixture
+def ramp():
+    register_policy("ramp", "tests.support.ramp_policy:RampPolicy")
+    yield
+    unregister_policy("ramp")
+
+
+def test_a_new_policy_with_typed_options_is_one_file_and_its_registration(ramp):
+    from controllers.service import Controller
+    from tests.support.ramp_policy import RampOptions
+
+    job = config.validate({"compression": {"policy": "ramp", "custom_options": {"start_ratio": 0.2, "every_steps": 10}}})
+    assert job.compression.policy == "tests.support.ramp_policy:RampPolicy"  # what the controller imports
+    options = job.compression.policy_options()
+    assert options == {"start_ratio": 0.2, "min_ratio": 0.01, "every_steps": 10}
+    for bad, message in [({"every_steps": 0}, r"custom_options\.every_steps: Input should be greater than or equal "
+                                              r"to 1 \(got 0\)"),
+                         ({"start_ratio": 0.2, "min_ratio": 0.5}, r"custom_options\.min_ratio: must be <= "
+                                                                  r"start_ratio \(0\.2\), got 0\.5"),
+                         ({"every_step": 5}, r"custom_options\.every_step: unknown key")]:
+        with pytest.raises(config.ConfigError, match=rf"^compression: {message}$") as info:
+            config.validate({"compression": {"policy": "ramp", "custom_options": bad}})
+        assert "\n" not in str(info.value)
+    # the controller's decide path: the policy gets its typed options
+    controller = Controller()
+    controller.register_run("ramp", 2, LAYERS, job.compression.policy, options, 0, 5, 1024)
+    policy = controller.policies["ramp"].inner
+    assert isinstance(policy.options, RampOptions) and policy.options.every_steps == 10
+    for step in (4, 9, 14, 19):
+        for rank in range(2):
+            assert controller.ingest(_stats("ramp", rank, step))
+        plan = Plan.from_dict(controller.plan("ramp"))
+        expected = 0.2 / 2 ** ((step + 1) // 10)
+        assert plan.reason == f"ramp: topk {expected:g}"
+        assert dict(plan.layers) == dict.fromkeys(("big", "mid"), CompressorSpec.of("topk", ratio=expected))
+    with pytest.raises(ValueError, match=r"^compression\.custom_options\.every_steps: Input should be greater"):
+        controller.register_run("bad", 2, LAYERS, job.compression.policy, {"every_steps": 0}, 0, 5, 1024)

@@ -217,7 +217,8 @@ def _train_skipping_a_head(config: dict) -> dict:
     import ray.train
 
     import raycomp.train
-    from raycomp.config import CompressionSection, ControllerSection, StaticPolicy, compressor
+    from controllers.policies import StaticOptions
+    from raycomp.config import CompressionSection, ControllerSection, compressor
 
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(0)
@@ -225,7 +226,7 @@ def _train_skipping_a_head(config: dict) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     options = raycomp.train.TrainOptions(
         compression=CompressionSection(policy="static", warmup_steps=2,
-                                       static=StaticPolicy(compressor=compressor("topk", ratio=0.05))),
+                                       static=StaticOptions(compressor=compressor("topk", ratio=0.05))),
         controller=ControllerSection(name=config["controller"], interval_steps=2),
         output_dir=config["output_dir"], find_unused_parameters=True)
     model = raycomp.train.prepare_model(model, optimizer, options=options)

@@ -20,7 +20,8 @@ def _train_with_a_scaler(config: dict) -> dict:
     import ray.train
 
     import raycomp.train
-    from raycomp.config import CompressionSection, ControllerSection, StaticPolicy, compressor
+    from controllers.policies import StaticOptions
+    from raycomp.config import CompressionSection, ControllerSection, compressor
 
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(0)
@@ -31,7 +32,7 @@ def _train_with_a_scaler(config: dict) -> dict:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=3)
     options = raycomp.train.TrainOptions(
         compression=CompressionSection(policy="static", warmup_steps=2,
-                                       static=StaticPolicy(compressor=compressor("topk", ratio=0.05))),
+                                       static=StaticOptions(compressor=compressor("topk", ratio=0.05))),
         controller=ControllerSection(name=config["controller"], interval_steps=2),
         output_dir=config["output_dir"])
     model = raycomp.train.prepare_model(model, optimizer, grad_scaler=scaler, options=options)

@@ -25,9 +25,12 @@ are not listed and stay dense.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Annotated, Any
 
-from controllers.policies.base import Policy, compressible_layers
+from pydantic import Field, field_validator
+
+from controllers.policies.base import Policy, PolicyOptions, compressible_layers
+from controllers.policies.error_budget import distinct_ratios
 from controllers.state import RunState
 from raycomp.plan import CompressorSpec, Plan
 
@@ -35,13 +38,24 @@ HISTORY = 32
 PATIENCE = 2  # consecutive differing choices before a switch
 
 
+class BandwidthOptions(PolicyOptions):
+    """``compression.bandwidth``: Top-K ratios, and how much communication to hide."""
+
+    not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
+    ratios: list[Annotated[float, Field(gt=0, le=1)]] = [1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001]
+    target_overlap: Annotated[float, Field(gt=0, le=10)] = 1.0  # comm time / compute time
+
+    _ratios = field_validator("ratios")(lambda cls, r: distinct_ratios(r, descending=True))
+
+
 class BandwidthPolicy(Policy):
     name = "bandwidth"
+    options_model = BandwidthOptions
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        super().__init__(options)
-        self.ratios = sorted({float(r) for r in options["ratios"]}, reverse=True)
-        self.target = float(options["target_overlap"])
+    def __init__(self, options: BandwidthOptions, min_compress_numel: int = 1024) -> None:
+        super().__init__(options, min_compress_numel)
+        self.ratios = sorted({float(r) for r in options.ratios}, reverse=True)
+        self.target = float(options.target_overlap)
         self.current: float | None = None
         self.strikes = 0
         self.switches = 0
@@ -112,3 +126,6 @@ class BandwidthPolicy(Policy):
         self.switches = int(state["switches"])
         self.estimate = dict(state["estimate"])
         self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
+
+
+__all__ = ["BandwidthOptions", "BandwidthPolicy"]

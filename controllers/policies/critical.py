@@ -19,23 +19,37 @@ Training starts in a critical regime, so the first window compresses everything 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from controllers.policies.base import Policy, compressible_layers, spec
+from pydantic import Field
+
+from controllers.policies.base import Policy, PolicyOptions, compressible_layers, spec
 from controllers.state import RunState
+from raycomp.config.base import CompressorConfig, compressor
 from raycomp.plan import Plan
 
 LOW, HIGH = "low", "high"
 
 
+class CriticalOptions(PolicyOptions):
+    """``compression.critical``: Accordion's two compressors and its regime detection."""
+
+    not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
+    low: CompressorConfig = compressor("topk", ratio=0.1)  # light compression (critical)
+    high: CompressorConfig = compressor("topk", ratio=0.01)  # heavy compression
+    threshold: Annotated[float, Field(gt=0)] = 0.5  # relative norm change
+    window_steps: Annotated[int, Field(ge=1)] = 50  # detection interval
+
+
 class CriticalPolicy(Policy):
     name = "critical"
+    options_model = CriticalOptions
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        super().__init__(options)
-        self.low, self.high = spec(options["low"]), spec(options["high"])
-        self.threshold = float(options["threshold"])
-        self.window = int(options["window_steps"])
+    def __init__(self, options: CriticalOptions, min_compress_numel: int = 1024) -> None:
+        super().__init__(options, min_compress_numel)
+        self.low, self.high = spec(options.low), spec(options.high)
+        self.threshold = float(options.threshold)
+        self.window = int(options.window_steps)
         self.last_step: int | None = None  # step of the latest detection
         self.prev_norms: dict[str, float] = {}
         self.regimes: dict[str, str] = {}
@@ -94,3 +108,6 @@ class CriticalPolicy(Policy):
         self.regimes = dict(state["regimes"])
         self.detections = int(state["detections"])
         self.counts = {k: {LOW: int(v[LOW]), HIGH: int(v[HIGH])} for k, v in state["counts"].items()}
+
+
+__all__ = ["CriticalOptions", "CriticalPolicy"]

@@ -28,7 +28,7 @@ from raycomp.plan import Plan
 
 class Guarded(Policy):
     def __init__(self, policy: Policy) -> None:
-        super().__init__(policy.options)
+        super().__init__(policy.options, policy.min_numel)
         self.inner = policy
         self.name = policy.name
         self.suppressed = 0
@@ -56,3 +56,6 @@ class Guarded(Policy):
         self.inner.load_state_dict(state["inner"])
         self.suppressed = int(state["suppressed"])
         self.last = None if state["last"] is None else Plan.from_dict(state["last"])
+
+
+__all__ = ["Guarded"]

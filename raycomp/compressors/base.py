@@ -13,6 +13,7 @@ import enum
 import hashlib
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -28,6 +29,30 @@ class Transport(str, enum.Enum):
     ALLGATHER = "allgather"  # sparse payloads, possibly of different sizes on each rank
     SCALABLE = "scalable"  # fixed-size quantized chunks: all-to-all, reduce, recompress, all-gather (W = 2: one all-gather)
     LOWRANK = "lowrank"  # PowerSGD: all-reduce P, orthogonalise, all-reduce Q
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the adaptive policy needs to rank a compressor against the other candidates of
+    a layer (with :meth:`Compressor.payload_bytes`; the model: ``docs/cost-model.md``).
+
+    Args:
+        near_lossless: with error feedback it keeps dense's per-step progress (quantizers,
+            casts), so the policy may use it where a lossy one (low rank, sparsification)
+            would cost accuracy: on critical layers, for optimizers like Adam, after a
+            layer's error ran too high.
+        rounds: collective rounds a plan with any layer on it adds beyond the dense
+            all-reduce (latency the bytes do not show).
+        rounds_at_two: the rounds at two ranks, where a transport takes a shortcut (the
+            scalable transport: one all-gather); None: ``rounds``.
+        family: compressors of one family share their rounds (int4 and int8 travel in one
+            batch) and their measured round overhead; None: the compressor's name.
+    """
+
+    near_lossless: bool
+    rounds: int
+    rounds_at_two: int | None = None
+    family: str | None = None
 
 
 class Compressor(ABC):
@@ -52,6 +77,8 @@ class Compressor(ABC):
     #: not change when its input is multiplied by a constant (Top-K, the quantizers,
     #: PowerSGD, sign) ignores it.
     loss_scale: torch.Tensor | None = None
+    #: how the adaptive policy ranks it (None: never one of its candidates)
+    cost: ClassVar[Cost | None] = None
 
     @property
     def error_feedback(self) -> bool:
@@ -80,6 +107,13 @@ class Compressor(ABC):
     def accepts(self, shape: torch.Size) -> bool:
         """Whether compressing a tensor of this shape is meaningful (else it goes dense)."""
         return math.prod(shape) > 0
+
+    def payload_bytes(self, numel: int, shape: tuple[int, ...], element_size: float) -> float:
+        """The bytes of one rank's payload for a tensor of ``numel`` elements of
+        ``element_size`` bytes (``shape``: its shape, or a matrix guessed from ``numel``).
+        The cost model multiplies it by what the transport sends per payload byte. Needed
+        by a compressor that declares a :attr:`cost`."""
+        raise NotImplementedError(f"compressor {self.name!r} declares no payload size")
 
     def params(self) -> dict[str, Any]:
         """Constructor arguments, so a compressor can be rebuilt from a plan."""
@@ -169,3 +203,7 @@ class SeededDraws:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed = int(state["seed"])
         self.draws = int(state["draws"])
+
+
+__all__ = ["Compressor", "Cost", "SeededDraws", "Transport", "check_float_tensor", "check_int", "check_positive",
+           "check_ratio", "mix_seed"]

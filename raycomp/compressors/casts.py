@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from raycomp.compressors.base import Compressor, Transport
+from raycomp.compressors.base import Compressor, Cost, Transport
 from raycomp.payload import Payload
 
 
@@ -16,6 +16,10 @@ class _Cast(Compressor):
     transport = Transport.ALLREDUCE
     lossy = False  # rounding only; error feedback would chase noise
     wire_dtype: torch.dtype
+    cost = Cost(near_lossless=True, rounds=1)  # its own all-reduce
+
+    def payload_bytes(self, numel: int, shape: tuple[int, ...], element_size: float) -> float:
+        return self.wire_dtype.itemsize * numel
 
     def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
         return Payload({"values": flat.to(self.wire_dtype)}, shape, dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from raycomp.compressors.base import Compressor, Transport
+from raycomp.compressors.base import Compressor, Cost, Transport
 from raycomp.payload import Payload
 
 
@@ -15,6 +15,10 @@ class Dense(Compressor):
     transport = Transport.DENSE
     unbiased = True
     lossy = False
+    cost = Cost(near_lossless=True, rounds=0)  # the all-reduce the measured bandwidth includes
+
+    def payload_bytes(self, numel: int, shape: tuple[int, ...], element_size: float) -> float:
+        return element_size * numel
 
     def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
         return Payload({"values": flat}, shape, dtype)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from raycomp.compressors.base import Compressor, SeededDraws, Transport, check_int
+from raycomp.compressors.base import Compressor, Cost, SeededDraws, Transport, check_int
 from raycomp.payload import Payload
 
 
@@ -29,6 +29,7 @@ class PowerSGD(Compressor):
     name = "powersgd"
     transport = Transport.LOWRANK
     shared_randomness = True
+    cost = Cost(near_lossless=False, rounds=2)  # P and Q, each all-reduced
 
     def __init__(
         self, rank: int = 1, warm_start: bool = True, epsilon: float = 1e-8, seed: int = 0
@@ -53,6 +54,10 @@ class PowerSGD(Compressor):
     def matrix_shape(shape: torch.Size) -> tuple[int, int]:
         rows = int(shape[0])
         return rows, (int(torch.Size(shape).numel()) // rows if rows else 0)
+
+    def payload_bytes(self, numel: int, shape: tuple[int, ...], element_size: float) -> float:
+        rows, cols = self.matrix_shape(torch.Size(shape))
+        return 4 * (rows + cols) * min(self.rank, rows, cols)  # fp32 factors
 
     def effective_rank(self, shape: torch.Size) -> int:
         return min(self.rank, *self.matrix_shape(shape))

@@ -9,6 +9,7 @@ import torch
 
 from raycomp.compressors.base import (
     Compressor,
+    Cost,
     SeededDraws,
     Transport,
     check_int,
@@ -30,6 +31,10 @@ class TopK(Compressor):
     name = "topk"
     transport = Transport.ALLGATHER
     sparse = True
+    cost = Cost(near_lossless=False, rounds=1)  # one all-gather
+
+    def payload_bytes(self, numel: int, shape: tuple[int, ...], element_size: float) -> float:
+        return sparse_k(numel, self.ratio) * (element_size + 4)  # values, int32 indices
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = check_ratio("ratio", ratio)

@@ -7,7 +7,6 @@ is data, never code.
 """
 
 from raycomp.config.base import (
-    POLICIES,
     WORKLOADS,
     CompressorConfig,
     ConfigError,
@@ -20,15 +19,6 @@ from raycomp.config.loading import (
     parse_override,
     read_yaml_mapping,
     validate,
-)
-from raycomp.config.policies import (
-    AdaptivePolicy,
-    BandwidthPolicy,
-    CriticalPolicy,
-    ErrorBudgetPolicy,
-    SchedulePolicy,
-    ScheduleStage,
-    StaticPolicy,
 )
 from raycomp.config.preflight import (
     DIGITS_TRAIN_EXAMPLES,
@@ -59,11 +49,10 @@ from raycomp.config.sections import (
 )
 
 __all__ = [
-    "POLICIES", "WORKLOADS", "WORKLOAD_MODELS", "DIGITS_TRAIN_EXAMPLES",
-    "AdaptivePolicy", "BandwidthPolicy", "CheckpointSection", "CompressionSection", "CompressorConfig",
-    "ConfigError", "ControllerSection", "CriticalPolicy", "ErrorBudgetPolicy", "FaultsSection",
-    "GuardSection", "JobConfig", "LrScalingSection", "RunSection", "ScalingSection", "SchedulePolicy",
-    "ScheduleStage", "StaticPolicy", "WorkloadSection",
+    "WORKLOADS", "WORKLOAD_MODELS", "DIGITS_TRAIN_EXAMPLES",
+    "CheckpointSection", "CompressionSection", "CompressorConfig",
+    "ConfigError", "ControllerSection", "FaultsSection",
+    "GuardSection", "JobConfig", "LrScalingSection", "RunSection", "ScalingSection", "WorkloadSection",
     "apply_overrides", "check_cluster_fits", "check_controller_paths", "check_metrics_endpoint",
     "check_resources", "check_sizes", "check_writable_dir", "check_writable_file", "compressor",
     "host_literal", "load_config", "local_cpus", "one_line", "parse_override", "read_yaml_mapping",

@@ -9,21 +9,23 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from raycomp.plan import CompressorSpec
 
-POLICIES = ("static", "schedule", "critical", "error_budget", "bandwidth", "adaptive")
 WORKLOADS = ("digits", "fashion_mnist", "kjv")
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$")
-
 
 
 class ConfigError(ValueError):
     """A configuration problem; ``str()`` is one line naming the key."""
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """A config model: unknown keys refused, frozen, defaults validated too."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-class CompressorConfig(_Strict):
+_Strict = Strict  # the name the config's own sections use
+
+
+class CompressorConfig(Strict):
     """A compressor by registry name with its parameters, e.g. ``{name: topk, ratio: 0.01}``."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
@@ -42,7 +44,8 @@ def compressor(name: str, **params: Any) -> CompressorConfig:
     return CompressorConfig(name=name, **params)
 
 
-_NAMES_A_KEY = re.compile(r"^[a-z_]+(\.[A-Za-z0-9_\[\]]+)+:? ")
+#: a message that starts with the key it is about: ``a.b: ...``, ``a.b ...`` or ``a: ...``
+_NAMES_A_KEY = re.compile(r"^[a-z_]+((\.[A-Za-z0-9_\[\]]+)+:? |: )")
 
 
 def one_line(error: ValidationError, prefix: str = "") -> str:
@@ -62,3 +65,6 @@ def one_line(error: ValidationError, prefix: str = "") -> str:
     if not key and _NAMES_A_KEY.match(message):  # a whole-config check that names its own keys
         return f"{prefix}{message}"
     return f"{prefix}{key or 'config'}: {message}"
+
+
+__all__ = ["WORKLOADS", "CompressorConfig", "ConfigError", "Strict", "compressor", "one_line"]

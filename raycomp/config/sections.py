@@ -5,26 +5,17 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     Field,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from raycomp.config.base import _IMPORT_PATH, POLICIES, _Strict, one_line
-from raycomp.config.policies import (
-    AdaptivePolicy,
-    BandwidthPolicy,
-    CriticalPolicy,
-    ErrorBudgetPolicy,
-    SchedulePolicy,
-    StaticPolicy,
-)
+from raycomp.config import policy_sections
+from raycomp.config.base import _Strict
 from raycomp.imports import import_object
 
 
@@ -153,24 +144,25 @@ SHARDED_BASELINES = ("torch_fsdp", "torch_fsdp_bf16")
 
 
 class CompressionSection(_Strict):
-    #: a built-in policy (``adaptive``, the default: see AdaptivePolicy), a name registered
-    #: with ``controllers.policies.register_policy``, or an import path
-    #: ``package.module:Class`` that the controller imports (docs/extending.md)
+    """``compression``: the policy and its options, the dense warm-up, the error-feedback
+    memory, the guard and the LR ramp.
+
+    Besides its fields it holds one section per built-in policy, named after it
+    (``compression.adaptive``, ``compression.static``, ...: the policy's typed options, from
+    ``controllers.policies``; see :mod:`raycomp.config.policy_sections`).
+    """
+
+    model_config = policy_sections.SECTION_CONFIG
+    #: a built-in policy (``adaptive``, the default), a name registered with
+    #: ``controllers.policies.register_policy``, or an import path ``package.module:Class``
+    #: that the controller imports (docs/extending.md)
     policy: str = "adaptive"
     #: options of a policy that is not built in, validated by its options model (built-in
     #: policies take theirs from their own section, e.g. ``compression.adaptive``)
     custom_options: dict[str, Any] = {}
-    #: filled by ``controllers.policies.register_policy``: name -> (import path, options model)
-    custom_policies: ClassVar[dict[str, tuple[str | None, type[BaseModel] | None]]] = {}
     warmup_steps: Annotated[int, Field(ge=0)] = 20  # dense first (all policies)
     memory: Literal["residual", "dgc", "none"] = "residual"
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
-    adaptive: AdaptivePolicy = AdaptivePolicy()
-    static: StaticPolicy = StaticPolicy()
-    schedule: SchedulePolicy = SchedulePolicy()
-    critical: CriticalPolicy = CriticalPolicy()
-    error_budget: ErrorBudgetPolicy = ErrorBudgetPolicy()
-    bandwidth: BandwidthPolicy = BandwidthPolicy()
     guard: GuardSection = GuardSection()
     lr_scaling: LrScalingSection = LrScalingSection()
     #: compare against torch's own DDP hooks instead of raycomp's (benchmarks)
@@ -211,34 +203,16 @@ class CompressionSection(_Strict):
             raise ValueError(f"must be 'auto' or a size in MB in (0, 100000], got {value!r}")
         return number
 
-    @field_validator("policy")
+    @model_validator(mode="before")
     @classmethod
-    def _policy_name(cls, name: str) -> str:
-        if name in POLICIES:
-            return name
-        if name in cls.custom_policies:
-            path = cls.custom_policies[name][0]
-            return path or name  # the import path travels to the controller's process
-        if _IMPORT_PATH.match(name):
-            return name
-        builtin = ", ".join(repr(p) for p in POLICIES)
-        raise ValueError(f"must be one of {builtin}, a name registered with "
-                         f"controllers.policies.register_policy, or an import path "
-                         f"'package.module:Class', got {name!r}")
+    def _policy_sections(cls, data: Any) -> Any:
+        return policy_sections.split_sections(data, set(cls.model_fields)) if isinstance(data, dict) else data
+
+    _policy_name = field_validator("policy")(lambda cls, name: policy_sections.check_policy_name(name))
 
     @model_validator(mode="after")
     def _custom_options(self) -> CompressionSection:
-        if self.policy in POLICIES:
-            if self.custom_options:
-                raise ValueError(f"custom_options: only for policies that are not built in; "
-                                 f"set compression.{self.policy}.<option> instead")
-            return self
-        models = [m for n, (path, m) in self.custom_policies.items() if self.policy in (n, path)]
-        if models and models[0] is not None:
-            try:
-                models[0].model_validate(self.custom_options)
-            except ValidationError as error:
-                raise ValueError(one_line(error, prefix="custom_options.")) from None
+        policy_sections.check_custom_options(self.policy, self.custom_options)
         return self
 
     def check_strategy(self, strategy: str) -> None:
@@ -249,36 +223,18 @@ class CompressionSection(_Strict):
             if self.baseline_hook in SHARDED_BASELINES:
                 raise ValueError(f"compression.baseline_hook: {self.baseline_hook!r} needs scaling.strategy=fsdp")
             return
-        from raycomp.compressors import fits_a_shard, shardable
-
-        allowed = ", ".join(shardable())
-        if self.policy not in ("adaptive", "static", "schedule") and self.policy in POLICIES:
-            raise ValueError(f"compression.policy: {self.policy!r} chooses Top-K, which cannot compress a "
-                             "reduce-scatter shard; allowed with scaling.strategy=fsdp: adaptive, static, schedule")
+        policy_sections.check_sharded_policy(self)
         if self.baseline_hook not in ("none", *SHARDED_BASELINES):
             raise ValueError(f"compression.baseline_hook: {self.baseline_hook!r} is a DDP hook; allowed with "
                              f"scaling.strategy=fsdp: none, {', '.join(SHARDED_BASELINES)}")
         if self.memory == "dgc":
             raise ValueError("compression.memory: 'dgc' is not available with scaling.strategy=fsdp; "
                              "allowed: residual, none")
-        if self.policy == "adaptive" and not self.adaptive.near_lossless:
-            raise ValueError("compression.adaptive.near_lossless: empty, but with scaling.strategy=fsdp the "
-                             "adaptive policy chooses among them only; allowed: int4, int8, bf16, fp16")
-        named = ([("compression.static.compressor", self.static.compressor)] if self.policy == "static" else
-                 [(f"compression.schedule.stages[{i}].compressor", st.compressor)
-                  for i, st in enumerate(self.schedule.stages)] if self.policy == "schedule" else [])
-        for field, chosen in named:
-            if not fits_a_shard(chosen.name):
-                raise ValueError(f"{field}: {chosen.name!r} cannot compress a reduce-scatter shard; "
-                                 f"allowed with scaling.strategy=fsdp: {allowed}")
+        policy_sections.check_sharded_options(self)
 
     def policy_options(self) -> dict[str, Any]:
-        if self.policy not in POLICIES:
-            models = [m for n, (path, m) in self.custom_policies.items() if self.policy in (n, path)]
-            if models and models[0] is not None:
-                return models[0].model_validate(self.custom_options).model_dump(mode="json")
-            return dict(self.custom_options)
-        return getattr(self, self.policy).model_dump(mode="json")
+        """The options the controller gets for ``policy`` (JSON)."""
+        return policy_sections.options_of(self)
 
 
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
@@ -349,7 +305,7 @@ class JobConfig(_Strict):
     run: RunSection = RunSection()
     workload: WorkloadSection = WorkloadSection()
     scaling: ScalingSection = ScalingSection()
-    compression: CompressionSection = CompressionSection()
+    compression: CompressionSection = Field(default_factory=CompressionSection)
     controller: ControllerSection = ControllerSection()
     checkpoint: CheckpointSection = CheckpointSection()
     faults: FaultsSection = FaultsSection()

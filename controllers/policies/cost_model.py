@@ -1,0 +1,203 @@
+"""The adaptive policy's cost model: from what the run measured to the predicted step time
+of a candidate plan.
+
+It learns three things from the controller's Timing reports (per rank and step): the
+link's bandwidth on dense intervals, the compute time, and per collective family the
+seconds an extra round costs on compressed intervals. A plan is priced from what each
+compressor declares (:class:`raycomp.compressors.Cost` and ``payload_bytes``)::
+
+    predicted = compute + sum over layers of sent(layer) / bandwidth
+                + sum over the plan's families of rounds_f * overhead_f
+
+The derivation and its measured grounds: ``docs/cost-model.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from controllers.state import LayerHistory, RunState
+from raycomp.compressors import Compressor, Transport, compressor_class, make_compressor
+from raycomp.plan import DENSE, CompressorSpec
+
+SMOOTHING = 0.5  # EMA weight of the newest measurement
+DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
+
+
+class CostModel:
+    """Measurements and predictions of one run.
+
+    Args:
+        round_seconds: what an extra round of a family costs until it is measured
+            (optimistic, so that every family gets tried once).
+        bandwidth: bytes per second per rank to plan for (None: measured on dense steps).
+        sharded: the run reduce-scatters (FSDP): each element is sent (W-1)/W times instead
+            of an all-reduce's 2(W-1)/W, in one all-to-all a unit whatever it carries.
+    """
+
+    def __init__(self, round_seconds: float, bandwidth: float | None = None, sharded: bool = False) -> None:
+        self.prior = float(round_seconds)
+        self.assumed_bw = bandwidth
+        self.sharded = sharded
+        self.bw: float | None = bandwidth
+        #: collective family -> seconds an extra round of it costs, measured
+        self.overhead: dict[str, float] = {}
+        self.compute: float | None = None
+        self.seen_step = -1  # latest Timing step taken into the estimates
+        self._compressors: dict[CompressorSpec, Compressor] = {}
+
+    @property
+    def ready(self) -> bool:
+        """Whether a dense interval has timed the link (and the compute)."""
+        return self.bw is not None and self.compute is not None
+
+    # --- measuring ----------------------------------------------------------------------
+    def measure(self, run: RunState) -> None:
+        """Take the Timing reports not seen yet into the estimates."""
+        timings = [t for t in run.timings if t.step > self.seen_step]
+        if not timings:
+            return
+        index = len(run.timings) - len(timings)
+        previous = run.timings[index - 1] if index > 0 else None
+        per_rank = max(1, run.world_size)
+        for t in timings:
+            if previous is None:  # the run's first report: totals count from zero
+                steps, wire, dense = t.step + 1, t.wire_bytes, t.dense_bytes
+            else:
+                steps = t.step - previous.step
+                wire, dense = t.wire_bytes - previous.wire_bytes, t.dense_bytes - previous.dense_bytes
+            previous = t
+            self.seen_step = t.step
+            if steps <= 0 or wire < 0 or dense <= 0:
+                continue  # a restart reset the totals, or nothing was sent: no sample
+            wire, dense = wire / (per_rank * steps), dense / (per_rank * steps)
+            self.compute = ema(self.compute, max(0.0, t.compute_seconds))
+            if wire >= DENSE_SHARE * dense:
+                if self.assumed_bw is None and t.comm_seconds > 0:
+                    # average seconds per byte, not bytes per second: one slow interval
+                    # after a fast one must weigh as much as the other way round
+                    per_byte = ema(None if self.bw is None else 1 / self.bw, t.comm_seconds / wire)
+                    self.bw = 1 / per_byte
+            elif self.bw is not None and t is run.timings[-1]:
+                # the layers' compressor names are those of this (the latest) interval
+                rounds = self.rounds({h.compressor for h in run.layers.values()}, run.world_size)
+                if rounds:
+                    self.measure_rounds(rounds, max(0.0, t.comm_seconds - wire / self.bw))
+
+    def measure_rounds(self, rounds: dict[str, int], residual: float) -> None:
+        """Share one interval's communication beyond its bytes (``residual``) among the
+        collective families that ran in it (``rounds``: family -> extra rounds), in
+        proportion to what each is expected to cost. A family not measured yet is expected
+        to cost what a round of the measured ones does on average (``round_seconds`` before
+        any), so that one arriving beside measured ones is not taken for free."""
+        seed = mean(list(self.overhead.values())) or self.prior
+        expected = {f: r * self.overhead.get(f, seed) for f, r in rounds.items()}
+        total = sum(expected.values())
+        for f, r in rounds.items():
+            share = expected[f] / total if total > 0 else r / sum(rounds.values())
+            self.overhead[f] = ema(self.overhead.get(f), share * residual / r)
+
+    # --- predicting ---------------------------------------------------------------------
+    def predict(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[float, dict[str, int]]:
+        """The predicted step of the plan that puts each layer on ``chosen`` (dense where it
+        names none), and its collective families' extra rounds."""
+        w = max(1, run.world_size)
+        allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w  # times each element is sent
+        families = set()
+        total = 0.0
+        for name, h in run.layers.items():
+            spec = chosen.get(name, DENSE)
+            compressor = self._compressor(spec)
+            families.add(spec.name)
+            per_byte = (w - 1) if compressor.transport is Transport.ALLGATHER else allreduce
+            shape = h.shape if h.shape is not None else matrix(h)
+            total += per_byte * compressor.payload_bytes(h.numel, shape, element_bytes(h, w, allreduce))
+        assert self.bw is not None and self.compute is not None
+        rounds = self.rounds(families, w)
+        seconds = sum(r * self.overhead.get(f, self.prior) for f, r in rounds.items())
+        return self.compute + total / self.bw + seconds, rounds
+
+    def rounds(self, families: set[str], world_size: int) -> dict[str, int]:
+        """Collective rounds beyond dense's per family; none on the sharded path (one
+        all-to-all a unit)."""
+        return {} if self.sharded else family_rounds(families, world_size)
+
+    def on_prior(self, rounds: dict[str, int]) -> set[str]:
+        """The families among ``rounds`` still priced at the assumed round_seconds."""
+        return {f for f in rounds if f not in self.overhead}
+
+    def _compressor(self, spec: CompressorSpec) -> Compressor:
+        compressor = self._compressors.get(spec)
+        if compressor is None:
+            compressor = self._compressors[spec] = make_compressor(spec.name, **dict(spec.params))
+        return compressor
+
+    # --- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"bw": self.bw, "overhead": dict(self.overhead), "compute": self.compute,
+                "seen_step": self.seen_step}
+
+    def load_state_dict(self, state: dict[str, Any], legacy_families: tuple[str, ...]) -> None:
+        """``legacy_families``: the families one figure stood for in older snapshots."""
+        self.bw = state["bw"] if self.assumed_bw is None else self.assumed_bw
+        overhead = state["overhead"]
+        if isinstance(overhead, dict):
+            self.overhead = {str(f): float(v) for f, v in overhead.items()}
+        else:  # an older snapshot: one figure for every family, measured or still the prior
+            self.overhead = dict.fromkeys(legacy_families, float(overhead)) if state["overhead_measured"] else {}
+        self.compute, self.seen_step = state["compute"], int(state["seen_step"])
+
+
+def ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def family_rounds(names: set[str], world_size: int) -> dict[str, int]:
+    """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes),
+    per collective family of the compressors ``names``, as each declares them
+    (:class:`raycomp.compressors.Cost`): a family's rounds count once, whatever number of
+    layers it carries. Compressors without a declared cost, or unknown here, add none."""
+    rounds: dict[str, int] = {}
+    for name in names:
+        found = _family(name, world_size == 2)
+        if found is not None and found[1]:
+            rounds[found[0]] = found[1]
+    return dict(sorted(rounds.items()))
+
+
+def _family(name: str, two_ranks: bool) -> tuple[str, int] | None:
+    try:
+        cost = compressor_class(name).cost
+    except ValueError:
+        return None  # a name this process cannot resolve: priced as no extra round
+    if cost is None:
+        return None
+    rounds = cost.rounds_at_two if two_ranks and cost.rounds_at_two is not None else cost.rounds
+    return cost.family or name, rounds
+
+
+def matrix(h: LayerHistory) -> tuple[int, int]:
+    """PowerSGD's matrix view (first dim x rest); a square guess without a shape."""
+    if h.shape is None:
+        side = max(1, math.isqrt(h.numel))
+        return side, max(1, h.numel // side)
+    if len(h.shape) < 2:
+        return 1, h.numel  # a vector: factors are never smaller
+    return h.shape[0], h.numel // max(1, h.shape[0])
+
+
+def element_bytes(h: LayerHistory, world_size: int, allreduce: float) -> float:
+    """Bytes per gradient element from the measured dense bytes (the sum over the ranks of
+    one step), rounded to 2, 4 or 8; 4 (fp32) before any measurement."""
+    if h.dense_bytes <= 0 or not h.numel or allreduce <= 0:
+        return 4.0
+    measured = h.dense_bytes / (world_size * allreduce * h.numel)
+    return min((2.0, 4.0, 8.0), key=lambda size: abs(size - measured))
+
+
+__all__ = ["CostModel", "element_bytes", "family_rounds", "matrix"]

@@ -1,0 +1,136 @@
+"""The policy part of ``compression``: which policy, and its typed options.
+
+The policies and their options models live with the controller, in
+``controllers.policies`` (one registry, :data:`controllers.policies.REGISTRY`); this
+module asks that registry, importing it on first use, so a built-in policy needs no line
+here. Each built-in policy with an options model has a section of its own,
+``compression.<policy>`` (e.g. ``compression.adaptive``), always present and validated
+whichever policy runs; any other policy takes its options from
+``compression.custom_options``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from raycomp.config.base import Strict, one_line
+from raycomp.registry import ANY_PATH, IMPORT_PATH
+
+if TYPE_CHECKING:
+    from raycomp.registry import Registry
+
+_SECTIONS: dict[tuple[tuple[str, type[BaseModel]], ...], type[BaseModel]] = {}
+
+
+def policies() -> Registry[Any]:
+    """The policy registry (``controllers.policies`` is imported on first use)."""
+    from controllers.policies import REGISTRY
+
+    return REGISTRY
+
+
+def option_models() -> dict[str, type[BaseModel]]:
+    """Built-in policy name -> its options model: the sections ``compression`` holds."""
+    return {n: cls.options_model for n, cls in policies().builtins.items() if cls.options_model is not None}
+
+
+def sections_model() -> type[BaseModel]:
+    """A strict model with one field per built-in policy section, each defaulted."""
+    models = option_models()
+    key = tuple(models.items())
+    if key not in _SECTIONS:
+        fields: dict[str, Any] = {n: (m, Field(default_factory=m)) for n, m in models.items()}
+        _SECTIONS[key] = create_model("PolicySections", __base__=Strict, **fields)
+    return _SECTIONS[key]
+
+
+def split_sections(data: dict[str, Any], own_fields: set[str]) -> dict[str, Any]:
+    """``data`` with every key that is not one of ``own_fields`` validated as a policy
+    section (unknown keys refused: ``<key>: unknown key``), each section present."""
+    own = {k: v for k, v in data.items() if k in own_fields}
+    sections = sections_model().model_validate({k: v for k, v in data.items() if k not in own_fields})
+    return {**own, **{name: getattr(sections, name) for name in option_models()}}
+
+
+def check_policy_name(name: str) -> str:
+    """The name the controller gets: a built-in name, the import path of a registered one
+    (so the controller's process imports it), or an import path as given."""
+    registry = policies()
+    if name in registry.builtins:
+        return name
+    if name in registry.registered():
+        return registry.import_path(name) or name
+    if IMPORT_PATH.match(name):
+        return name
+    builtin = ", ".join(repr(p) for p in registry.builtins)
+    raise ValueError(f"must be one of {builtin}, a name registered with controllers.policies.register_policy, "
+                     f"or {ANY_PATH}, got {name!r}")
+
+
+def custom_model(policy: str) -> type[BaseModel] | None:
+    """The options model of a policy that is not built in, if this process knows it
+    without importing anything (a registered name, or the import path of one)."""
+    registry = policies()
+    for name, path in registry.registered().items():
+        if policy in (name, path, registry.import_path(name)):
+            return registry.get(name).options_model
+    return None
+
+
+def check_custom_options(policy: str, custom_options: dict[str, Any]) -> None:
+    """ValueError (one line) if ``custom_options`` do not fit ``policy``."""
+    if policy in policies().builtins:
+        if custom_options:
+            raise ValueError(f"custom_options: only for policies that are not built in; "
+                             f"set compression.{policy}.<option> instead")
+        return
+    model = custom_model(policy)
+    if model is not None:
+        try:
+            model.model_validate(custom_options)
+        except ValidationError as error:
+            raise ValueError(one_line(error, prefix="custom_options.")) from None
+
+
+def options_of(section: BaseModel) -> dict[str, Any]:
+    """What the controller gets as the options of ``section.policy`` (JSON)."""
+    policy = section.policy  # type: ignore[attr-defined]
+    if policy in policies().builtins:
+        chosen = getattr(section, policy, None)
+        return chosen.model_dump(mode="json") if chosen is not None else {}
+    model = custom_model(policy)
+    custom = section.custom_options  # type: ignore[attr-defined]
+    return model.model_validate(custom).model_dump(mode="json") if model is not None else dict(custom)
+
+
+def check_sharded_policy(section: BaseModel) -> None:
+    """ValueError (one line) unless ``section.policy`` can steer a sharded (FSDP) run at all;
+    a policy that is not built in is the user's to vouch for."""
+    policy = section.policy  # type: ignore[attr-defined]
+    if policy not in policies().builtins:
+        return
+    reason = getattr(type(getattr(section, policy, None)), "not_shardable", None)
+    if reason:
+        fits = [n for n, m in option_models().items() if getattr(m, "not_shardable", None) is None]
+        raise ValueError(f"compression.policy: {policy!r} {reason}; allowed with scaling.strategy=fsdp: "
+                         f"{', '.join(fits)}")
+
+
+def check_sharded_options(section: BaseModel) -> None:
+    """ValueError (one line naming the option) unless every compressor the options of a
+    built-in ``section.policy`` may choose fits a reduce-scatter row."""
+    policy = section.policy  # type: ignore[attr-defined]
+    options = getattr(section, policy, None) if policy in policies().builtins else None
+    if options is not None and hasattr(options, "check_sharded"):
+        options.check_sharded(f"compression.{policy}")
+
+
+#: the model config of ``compression``: its policy sections arrive as extra keys, each
+#: validated by :func:`split_sections`
+SECTION_CONFIG = ConfigDict(extra="allow", frozen=True, validate_default=True)
+
+__all__ = ["SECTION_CONFIG", "check_custom_options", "check_policy_name", "check_sharded_options",
+           "check_sharded_policy",
+           "custom_model", "option_models", "options_of", "policies", "sections_model", "split_sections"]

@@ -1,0 +1,1 @@
+"""Code the tests use: user-side compressors, policies and helpers."""
