@@ -88,8 +88,8 @@ def run_load(workers: int = 16, rate: float = 10.0, duration: float = 5.0, runs:
     """
     import ray
 
+    from controllers.policies import CriticalOptions
     from controllers.service import get_or_create
-    from raycomp.config import CriticalPolicy
 
     if runs > workers:
         raise ValueError(f"--runs ({runs}) cannot exceed --workers ({workers})")
@@ -105,7 +105,7 @@ def run_load(workers: int = 16, rate: float = 10.0, duration: float = 5.0, runs:
         pid, url = ray.get([controller.pid.remote(), controller.metrics_url.remote()], timeout=120)
         proc = _proc(pid)
         names = layer_names(n_layers)
-        options = CriticalPolicy(window_steps=WINDOW_STEPS).model_dump(mode="json")
+        options = CriticalOptions(window_steps=WINDOW_STEPS).model_dump(mode="json")
         sizes = world_sizes(workers, runs)
         run_ids = [f"load-{i:03d}" for i in range(runs)]
         ray.get([controller.register_run.remote(rid, size, dict.fromkeys(names, LAYER_NUMEL), "critical",
