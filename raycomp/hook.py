@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from raycomp.collectives import Pending, flat_view
+from raycomp.transports import Pending, flat_view
 from raycomp.compressors import Transport
 from raycomp.ddp import hook_group, reducer_order, refuse_sparse_gradients
 from raycomp.loss_scale import check_scaler
