@@ -170,19 +170,19 @@ class CompressedReducer:
         in the order started.
         """
         self.begin_step()
-        compressors, kinds = self._route(names, grads)
-        compensated = [self.memory.compensate(name, grad) for name, grad in zip(names, grads, strict=True)]
+        compressors, kinds = self._route(names, grads)  # 1. route
+        compensated = [self.memory.compensate(n, g) for n, g in zip(names, grads, strict=True)]  # 2. compensate
         self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is not Transport.DENSE])
         used = [g.any() for g in grads] if self.defer_unused else []  # before an in-place reduction
         control = self.signals.take(grads[0].device if grads else torch.device("cpu")) if closes_step else None
         measuring = self.collecting_stats  # statistics read the gradients: never overwrite them then
         overwritable = [overwrite and not measuring and c is g for c, g in zip(compensated, grads, strict=True)]
         batch = Batch(list(names), compensated, compressors, overwritable, control)
-        sending = communicate(kinds, batch, self.communicators, self.group)  # compress, communicate
+        sending = communicate(kinds, batch, self.communicators, self.group)  # 3. compress, communicate
 
         def finish() -> list[torch.Tensor]:
-            reduced, overhead = sending.finish()  # decompress: the mean, and what this rank sent
-            self._update_memory(names, compressors, compensated, reduced, used)
+            reduced, overhead = sending.finish()  # 4. decompress: the mean, and what this rank sent
+            self._update_memory(names, compressors, compensated, reduced, used)  # 5. update memory
             self._count_bytes(names, grads, reduced, overhead)
             if measuring:
                 self._measure(names, compressors, grads, compensated, reduced)
