@@ -15,10 +15,11 @@ Without DDP (e.g. a custom data-parallel loop)::
     state.allreduce_gradients()     # replaces each .grad by the compressed mean
 
 The hook reduces each bucket in the background and returns a future, so backward keeps
-computing the next buckets while this one communicates. Two threads share the work: one
-compresses each bucket and issues its collectives (in bucket order, which is the same on
-every rank), the other waits for them and decodes. So the next bucket is compressed while
-this one is on the wire, and the link is not idle while a thread encodes. A step whose plan
+computing the next buckets while this one communicates. Two threads share the work
+(:mod:`raycomp.overlap`): one compresses each bucket and issues its collectives (in bucket
+order, which is the same on every rank), the other waits for them and decodes. So the next
+bucket is compressed while this one is on the wire, and the link is not idle while a
+thread encodes. A step whose plan
 sends every layer dense has nothing to encode: its all-reduces are issued from DDP's own
 thread, as torch's all-reduce hook does, and only the waiting is handed over. The overlap
 needs several buckets: DDP's default gives a model under 25 MB two,
@@ -42,29 +43,31 @@ the layer) or as nothing sent (no rank did).
 
 # no "from __future__ import annotations": DDP checks the hook's annotations at run time
 
-import concurrent.futures
-import contextlib
-import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from raycomp.collectives import Pending, flat_view
 from raycomp.compressors import Transport
 from raycomp.ddp import hook_group, reducer_order, refuse_sparse_gradients
+from raycomp.ledger import WireLedger
 from raycomp.loss_scale import check_scaler
 from raycomp.memory import Memory
+from raycomp.overlap import BucketThreads
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
+from raycomp.transports import Pending, flat_view
+
+__all__ = ["CompressionState", "compression_hook"]
 
 T = TypeVar("T")
 
 
-class CompressionState(CompressedReducer):
-    """A :class:`CompressedReducer` that knows the model's parameter names.
+class CompressionState:
+    """A :class:`CompressedReducer` for a model: parameter names, the hook's threads, and
+    DDP's map of unused parameters.
 
     Args:
         model: the model (DDP-wrapped or not); parameter names come from
@@ -98,9 +101,10 @@ class CompressionState(CompressedReducer):
     ) -> None:
         refuse_sparse_gradients(model)  # before the group: nothing to undo
         check_scaler(grad_scaler)
-        super().__init__(plan, process_group=hook_group(model, process_group), memory=memory,
-                         min_compress_numel=min_compress_numel, seed=seed, stats_every=stats_every,
-                         profile_ratios=profile_ratios, grad_scaler=grad_scaler)
+        self.reducer = CompressedReducer(
+            plan, process_group=hook_group(model, process_group), memory=memory,
+            min_compress_numel=min_compress_numel, seed=seed, stats_every=stats_every,
+            profile_ratios=profile_ratios, grad_scaler=grad_scaler)
         module = getattr(model, "module", model)
         #: seconds the steps waited for their reductions (the adaptive policy's "comm"): a
         #: reduction run inline is waited for whole; with the background thread, only what is
@@ -110,24 +114,61 @@ class CompressionState(CompressedReducer):
         self.comm_seconds = 0.0
         self.parameters = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
-        # one thread each, so each keeps bucket order: the sender compresses and issues the
-        # collectives (every rank in the same order), the receiver waits for them and decodes
-        self._sender, self._receiver = (
-            (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raycomp-send"),
-             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raycomp-receive"))
-            if async_comm
-            else (None, None)
-        )
-        self._send_inline = self._sender is None  # this step's: see begin_step
+        self._threads = BucketThreads(async_comm)
+        self._send_inline = not self._threads.enabled  # this step's: see begin_step
         # DDP with find_unused_parameters drops the mean of a layer no rank used, after the
         # hook: such a layer's memory update waits until DDP's map of used parameters is in
         self._ddp_reducer = getattr(model, "reducer", None) if getattr(model, "find_unused_parameters", False) \
             else None
-        self.defer_unused = self._ddp_reducer is not None
+        self.reducer.defer_unused = self._ddp_reducer is not None
         self._map_index = {self._names[id(p)]: i for i, p in enumerate(reducer_order(model))} \
             if self.defer_unused else {}
         self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
 
+    # --- the reducer's face: what the training loop reads and calls --------------------
+    plan = property(lambda self: self.reducer.plan)
+    step = property(lambda self: self.reducer.step)
+    stats = property(lambda self: self.reducer.stats)
+    stats_step = property(lambda self: self.reducer.stats_step)
+    ledger: WireLedger = property(lambda self: self.reducer.ledger)  # type: ignore[assignment]
+    memory: Memory = property(lambda self: self.reducer.memory)  # type: ignore[assignment]
+    local_nonfinite = property(lambda self: self.reducer.local_nonfinite)
+    defer_unused = property(lambda self: self.reducer.defer_unused)
+
+    @property
+    def control_rows(self) -> torch.Tensor | None:
+        return self.reducer.control_rows
+
+    @control_rows.setter
+    def control_rows(self, rows: torch.Tensor | None) -> None:
+        self.reducer.control_rows = rows
+
+    def set_plan(self, plan: Plan) -> None:
+        self.reducer.set_plan(plan)
+
+    def stage_control(self, values: Sequence[float]) -> None:
+        self.reducer.stage_control(values)
+
+    def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
+        return self.reducer.gradient_norm(parameters)
+
+    def discard_step(self) -> None:
+        self.reducer.discard_step()
+
+    def start(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
+              closes_step: bool = False, overwrite: bool = False) -> Pending[list[torch.Tensor]]:
+        return self.reducer.start(names, grads, closes_step=closes_step, overwrite=overwrite)
+
+    def end_step(self) -> None:
+        self.reducer.end_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.reducer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reducer.load_state_dict(state)
+
+    # --- the hook's own work -----------------------------------------------------------
     def name_of(self, parameter: torch.Tensor) -> str:
         try:
             return self._names[id(parameter)]
@@ -141,90 +182,57 @@ class CompressionState(CompressedReducer):
         """Replace every parameter's ``.grad`` by its compressed mean across ranks."""
         started = time.perf_counter()
         params = [p for p in self.parameters if p.grad is not None]
-        means = self.reduce([self.name_of(p) for p in params], [p.grad for p in params], closes_step=True)
+        means = self.reducer.reduce([self.name_of(p) for p in params], [p.grad for p in params], closes_step=True)
         for p, mean in zip(params, means, strict=True):
             p.grad.copy_(mean)
         self.end_step()
         self.comm_seconds += time.perf_counter() - started
 
     def begin_step(self) -> None:
-        """As :meth:`CompressedReducer.begin_step`; a step that opens here also decides
-        where its collectives are issued. With a plan that sends every layer dense there is
+        """Begin the reducer's step; a step that opens here also decides where its
+        collectives are issued. With a plan that sends every layer dense there is
         nothing to encode, so the sending thread would only add a thread hand-off a bucket,
         on the core that backward and gloo already share: on the fast link raycomp's dense
-        plan took 21 ms a step more than torch's all-reduce hook with it, 13 ms without
-        (docs/benchmarks/e2e-gpt-fast-dense-inline.md). The decision holds for the whole
-        step and depends only on the plan, which every rank installs at the same step:
-        every rank issues from the same thread."""
-        if self._in_step:
+        plan took 21 ms a step more than torch's all-reduce hook with it, 13 ms without.
+        The decision holds for the whole step and depends only on the plan, which every
+        rank installs at the same step: every rank issues from the same thread."""
+        if self.reducer.in_step:
             return
-        super().begin_step()
-        self._send_inline = self._sender is None or self._dense_everywhere()
+        self.reducer.begin_step()
+        self._send_inline = not self._threads.enabled or self._dense_everywhere()
 
     def _dense_everywhere(self) -> bool:
         if self._dense_plan is None or self._dense_plan[0] is not self.plan:
-            dense = all(self.transport_for(self.name_of(p), p.shape) is Transport.DENSE for p in self.parameters)
+            dense = all(self.reducer.transport_for(self.name_of(p), p.shape) is Transport.DENSE
+                        for p in self.parameters)
             self._dense_plan = (self.plan, dense)
         return self._dense_plan[1]
 
     @property
     def overlaps(self) -> bool:
         """Whether the hook reduces buckets on its background threads, beside backward."""
-        return self._sender is not None
+        return self._threads.enabled
 
     def submit(self, send: Callable[[], Pending[T]], receive: Callable[[T], torch.Tensor],
                device: torch.device) -> torch.futures.Future:
-        """A future of ``receive(send().wait())``: ``send`` on the sending thread (on the
-        caller's in a step that :meth:`begin_step` found dense everywhere), the wait and
-        ``receive`` on the receiving one (all inline without ``async_comm``).
-
-        On CUDA both run on the stream that is current for ``device`` in the caller (DDP
-        calls the hook where autograd ordered the bucket's writes), and the future is a
-        CUDA future: its result carries an event of that stream, and whoever reads it
-        (DDP's copy into ``.grad``, on the stream backward was called on) waits for it.
-        With a plain future, a model trained under ``torch.cuda.stream(s)`` had its
-        gradients copied before the background thread had decoded them: int4 means off by
-        up to 2x on an H100 (docs/gpu.md)."""
-        cuda = device.type == "cuda"
-        future: torch.futures.Future = torch.futures.Future(devices=[device] if cuda else None)
-        # off CUDA no stream context at all: even torch.cuda.stream(None) initialises CUDA
-        # on a machine that has it (a CPU run there, or a forked worker)
-        on_stream = functools.partial(torch.cuda.stream, torch.cuda.current_stream(device)) if cuda \
-            else contextlib.nullcontext
-
-        def guarded(work: Callable[[], Any], then: Callable[[Any], None]) -> None:
-            try:
-                with on_stream():
-                    then(work())
-            except BaseException as error:  # noqa: BLE001 - DDP re-raises it in backward
-                future.set_exception(error)
-
-        def finish(pending: Pending[T]) -> None:
-            guarded(lambda: receive(pending.wait()), future.set_result)
-
-        def start() -> None:
-            if self._receiver is None:
-                guarded(send, finish)
-            else:
-                guarded(send, lambda pending: self._receiver.submit(finish, pending))  # type: ignore[union-attr]
-
+        """A future of ``receive(send().wait())``, begun in this step: ``send`` on the
+        sending thread (on the caller's in a step that :meth:`begin_step` found dense
+        everywhere), the wait and ``receive`` on the receiving one
+        (:meth:`raycomp.overlap.BucketThreads.submit`)."""
         self.begin_step()
-        if self._send_inline:
-            start()
-        else:
-            self._sender.submit(start)  # type: ignore[union-attr]
-        return future
+        return self._threads.submit(send, receive, device, inline=self._send_inline)
 
     def settle_after_backward(self) -> None:
-        """Queue :meth:`settle_unused` to run once DDP has finished this backward: its map
-        of used parameters is all-reduced after the last bucket and read under DDP's lock,
-        which the hook runs inside. A callback queued by a callback runs after DDP's own."""
+        """Queue :meth:`CompressedReducer.settle_unused` to run once DDP has finished this
+        backward: its map of used parameters is all-reduced after the last bucket and read
+        under DDP's lock, which the hook runs inside. A callback queued by a callback runs
+        after DDP's own."""
         engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
 
         def settle() -> None:
-            if self._unsettled:  # a layer idle here: DDP waited for the map to decide on it
+            if self.reducer.holding_back:  # a layer idle here: DDP waited for the map to decide on it
                 counts = self._ddp_reducer._get_local_used_map().tolist()  # type: ignore[union-attr]
-                self.settle_unused(lambda name: counts[self._map_index[name]] > 0)
+                self.reducer.settle_unused(lambda name: counts[self._map_index[name]] > 0)
 
         try:
             engine.queue_callback(lambda: engine.queue_callback(settle))
@@ -232,9 +240,7 @@ class CompressionState(CompressedReducer):
             pass  # begin_step settles them as used
 
     def close(self) -> None:
-        for executor in (self._sender, self._receiver):  # the receiver last: the sender feeds it
-            if executor is not None:
-                executor.shutdown(wait=True)
+        self._threads.close()
 
     def __enter__(self) -> "CompressionState":
         return self

@@ -1,6 +1,7 @@
 """Error feedback: what compression left out is kept per layer and sent later.
 
-Two memories share one protocol, used by ``raycomp.reducer`` for every layer and step::
+Two memories share one protocol, used by ``raycomp.reducer`` for every layer and step (compensate, then compress
+and communicate, then update)::
 
     compensated = memory.compensate(name, grad)      # before compression
     ...compress / communicate...                      # 'sent' = this rank's contribution
@@ -22,6 +23,11 @@ from typing import Any, Protocol
 import torch
 
 from raycomp.loss_scale import rescale
+
+__all__ = ["MEMORIES", "DGCMemory", "Memory", "NoMemory", "ResidualMemory", "make_memory"]
+
+#: The memory kinds :func:`make_memory` builds.
+MEMORIES = ("residual", "dgc", "none")
 
 
 class Memory(Protocol):
@@ -182,3 +188,14 @@ class DGCMemory:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.velocity = {k: v.clone() for k, v in state["velocity"].items()}
         self.accumulated = {k: v.clone() for k, v in state["accumulated"].items()}
+
+
+def make_memory(kind: str, world_size: int) -> Memory:
+    """The memory named ``kind`` (one of :data:`MEMORIES`), DGC's with its defaults."""
+    if kind == "residual":
+        return ResidualMemory()
+    if kind == "dgc":
+        return DGCMemory(world_size=world_size)
+    if kind == "none":
+        return NoMemory()
+    raise ValueError(f"memory: unknown kind {kind!r}; allowed: {', '.join(MEMORIES)}")

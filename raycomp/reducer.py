@@ -1,29 +1,21 @@
 """The compressed mean of gradients across ranks, layer by layer, under a Plan.
 
-For every layer of a reduction call the reducer
+Each reduction (:meth:`CompressedReducer.start`) takes the steps of error-feedback
+compression (as GRACE's ``send``: compensate, compress, update memory):
 
-1. looks up the layer's compressor in the current plan (tiny, 1-D-only-when-dense, or
-   incompressible layers go dense — the same decision on every rank, since it depends only
-   on the plan, the name, the shape and the world size);
-2. adds the error-feedback memory to the gradient;
-3. hands all layers of one transport to that transport's collective in one batch;
-4. keeps what was not sent in memory, counts wire bytes, and on statistics steps
-   measures per-layer statistics.
+1. **route**: each layer's compressor in the current plan, and the transport it declares
+   (tiny, 1-D-only-when-dense or incompressible layers go dense: the same decision on every
+   rank, as it depends only on the plan, the name, the shape and the world size);
+2. **compensate**: add the error-feedback memory to the gradient;
+3. **compress and communicate**: all layers of one transport in one batch (:mod:`raycomp.transports`);
+4. **decompress**: once the collectives are done, the mean, and what this rank sent;
+5. **update memory**: keep what was not sent; count wire bytes; on statistics steps
+   measure per-layer statistics.
 
-A plan set with :meth:`set_plan` is installed when the next step begins, never in the
-middle of a step.
-
-Non-finite gradients cost no host sync per layer: each reduction's :func:`all_finite` stays a
-tensor, folded into one flag read once, at :meth:`end_step`. Only compressed layers are
-checked: a dense layer's NaN/Inf reaches the mean itself, the same on every rank (the guard
-reads it from the mean's norm), while compression may drop it (a threshold test such as
-DGC's sampled Top-K is false for NaN) or hide which rank sent it. A step with a non-finite compressed gradient leaves the error-feedback memory
-reset (it must not carry NaN/Inf into later steps), as :meth:`discard_step` does.
-
-Control values (:meth:`stage_control`) ride inside the last reduction of the next step —
-appended to its dense fp32 all-reduce, or a tiny all-reduce of their own — so that a
-caller can learn a few numbers from every rank without a collective of its own. Each
-rank's row also carries its local non-finite flag. See :mod:`raycomp.train.guard_step`.
+A plan set with ``set_plan`` is installed when the next step begins, never in the middle
+of a step. A step with a non-finite compressed gradient (:mod:`raycomp.signals`, which also
+carries the caller's control values) leaves the error-feedback memory reset: it must not
+carry NaN/Inf into later steps.
 """
 
 from __future__ import annotations
@@ -33,40 +25,16 @@ from typing import Any
 
 import torch
 
-from raycomp import collectives
-from raycomp.collectives import Group, Pending, Reduced
 from raycomp.compressors import Compressor, Transport
 from raycomp.ledger import WireLedger
 from raycomp.loss_scale import ScaleFollower
-from raycomp.memory import DGCMemory, Memory, NoMemory, ResidualMemory
+from raycomp.memory import Memory, make_memory
 from raycomp.plan import CompressorSpec, Plan
+from raycomp.signals import StepSignals
 from raycomp.stats import LayerStats, layer_stats
+from raycomp.transports import OVERHEAD, Batch, Group, Pending, Reduced, communicate, communicators
 
-MEMORIES = ("residual", "dgc", "none")
-
-
-def make_memory(kind: str, world_size: int, **options: Any) -> Memory:
-    if kind == "residual":
-        return ResidualMemory()
-    if kind == "dgc":
-        return DGCMemory(world_size=world_size, **options)
-    if kind == "none":
-        return NoMemory()
-    raise ValueError(f"memory: unknown kind {kind!r}; allowed: {', '.join(MEMORIES)}")
-
-
-def _no_overhead(pending: Pending[list[Reduced]]) -> Pending[tuple[list[Reduced], float]]:
-    return pending.then(lambda results: (results, 0.0))
-
-
-def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Whether every element of ``tensors`` is finite, as a 0-d bool tensor (no host sync);
-    None when there is no element. A min and a max per tensor decide it: both propagate NaN
-    and reach an infinity of their sign. ``isfinite(t).all()`` builds a boolean tensor first:
-    12 ms against 2 ms a step for the 3.2M-parameter transformer on this machine's CPU, all
-    of it on the hook's thread, next to backward."""
-    bounds = [torch.stack(torch.aminmax(t)).float() for t in tensors if t.numel()]
-    return torch.isfinite(torch.stack(bounds)).all() if bounds else None
+__all__ = ["CompressedReducer"]
 
 
 class CompressedReducer:
@@ -83,10 +51,10 @@ class CompressedReducer:
         profile_ratios: on statistics steps also measure each layer's Top-K error at these
             ratios (for error-budget policies).
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss (fp16 training), or
-            None. Error feedback keeps what was not sent in the units of its step; told the
-            scaler, the memory follows each change of its scale (``raycomp.loss_scale``), and
-            statistics are reported in the loss's units. Without it, every growth or backoff
-            of the scale halves or doubles what the memory sends later.
+            None. Error feedback keeps what was not sent in the units of its step: told the
+            scaler, the memory follows each change of its scale (``raycomp.loss_scale``);
+            without it, every growth or backoff of the scale halves or doubles what the
+            memory sends later. Statistics are reported in the loss's units.
     """
 
     def __init__(
@@ -112,7 +80,7 @@ class CompressedReducer:
         self.seed = seed
         self.stats_every = stats_every
         self.profile_ratios = tuple(profile_ratios)
-        self.scalable = collectives.ScalableAllreduce()
+        self.communicators = communicators()  # one per transport kind: some keep state
         self.ledger = WireLedger()
         self.step = 0
         self._plan = plan or Plan()
@@ -122,9 +90,7 @@ class CompressedReducer:
         self.stats: list[LayerStats] = []  # of the latest statistics step
         self.stats_step = -1  # the step those statistics were measured at
         self.local_nonfinite = False  # this rank's compressed gradients held NaN/Inf at the last step
-        self._finite: torch.Tensor | None = None  # all compressed gradients of this step finite so far
-        self._control: torch.Tensor | None = None  # staged: rides with the next step's last reduction
-        self.control_rows: torch.Tensor | None = None  # (world, n) rows of every rank, after that
+        self.signals = StepSignals(self.group)  # the step's finiteness flag and control values
         #: hold back the memory update of a lossy layer whose gradient is all zero on this
         #: rank, until :meth:`settle_unused` learns whether any rank used it (the DDP hook
         #: with ``find_unused_parameters``: DDP drops the mean of a layer no rank used)
@@ -135,6 +101,10 @@ class CompressedReducer:
     @property
     def plan(self) -> Plan:
         return self._plan
+
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
 
     def set_plan(self, plan: Plan) -> None:
         """Install ``plan`` at the start of the next step (immediately if between steps)."""
@@ -153,11 +123,11 @@ class CompressedReducer:
         factor = self.loss_scale.change()
         if factor is not None:  # the memory joins gradients scaled by this step's scale
             self.memory.rescale(factor)
-            self.scalable.rescale(factor)
+            for communicator in self.communicators.values():
+                communicator.rescale(factor)
         self.memory.loss_scale = self.loss_scale.scale  # None without a GradScaler
         self._in_step = True
-        self._finite = None
-        self.control_rows = None
+        self.signals.begin_step()
         if self.collecting_stats:
             self.stats = []
             self.stats_step = self.step
@@ -165,8 +135,7 @@ class CompressedReducer:
     def end_step(self) -> None:
         self._in_step = False
         self.step += 1
-        # the step's one host sync for finiteness
-        self.local_nonfinite = self._finite is not None and not bool(self._finite)
+        self.local_nonfinite = self.signals.nonfinite()
         if self.local_nonfinite:
             self.discard_step()
         if self._pending is not None:
@@ -178,6 +147,49 @@ class CompressedReducer:
         return self.stats_every > 0 and (self.step + 1) % self.stats_every == 0
 
     # --- the reduction ------------------------------------------------------------------
+    def reduce(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
+               closes_step: bool = False, overwrite: bool = False) -> list[torch.Tensor]:
+        """The mean over ranks of each gradient, compressed as the plan says.
+
+        ``closes_step``: this is the step's last reduction (the DDP hook's last bucket):
+        staged control values ride with it. ``overwrite``: ``grads`` may be overwritten (a
+        DDP bucket, which the result replaces anyway); dense gradients that lie back to back
+        there are then reduced in place, except on statistics steps, which still read them.
+        """
+        return self.start(names, grads, closes_step=closes_step, overwrite=overwrite).wait()
+
+    def start(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
+              closes_step: bool = False, overwrite: bool = False) -> Pending[list[torch.Tensor]]:
+        """:meth:`reduce` in two halves: route, compensate, compress and issue every
+        collective now; the returned :class:`~raycomp.transports.Pending` waits for the last
+        ones, decompresses and updates the memory (and counts bytes, measures statistics).
+
+        Collectives are issued only here, so calls must come in the same order on every
+        rank; the ``wait()`` of one call may run on another thread while the next call
+        starts (the DDP hook does), as long as each is waited for before its step ends and
+        in the order started.
+        """
+        self.begin_step()
+        compressors, kinds = self._route(names, grads)  # 1. route
+        compensated = [self.memory.compensate(n, g) for n, g in zip(names, grads, strict=True)]  # 2. compensate
+        self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is not Transport.DENSE])
+        used = [g.any() for g in grads] if self.defer_unused else []  # before an in-place reduction
+        control = self.signals.take(grads[0].device if grads else torch.device("cpu")) if closes_step else None
+        measuring = self.collecting_stats  # statistics read the gradients: never overwrite them then
+        overwritable = [overwrite and not measuring and c is g for c, g in zip(compensated, grads, strict=True)]
+        batch = Batch(list(names), compensated, compressors, overwritable, control)
+        sending = communicate(kinds, batch, self.communicators, self.group)  # 3. compress, communicate
+
+        def finish() -> list[torch.Tensor]:
+            reduced, overhead = sending.finish()  # 4. decompress: the mean, and what this rank sent
+            self._update_memory(names, compressors, compensated, reduced, used)  # 5. update memory
+            self._count_bytes(names, grads, reduced, overhead)
+            if measuring:
+                self._measure(names, compressors, grads, compensated, reduced)
+            return [r.mean for r in reduced]
+
+        return Pending(sending.works, finish)
+
     def compressor_for(self, layer: str) -> Compressor:
         spec = self._plan.spec_for(layer)
         cached = self._compressors.get(layer)
@@ -195,110 +207,67 @@ class CompressedReducer:
             return Transport.DENSE
         return compressor.transport
 
-    def stage_control(self, values: Sequence[float]) -> None:
-        """Sum ``[local non-finite flag, *values]`` of every rank in the next step's last reduction.
-
-        After that step :attr:`control_rows` holds one row per rank (rank ``r``'s values in
-        row ``r``: a sum of one-hot rows is an all-gather). Every rank must stage the same
-        number of values, every step it wants them; nothing staged, nothing carried.
-        """
-        n = 1 + len(values)
-        row = torch.zeros(self.group.size * n, dtype=torch.float32)
-        start = self.group.rank * n
-        row[start + 1:start + n] = torch.tensor([float(v) for v in values], dtype=torch.float32)
-        self._control = row
-
-    def reduce(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
-               closes_step: bool = False, overwrite: bool = False) -> list[torch.Tensor]:
-        """The mean over ranks of each gradient, compressed as the plan says.
-
-        ``closes_step``: this is the step's last reduction (the DDP hook's last bucket):
-        staged control values ride with it. ``overwrite``: ``grads`` may be overwritten (a
-        DDP bucket, which the result replaces anyway); dense gradients that lie back to back
-        there are then reduced in place, except on statistics steps, which still read them.
-        """
-        return self.start(names, grads, closes_step=closes_step, overwrite=overwrite).wait()
-
-    def start(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
-              closes_step: bool = False, overwrite: bool = False) -> Pending[list[torch.Tensor]]:
-        """:meth:`reduce` in two halves: compensate, compress and issue every collective
-        now; the returned :class:`~raycomp.collectives.Pending` waits for the last ones and
-        finishes (decoding, error feedback, wire bytes, statistics).
-
-        Collectives are issued only here, so calls of :meth:`start` must come in the same
-        order on every rank; the ``wait()`` of one call may run on another thread while
-        the next call starts (the DDP hook does), as long as each is waited for before its
-        step ends and in the order started.
-        """
-        self.begin_step()
-        routes: dict[Transport, list[int]] = {}
-        compensated: list[torch.Tensor] = []
-        compressors: list[Compressor] = []
-        for i, (name, grad) in enumerate(zip(names, grads, strict=True)):
+    def _route(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> tuple[list[Compressor], list[Transport]]:
+        """Each layer's compressor, told this step's loss scale, and its transport."""
+        compressors, kinds = [], []
+        for name, grad in zip(names, grads, strict=True):
             if not grad.is_floating_point():
                 raise ValueError(f"gradient {name!r}: dtype {grad.dtype} is not floating point")
-            routes.setdefault(self.transport_for(name, grad.shape), []).append(i)
+            kinds.append(self.transport_for(name, grad.shape))
             compressors.append(self.compressor_for(name))
             compressors[-1].loss_scale = self.loss_scale.scale  # None without a GradScaler
-            compensated.append(self.memory.compensate(name, grad))
-        # only what compression may hide: a dense layer's NaN/Inf reaches the mean, which
-        # every rank holds; a compressed layer's may be dropped or smeared. No host
-        # sync here: read once per step, at end_step
-        finite = all_finite([grads[i] for t, members in routes.items() if t is not Transport.DENSE
-                             for i in members])
-        if finite is not None:
-            self._finite = finite if self._finite is None else self._finite & finite
-        control = self._take_control(grads) if closes_step else None
-        used_here = [g.any() for g in grads] if self.defer_unused else []  # read in finish()
-        overhead = 0.0
-        if control is not None:  # the carried floats are on the wire too: charge them as overhead
-            overhead += self.group.allreduce_bytes(control.numel() * control.element_size())
+        return compressors, kinds
 
-        in_flight: list[tuple[list[int], Pending[tuple[list[Reduced], float]]]] = []
-        for transport, members in routes.items():
-            carry = control if transport is Transport.DENSE else None
-            control = None if transport is Transport.DENSE else control
-            # in place only in the caller's own gradients, never in a memory's buffer
-            in_place = overwrite and not self.collecting_stats and all(compensated[i] is grads[i] for i in members)
-            in_flight.append((members, self._start(transport, members, names, compensated, carry, in_place)))
-        works = [work for _, pending in in_flight for work in pending.works]
-        if control is not None:  # no dense layer in this reduction: a tiny collective of its own
-            works += self.group.start_all_reduce(control)
-        collecting_stats = self.collecting_stats
+    def _count_bytes(self, names: Sequence[str], grads: Sequence[torch.Tensor], reduced: Sequence[Reduced],
+                     overhead: float) -> None:
+        """Wire bytes into the ledger, each layer beside its dense all-reduce's."""
+        if overhead:
+            self.ledger.add(OVERHEAD, overhead)
+        for name, grad, result in zip(names, grads, reduced, strict=True):
+            self.ledger.add(name, result.wire_bytes, self.group.allreduce_bytes(grad.numel() * grad.element_size()))
 
-        def finish() -> list[torch.Tensor]:
-            reduced: list[Reduced | None] = [None] * len(grads)
-            total_overhead = overhead
-            for members, pending in in_flight:
-                results, extra = pending.finish()
-                total_overhead += extra
-                for i, result in zip(members, results, strict=True):
-                    reduced[i] = result
-            if total_overhead:
-                self.ledger.add(collectives.OVERHEAD, total_overhead)
-            idle = _none_true(used_here) if used_here else [False] * len(grads)
-            unscale = self.loss_scale.unscale() if collecting_stats else 1.0
-            for i, name in enumerate(names):
-                result, compressor = reduced[i], compressors[i]
-                assert result is not None
-                dense = self.group.allreduce_bytes(grads[i].numel() * grads[i].element_size())
-                self.ledger.add(name, result.wire_bytes, dense)
-                lossy = result.sent is not compensated[i] and compressor.error_feedback
-                sent = result.sent if lossy else compensated[i]
-                if lossy and idle[i]:
-                    self._unsettled[name] = (compensated[i], sent, compressor.sparse)
-                else:
-                    self.memory.update(name, compensated[i], sent, compressor.sparse)
-                if collecting_stats:
-                    kind = compressor.name if result.sent is not compensated[i] else "none"
-                    self.stats.append(
-                        layer_stats(name, kind, grads[i], compensated[i], result.sent,
-                                    self.memory.residual(name), result.wire_bytes, dense,
-                                    self.profile_ratios, unscale)
-                    )
-            return [r.mean for r in reduced]  # type: ignore[union-attr]
+    def _update_memory(self, names: Sequence[str], compressors: Sequence[Compressor],
+                       compensated: Sequence[torch.Tensor], reduced: Sequence[Reduced],
+                       used: Sequence[torch.Tensor]) -> None:
+        """Keep what was not sent. A layer sent in full, or by a compressor that takes no
+        error feedback, leaves nothing; a lossy layer idle here waits for
+        :meth:`settle_unused` (``defer_unused``)."""
+        idle = _none_true(used) if used else [False] * len(names)
+        for i, name in enumerate(names):
+            result, compressor = reduced[i], compressors[i]
+            lossy = result.sent is not compensated[i] and compressor.error_feedback
+            sent = result.sent if lossy else compensated[i]
+            if lossy and idle[i]:
+                self._unsettled[name] = (compensated[i], sent, compressor.sparse)
+            else:
+                self.memory.update(name, compensated[i], sent, compressor.sparse)
 
-        return Pending(works, finish)
+    def _measure(self, names: Sequence[str], compressors: Sequence[Compressor], grads: Sequence[torch.Tensor],
+                 compensated: Sequence[torch.Tensor], reduced: Sequence[Reduced]) -> None:
+        """This step's :class:`LayerStats`, in the loss's units."""
+        unscale = self.loss_scale.unscale()
+        for i, name in enumerate(names):
+            result, grad = reduced[i], grads[i]
+            kind = compressors[i].name if result.sent is not compensated[i] else "none"
+            dense = self.group.allreduce_bytes(grad.numel() * grad.element_size())
+            self.stats.append(layer_stats(name, kind, grad, compensated[i], result.sent, self.memory.residual(name),
+                                          result.wire_bytes, dense, self.profile_ratios, unscale))
+
+    # --- control values ---------------------------------------------------------------
+    def stage_control(self, values: Sequence[float]) -> None:
+        """Sum ``[local non-finite flag, *values]`` of every rank in the next step's last
+        reduction; after it, :attr:`control_rows` holds one row per rank
+        (:meth:`raycomp.signals.StepSignals.stage`)."""
+        self.signals.stage(values)
+
+    @property
+    def control_rows(self) -> torch.Tensor | None:
+        """(world, n): rank ``r``'s staged values in row ``r``, after the step that carried them."""
+        return self.signals.rows
+
+    @control_rows.setter
+    def control_rows(self, rows: torch.Tensor | None) -> None:
+        self.signals.rows = rows
 
     def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
         """The norm of the reduced gradients of ``parameters``: the same on every rank (the
@@ -308,36 +277,10 @@ class CompressedReducer:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
-    def _take_control(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """The staged control row, with this rank's non-finite flag filled in (no sync)."""
-        if self._control is None:
-            return None
-        control, self._control = self._control, None
-        device = grads[0].device if grads else torch.device("cpu")
-        control = collectives.to_device(control, device)  # no host sync on the hot path
-        n = control.numel() // self.group.size
-        if self._finite is not None:
-            control[self.group.rank * n] = (~self._finite).to(control.dtype)
-        self.control_rows = control.view(self.group.size, n)
-        return control
-
-    def _start(
-        self, transport: Transport, members: list[int], names: Sequence[str], tensors: list[torch.Tensor],
-        control: torch.Tensor | None = None, in_place: bool = False,
-    ) -> Pending[tuple[list[Reduced], float]]:
-        """Issue one transport's collectives for ``members``; finishes with (results, overhead bytes)."""
-        group_tensors = [tensors[i] for i in members]
-        if transport is Transport.DENSE:
-            return _no_overhead(collectives.dense_allreduce(group_tensors, self.group, control=control,
-                                                            in_place=in_place))
-        compressors = [self.compressor_for(names[i]) for i in members]
-        if transport is Transport.ALLREDUCE:
-            return _no_overhead(collectives.summable_allreduce(group_tensors, compressors, self.group))
-        if transport is Transport.LOWRANK:
-            return _no_overhead(collectives.lowrank_allreduce(group_tensors, compressors, self.group))  # type: ignore[arg-type]
-        if transport is Transport.ALLGATHER:
-            return collectives.sparse_allgather(group_tensors, compressors, self.group)
-        return self.scalable([names[i] for i in members], group_tensors, compressors, self.group)
+    # --- held-back and discarded memory ------------------------------------------------
+    @property
+    def holding_back(self) -> bool:  # memory updates wait for settle_unused
+        return bool(self._unsettled)
 
     def settle_unused(self, used: Callable[[str], bool]) -> None:
         """Apply the held-back memory updates: as sent where ``used(layer)`` (some rank used
@@ -360,7 +303,8 @@ class CompressedReducer:
         """
         self.memory.reset()
         self._unsettled.clear()
-        self.scalable.reset()
+        for communicator in self.communicators.values():
+            communicator.reset()
 
     # --- checkpointing -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -372,7 +316,7 @@ class CompressedReducer:
             "plan": self._plan.to_dict(),
             "pending_plan": None if self._pending is None else self._pending.to_dict(),
             "memory": self.memory.state_dict(),
-            "server_residuals": self.scalable.state_dict(),
+            **{c.state_key: c.state_dict() for c in self.communicators.values() if c.state_key},
             "compressors": {
                 name: {"spec": spec.to_dict(), "state": comp.state_dict()}
                 for name, (spec, comp) in self._compressors.items()
@@ -386,7 +330,9 @@ class CompressedReducer:
         self._plan = Plan.from_dict(state["plan"])
         self._pending = None if state["pending_plan"] is None else Plan.from_dict(state["pending_plan"])
         self.memory.load_state_dict(state["memory"])
-        self.scalable.load_state_dict(state["server_residuals"])
+        for communicator in self.communicators.values():
+            if communicator.state_key:
+                communicator.load_state_dict(state[communicator.state_key])
         self._compressors = {}
         for name, entry in state["compressors"].items():
             spec = CompressorSpec.from_dict(entry["spec"])

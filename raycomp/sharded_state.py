@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from raycomp import collectives
+from raycomp import transports as collectives
 from raycomp.ledger import WireLedger
 from raycomp.plan import DENSE, CompressorSpec, Plan
 from raycomp.sharded import CompressedReduceScatter, check_sharded_spec

@@ -9,7 +9,10 @@ import math
 import pytest
 import torch
 
-from raycomp.collectives import (
+from raycomp.compressors import make_compressor
+from raycomp.plan import CompressorSpec
+from raycomp.testing.wire import WireRecorder
+from raycomp.transports import (
     Group,
     ScalableAllreduce,
     dense_allreduce,
@@ -17,9 +20,6 @@ from raycomp.collectives import (
     sparse_allgather,
     summable_allreduce,
 )
-from raycomp.compressors import make_compressor
-from raycomp.plan import CompressorSpec
-from raycomp.testing.wire import WireRecorder
 from tests.distributed import run_distributed
 
 SHAPES = [(64, 33), (5000,), (16, 8, 3, 3)]

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from raycomp import CompressedReducer, Plan
-from raycomp.collectives import ScalableAllreduce
+from raycomp.compressors import Transport
+from raycomp.transports import ScalableAllreduce
 from tests.distributed import run_distributed
 
 NUMEL = 4096
@@ -67,7 +68,7 @@ def _sums(rank: int, world_size: int) -> dict:
             reducer = CompressedReducer(Plan.uniform(TWO_ROUNDS.get(name, name), **params), memory=memory,
                                         min_compress_numel=0)
             if name in TWO_ROUNDS:
-                reducer.scalable = ScalableAllreduce(gather_two_ranks=False)
+                reducer.communicators[Transport.SCALABLE] = ScalableAllreduce(gather_two_ranks=False)
             true_sum, reduced_sum = torch.zeros(NUMEL), torch.zeros(NUMEL)
             half_gap = 0.0
             for step in range(STEPS):
@@ -82,7 +83,7 @@ def _sums(rank: int, world_size: int) -> dict:
             out[name, memory] = {
                 "true": true_sum, "reduced": reduced_sum, "half_gap": half_gap,
                 "residual": torch.zeros(NUMEL) if residual is None else residual.clone(),
-                "server": reducer.scalable.server_residuals.get("w"),  # this rank's chunk
+                "server": reducer.communicators[Transport.SCALABLE].server_residuals.get("w"),  # this rank's chunk
             }
     return out
 

@@ -562,7 +562,7 @@ def test_bad_input_is_rejected_with_the_field_named():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_step_flag_sees_every_non_finite_element_wherever_it_sits(dtype):
-    from raycomp.reducer import all_finite
+    from raycomp.signals import all_finite
 
     grads = [torch.randn(5, 7).to(dtype), torch.empty(0, dtype=dtype), torch.randn(4097).to(dtype)]
     assert bool(all_finite(grads))
@@ -590,7 +590,7 @@ def test_the_step_flag_covers_compressed_layers_and_the_mean_carries_dense_ones(
 
 
 def test_flat_view_finds_tensors_that_lie_back_to_back_and_nothing_else():
-    from raycomp.collectives import flat_view
+    from raycomp.transports import flat_view
 
     buffer = torch.arange(20, dtype=torch.float32)
     a, b, c = buffer[2:8].view(2, 3), buffer[8:12], buffer[12:20].view(4, 2)

@@ -304,7 +304,7 @@ def _hook_runs(rank: int, w: int) -> dict:
                     ddp(x).square().mean().backward()
                     return [p.grad.clone() for p in ddp.parameters()]
 
-                steps.append(_record_step(recorder, state, names, grads, run))
+                steps.append(_record_step(recorder, state.reducer, names, grads, run))
             unrecorded = recorder.unrecorded()
         state.close()
         layers = [(n, tuple(p.shape)) for n, p in replica.named_parameters()]

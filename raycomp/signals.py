@@ -1,0 +1,85 @@
+"""What a step tells every rank beside its gradients: whether this rank's compressed
+gradients were finite, and a few control values staged by the caller.
+
+Non-finite gradients cost no host sync per layer: each reduction's :func:`all_finite` stays a
+tensor, folded into one flag read once, when the step ends. Only compressed layers are
+checked: a dense layer's NaN/Inf reaches the mean itself, the same on every rank (the guard
+reads it from the mean's norm), while compression may drop it (a threshold test such as
+DGC's sampled Top-K is false for NaN) or hide which rank sent it.
+
+Control values ride inside the last reduction of the next step — appended to its dense
+fp32 all-reduce, or a tiny all-reduce of their own — so that a caller can learn a few
+numbers from every rank without a collective of its own. Each rank's row also carries its
+local non-finite flag. See :mod:`raycomp.train.guard_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from raycomp.transports import Group, to_device
+
+__all__ = ["StepSignals", "all_finite"]
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Whether every element of ``tensors`` is finite, as a 0-d bool tensor (no host sync);
+    None when there is no element. A min and a max per tensor decide it: both propagate NaN
+    and reach an infinity of their sign. ``isfinite(t).all()`` builds a boolean tensor first:
+    12 ms against 2 ms a step for the 3.2M-parameter transformer on a CPU, all of it on
+    the hook's thread, next to backward."""
+    bounds = [torch.stack(torch.aminmax(t)).float() for t in tensors if t.numel()]
+    return torch.isfinite(torch.stack(bounds)).all() if bounds else None
+
+
+class StepSignals:
+    """One rank's finiteness flag for the current step and its staged control row."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.finite: torch.Tensor | None = None  # all compressed gradients of this step finite so far
+        self.staged: torch.Tensor | None = None  # rides with the next step's last reduction
+        self.rows: torch.Tensor | None = None  # (world, n) rows of every rank, after that
+
+    def begin_step(self) -> None:
+        self.finite = None
+        self.rows = None
+
+    def watch(self, compressed: Sequence[torch.Tensor]) -> None:
+        """Fold the finiteness of compressed layers' gradients into the step's flag (no
+        host sync: read once, by :meth:`nonfinite`)."""
+        finite = all_finite(compressed)
+        if finite is not None:
+            self.finite = finite if self.finite is None else self.finite & finite
+
+    def nonfinite(self) -> bool:
+        """Whether a gradient watched this step held NaN/Inf (the step's one host sync for it)."""
+        return self.finite is not None and not bool(self.finite)
+
+    def stage(self, values: Sequence[float]) -> None:
+        """Sum ``[local non-finite flag, *values]`` of every rank in the next step's last reduction.
+
+        After that step :attr:`rows` holds one row per rank (rank ``r``'s values in row
+        ``r``: a sum of one-hot rows is an all-gather). Every rank must stage the same
+        number of values, every step it wants them; nothing staged, nothing carried.
+        """
+        n = 1 + len(values)
+        row = torch.zeros(self.group.size * n, dtype=torch.float32)
+        start = self.group.rank * n
+        row[start + 1:start + n] = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        self.staged = row
+
+    def take(self, device: torch.device) -> torch.Tensor | None:
+        """The staged control row on ``device``, with this rank's non-finite flag filled in
+        (no sync); :attr:`rows` views it, summed over ranks once its reduction is done."""
+        if self.staged is None:
+            return None
+        control, self.staged = self.staged, None
+        control = to_device(control, device)  # no host sync on the hot path
+        n = control.numel() // self.group.size
+        if self.finite is not None:
+            control[self.group.rank * n] = (~self.finite).to(control.dtype)
+        self.rows = control.view(self.group.size, n)
+        return control

@@ -1,0 +1,67 @@
+"""The dense transport: the gradients themselves, all-reduced (one collective per dtype)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from raycomp.compressors import Transport
+from raycomp.transports.base import Batch, Communicator, Delivered, Reduced
+from raycomp.transports.packing import by_dtype, flat_view, split
+from raycomp.transports.work import Group, Pending
+
+__all__ = ["DenseAllreduce", "dense_allreduce"]
+
+
+def dense_allreduce(
+    tensors: Sequence[torch.Tensor], group: Group, *, control: torch.Tensor | None = None,
+    in_place: bool = False,
+) -> Pending[list[Reduced]]:
+    """Plain all-reduce mean; divides before summing, as DDP does, so results match it.
+
+    ``control`` (optional, 1-D): a few floats that ride along and are *summed* over ranks in
+    place — appended, after the division, to the collective of its dtype, or all-reduced on
+    their own if no tensor has that dtype. The gradients' values are unaffected by it.
+    ``in_place``: the inputs may be overwritten; tensors that already lie back to back (a
+    DDP bucket's gradients) are then reduced where they are, without a flattening copy.
+    """
+    works: list[dist.Work] = []
+    flats: list[tuple[list[int], torch.Tensor]] = []
+    carried: tuple[torch.Tensor, torch.Tensor] | None = None  # (control, the buffer it rides in)
+    for members in by_dtype(tensors):
+        flat = flat_view([tensors[i] for i in members]) if in_place else None
+        if flat is None:
+            flat = torch.cat([tensors[i].reshape(-1) for i in members])
+        flat.div_(group.size)
+        if control is not None and flat.dtype == control.dtype and flat.device == control.device:
+            carried = (control, torch.cat([flat, control]))
+            flat, control = carried[1], None
+        works += group.start_all_reduce(flat)
+        flats.append((members, flat))
+    if control is not None:  # no tensor of its dtype: a collective of its own
+        works += group.start_all_reduce(control)
+
+    def finish() -> list[Reduced]:
+        if carried is not None:
+            carried[0].copy_(carried[1][-carried[0].numel():])
+        out: list[Reduced | None] = [None] * len(tensors)
+        for members, flat in flats:
+            for i, mean in zip(members, split(flat, [tensors[i] for i in members]), strict=True):
+                t = tensors[i]
+                out[i] = Reduced(mean, t, group.allreduce_bytes(t.numel() * t.element_size()))
+        return out  # type: ignore[return-value]
+
+    return Pending(works, finish)
+
+
+class DenseAllreduce(Communicator):
+    """:func:`dense_allreduce`, in place where every tensor of the batch may be overwritten."""
+
+    kind = Transport.DENSE
+    carries_control = True
+
+    def start(self, batch: Batch, group: Group) -> Pending[Delivered]:
+        pending = dense_allreduce(batch.tensors, group, control=batch.control, in_place=all(batch.overwritable))
+        return pending.then(lambda results: (results, 0.0))

@@ -1,0 +1,165 @@
+"""The scalable transport: fixed-size quantized chunks whose bytes per rank do not grow
+with the number of ranks (all-to-all, reduce, recompress, all-gather; one all-gather at
+``W = 2``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from raycomp.compressors import Compressor, Transport
+from raycomp.loss_scale import rescale
+from raycomp.payload import Payload, pack, unpack_like
+from raycomp.transports.base import Batch, Communicator, Delivered, Reduced
+from raycomp.transports.packing import chunks, gather_payloads
+from raycomp.transports.work import Group, Pending
+
+__all__ = ["ScalableAllreduce", "gathered_mean"]
+
+
+def gathered_mean(
+    tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor], group: Group
+) -> Pending[Delivered]:
+    """Fixed-size payloads that decode to dense tensors: one all-gather, then every rank
+    decodes every rank's payload and averages them in rank order.
+
+    Every rank sums the same decoded tensors in the same order, so every rank holds the
+    same mean. Each rank sends ``(W - 1) x`` its payload; the scalable scheme sends
+    ``2 (W - 1) / W x`` it, so this is the cheaper route at ``W = 2`` only, where it also
+    saves a round and a second quantization. Finishes with the per-layer results and the
+    overhead bytes (none: fixed sizes need neither counts nor padding).
+    """
+    w, me = group.size, group.rank
+    payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]
+    gathering, overhead = gather_payloads(payloads, compressors, group)  # fixed sizes: no overhead
+
+    def average(per_rank: list[list[Payload]]) -> Delivered:
+        results = []
+        for i, (c, t) in enumerate(zip(compressors, tensors, strict=True)):
+            decoded = [c.decompress(rank_payloads[i]) for rank_payloads in per_rank]
+            total = decoded[0].float()
+            for d in decoded[1:]:  # rank order, the same on every rank
+                total = total + d.float()  # a new tensor: decoded[me] is this rank's `sent`
+            mean = (total.div_(w) if w > 1 else total).to(t.dtype).reshape(t.shape)
+            results.append(Reduced(mean, decoded[me], (w - 1) * payloads[i].nbytes))
+        return results, overhead
+
+    return gathering.then(average)
+
+
+class ScalableAllreduce(Communicator):
+    """Compressed all-reduce whose bytes per rank do not grow with the number of ranks.
+
+    Each layer is cut into ``W`` chunks; chunk ``j`` of every rank goes to rank ``j``
+    (one all-to-all for all layers), which decompresses and averages it, recompresses the
+    average with its own ("server-side") error feedback, and all-gathers it back. This is
+    the scheme of 1-bit Adam (Tang et al., ICML 2021) and Bagua's ByteGrad. Requires
+    fixed-size payloads and at least ``W`` elements per layer. The server residuals are
+    state (one chunk per layer on each rank).
+
+    Two ranks are the exception, by default. Each rank then sends half its payload in
+    the all-to-all and half of a recompressed one in the all-gather: its whole payload's
+    bytes, the same as one all-gather of the payload (``(W - 1) x`` it, which is only no
+    larger at ``W = 2``). :func:`gathered_mean` does that in one round instead of two, and
+    quantizes once instead of twice: on the transformer over 100 Mbit/s (int8, 3.2 MB a
+    rank, two gloo processes) the two rounds took 467 ms of a training step and the one
+    all-gather 419 ms.
+
+    Args:
+        error_feedback: keep server-side residuals (the two-round scheme only).
+        gather_two_ranks: at ``W = 2``, one all-gather (:func:`gathered_mean`) instead of
+            the two rounds; False forces the two-round scheme at any size (tests compare).
+    """
+
+    kind = Transport.SCALABLE
+    state_key = "server_residuals"
+
+    def __init__(self, error_feedback: bool = True, gather_two_ranks: bool = True) -> None:
+        self.error_feedback = error_feedback
+        self.gather_two_ranks = gather_two_ranks
+        self.server_residuals: dict[str, torch.Tensor] = {}
+
+    def start(self, batch: Batch, group: Group) -> Pending[Delivered]:
+        return self(batch.names, batch.tensors, batch.compressors, group)
+
+    def __call__(
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        compressors: Sequence[Compressor],
+        group: Group,
+    ) -> Pending[Delivered]:
+        w, me = group.size, group.rank
+        if w == 2 and self.gather_two_ranks:
+            return gathered_mean(tensors, compressors, group)
+        chunked = [chunks(t.reshape(-1), w) for t in tensors]
+        # payloads[i][j]: layer i, chunk j, compressed here
+        payloads = [[c.compress(ch) for ch in layer] for c, layer in zip(compressors, chunked, strict=True)]
+        sent = [
+            torch.cat([c.decompress(p).reshape(-1) for p in row]).reshape(t.shape)
+            for row, c, t in zip(payloads, compressors, tensors, strict=True)
+        ]
+        to_rank = [pack([row[j] for row in payloads]) for j in range(w)]
+        split_bytes = [b.numel() for b in to_rank]
+        mine = [row[me] for row in payloads]
+        received = torch.empty(split_bytes[me] * w, dtype=torch.uint8, device=tensors[0].device)
+        if w > 1:
+            dist.all_to_all_single(
+                received,
+                torch.cat(to_rank),
+                output_split_sizes=[split_bytes[me]] * w,
+                input_split_sizes=split_bytes,
+                group=group.handle,
+            )
+        else:
+            received = to_rank[0]
+        from_ranks = [unpack_like(buf, mine) for buf in received.split(split_bytes[me])]
+
+        recompressed = []
+        for i, (name, comp) in enumerate(zip(names, compressors, strict=True)):
+            average = sum(comp.decompress(r[i]).float() for r in from_ranks) / w
+            if self.error_feedback and comp.error_feedback:
+                residual = self.server_residuals.get(name)
+                if residual is not None and residual.shape == average.shape:
+                    average = average + residual.to(average.device)
+                payload = comp.compress(average)
+                self.server_residuals[name] = average - comp.decompress(payload).float()
+            else:
+                payload = comp.compress(average)
+            recompressed.append(payload)
+
+        padded = max(split_bytes)
+        buffer = torch.zeros(padded, dtype=torch.uint8, device=received.device)
+        own = pack(recompressed)
+        buffer[: own.numel()] = own
+        gathered, works = group.start_all_gather(buffer)
+        overhead = (w - 1) * (padded - own.numel())
+
+        def decode() -> Delivered:
+            by_chunk = [
+                unpack_like(buf[: split_bytes[j]], [row[j] for row in payloads])
+                for j, buf in enumerate(gathered)
+            ]
+            results = []
+            for i, (comp, t) in enumerate(zip(compressors, tensors, strict=True)):
+                mean = torch.cat([comp.decompress(by_chunk[j][i]).reshape(-1) for j in range(w)])
+                sent_to_others = sum(payloads[i][j].nbytes for j in range(w) if j != me)
+                wire = sent_to_others + (w - 1) * recompressed[i].nbytes
+                results.append(Reduced(mean.reshape(t.shape).to(t.dtype), sent[i], wire))
+            return results, overhead
+
+        return Pending(works, decode)
+
+    def reset(self) -> None:
+        self.server_residuals.clear()
+
+    def rescale(self, factor: torch.Tensor) -> None:
+        rescale(self.server_residuals.values(), factor)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.server_residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.server_residuals = {k: v.clone() for k, v in state.items()}

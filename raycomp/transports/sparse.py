@@ -1,0 +1,55 @@
+"""The sparse transport: (values, indices) payloads, all-gathered and summed by scatter-add."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from raycomp.compressors import Compressor, Transport
+from raycomp.compressors.sparse import scatter_dense
+from raycomp.payload import Payload
+from raycomp.transports.base import Batch, Communicator, Delivered, Reduced
+from raycomp.transports.packing import gather_payloads
+from raycomp.transports.work import Group, Pending
+
+__all__ = ["SparseAllgather", "sparse_allgather"]
+
+
+def sparse_allgather(
+    tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor], group: Group
+) -> Pending[Delivered]:
+    """Sparse (values, indices) payloads: all-gather, then sum by scatter-add.
+
+    If any payload can vary in size, every rank first all-gathers the element counts of
+    its payload tensors, so all ranks know every peer's layout and the padded length.
+    Finishes with the per-layer results and the overhead bytes (counts, padding).
+    """
+    w = group.size
+    payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]
+    sent = [c.decompress(p) for p, c in zip(payloads, compressors, strict=True)]
+    gathering, overhead = gather_payloads(payloads, compressors, group)
+
+    def merge(per_rank: list[list[Payload]]) -> Delivered:
+        results = []
+        for i, payload in enumerate(payloads):
+            merged = payload.with_tensors(
+                {
+                    name: torch.cat([rank_payloads[i].tensors[name] for rank_payloads in per_rank])
+                    for name in payload.tensors
+                }
+            )
+            mean = scatter_dense(merged).div_(w)
+            results.append(Reduced(mean, sent[i], (w - 1) * payload.nbytes))
+        return results, overhead
+
+    return gathering.then(merge)
+
+
+class SparseAllgather(Communicator):
+    """:func:`sparse_allgather` for a batch."""
+
+    kind = Transport.ALLGATHER
+
+    def start(self, batch: Batch, group: Group) -> Pending[Delivered]:
+        return sparse_allgather(batch.tensors, batch.compressors, group)
