@@ -7,7 +7,7 @@ from typing import Any
 
 
 class WireLedger:
-    """Totals per layer and overall. See ``raycomp.collectives`` for how bytes are counted."""
+    """Totals per layer and overall. See ``raycomp.transports`` for how bytes are counted."""
 
     def __init__(self) -> None:
         self.wire_bytes: dict[str, float] = defaultdict(float)

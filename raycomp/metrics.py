@@ -49,7 +49,7 @@ def _sel(extra: str = "") -> str:
 
 CATALOGUE: tuple[Metric, ...] = (
     Metric("raycomp_wire_bytes_total", "counter",
-           "Bytes this rank transmitted for gradients (collective model, see raycomp.collectives)",
+           "Bytes this rank transmitted for gradients (collective model, see raycomp.transports)",
            ("run", "rank"),
            (Panel("Compression", "Wire bytes per second", f"sum by (run) (rate(raycomp_wire_bytes_total{_sel()}[1m]))", "Bps"),
             Panel("Compression", "Wire bytes (total)", f"sum by (run) (raycomp_wire_bytes_total{_sel()})", "bytes"))),

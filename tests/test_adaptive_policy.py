@@ -53,14 +53,14 @@ def numel(shape: list[int]) -> int:
 
 
 def layer_bytes(name: str, spec_name: str, params: dict) -> float:
-    """What raycomp's ledger counts for one rank and step (raycomp/collectives.py)."""
+    """What raycomp's ledger counts for one rank and step (raycomp.transports)."""
     shape, n = SHAPES[name], numel(SHAPES[name])
     if spec_name == "powersgd":
         rows, cols = shape[0], n // shape[0]
         return 2 * (W - 1) / W * 4 * (rows + cols) * min(params["rank"], rows, cols)
     if spec_name == "topk":
         return (W - 1) * 8 * math.ceil(params["ratio"] * n)
-    if spec_name == "int8":  # raycomp/collectives.py ScalableAllreduce: all-to-all, then all-gather
+    if spec_name == "int8":  # raycomp.transports ScalableAllreduce: all-to-all, then all-gather
         return 2 * (W - 1) / W * (n + 8 * math.ceil(n / 2048))  # W = 2: one all-gather, the same bytes
     if spec_name == "int4":  # two codes a byte, the same (min, max) per chunk
         return 2 * (W - 1) / W * (math.ceil(n / 2) + 8 * math.ceil(n / 2048))

@@ -17,7 +17,7 @@ Training Systems", MLSys 2022: compression pays only where communication is expo
         hysteresis: switch only when two consecutive choices differ from the current r
 
 ``f(r) = W r``: Top-K is all-gathered, ``(W - 1) * 8 r N`` bytes per rank, against
-``2 (W - 1) / W * 4 N`` for the dense ring all-reduce (see ``raycomp/collectives.py``);
+``2 (W - 1) / W * 4 N`` for the dense ring all-reduce (see ``raycomp.transports``);
 with two ranks this is ``2 r`` (values + indices). Layers below ``min_compress_numel``
 are not listed and stay dense.
 """

@@ -2,7 +2,7 @@
 
 A compressor turns a floating-point tensor into a :class:`~raycomp.payload.Payload`
 and back. It also declares its *transport*: how payloads from several ranks can be
-combined, which decides the collective that carries them (see ``raycomp.collectives``).
+combined, which decides the collective that carries them (see ``raycomp.transports``).
 Compressors are per layer and may hold state (warm-start factors, random draws); that
 state round-trips through ``state_dict()`` / ``load_state_dict()``.
 """

@@ -20,7 +20,7 @@ class PowerSGD(Compressor):
         return P^ Q^T        (Q kept to warm-start the next step)
 
     The steps are methods (:meth:`project`, :meth:`orthogonalize`, :meth:`back_project`,
-    :meth:`remember`) so ``raycomp.collectives`` can put the two all-reduces between them;
+    :meth:`remember`) so ``raycomp.transports`` can put the two all-reduces between them;
     :meth:`compress` runs them locally. ``Q`` starts from a seed shared by all ranks.
     Gram-Schmidt skips columns whose norm is below ``epsilon`` (they become zero) instead of
     dividing by ~0. Wire: ``(rows + cols) * r`` fp32.
