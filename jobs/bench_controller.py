@@ -62,7 +62,7 @@ from jobs._report import (
     markdown_table,
     write_results,
 )
-from raycomp.session import MAX_REPORTS_IN_FLIGHT
+from raycomp.train.reporter import MAX_REPORTS_IN_FLIGHT
 
 HELP = "load test: simulated ranks reporting to one controller actor (latency, memory)"
 NAME = "controller"

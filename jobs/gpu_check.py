@@ -849,7 +849,7 @@ def kjv_transformer(device: torch.device) -> nn.Module:
     sizes here: ``jobs.workloads.model_of`` needs pydantic, PyYAML and the KJV text, which a
     GPU machine may lack, and this check must run with torch alone.
     ``tests/test_device.py`` checks that the two stay the same model."""
-    from raycomp.models import char_transformer
+    from jobs.models import char_transformer
 
     torch.manual_seed(0)
     return char_transformer(vocab_size=63, block=128, d_model=256, heads=4, layers=4).to(device)
@@ -1348,9 +1348,9 @@ def sharded_state_checks(device: torch.device, prefix: str, rank: int, world: in
 def training_runs(device: torch.device, quick: bool, only: str = "") -> list[dict[str, Any]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from jobs.models import char_transformer, lm_loss
     from raycomp.buckets import bucket_cap_mb
     from raycomp.hook import CompressionState, compression_hook
-    from raycomp.models import char_transformer, lm_loss
 
     vocab, block, batch, steps = 32, 64, 32, (8 if quick else 50)
     g = torch.Generator().manual_seed(0)

@@ -81,8 +81,9 @@ class ShardedState:
             every multiple of this (0: never), as the DDP path does.
         error_feedback: keep each biased compressor's unsent part per unit (its memory is
             one fp32 copy of the unit's unsharded gradient).
-        install: ``False`` leaves FSDP's own reduce-scatter in place (the baselines of a
-            benchmark): plans are then not applied and nothing is counted on the wire.
+        install: ``False`` leaves the units' reduce-scatter as it is (FSDP's own): plans are
+            then not applied and nothing is counted on the wire, while statistics, guard rows
+            and checkpoints work as with raycomp's comms.
         control_group: the group of the control rows' fallback all-reduce (CPU tensors: a
             gloo group when the gradients travel on NCCL; None: the default group).
     """

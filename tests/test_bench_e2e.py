@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from jobs import bench_e2e as e2e
-from raycomp.config import load_config
+from jobs.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -413,22 +413,21 @@ def test_tiny_real_run_over_the_throttled_link(tmp_path):
     assert {n for n in namespaces() if n.startswith(NS_PREFIX)} <= before  # torn down
 
 
-# --- torch's hooks as the benchmark configures them (raycomp/baselines.py) -----------------------
+# --- torch's hooks as the benchmark configures them (jobs/baselines.py) -----------------------
 def _torch_hook_steps(rank: int, world: int, hook: str, warmup: int) -> list[tuple[Any, Any]]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from raycomp.baselines import one_bucket_cap_mb, register_torch_hook
-    from raycomp.buckets import ddp_kwargs
+    from jobs.baselines import ddp_options, one_bucket_cap_mb, register_torch_hook
+    from jobs.config import BenchmarkSection
     from raycomp.config import CompressionSection
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
-    compression = CompressionSection(baseline_hook=hook, baseline_warmup_steps=warmup,
-                                     baseline_powersgd_start_iter=max(2, warmup), baseline_powersgd_rank=1,
-                                     baseline_bucket_cap_mb=one_bucket_cap_mb(model))
-    ddp = DDP(model, **ddp_kwargs(compression, model))
-    register_torch_hook(ddp, compression)
+    benchmark = BenchmarkSection(baseline=hook, warmup_steps=warmup, powersgd_start_iter=max(2, warmup),
+                                 powersgd_rank=1, bucket_cap_mb=one_bucket_cap_mb(model))
+    ddp = DDP(model, **ddp_options(benchmark, CompressionSection(), model))
+    register_torch_hook(ddp, benchmark)
     out = []
     for step in range(4):
         x = torch.randn(8, 256, generator=torch.Generator().manual_seed(100 * step + rank))

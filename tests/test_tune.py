@@ -14,8 +14,8 @@ import pytest
 
 from jobs import bench_tune, tune
 from jobs._report import machine_info
+from jobs.config import ConfigError, load_config
 from jobs.train import prepare
-from raycomp.config import ConfigError, load_config
 from tests.conftest import REPO
 
 TUNE_DIGITS = str(REPO / "jobs" / "configs" / "tune_digits.yaml")

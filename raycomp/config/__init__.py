@@ -1,9 +1,10 @@
-"""Typed, validated configuration for a training run, loaded from YAML plus overrides.
+"""Typed, validated configuration of what runs in a worker: the compression policy and its
+options, the guard, the LR ramp, the controller link and checkpointing.
 
-Everything is checked before any cluster resource is taken: unknown keys, wrong types,
-out-of-range values and missing data sets raise :class:`ConfigError` with the dotted key
-that is wrong and what is allowed. YAML is parsed with ``yaml.safe_load`` only: a config
-is data, never code.
+Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` (or a
+``ValueError`` from the section itself) with the dotted key that is wrong and what is
+allowed. A training job's whole config (run, workload, cluster shape) nests these
+sections; it lives with the job (``jobs.config``).
 """
 
 from raycomp.config.base import (
@@ -14,13 +15,6 @@ from raycomp.config.base import (
     compressor,
     one_line,
 )
-from raycomp.config.loading import (
-    apply_overrides,
-    load_config,
-    parse_override,
-    read_yaml_mapping,
-    validate,
-)
 from raycomp.config.policies import (
     AdaptivePolicy,
     BandwidthPolicy,
@@ -30,42 +24,19 @@ from raycomp.config.policies import (
     ScheduleStage,
     StaticPolicy,
 )
-from raycomp.config.preflight import (
-    DIGITS_TRAIN_EXAMPLES,
-    check_cluster_fits,
-    check_controller_paths,
-    check_metrics_endpoint,
-    check_resources,
-    check_sizes,
-    check_writable_dir,
-    check_writable_file,
-    local_cpus,
-    train_examples,
-)
 from raycomp.config.sections import (
-    WORKLOAD_MODELS,
     CheckpointSection,
     CompressionSection,
     ControllerSection,
-    FaultsSection,
     GuardSection,
-    JobConfig,
     LrScalingSection,
-    RunSection,
-    ScalingSection,
-    WorkloadSection,
     host_literal,
-    resolve_entrypoint,
 )
 
 __all__ = [
-    "POLICIES", "WORKLOADS", "WORKLOAD_MODELS", "DIGITS_TRAIN_EXAMPLES",
+    "POLICIES", "WORKLOADS",
     "AdaptivePolicy", "BandwidthPolicy", "CheckpointSection", "CompressionSection", "CompressorConfig",
-    "ConfigError", "ControllerSection", "CriticalPolicy", "ErrorBudgetPolicy", "FaultsSection",
-    "GuardSection", "JobConfig", "LrScalingSection", "RunSection", "ScalingSection", "SchedulePolicy",
-    "ScheduleStage", "StaticPolicy", "WorkloadSection",
-    "apply_overrides", "check_cluster_fits", "check_controller_paths", "check_metrics_endpoint",
-    "check_resources", "check_sizes", "check_writable_dir", "check_writable_file", "compressor",
-    "host_literal", "load_config", "local_cpus", "one_line", "parse_override", "read_yaml_mapping",
-    "resolve_entrypoint", "train_examples", "validate",
+    "ConfigError", "ControllerSection", "CriticalPolicy", "ErrorBudgetPolicy", "GuardSection",
+    "LrScalingSection", "SchedulePolicy", "ScheduleStage", "StaticPolicy",
+    "compressor", "host_literal", "one_line",
 ]
