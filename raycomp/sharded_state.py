@@ -38,6 +38,8 @@ from raycomp.plan import DENSE, CompressorSpec, Plan
 from raycomp.sharded import CompressedReduceScatter, check_sharded_spec
 from raycomp.stats import LayerStats, layer_stats
 
+__all__ = ["ROOT", "ShardedState", "control_row", "unit_parameters"]
+
 ROOT = "(root)"  # the root unit's name in plans and statistics (its module path is "")
 
 

@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from raycomp.guard import Guard, Verdict
 
+__all__ = ["GuardStep"]
+
 
 class GuardStep:
     """Args:
