@@ -9,7 +9,6 @@ sections; it lives with the job (``jobs.config``).
 
 from raycomp.config.base import (
     POLICIES,
-    WORKLOADS,
     CompressorConfig,
     ConfigError,
     compressor,
@@ -34,7 +33,7 @@ from raycomp.config.sections import (
 )
 
 __all__ = [
-    "POLICIES", "WORKLOADS",
+    "POLICIES",
     "AdaptivePolicy", "BandwidthPolicy", "CheckpointSection", "CompressionSection", "CompressorConfig",
     "ConfigError", "ControllerSection", "CriticalPolicy", "ErrorBudgetPolicy", "GuardSection",
     "LrScalingSection", "SchedulePolicy", "ScheduleStage", "StaticPolicy",
