@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from jobs.data import digits
+from jobs.models import accuracy, mlp
 from raycomp import CompressionState, Plan, compression_hook
-from raycomp.data import digits
-from raycomp.models import accuracy, mlp
 
 PLANS = {
     "dense": Plan(),

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raycomp.config import (
+from jobs.config import (
     ConfigError,
     JobConfig,
     check_metrics_endpoint,
@@ -45,10 +45,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prepare(argv: list[str] | None = None) -> tuple[JobConfig, str, Path]:
-    """Everything that can fail on bad input, before any cluster resource is taken."""
+def prepare(argv: list[str] | None = None, schema: type[JobConfig] = JobConfig) -> tuple[JobConfig, str, Path]:
+    """Everything that can fail on bad input, before any cluster resource is taken. The
+    config is a ``schema``: :class:`JobConfig`, or the fault drill's ``jobs.faults.DrillConfig``."""
     args = parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides, schema)
     check_resources(config)
     run_id = args.run_id or f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     if not all(c.isalnum() or c in "-_." for c in run_id):
@@ -71,10 +72,10 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import raycomp.train
+    from jobs.faults import DrillConfig, FaultInjector, FaultsSection
     from jobs.workloads import build, optimizer_for
-    from raycomp.config import FaultsSection, JobConfig
 
-    config = JobConfig.model_validate(loop_config["config"])
+    config = loop_config["schema"].model_validate(loop_config["config"])
     quiet_worker_logs(config.run.ray_logs)
     import ray.train
     import ray.train.torch
@@ -90,13 +91,16 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         progress_every=config.run.progress_every_steps, eval_kind="loss" if workload.metric == "loss" else "accuracy",
         strategy=config.scaling.strategy)
     precision = Precision(config.workload.precision, ray.train.torch.get_device().type)
+    sync = raycomp.train.raycomp_sync
+    if config.benchmark.baseline != "none":  # torch's own communication in raycomp's place
+        from jobs.baselines import torch_baseline
+
+        sync = torch_baseline(config.benchmark)
     model = raycomp.train.prepare_model(workload.model, optimizer, scheduler, grad_scaler=precision.scaler,
-                                        options=options)
+                                        options=options, gradient_sync=sync)
     loop = raycomp.train.current()
     loss_fn = workload.loss
-    if config.faults != FaultsSection():  # test-only machinery, wrapped around the loop
-        from raycomp.testing.faults import FaultInjector
-
+    if isinstance(config, DrillConfig) and config.faults != FaultsSection():  # a drill: wrap the loop
         injector = FaultInjector(config.faults, loop.rank, Path(loop_config["output_dir"]))
         injector.install(loop)
         loss_fn = injector.wrap_loss(loss_fn, lambda: loop.global_step)
@@ -224,7 +228,7 @@ def run(config: JobConfig, run_id: str, output: Path, callbacks: list[Any] | Non
     controller = controller_for(config, output.parent)  # the workers register the run
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"config": config.model_dump(mode="json"), "run_id": run_id,
+        train_loop_config={"config": config.model_dump(mode="json"), "schema": type(config), "run_id": run_id,
                            "output_dir": str(output)},
         scaling_config=ScalingConfig(num_workers=config.scaling.num_workers, use_gpu=config.scaling.use_gpu,
                                      resources_per_worker={"CPU": config.scaling.cpus_per_worker},
@@ -345,10 +349,10 @@ def plot(output: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, schema: type[JobConfig] = JobConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config, run_id, output = prepare(argv)
+        config, run_id, output = prepare(argv, schema)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

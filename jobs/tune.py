@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from raycomp.config import (
+from jobs.config import (
     ConfigError,
     JobConfig,
     apply_overrides,

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from raycomp import data, models
-from raycomp.config import WorkloadSection, load_config, resolve_entrypoint
+from jobs import data, models
+from jobs.config import WorkloadSection, load_config, resolve_entrypoint
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 

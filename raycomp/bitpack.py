@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+__all__ = ["ALLOWED_BITS", "pack_bits", "pack_codes_into", "packed_nbytes", "unpack_bits", "unpack_bits_into"]
+
 ALLOWED_BITS = (1, 2, 4, 8)
 #: 4-bit codes are paired through an int16 view of two bytes, whose value depends on the
 #: machine's byte order; elsewhere the generic path runs

@@ -14,7 +14,7 @@ first-bucket size. At DDP's default cap or above (a model of 200 MB or more) it 
 default alone, 1 MB first bucket included.
 
 Measured on the KJV transformer (3.2M parameters, 12.9 MB fp32), 2 workers over
-100 Mbit/s, static int4, 80 steps, one seed (docs/benchmarks/e2e-gpt-100mbit-buckets.md):
+100 Mbit/s, static int4, 80 steps, one seed:
 the steady step fell from 528 ms with DDP's default to 436 / 447 / 444 ms with 1 / 2 / 4 MB
 caps. The losses were the same: buckets change when a layer travels, not what it carries.
 """
@@ -24,6 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+__all__ = ["BUCKETS", "MAX_CAP_MB", "MIN_CAP_MB", "bucket_cap_mb", "ddp_kwargs", "gradient_mb"]
 
 #: buckets a model is cut into; 1, 2 and 4 MB caps (about 13, 7 and 4 buckets) gave the same
 #: step on the transformer above
@@ -54,13 +56,9 @@ def ddp_kwargs(compression: Any, model: torch.nn.Module) -> dict[str, Any]:
     """DDP options for ``ray.train.torch.prepare_model(model, parallel_strategy_kwargs=...)``.
 
     The bucket cap is ``compression.bucket_cap_mb``, where ``"auto"`` means
-    :func:`bucket_cap_mb`, or no option at all (DDP's default) where that reaches 25 MB. A
-    torch baseline hook takes ``baseline_bucket_cap_mb`` instead, when that is set: torch's
-    ``powerSGD_hook`` needs the whole model in one bucket on gloo.
+    :func:`bucket_cap_mb`, or no option at all (DDP's default) where that reaches 25 MB.
     """
     cap = compression.bucket_cap_mb
-    if compression.baseline_hook != "none" and compression.baseline_bucket_cap_mb is not None:
-        cap = compression.baseline_bucket_cap_mb
     if cap == "auto":
         cap = bucket_cap_mb(model)
         if cap >= MAX_CAP_MB:  # DDP's own default: its 1 MB first bucket stays

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+__all__ = ["hook_group", "reducer_order", "refuse_sparse_gradients", "timeout_of"]
+
 
 def reducer_order(ddp: torch.nn.Module) -> list[torch.Tensor]:
     """DDP's parameters in its reducer's order (the index of its map of used parameters):

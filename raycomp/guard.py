@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
+__all__ = ["Guard", "GuardEvent", "REASONS", "Verdict"]
+
 REASONS = ("nonfinite_gradient", "gradient_explosion", "loss_spike", "compression_error")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+__all__ = ["import_object"]
+
 
 def import_object(path: str) -> Any:
     """The object ``path`` names; ``ValueError`` with one line if it cannot be had

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+__all__ = ["WireLedger"]
+
 
 class WireLedger:
     """Totals per layer and overall. See ``raycomp.transports`` for how bytes are counted."""

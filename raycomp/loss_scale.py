@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["ScaleFollower", "check_scaler", "current_scale", "rescale", "unscale_once"]
+
 
 def check_scaler(grad_scaler: Any) -> None:
     """A one-line error unless ``grad_scaler`` is None or a torch GradScaler."""

@@ -8,6 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = [
+    "GradStats", "MAX_EVENTS", "MAX_EVENT_BYTES", "MAX_LAYERS", "MAX_NAME_CHARS", "MAX_PROFILE",
+    "ReportTooLarge"
+]
+
 _STATS_FLOATS = (
     "loss", "step_seconds", "compute_seconds", "comm_seconds", "samples_per_second",
     "wire_bytes", "dense_bytes",

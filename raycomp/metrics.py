@@ -15,6 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+__all__ = [
+    "BY_NAME", "CATALOGUE", "MAX_LAYER_LABELS", "Metric", "OTHER_LAYERS", "Panel", "ROWS", "SD_DIR",
+    "STEP_BUCKETS", "group_layers", "series_names"
+]
+
 #: where controllers write their file-SD target lists; dashboards/prometheus/prometheus.yml
 #: watches ``*.json`` here (here, not in controllers/: the driver's preflight checks the path)
 SD_DIR = "/tmp/raycomp/prometheus"

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+__all__ = ["Payload", "pack", "unpack_like"]
+
 
 @dataclass
 class Payload:

@@ -38,6 +38,8 @@ from raycomp.plan import DENSE, CompressorSpec, Plan
 from raycomp.sharded import CompressedReduceScatter, check_sharded_spec
 from raycomp.stats import LayerStats, layer_stats
 
+__all__ = ["ROOT", "ShardedState", "control_row", "unit_parameters"]
+
 ROOT = "(root)"  # the root unit's name in plans and statistics (its module path is "")
 
 
@@ -81,8 +83,9 @@ class ShardedState:
             every multiple of this (0: never), as the DDP path does.
         error_feedback: keep each biased compressor's unsent part per unit (its memory is
             one fp32 copy of the unit's unsharded gradient).
-        install: ``False`` leaves FSDP's own reduce-scatter in place (the baselines of a
-            benchmark): plans are then not applied and nothing is counted on the wire.
+        install: ``False`` leaves the units' reduce-scatter as it is (FSDP's own): plans are
+            then not applied and nothing is counted on the wire, while statistics, guard rows
+            and checkpoints work as with raycomp's comms.
         control_group: the group of the control rows' fallback all-reduce (CPU tensors: a
             gloo group when the gradients travel on NCCL; None: the default group).
     """

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+__all__ = ["LayerStats", "PROFILE_SAMPLES", "layer_stats", "topk_error_profile"]
+
 PROFILE_SAMPLES = 65_536
 
 

@@ -17,6 +17,7 @@ from controllers.policies import make_policy
 from controllers.policies.adaptive import AdaptiveOptions
 from controllers.policies.cost_model import family_rounds
 from controllers.service import Controller
+from jobs import config as job_config
 from raycomp import compressors, config
 from raycomp.plan import Plan
 
@@ -148,8 +149,8 @@ FAST = Link(bandwidth=1e9)  # dense comm 1.2 ms: 0.02x compute
 
 
 def test_default_policy_is_adaptive_and_registered():
-    assert config.JobConfig().compression.policy == "adaptive"
-    options = config.JobConfig().compression.policy_options()
+    assert job_config.JobConfig().compression.policy == "adaptive"
+    options = job_config.JobConfig().compression.policy_options()
     assert make_policy("adaptive", {**options, "min_compress_numel": 1024}).name == "adaptive"
 
 
@@ -252,7 +253,7 @@ def test_a_sharded_run_gets_int8_on_a_slow_link_and_dense_on_a_fast_one():
     fast.run(12, FAST)
     assert fast.plan.layers == () and fast.details()["dense"] is True
     with pytest.raises(config.ConfigError, match=r"^compression\.adaptive: .*sharded: true needs"):
-        config.validate({"compression": {"adaptive": {"sharded": True, "near_lossless": []}}})
+        job_config.validate({"compression": {"adaptive": {"sharded": True, "near_lossless": []}}})
 
 
 def test_medium_link_picks_the_lightest_plan_within_slack_of_the_fastest():
@@ -425,7 +426,7 @@ def test_without_lossy_rungs_the_ladder_is_int4_int8_bf16_dense_and_critical_lay
     assert len(fast.details()["predicted_step_s"]) == 4
     assert fast.plan.layers == () and fast.details()["dense"] is True
     with pytest.raises(config.ConfigError, match=r"^compression\.adaptive: .*lossy: never needs at least one near_lossless"):
-        config.validate({"compression": {"adaptive": {"lossy": "never", "near_lossless": []}}})
+        job_config.validate({"compression": {"adaptive": {"lossy": "never", "near_lossless": []}}})
 
 
 def test_a_near_lossless_rung_over_max_error_goes_one_rung_lighter_and_never_past_bf16():
@@ -653,9 +654,9 @@ def test_shapes_size_powersgd_and_counts_assume_a_square():
 
 def test_options_reject_empty_ladders_in_one_line():
     with pytest.raises(config.ConfigError, match=r"^compression\.adaptive\.ranks: at least one value"):
-        config.validate({"compression": {"adaptive": {"ranks": []}}})
+        job_config.validate({"compression": {"adaptive": {"ranks": []}}})
     with pytest.raises(config.ConfigError, match=r"^compression\.policy: must be one of"):
-        config.validate({"compression": {"policy": "nope"}})
+        job_config.validate({"compression": {"policy": "nope"}})
 
 
 # --- end to end: the digits job through the real controller actor -----------------------------

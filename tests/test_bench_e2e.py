@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from jobs.bench.e2e import analysis, judge, methods, report, stats, traces
-from raycomp.config import load_config
+from jobs.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -234,18 +234,18 @@ def test_every_method_gets_the_same_budget_seed_cadence_and_warmup():
     for name in [*methods.METHODS, methods.COMPUTE, methods.NO_COMM]:
         overrides = methods.method_overrides(name, settings, seed=1, interval=10, bucket_cap_mb=16.0)
         config = load_config(REPO / "jobs/configs/gpt_kjv.yaml", overrides)
-        w, c = config.workload, config.compression
+        w, c, b = config.workload, config.compression, config.benchmark
         assert (config.run.seed, w.steps_per_epoch * w.epochs, w.eval_every_steps) == (1, 240, 20), name
         assert (w.lr, w.lr_schedule, w.batch_size) == (0.002, "cosine", 6)
-        assert c.baseline_warmup_steps == c.baseline_powersgd_start_iter == 20
+        assert b.warmup_steps == b.powersgd_start_iter == 20
         assert config.scaling.num_workers == (1 if name == methods.COMPUTE else 2), name
-        assert (c.baseline_hook == "torch_noop") == (name == methods.NO_COMM), name
+        assert (b.baseline == "torch_noop") == (name == methods.NO_COMM), name
         if name == methods.COMPUTE:
             continue
         assert c.warmup_steps == 10  # + the control interval: the first compressed plan at step 20
-        assert (c.baseline_bucket_cap_mb is not None) == name.startswith("torch_powersgd")
+        assert (b.bucket_cap_mb is not None) == name.startswith("torch_powersgd")
         if name.startswith("torch_powersgd"):
-            assert c.baseline_powersgd_rank == int(name[-1])
+            assert b.powersgd_rank == int(name[-1])
         key = (w.model_dump(), c.warmup_steps)
         shared = shared or key
         assert key == shared, name
@@ -263,7 +263,7 @@ def test_the_lstm_workload_runs_its_own_config_at_the_benchmark_budget():
         config = load_config(REPO / spec["config"], methods.method_overrides(name, settings, 0, 10, 16.0))
         w = config.workload
         assert (w.model, w.optimizer, w.steps_per_epoch * w.epochs, w.eval_every_steps) == ("lstm", "sgd", 200, 20)
-        assert config.compression.baseline_warmup_steps == 20
+        assert config.benchmark.warmup_steps == 20
 
 
 def test_fsdp_methods_share_the_budget_and_differ_only_in_the_reduce_scatter():
@@ -275,7 +275,7 @@ def test_fsdp_methods_share_the_budget_and_differ_only_in_the_reduce_scatter():
         w, c = config.workload, config.compression
         assert config.scaling.strategy == "fsdp", name
         assert (config.run.seed, w.steps_per_epoch * w.epochs, w.eval_every_steps, c.warmup_steps) == (2, 160, 20, 10)
-        seen[name] = (c.baseline_hook, c.policy, c.static.compressor.name if c.policy == "static" else None)
+        seen[name] = (config.benchmark.baseline, c.policy, c.static.compressor.name if c.policy == "static" else None)
     assert seen == {"dense": ("torch_fsdp", "static", "none"), "torch_bf16": ("torch_fsdp_bf16", "static", "none"),
                     "raycomp_bf16": ("none", "static", "bf16"), "raycomp_int8": ("none", "static", "int8"),
                     "raycomp_adaptive": ("none", "adaptive", None)}
@@ -431,22 +431,21 @@ def test_tiny_real_run_over_the_throttled_link(tmp_path):
     assert {n for n in namespaces() if n.startswith(NS_PREFIX)} <= before  # torn down
 
 
-# --- torch's hooks as the benchmark configures them (raycomp/baselines.py) -----------------------
+# --- torch's hooks as the benchmark configures them (jobs/baselines.py) -----------------------
 def _torch_hook_steps(rank: int, world: int, hook: str, warmup: int) -> list[tuple[Any, Any]]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from raycomp.baselines import one_bucket_cap_mb, register_torch_hook
-    from raycomp.buckets import ddp_kwargs
+    from jobs.baselines import ddp_options, one_bucket_cap_mb, register_torch_hook
+    from jobs.config import BenchmarkSection
     from raycomp.config import CompressionSection
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
-    compression = CompressionSection(baseline_hook=hook, baseline_warmup_steps=warmup,
-                                     baseline_powersgd_start_iter=max(2, warmup), baseline_powersgd_rank=1,
-                                     baseline_bucket_cap_mb=one_bucket_cap_mb(model))
-    ddp = DDP(model, **ddp_kwargs(compression, model))
-    register_torch_hook(ddp, compression)
+    benchmark = BenchmarkSection(baseline=hook, warmup_steps=warmup, powersgd_start_iter=max(2, warmup),
+                                 powersgd_rank=1, bucket_cap_mb=one_bucket_cap_mb(model))
+    ddp = DDP(model, **ddp_options(benchmark, CompressionSection(), model))
+    register_torch_hook(ddp, benchmark)
     out = []
     for step in range(4):
         x = torch.randn(8, 256, generator=torch.Generator().manual_seed(100 * step + rank))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jobs.baselines import ddp_options
+from jobs.config import BenchmarkSection
 from jobs.workloads import model_of
 from raycomp import CompressionState, Plan, bucket_cap_mb, compression_hook
 from raycomp.buckets import MAX_CAP_MB, MIN_CAP_MB, ddp_kwargs
@@ -81,12 +83,14 @@ def test_torch_baselines_take_their_own_cap_only_when_one_is_set():
     model = model_of("gpt_kjv")
     auto = bucket_cap_mb(model)
     assert 1.5 < auto < 1.7  # 12.9 MB / 8
-    cases = [
-        ({}, auto),
-        ({"bucket_cap_mb": 4}, 4.0),
-        ({"baseline_bucket_cap_mb": 16.0}, auto),  # raycomp's own hook ignores the baseline cap
-        ({"baseline_hook": "torch_allreduce"}, auto),  # the same buckets as raycomp's hook
-        ({"baseline_hook": "torch_powersgd", "baseline_bucket_cap_mb": 16.0}, 16.0),
-    ]
-    for fields, cap in cases:
+    for fields, cap in [({}, auto), ({"bucket_cap_mb": 4}, 4.0)]:  # raycomp's own hook
         assert ddp_kwargs(CompressionSection(**fields), model) == {"bucket_cap_mb": cap}, fields
+    cases = [  # a torch hook (jobs.baselines): its own cap when one is set, else raycomp's buckets
+        ({"baseline": "torch_allreduce"}, {}, auto),
+        ({"baseline": "torch_allreduce"}, {"bucket_cap_mb": 4}, 4.0),
+        ({"baseline": "torch_powersgd", "bucket_cap_mb": 16.0}, {}, 16.0),
+        ({"baseline": "torch_powersgd", "bucket_cap_mb": 16.0}, {"bucket_cap_mb": 4}, 16.0),
+    ]
+    for bench, fields, cap in cases:
+        got = ddp_options(BenchmarkSection(**bench), CompressionSection(**fields), model)
+        assert got == {"bucket_cap_mb": cap}, (bench, fields)

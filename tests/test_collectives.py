@@ -11,7 +11,6 @@ import torch
 
 from raycomp.compressors import make_compressor
 from raycomp.plan import CompressorSpec
-from raycomp.testing.wire import WireRecorder
 from raycomp.transports import (
     Group,
     ScalableAllreduce,
@@ -21,6 +20,7 @@ from raycomp.transports import (
     summable_allreduce,
 )
 from tests.distributed import run_distributed
+from tests.support.wire import WireRecorder
 
 SHAPES = [(64, 33), (5000,), (16, 8, 3, 3)]
 SPECS = {
@@ -148,7 +148,7 @@ def test_scalable_allreduce_averages_chunks(results, name):
 
 def test_wire_bytes_are_what_the_collectives_transmitted(results):
     # each transport's claimed bytes (per layer + overhead) against the calls it really
-    # issued, as raycomp.testing.wire records and prices them
+    # issued, as tests.support.wire records and prices them
     w, per_rank = results
     for rank, res in enumerate(per_rank):
         for key, entries in res.items():

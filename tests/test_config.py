@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from jobs.config import ConfigError, load_config
 from jobs.train import prepare
-from raycomp.config import ConfigError, load_config
 from tests.conftest import REPO
 
 DIGITS = str(REPO / "jobs" / "configs" / "digits.yaml")
@@ -27,7 +27,6 @@ BAD = [
     (["workload.name=mnist"], r"workload.name: must be one of 'digits', 'fashion_mnist' or 'kjv'"),
     (["workload.name=fashion_mnist", "workload.data_dir=/nonexistent"], r"workload.data_dir: no Fashion-MNIST in '/nonexistent'; install the Debian package 'dataset-fashion-mnist'"),
     (["compression.memory=dgc"], r"compression.memory: 'dgc' applies momentum itself; set workload.momentum=0"),
-    (["faults.nan_rank=7"], r"faults.nan_rank must be < scaling.num_workers"),
     (["controller.metrics_port=70000"], r"controller.metrics_port: .*less than or equal to 65535"),
     (["workload.lr=0"], r"workload.lr: .*greater than 0"),
     (["compression.schedule.stages=[]"], r"compression.schedule.stages: at least one stage is required"),
@@ -36,6 +35,11 @@ BAD = [
     (["run.name=has space"], r"run.name: String should match pattern"),
     (["compression.bucket_cap_mb=0"], r"compression.bucket_cap_mb: must be 'auto' or a size in MB in \(0, 100000\], got 0$"),
     (["compression.bucket_cap_mb=big"], r"compression.bucket_cap_mb: must be 'auto' or a size in MB .*got 'big'$"),
+    (["faults.nan_rank=1"], r"^faults: unknown key$"),  # a fault drill's section only (jobs.faults)
+    (["benchmark.baseline=torch_fsdp"], r"^benchmark.baseline: 'torch_fsdp' needs scaling.strategy=fsdp$"),
+    (["benchmark.baseline=torch_powersgd", "scaling.strategy=fsdp", "compression.policy=adaptive"],
+     r"^benchmark.baseline: 'torch_powersgd' is a DDP hook; allowed with scaling.strategy=fsdp: none, "
+     r"torch_fsdp, torch_fsdp_bf16$"),
     (["workload.precision=fp8"], r"workload.precision: must be one of 'fp32', 'bf16' or 'fp16'"),
     (["workload.precision=fp16", "scaling.strategy=fsdp", "compression.policy=static",
       "compression.static.compressor={name: int8}"],
@@ -47,6 +51,15 @@ BAD = [
 def test_bad_config_is_rejected_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         prepare(["--config", DIGITS, *overrides])
+
+
+def test_a_fault_drill_loads_the_faults_section():
+    from jobs.faults import DrillConfig, FaultsSection
+
+    config, _, _ = prepare(["--config", DIGITS, "faults.kill_rank_at_step=3", "faults.kill_rank=1"], DrillConfig)
+    assert config.faults == FaultsSection(kill_rank_at_step=3, kill_rank=1)
+    with pytest.raises(ConfigError, match=r"^faults.nan_rank must be < scaling.num_workers \(2\)$"):
+        prepare(["--config", DIGITS, "faults.nan_rank=7"], DrillConfig)
 
 
 def test_config_files(tmp_path):
@@ -107,7 +120,7 @@ def test_unreadable_dataset_is_rejected(tmp_path):
     import gzip
     import shutil
 
-    from raycomp import data
+    from jobs import data
 
     for name in data.FASHION_MNIST_FILES:
         shutil.copy(data.FASHION_MNIST_DIR / name, tmp_path / name)
@@ -128,7 +141,7 @@ BUSY = "{busy}"  # replaced by a port held open by this test process
 
 def _cases(tmp: str) -> dict[str, tuple[str, list[str], str]]:
     """id -> (module, argv, what the one line must say)."""
-    from raycomp.config import local_cpus
+    from jobs.config import local_cpus
 
     blocker = f"{tmp}/a-file"
     tune = ["--config", str(REPO / "jobs" / "configs" / "tune_digits.yaml")]
@@ -183,7 +196,7 @@ def _skip_reason(case: str) -> str | None:
 
     import torch
 
-    from raycomp import data
+    from jobs import data
 
     if case == "gpu-missing" and torch.cuda.is_available():
         return "this machine has a GPU"
@@ -271,7 +284,7 @@ def test_good_hosts_and_paths_pass(tmp_path):
 
 
 def test_digits_size_matches_the_data():
-    from raycomp import data
-    from raycomp.config import DIGITS_TRAIN_EXAMPLES
+    from jobs import data
+    from jobs.config import DIGITS_TRAIN_EXAMPLES
 
     assert len(data.digits()[0]) == DIGITS_TRAIN_EXAMPLES

@@ -79,8 +79,8 @@ def test_fsdp_killed_worker_resumes_bit_for_bit_from_a_distributed_checkpoint(ra
     ("compression.memory=dgc", r"^compression\.memory: 'dgc' is not available"),
 ])
 def test_fsdp_refuses_what_a_sharded_reduce_scatter_cannot_carry_before_ray_starts(tmp_path, override, message):
+    from jobs.config import ConfigError
     from jobs.train import prepare
-    from raycomp.config import ConfigError
 
     policy = ["compression.policy=static" if "static" in override else "compression.policy=adaptive"]
     with pytest.raises(ConfigError, match=message):
@@ -89,18 +89,17 @@ def test_fsdp_refuses_what_a_sharded_reduce_scatter_cannot_carry_before_ray_star
 
 
 def test_train_options_check_the_strategy_as_job_configs_do():
-    from raycomp.config import CompressionSection, ConfigError, validate
+    from jobs.config import ConfigError, validate
+    from raycomp.config import CompressionSection
     from raycomp.train import TrainOptions
 
     assert TrainOptions(strategy="fsdp").strategy == "fsdp"  # the default policy (adaptive) fits
     with pytest.raises(ValueError, match=r"^compression\.policy: 'critical' chooses Top-K"):
         TrainOptions(strategy="fsdp", compression=CompressionSection(policy="critical"))
-    with pytest.raises(ValueError, match=r"^compression\.baseline_hook: 'torch_fsdp' needs scaling\.strategy=fsdp"):
-        TrainOptions(compression=CompressionSection(baseline_hook="torch_fsdp"))
-    with pytest.raises(ConfigError, match=r"^compression\.baseline_hook: 'torch_fsdp_bf16' needs scaling"):
-        validate({"compression": {"baseline_hook": "torch_fsdp_bf16"}})
-    with pytest.raises(ValueError, match=r"^compression\.baseline_hook: 'torch_powersgd' is a DDP hook"):
-        TrainOptions(strategy="fsdp", compression=CompressionSection(baseline_hook="torch_powersgd"))
+    with pytest.raises(ConfigError, match=r"^benchmark\.baseline: 'torch_fsdp_bf16' needs scaling"):
+        validate({"benchmark": {"baseline": "torch_fsdp_bf16"}})
+    with pytest.raises(ConfigError, match=r"^benchmark\.baseline: 'torch_powersgd' is a DDP hook"):
+        validate({"scaling": {"strategy": "fsdp"}, "benchmark": {"baseline": "torch_powersgd"}})
     assert TrainOptions(find_unused_parameters=True).find_unused_parameters
     with pytest.raises(ValueError, match=r"^find_unused_parameters: a DDP option; allowed with strategy='ddp' only"):
         TrainOptions(strategy="fsdp", find_unused_parameters=True)

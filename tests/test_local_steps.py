@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from raycomp import Plan
 from raycomp.local import FragmentSchedule, LocalSteps, split_fragments
-from raycomp.testing.wire import WireRecorder
 from tests.distributed import run_distributed
+from tests.support.wire import WireRecorder
 
 H = 4
 

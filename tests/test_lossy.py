@@ -9,7 +9,7 @@ import torch
 from controllers.policies import AdaptiveOptions
 from raycomp.config import CompressionSection
 from raycomp.train import TrainOptions
-from raycomp.train.lossy import lossy_options
+from raycomp.train.options import resolve_options
 
 
 def _options(**adaptive) -> TrainOptions:
@@ -31,15 +31,23 @@ def _params() -> list[torch.nn.Parameter]:
     (lambda p: torch.optim.Rprop(p, lr=1e-2), "never"),  # sign-based: not linear either
 ])
 def test_auto_offers_the_lossy_rungs_only_to_optimizers_linear_in_the_gradient(optimizer, lossy):
-    resolved = lossy_options(_options(), optimizer(_params()))
+    resolved = resolve_options(_options(), optimizer(_params()))
     assert resolved.compression.adaptive.lossy == lossy
-    # nothing else changes
+    # nothing else changes (a DDP run: not sharded)
     assert resolved.compression.adaptive.model_dump(exclude={"lossy"}) == AdaptiveOptions().model_dump(exclude={"lossy"})
+
+
+def test_a_sharded_run_is_resolved_in_the_same_copy():
+    options = TrainOptions(strategy="fsdp", compression=CompressionSection(adaptive=AdaptiveOptions()))
+    resolved = resolve_options(options, torch.optim.AdamW(_params()))
+    assert (resolved.compression.adaptive.sharded, resolved.compression.adaptive.lossy) == (True, "never")
+    assert (options.compression.adaptive.sharded, options.compression.adaptive.lossy) == (False, "auto")
+    assert resolved.compression.model_dump(exclude={"adaptive"}) == options.compression.model_dump(exclude={"adaptive"})
 
 
 def test_an_explicit_choice_is_kept_and_auto_without_near_lossless_rungs_stays_lossy():
     adamw, sgd = torch.optim.AdamW(_params()), torch.optim.SGD(_params(), lr=0.1)
-    assert lossy_options(_options(lossy="always"), adamw).compression.adaptive.lossy == "always"
-    assert lossy_options(_options(lossy="never"), sgd).compression.adaptive.lossy == "never"
+    assert resolve_options(_options(lossy="always"), adamw).compression.adaptive.lossy == "always"
+    assert resolve_options(_options(lossy="never"), sgd).compression.adaptive.lossy == "never"
     # near_lossless: [] is the user's "lossy or dense": auto does not turn it into dense only
-    assert lossy_options(_options(near_lossless=[]), adamw).compression.adaptive.lossy == "always"
+    assert resolve_options(_options(near_lossless=[]), adamw).compression.adaptive.lossy == "always"

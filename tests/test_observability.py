@@ -18,6 +18,7 @@ import yaml
 from controllers.exporter import Exporter
 from controllers.service import Controller
 from jobs import dashboard
+from jobs.faults import DrillConfig
 from jobs.train import prepare, run
 from raycomp.metrics import CATALOGUE, series_names
 from tests.conftest import REPO
@@ -102,7 +103,7 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
         "faults.slow_eval_seconds=2",
         f"controller.name={name}", "controller.metrics_port=0",
         f"controller.metrics_sd_file={sd_file}",
-    ])
+    ], DrillConfig)
     started = time.time()
     summary = run(config, run_id, output)
     assert summary["status"] == "succeeded"
@@ -111,7 +112,7 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
         "--config", DIGITS, "--output", str(tmp_path / "fp16"), "--run-id", f"prom16-{tmp_path.name}",
         "workload.epochs=1", "workload.precision=fp16", "faults.slow_eval_seconds=2",
         f"controller.name={name}", "controller.metrics_port=0", f"controller.metrics_sd_file={sd_file}",
-    ])
+    ], DrillConfig)
     assert run(fp16_config, fp16_id, fp16_output)["status"] == "succeeded"
     import ray
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from controllers.policies import Policy, make_policy, register_policy, unregister_policy
 from controllers.policies.base import compressible_layers
 from controllers.state import RunState
+from jobs import config as job_config
 from raycomp import compressors, config
 from raycomp.compressors import Compressor, Transport, make_compressor
 from raycomp.payload import Payload
@@ -165,12 +166,12 @@ def largest():
 
 
 def test_registered_policy_in_a_job_config_becomes_its_import_path(largest):
-    job = config.validate({"compression": {"policy": "largest", "custom_options": {"count": 2}}})
+    job = job_config.validate({"compression": {"policy": "largest", "custom_options": {"count": 2}}})
     assert job.compression.policy == "tests.test_registry:LargestLayers"  # what the controller imports
     assert job.compression.policy_options() == {"count": 2, "compressor": "scaled_half"}
     # workers validate the dumped config again: the path passes there without the registration
     unregister_policy("largest")
-    again = config.validate(job.model_dump(mode="json"))
+    again = job_config.validate(job.model_dump(mode="json"))
     assert again.compression.policy == "tests.test_registry:LargestLayers"
     register_policy("largest", LargestLayers)
 
@@ -186,7 +187,7 @@ def test_registered_policy_in_a_job_config_becomes_its_import_path(largest):
 ])
 def test_policy_config_errors_are_one_line(largest, data, message):
     with pytest.raises(config.ConfigError, match=message):
-        config.validate({"compression": data})
+        job_config.validate({"compression": data})
 
 
 def test_policy_registration_errors(largest):

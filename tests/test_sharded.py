@@ -12,8 +12,8 @@ from torch import nn
 
 from raycomp.plan import CompressorSpec
 from raycomp.sharded import CompressedReduceScatter, check_sharded_spec, compress_fsdp
-from raycomp.testing.wire import FLIGHT_RECORDER_ENV
 from tests.distributed import run_distributed
+from tests.support.wire import FLIGHT_RECORDER_ENV
 
 IN, OUT, BATCH = 24, 8, 16
 
@@ -56,7 +56,7 @@ def _fsdp_backward(rank, world, specs):
     """One backward of the FSDP model per spec (``None``: FSDP's own reduce-scatter); for
     each, the relative error of every full gradient against the reference, the collectives
     of the backward, and the comms' bytes. One process pair for all: spawning is the cost."""
-    from raycomp.testing.wire import WireRecorder
+    from tests.support.wire import WireRecorder
 
     reference = _reference_mean_grads(world, 0)
     results = {}
@@ -252,7 +252,7 @@ def _local_norm(rank: int, step: int) -> float:
 def _state_steps(rank, world):
     from raycomp.plan import Plan
     from raycomp.sharded_state import ShardedState
-    from raycomp.testing.wire import WireRecorder
+    from tests.support.wire import WireRecorder
 
     model = _sharded(_model(), world)
     state = ShardedState(model, stats_every=2)

@@ -3,6 +3,7 @@ it already holds after the gradient collectives, with no collective of its own."
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -69,3 +70,17 @@ def test_one_rank_nan_skips_the_same_step_everywhere_without_a_control_collectiv
         assert skips == [NAN_STEP]
         assert rank0[NAN_STEP][1:3] == (True, "nonfinite_gradient")
         assert all(finite for *_, finite in rank0), "a NaN reached the error-feedback memory"
+
+
+def test_a_torch_baseline_factory_refuses_none_and_the_other_strategy():
+    from jobs.baselines import torch_baseline
+    from jobs.config import BenchmarkSection
+    from raycomp.train import SyncSetup, TrainOptions
+
+    with pytest.raises(ValueError, match=r"^benchmark\.baseline: must be one of torch_allreduce, .*got 'none'$"):
+        torch_baseline(BenchmarkSection())
+    build = torch_baseline(BenchmarkSection(baseline="torch_fsdp"))
+    with pytest.raises(ValueError, match=r"^benchmark\.baseline: 'torch_fsdp' does not fit strategy 'ddp'; "
+                                         r"allowed there: torch_allreduce, torch_fp16, "):
+        build(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+              SyncSetup(TrainOptions(), torch.device("cpu")))

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobs.config import JobConfig
+from jobs.faults import DrillConfig
 from jobs.train import prepare, run
 from tests.conftest import REPO, fit_with_controller
 
@@ -16,8 +18,12 @@ DIGITS = str(REPO / "jobs" / "configs" / "digits.yaml")
 
 
 def train(tmp_path: Path, name: str, *overrides: str) -> dict:
+    """One run of ``python -m jobs.train``; of ``python -m jobs.faults`` (the drill's config,
+    :class:`jobs.faults.DrillConfig`) when an override sets ``faults.*``."""
+    drill = any(o.startswith("faults.") for o in overrides)
     config, run_id, output = prepare(["--config", DIGITS, "--output", str(tmp_path / name),
-                                      "--run-id", f"{name}-{tmp_path.name}", *overrides])
+                                      "--run-id", f"{name}-{tmp_path.name}", *overrides],
+                                     DrillConfig if drill else JobConfig)
     summary = run(config, run_id, output)
     assert json.loads((output / "summary.json").read_text())["run_id"] == run_id
     return summary

@@ -25,10 +25,10 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from jobs.data import digits
 from jobs.demo import PLANS, train_digits
+from jobs.models import accuracy, mlp
 from raycomp import CompressionState, Plan, compression_hook
-from raycomp.data import digits
-from raycomp.models import accuracy, mlp
 from tests.distributed import run_distributed
 
 EPOCHS = 20

@@ -15,8 +15,8 @@ import pytest
 from jobs import tune
 from jobs.bench import tune as bench_tune
 from jobs.bench.report import machine_info
+from jobs.config import ConfigError, load_config
 from jobs.train import prepare
-from raycomp.config import ConfigError, load_config
 from tests.conftest import REPO
 
 TUNE_DIGITS = str(REPO / "jobs" / "configs" / "tune_digits.yaml")

@@ -1,5 +1,5 @@
 """What really travels: every registered compressor, through the reducer and the DDP hook,
-on real gloo processes, with every collective call recorded (``raycomp.testing.wire``).
+on real gloo processes, with every collective call recorded (``tests.support.wire``).
 
 The expected tensors are derived from each compressor's documented wire format and the
 layer shapes (never from the ledger or ``Payload.nbytes``); the bytes each call transmits
@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressedReducer, CompressionState, Plan, compression_hook
 from raycomp.compressors import COMPRESSORS, Transport
-from raycomp.testing.wire import FLIGHT_RECORDER_ENV, Call, WireRecorder, transmitted_bytes
 from tests.distributed import run_distributed
+from tests.support.wire import FLIGHT_RECORDER_ENV, Call, WireRecorder, transmitted_bytes
 
 F32, F16, BF16, U8, I32, I64 = torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int32, torch.int64
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from jobs.config import ConfigError, WorkloadSection, load_config
+from jobs.data import KJV_PACKAGES, digits, fashion_mnist, kjv_corpus, kjv_text, read_idx
+from jobs.models import char_lstm, char_transformer, evaluate_lm, lm_loss
 from jobs.workloads import Workload, build, metric_of, optimizer_for
-from raycomp.config import ConfigError, WorkloadSection, load_config
-from raycomp.data import KJV_PACKAGES, digits, fashion_mnist, kjv_corpus, kjv_text, read_idx
-from raycomp.models import char_lstm, char_transformer, evaluate_lm, lm_loss
 
 GENESIS = "In the beginning God created the heaven and the earth."
 

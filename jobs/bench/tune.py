@@ -61,8 +61,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     report (or only rebuild it with ``--reanalyze``); the exit status."""
     import os
 
+    from jobs.config import ConfigError
     from jobs.tune import load_tune_config
-    from raycomp.config import ConfigError
 
     if args.reanalyze:
         work = Path(args.reanalyze)

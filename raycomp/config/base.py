@@ -9,8 +9,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from raycomp.plan import CompressorSpec
 
-WORKLOADS = ("digits", "fashion_mnist", "kjv")
-
 
 class ConfigError(ValueError):
     """A configuration problem; ``str()`` is one line naming the key."""
@@ -67,4 +65,4 @@ def one_line(error: ValidationError, prefix: str = "") -> str:
     return f"{prefix}{key or 'config'}: {message}"
 
 
-__all__ = ["WORKLOADS", "CompressorConfig", "ConfigError", "Strict", "compressor", "one_line"]
+__all__ = ["CompressorConfig", "ConfigError", "Strict", "compressor", "one_line"]

@@ -1,4 +1,5 @@
-"""The sections of a job config and :class:`JobConfig` itself."""
+"""The sections a worker reads: compression (with the guard and the LR ramp), the
+controller link and checkpointing. A job config (``jobs.config.JobConfig``) nests them."""
 
 from __future__ import annotations
 
@@ -9,113 +10,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from raycomp.config import policy_sections
 from raycomp.config.base import _Strict
-from raycomp.imports import import_object
 
-
-class RunSection(_Strict):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")] = "raycomp"
-    storage_path: str = "outputs"
-    seed: Annotated[int, Field(ge=0)] = 0
-    #: rank 0 logs one status line (step, loss, ratio, plan, samples/s) every this many steps (0: off)
-    progress_every_steps: Annotated[int, Field(ge=0)] = 50
-    #: show Ray Train's own per-report log lines from the workers (noisy)
-    ray_logs: bool = False
-
-
-class WorkloadSection(_Strict):
-    name: Literal["digits", "fashion_mnist", "kjv"] = "digits"
-    epochs: Annotated[int, Field(ge=1, le=10_000)] = 3
-    batch_size: Annotated[int, Field(ge=1, le=65_536)] = 64  # per worker
-    steps_per_epoch: Annotated[int | None, Field(ge=1)] = None  # cap (default: full shard)
-    lr: Annotated[float, Field(gt=0, le=10)] = 0.05
-    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
-    weight_decay: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    lr_schedule: Literal["constant", "cosine"] = "cosine"
-    optimizer: Literal["sgd", "adamw"] = "sgd"
-    max_chars: Annotated[int | None, Field(ge=10_000)] = None  # kjv: truncate the corpus
-    block: Annotated[int, Field(ge=8, le=1024)] = 64  # kjv: context length
-    eval_batches: Annotated[int, Field(ge=1)] = 20  # kjv: test windows (batches)
-    model_width: Annotated[int, Field(ge=8, le=4096)] | None = None  # hidden size override
-    data_dir: str | None = None  # fashion_mnist: IDX files (default: the Debian package's)
-    #: evaluate every this many steps on the fixed validation set (None: once per epoch)
-    eval_every_steps: Annotated[int | None, Field(ge=1)] = None
-    #: the model of the workload (None: its default): digits ``mlp``; fashion_mnist ``cnn`` or
-    #: ``bn_cnn`` (BatchNorm, 2.5M parameters); kjv ``transformer`` or ``lstm``
-    model: str | None = None
-    model_layers: Annotated[int | None, Field(ge=1, le=64)] = None  # kjv: transformer blocks or LSTM layers (2)
-    model_heads: Annotated[int | None, Field(ge=1, le=64)] = None  # kjv: attention heads (4)
-    #: fashion_mnist: evaluate on the first N test images only (a fixed validation set)
-    eval_examples: Annotated[int | None, Field(ge=1, le=10_000)] = None
-    #: a user workload, ``package.module:callable`` with the signature of ``jobs.workloads.build``
-    #: returning a ``Workload``; when set it replaces ``name``
-    entrypoint: str | None = None
-    #: stop once ``eval_<metric>`` has met this value (<= for a loss, >= for an accuracy) at
-    #: ``stop_consecutive`` consecutive evaluations (benchmarks: time to target)
-    stop_at_target: float | None = None
-    stop_consecutive: Annotated[int, Field(ge=1, le=100)] = 2
-    #: the forward pass's precision: ``fp32``; ``bf16`` (autocast); ``fp16`` (autocast and a
-    #: ``torch.amp.GradScaler``, which raycomp's error feedback and guard follow). fp16 is
-    #: for GPUs: on a CPU, autocast computes it slower than fp32
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-
-    @field_validator("entrypoint")
-    @classmethod
-    def _importable(cls, value: str | None) -> str | None:
-        if value is not None:
-            resolve_entrypoint(value)  # raises ValueError: one line naming what is wrong
-        return value
-
-    @field_validator("model")
-    @classmethod
-    def _model_fits(cls, value: str | None, info: ValidationInfo) -> str | None:
-        name = info.data.get("name")
-        allowed = WORKLOAD_MODELS.get(name, ())
-        if value is not None and value not in allowed:
-            raise ValueError(f"{name} has the models {', '.join(map(repr, allowed))}, got {value!r}")
-        return value
-
-    @field_validator("model_heads")
-    @classmethod
-    def _heads_divide(cls, value: int | None, info: ValidationInfo) -> int | None:
-        width = info.data.get("model_width")
-        if value and width and width % value:
-            raise ValueError(f"{value} must divide model_width ({width})")
-        return value
-
-
-#: the models each shipped workload offers (first: its default)
-WORKLOAD_MODELS = {"digits": ("mlp",), "fashion_mnist": ("cnn", "bn_cnn"), "kjv": ("transformer", "lstm")}
-_ENTRYPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def resolve_entrypoint(path: str) -> Any:
-    """``package.module:callable`` -> the callable; ValueError with one line otherwise."""
-    if not _ENTRYPOINT.match(path):
-        raise ValueError(f"expected 'package.module:function', got {path!r}")
-    target = import_object(path)
-    if not callable(target):
-        raise ValueError(f"{path!r} is not callable")
-    return target
-
-
-class ScalingSection(_Strict):
-    num_workers: Annotated[int, Field(ge=1, le=1024)] = 2
-    use_gpu: bool = False
-    cpus_per_worker: Annotated[float, Field(gt=0, le=256)] = 1.0
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    #: ``ddp``: every worker holds the whole model, gradients are all-reduced (compressed by
-    #: raycomp's DDP hook). ``fsdp``: FSDP2 (``fully_shard`` on each block and the root),
-    #: gradients are reduce-scattered, each destination shard compressed (int8, bf16, ...)
-    strategy: Literal["ddp", "fsdp"] = "ddp"
-    #: a collective that cannot complete (a rank hung or gone) fails after this, never hangs
-    collective_timeout_s: Annotated[float, Field(ge=5, le=86_400)] = 300.0
+__all__ = ["CheckpointSection", "CompressionSection", "ControllerSection", "GuardSection",
+           "LrScalingSection", "host_literal"]
 
 
 class GuardSection(_Strict):
@@ -137,10 +40,6 @@ class LrScalingSection(_Strict):
     enabled: bool = False
     warmup_steps: Annotated[int, Field(ge=1)] = 50
     start_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
-
-
-#: the baselines of a sharded run: FSDP's own reduce-scatter, fp32 or bf16 (no raycomp comm)
-SHARDED_BASELINES = ("torch_fsdp", "torch_fsdp_bf16")
 
 
 class CompressionSection(_Strict):
@@ -165,22 +64,6 @@ class CompressionSection(_Strict):
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
     guard: GuardSection = GuardSection()
     lr_scaling: LrScalingSection = LrScalingSection()
-    #: compare against torch's own DDP hooks instead of raycomp's (benchmarks)
-    #: (DDP hooks: torch_allreduce/fp16/bf16/powersgd, or torch_noop, torch's headroom hook:
-    #: no communication, each rank keeps its own gradient, a step time without the network;
-    #: with scaling.strategy=fsdp: torch_fsdp, FSDP's own fp32 reduce-scatter, or
-    #: torch_fsdp_bf16, its MixedPrecisionPolicy(reduce_dtype=bf16))
-    baseline_hook: Literal["none", "torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd",
-                           "torch_noop", "torch_fsdp", "torch_fsdp_bf16"] = "none"
-    baseline_powersgd_rank: Annotated[int, Field(ge=1)] = 2
-    baseline_powersgd_start_iter: Annotated[int, Field(ge=1)] = 10
-    #: torch_fp16/torch_bf16: all-reduce fp32 for this many steps first (the dense warm-up
-    #: every method of a benchmark shares; torch_powersgd uses baseline_powersgd_start_iter)
-    baseline_warmup_steps: Annotated[int, Field(ge=0)] = 0
-    #: torch's hooks only: their DDP ``bucket_cap_mb`` in place of ``bucket_cap_mb`` (None: the
-    #: same buckets as raycomp's hook). torch's powerSGD_hook on gloo needs the whole model in
-    #: one bucket: a cap above the model's fp32 size does it (DDP's first bucket uses it too)
-    baseline_bucket_cap_mb: Annotated[float | None, Field(gt=0, le=100_000)] = None
     #: DDP ``bucket_cap_mb`` (MB of gradients per bucket) of the run's DDP model. The hook
     #: compresses and sends each bucket on a background thread while backward computes the
     #: next, so smaller buckets hide more of the wire behind backward; each costs a round.
@@ -217,16 +100,10 @@ class CompressionSection(_Strict):
 
     def check_strategy(self, strategy: str) -> None:
         """ValueError (one line) unless this compression can run with ``strategy``: with
-        ``fsdp`` every compressor it may choose must fit a reduce-scatter row; FSDP's own
-        baselines need ``fsdp``."""
+        ``fsdp`` every compressor it may choose must fit a reduce-scatter row."""
         if strategy != "fsdp":
-            if self.baseline_hook in SHARDED_BASELINES:
-                raise ValueError(f"compression.baseline_hook: {self.baseline_hook!r} needs scaling.strategy=fsdp")
             return
         policy_sections.check_sharded_policy(self)
-        if self.baseline_hook not in ("none", *SHARDED_BASELINES):
-            raise ValueError(f"compression.baseline_hook: {self.baseline_hook!r} is a DDP hook; allowed with "
-                             f"scaling.strategy=fsdp: none, {', '.join(SHARDED_BASELINES)}")
         if self.memory == "dgc":
             raise ValueError("compression.memory: 'dgc' is not available with scaling.strategy=fsdp; "
                              "allowed: residual, none")
@@ -243,7 +120,7 @@ _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 def host_literal(value: str) -> str:
     """``value`` if it is an IPv4/IPv6 address or a syntactically valid host name (RFC 1123).
 
-    Pure syntax (no network): whether a name resolves is checked by :func:`check_resources`.
+    Pure syntax (no network): whether a name resolves is checked before a job starts.
     A dotted string of numbers must be a valid IPv4 address, so ``0.0.0.0.0`` and
     ``256.1.1.1`` are refused here rather than looked up as names.
     """
@@ -282,48 +159,3 @@ class CheckpointSection(_Strict):
     #: also checkpoint every this many steps, so a crash on a long epoch replays few steps
     every_steps: Annotated[int | None, Field(ge=1)] = None
     max_failures: Annotated[int, Field(ge=0, le=100)] = 2
-
-
-class FaultsSection(_Strict):
-    """Fault injection for tests and drills; all off by default."""
-
-    nan_at_step: Annotated[int | None, Field(ge=0)] = None
-    nan_rank: Annotated[int, Field(ge=0)] = 0
-    kill_rank_at_step: Annotated[int | None, Field(ge=0)] = None
-    kill_rank: Annotated[int, Field(ge=0)] = 0
-    force_plan_mismatch_at_step: Annotated[int | None, Field(ge=0)] = None
-    loss_scale_at_step: Annotated[int | None, Field(ge=0)] = None  # multiply the loss: a spike
-    loss_scale: Annotated[float, Field(gt=0)] = 100.0
-    hang_rank_at_step: Annotated[int | None, Field(ge=0)] = None  # that rank stops communicating
-    hang_rank: Annotated[int, Field(ge=0)] = 0
-    crash_while_checkpointing_epoch: Annotated[int | None, Field(ge=0)] = None  # rank 0, once
-    slow_eval_seconds: Annotated[float, Field(ge=0)] = 0.0  # every evaluation takes this much longer
-    slow_report_seconds: Annotated[float, Field(ge=0)] = 0.0  # every report takes this much longer
-
-
-class JobConfig(_Strict):
-    run: RunSection = RunSection()
-    workload: WorkloadSection = WorkloadSection()
-    scaling: ScalingSection = ScalingSection()
-    compression: CompressionSection = Field(default_factory=CompressionSection)
-    controller: ControllerSection = ControllerSection()
-    checkpoint: CheckpointSection = CheckpointSection()
-    faults: FaultsSection = FaultsSection()
-
-    @model_validator(mode="after")
-    def _strategy(self) -> JobConfig:
-        self.compression.check_strategy(self.scaling.strategy)
-        if self.workload.precision == "fp16" and self.scaling.strategy == "fsdp":
-            raise ValueError("workload.precision: 'fp16' (a loss scaler) is not available with "
-                             "scaling.strategy=fsdp; allowed there: fp32, bf16")
-        return self
-
-    @model_validator(mode="after")
-    def _ranks_exist(self) -> JobConfig:
-        workers = self.scaling.num_workers
-        for key in ("nan_rank", "kill_rank", "hang_rank"):
-            if getattr(self.faults, key) >= workers:
-                raise ValueError(f"faults.{key} must be < scaling.num_workers ({workers})")
-        return self
-
-

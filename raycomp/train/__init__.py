@@ -34,19 +34,28 @@ from typing import Any
 import torch
 
 from raycomp.train.callback import ControllerCallback
+from raycomp.train.gradient_sync import (
+    GradientState,
+    GradientSync,
+    GradientSyncFactory,
+    SyncSetup,
+    raycomp_sync,
+)
 from raycomp.train.loop import TrainLoop, refuse_scaler
-from raycomp.train.options import TrainOptions
+from raycomp.train.options import TrainOptions, resolve_options
 from raycomp.train.plan_sync import PlanMismatchError
 
-__all__ = ["ControllerCallback", "PlanMismatchError", "TrainLoop", "TrainOptions", "current", "finish",
-           "prepare_model", "record_eval", "report", "save_state", "step"]
+__all__ = ["ControllerCallback", "GradientState", "GradientSync", "GradientSyncFactory", "PlanMismatchError",
+           "SyncSetup", "TrainLoop", "TrainOptions", "current", "finish", "prepare_model", "raycomp_sync",
+           "record_eval", "report", "save_state", "step"]
 
 _loop: TrainLoop | None = None
 
 
 def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                   grad_scaler: torch.amp.GradScaler | None = None,
-                  options: TrainOptions | None = None) -> torch.nn.Module:
+                  options: TrainOptions | None = None,
+                  gradient_sync: GradientSyncFactory = raycomp_sync) -> torch.nn.Module:
     """Wrap ``model`` in DDP (``ray.train.torch.prepare_model``) with raycomp's comm hook,
     link this worker to the controller, restore from ``ray.train.get_checkpoint()`` if it
     holds raycomp state, and return the model to train.
@@ -61,13 +70,21 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
             updates the scale; error feedback follows the scale, and the scaler's state is
             checkpointed. An overflow is skipped as the scaler would skip it, without a
             fallback to dense.
-        options: see :class:`TrainOptions` (default: the critical-regime policy, K=10).
+        options: see :class:`TrainOptions` (default: the adaptive policy, K=10).
+        gradient_sync: builds how the gradients travel (:mod:`raycomp.train.gradient_sync`):
+            ``factory(model, optimizer, SyncSetup) -> GradientSync``. The default,
+            :func:`raycomp_sync`, is raycomp's compressed DDP hook or, with
+            ``options.strategy="fsdp"``, its compressed reduce-scatter. Pass another factory
+            to put something else in their place (a benchmark's torch baselines do) while
+            the guard, the controller link, the step log and checkpoints stay as they are.
     """
     global _loop
     options = options or TrainOptions()
     refuse_scaler(grad_scaler, options)
+    options = resolve_options(options, optimizer)  # once: what the run uses and registers
     controller = _find_controller(options)
-    _loop = TrainLoop(model, optimizer, scheduler, options=options, controller=controller, grad_scaler=grad_scaler)
+    _loop = TrainLoop(model, optimizer, scheduler, options=options, controller=controller, grad_scaler=grad_scaler,
+                      gradient_sync=gradient_sync)
     return _loop.model
 
 

@@ -13,6 +13,8 @@ from ray.train import UserCallback
 
 from raycomp.config import ControllerSection
 
+__all__ = ["ControllerCallback"]
+
 log = logging.getLogger("raycomp.train")
 
 

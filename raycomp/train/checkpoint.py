@@ -15,6 +15,11 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "META", "SHARDED", "SHARED", "atomic_write", "load", "load_sharded", "save_own", "save_sharded",
+    "save_shared"
+]
+
 SHARED, META, SHARDED = "shared.pt", "meta.json", "sharded"
 
 

@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from raycomp.guard import Guard, Verdict
 
+__all__ = ["GuardStep"]
+
 
 class GuardStep:
     """Args:
@@ -35,8 +37,8 @@ class GuardStep:
         state: the rank's :class:`~raycomp.hook.CompressionState` or, for a sharded model,
             :class:`~raycomp.sharded_state.ShardedState` (carries the control rows, knows the
             norm every rank sees).
-        group: process group for the fallback exchange when no raycomp reducer ran this
-            step (torch's baseline hooks carry nothing).
+        group: process group for the fallback exchange when no control rows rode with this
+            step's reduction (a gradient sync that carries none: one small all-reduce).
         grad_scaler: the run's ``torch.amp.GradScaler``, or None. Its overflows are its own
             business: a step whose gradients are not finite while the scale is above 1 is
             skipped (the scaler backs off) without a fallback. At a scale of 1 or below

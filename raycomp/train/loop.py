@@ -1,6 +1,7 @@
 """The control loop of one worker, composed of small parts.
 
-Per step (the hot path): the DDP hook has reduced the gradients (compressed as the plan
+Per step (the hot path): the rank's gradient sync (:mod:`raycomp.train.gradient_sync`: the
+DDP hook, or FSDP2's reduce-scatter) has reduced the gradients (compressed as the plan
 says, with the guard's control rows riding inside the last collective); the guard decides
 from the reduced gradient and those rows (:mod:`raycomp.train.guard_step`); the optimizer
 steps unless the guard skips; the step is logged. Nothing else talks to other ranks.
@@ -10,7 +11,7 @@ Every ``interval_steps`` (a control boundary): statistics go to the controller
 and rank 0's newest plan is broadcast and installed for the next step
 (:mod:`raycomp.train.plan_sync`). Every ``checkpoint.every_steps`` steps, and at epoch
 ends, the model, optimizer and every rank's compression state go into a Ray Train
-checkpoint (:mod:`raycomp.train.checkpoint`).
+checkpoint (:mod:`raycomp.train.resume`, :mod:`raycomp.train.checkpoint`).
 """
 
 from __future__ import annotations
@@ -25,20 +26,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycomp.baselines import register_torch_hook
-from raycomp.buckets import ddp_kwargs
 from raycomp.guard import Guard
-from raycomp.hook import CompressionState, compression_hook
 from raycomp.loss_scale import check_scaler, unscale_once
 from raycomp.plan import Plan
 from raycomp.train import checkpoint
+from raycomp.train.gradient_sync import GradientSyncFactory, SyncSetup, raycomp_sync
 from raycomp.train.guard_step import GuardStep
-from raycomp.train.lossy import lossy_options
 from raycomp.train.lr_ramp import LrRamp
 from raycomp.train.options import TrainOptions
 from raycomp.train.plan_sync import PlanSync
 from raycomp.train.reporter import Outages, StatsReporter
+from raycomp.train.resume import restore, save_state
 from raycomp.train.step_log import StepLog
+
+__all__ = ["TrainLoop", "refuse_scaler"]
 
 log = logging.getLogger("raycomp.train")
 
@@ -51,66 +52,34 @@ class TrainLoop:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
-                 options: TrainOptions, controller: Any = None,
-                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+                 options: TrainOptions, controller: Any = None, grad_scaler: torch.amp.GradScaler | None = None,
+                 gradient_sync: GradientSyncFactory = raycomp_sync) -> None:
         import ray.train
         import ray.train.torch
 
-        # prepare_model, the only caller, has refused a scaler this loop cannot follow.
-        # A disabled scaler (GradScaler(enabled=False), common behind a flag) scales nothing
+        # prepare_model, the only caller, has refused a scaler this loop cannot follow and
+        # resolved the options. A disabled scaler (GradScaler(enabled=False), common behind
+        # a flag) scales nothing
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
-
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
-        self.sharded = options.strategy == "fsdp"
-        if self.sharded:  # FSDP2; the menu: what a reduce-scatter row can carry
-            from raycomp.sharded_state import ShardedState
-            from raycomp.train.sharding import shard_model, sharded_options
-
-            options = sharded_options(options)
-        options = lossy_options(options, optimizer)  # "auto": the optimizer decides
         self.options, self.interval = options, options.controller.interval_steps
         self.run_id = options.run_id or context.get_experiment_name()
         self.output_dir = Path(options.output_dir or Path(tempfile.gettempdir()) / "raycomp" / self.run_id)
-        c = options.compression
-        if self.sharded:
-            self.model = shard_model(model, optimizer, ray.train.torch.get_device(),
-                                     torch.bfloat16 if c.baseline_hook == "torch_fsdp_bf16" else None)
-        else:
-            ddp_options = ddp_kwargs(c, model)
-            if options.find_unused_parameters:
-                ddp_options["find_unused_parameters"] = True
-            self.model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options)
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-        module = getattr(self.model, "module", self.model)
-        self._params = [p for p in module.parameters() if p.requires_grad]
         # control messages always travel on gloo (CPU), whatever carries the gradients
         backend = dist.get_backend() if dist.is_initialized() else None
-        group = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
-        self.control_group = group
-        profile = tuple(sorted({*c.error_budget.ratios, c.error_budget.reference_ratio})) \
-            if c.policy == "error_budget" else ()
-        self.state: Any
-        if self.sharded:
-            self.state = ShardedState(self.model, Plan(), min_compress_numel=c.min_compress_numel, seed=options.seed,
-                                      stats_every=self.interval, error_feedback=c.memory != "none",
-                                      install=c.baseline_hook == "none",  # else FSDP's own reduce-scatter
-                                      control_group=group)
-        else:
-            self.state = CompressionState(self.model, Plan(), memory=c.memory, min_compress_numel=c.min_compress_numel,
-                                          seed=options.seed, stats_every=self.interval, profile_ratios=profile,
-                                          grad_scaler=self.grad_scaler)
-        if self.ddp and c.baseline_hook != "none":
-            register_torch_hook(self.model, c)  # raycomp stays out of the way
-        elif self.ddp:
-            self.model.register_comm_hook(self.state, compression_hook)
-        outages = Outages()
-        self.outages = outages
-        self.plans = PlanSync(self.rank, self.world_size, group, controller, self.run_id, outages)
-        self.guard = GuardStep(Guard(**c.guard.model_dump()), self.state, self.rank, self.world_size, group,
-                               self.grad_scaler)
-        self.reporter = StatsReporter(controller, self.run_id, self.rank, outages)
+        self.control_group = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
+        self.sync = gradient_sync(model, optimizer, SyncSetup(options, ray.train.torch.get_device(),
+                                                              self.control_group, self.grad_scaler))
+        self.model, self.state, self.sharded = self.sync.model, self.sync.state, self.sync.sharded
+        self.optimizer, self.scheduler = optimizer, scheduler
+        module = getattr(self.model, "module", self.model)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self.outages = Outages()
+        self.plans = PlanSync(self.rank, self.world_size, self.control_group, controller, self.run_id, self.outages)
+        self.guard = GuardStep(Guard(**options.compression.guard.model_dump()), self.state, self.rank,
+                               self.world_size, self.control_group, self.grad_scaler)
+        self.reporter = StatsReporter(controller, self.run_id, self.rank, self.outages)
         self.log = StepLog(self.output_dir, self.rank, options.progress_every)
         self.global_step = self.epoch = self.plan_switches = self.skipped_steps = 0
         self.steps_per_epoch: int | None = None
@@ -118,14 +87,12 @@ class TrainLoop:
         self.restored_from: int | None = None
         self.control_seconds = self.step_seconds = 0.0  # the controller's share of a rank's time
         self.boundary_seconds = 0.0  # the part of control_seconds spent at boundaries
-        self.lr_ramp = LrRamp(c.lr_scaling)
+        self.lr_ramp = LrRamp(options.compression.lr_scaling)
         self._lr_used = 0.0
         # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
-        layers = ({name: [numel] for name, numel in self.state.sizes.items()} if self.sharded
-                  else {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad})
-        self.controller_plan = self.plans.register(layers, options, options.eval_kind)
+        self.controller_plan = self.plans.register(self.sync.layers(), options, options.eval_kind)
         self.state.set_plan(self.controller_plan)
-        self._restore()
+        restore(self)
         self.replayed_steps = self.log.open(self.restored_from)
         self._restart_step_clock()
 
@@ -145,10 +112,7 @@ class TrainLoop:
     def step(self, loss: torch.Tensor, samples: int = 0) -> bool:
         """After ``loss.backward()``: guard, optimizer step (unless skipped), boundary.
         Returns whether the optimizer step was applied."""
-        if self.sharded:
-            self.state.end_backward()  # FSDP reduce-scattered in backward; close the step
-        elif not self.ddp:
-            self.state.allreduce_gradients()  # one process: local compression + memory
+        self.sync.end_backward()
         loss_value = float(loss.detach())
         started = time.perf_counter()
         if self.grad_scaler is not None:  # the guard judges the gradient itself
@@ -273,51 +237,12 @@ class TrainLoop:
 
     def save_state(self, directory: Path) -> None:
         """Write raycomp's checkpoint files into ``directory`` (yours, before ``ray.train.report``)."""
-        checkpoint.save_own(directory, self.rank, {
-            "compression": self.state.state_dict(), "guard": self.guard.state_dict(),
-            "controller_plan": self.controller_plan.to_dict(), "rng": torch.get_rng_state(),
-            "counters": {"plan_switches": self.plan_switches, "outages": self.outages.count,
-                         "skipped_steps": self.skipped_steps, "lr_ramp_from": self.lr_ramp.started_at,
-                         "loss_scale_overflows": self.guard.overflows},
-            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
-        })
-        if self.sharded:  # every rank writes its shards (a collective)
-            checkpoint.save_sharded(directory, self.model, self.optimizer)
-        if self.rank == 0:
-            self.save_shared(directory)
+        save_state(self, directory)
 
     def save_shared(self, directory: Path) -> None:
+        """Rank 0's part of a checkpoint: the model (unless sharded), optimizer, scheduler, step."""
         meta = {"global_step": self.global_step, "epoch": self.epoch, "world_size": self.world_size}
         checkpoint.save_shared(directory, None if self.sharded else self.model, self.optimizer, self.scheduler, meta)
-
-    def _restore(self) -> None:
-        import ray.train
-
-        found = ray.train.get_checkpoint()
-        if found is None:
-            return
-        with found.as_directory() as directory:
-            if not (Path(directory) / checkpoint.META).exists():
-                log.warning("the checkpoint holds no raycomp state: starting fresh")
-                return
-            meta, own = checkpoint.load(Path(directory), self.rank, self.world_size, self.model,
-                                        self.optimizer, self.scheduler, sharded=self.sharded)
-            if own is None:
-                log.warning("checkpoint is from %d workers, now %d: compression state starts fresh",
-                            meta["world_size"], self.world_size)
-            else:
-                self.state.load_state_dict(own["compression"])
-                self.guard.load_state_dict(own["guard"])
-                self.controller_plan = Plan.from_dict(own["controller_plan"])
-                torch.set_rng_state(own["rng"])
-                counters = own["counters"]
-                self.plan_switches, self.outages.count = counters["plan_switches"], counters["outages"]
-                self.skipped_steps, self.lr_ramp.started_at = counters["skipped_steps"], counters["lr_ramp_from"]
-                self.guard.overflows = counters.get("loss_scale_overflows", 0)
-                if self.grad_scaler is not None and own.get("grad_scaler"):
-                    self.grad_scaler.load_state_dict(own["grad_scaler"])
-        self.global_step = self.restored_from = meta["global_step"]
-        log.info("resumed from step %d", self.global_step)
 
     # --- the end ------------------------------------------------------------------------------
     def totals(self) -> dict[str, Any]:
@@ -338,7 +263,7 @@ class TrainLoop:
             "control_boundary_seconds": self.boundary_seconds,
             "control_overhead": self.control_seconds / self.step_seconds if self.step_seconds else 0.0,
             # what DDP was built with (compression.bucket_cap_mb); None without DDP (FSDP, 1 worker)
-            "ddp_bucket_cap_mb": self.model.bucket_bytes_cap / 2**20 if self.ddp else None,
+            "ddp_bucket_cap_mb": self.sync.bucket_cap_mb,
         }
 
     def close(self) -> None:

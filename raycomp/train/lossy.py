@@ -17,17 +17,21 @@ remedy (the second moment frozen from step 20, so that the update is linear in t
 static PowerSGD rank 4 ended 160 steps at 2.3203 against 2.3195 without it, while dense
 ended at 2.2988 frozen and 2.2992 not (seed 0). The rank is: rank 16 ended at 2.3058, rank
 32 at 2.3020. Against the benchmark's target (2.3058), dense and rank 32 reached it at step
-140, rank 16 at 160; int4 reaches it at dense's steps on every seed
-(``docs/benchmarks/e2e-gpt-100mbit-no-comm.md``). Rank 16 sends about 0.6x int4's bytes on
-these matrices, rank 32 about 1.2x. So the rule stands for this model for a second reason:
+140, rank 16 at 160; int4 reaches it at dense's steps on every seed. Rank 16 sends about
+0.6x int4's bytes on these matrices, rank 32 about 1.2x. So the rule stands for this model for a second reason:
 a rank that sends fewer bytes than int4 costs steps.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from raycomp.train.options import TrainOptions, with_adaptive
+if TYPE_CHECKING:  # the options model lives beside its policy, in the controller's package
+    from controllers.policies import AdaptiveOptions
+
+__all__ = ["LINEAR_IN_GRADIENT", "lossy_setting", "lossy_suits"]
 
 #: optimizers whose update is a linear function of the gradient
 LINEAR_IN_GRADIENT: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.ASGD)
@@ -38,12 +42,9 @@ def lossy_suits(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, LINEAR_IN_GRADIENT)
 
 
-def lossy_options(options: TrainOptions, optimizer: torch.optim.Optimizer) -> TrainOptions:
-    """``options`` with ``compression.adaptive.lossy`` "auto" replaced by "always" or
-    "never" for ``optimizer``; "auto" with no near-lossless rung stays lossy (the user
-    chose lossy-or-dense)."""
-    adaptive = options.compression.adaptive
+def lossy_setting(adaptive: AdaptiveOptions, optimizer: torch.optim.Optimizer) -> str:
+    """``adaptive.lossy`` for ``optimizer``: "auto" becomes "always" or "never"; "auto"
+    with no near-lossless rung stays lossy (the user chose lossy-or-dense)."""
     if adaptive.lossy != "auto":
-        return options
-    lossy = "always" if lossy_suits(optimizer) or not adaptive.near_lossless else "never"
-    return with_adaptive(options, {"lossy": lossy})
+        return adaptive.lossy
+    return "always" if lossy_suits(optimizer) or not adaptive.near_lossless else "never"

@@ -7,6 +7,8 @@ from typing import Any
 
 from raycomp.config import LrScalingSection
 
+__all__ = ["LrRamp"]
+
 
 class LrRamp:
     def __init__(self, options: LrScalingSection) -> None:

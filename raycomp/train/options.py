@@ -6,7 +6,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from raycomp.config import CheckpointSection, CompressionSection, ControllerSection
+from raycomp.train.lossy import lossy_setting
+
+__all__ = ["TrainOptions", "resolve_options"]
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,14 @@ class TrainOptions:
         self.compression.check_strategy(self.strategy)
 
 
-def with_adaptive(options: TrainOptions, update: dict[str, Any]) -> TrainOptions:
-    """``options`` with the fields in ``update`` replaced in ``compression.adaptive``: how
-    raycomp tells the adaptive policy what it knows of the run (sharded, the optimizer)."""
+def resolve_options(options: TrainOptions, optimizer: torch.optim.Optimizer) -> TrainOptions:
+    """``options`` as the run uses and registers them, resolved once: the adaptive policy is
+    told what raycomp knows of the run, whether it is sharded (``strategy="fsdp"``: int4,
+    int8, bf16 or dense per unit, priced as a reduce-scatter) and whether the optimizer
+    suits lossy rungs (``lossy="auto"``, :func:`raycomp.train.lossy.lossy_setting`)."""
     compression = options.compression
+    update: dict[str, Any] = {"lossy": lossy_setting(compression.adaptive, optimizer)}
+    if options.strategy == "fsdp":
+        update["sharded"] = True
     adaptive = compression.adaptive.model_copy(update=update)
     return dataclasses.replace(options, compression=compression.model_copy(update={"adaptive": adaptive}))

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from raycomp.plan import Plan
 from raycomp.train.reporter import Outages
 
+__all__ = ["PlanMismatchError", "PlanSync"]
+
 
 class PlanMismatchError(RuntimeError):
     """Ranks hold different plans (or guard states): continuing would desynchronise them."""

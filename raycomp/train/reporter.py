@@ -8,6 +8,8 @@ from typing import Any
 
 from raycomp.messages import GradStats
 
+__all__ = ["MAX_REPORTS_IN_FLIGHT", "Outages", "StatsReporter"]
+
 log = logging.getLogger("raycomp.train")
 
 MAX_REPORTS_IN_FLIGHT = 8  # per rank; beyond it the next report is dropped (and counted)

@@ -1,12 +1,18 @@
 """``strategy="fsdp"``: shard a worker's model with FSDP2 (``fully_shard``), the way
-``ray.train.torch.prepare_model`` wraps it in DDP for ``strategy="ddp"``."""
+``ray.train.torch.prepare_model`` wraps it in DDP for ``strategy="ddp"``, and compress each
+unit's reduce-scatter as the plan says (:class:`~raycomp.sharded_state.ShardedState`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
-from raycomp.train.options import TrainOptions, with_adaptive
+from raycomp.plan import Plan
+from raycomp.train.gradient_sync import SyncSetup
+
+__all__ = ["FsdpSync", "default_units", "fsdp_sync", "shard_model", "sharded_state"]
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -33,8 +39,8 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
                 reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """``model`` on ``device`` with ``fully_shard`` on :func:`default_units` and the root
     (unless it is already sharded), and ``optimizer`` pointed at the sharded parameters.
-    ``reduce_dtype``: FSDP's own ``MixedPrecisionPolicy(reduce_dtype=...)`` (the bf16
-    baseline; raycomp's comms replace the reduce-scatter otherwise).
+    ``reduce_dtype``: FSDP's own ``MixedPrecisionPolicy(reduce_dtype=...)``, for FSDP's own
+    reduce-scatter (raycomp's comms replace it, and ignore this, once installed).
 
     ``fully_shard`` replaces each parameter by a sharded one, so an optimizer built before
     it would step tensors no longer in the model; its parameter groups are re-pointed here,
@@ -65,7 +71,36 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
     return model
 
 
-def sharded_options(options: TrainOptions) -> TrainOptions:
-    """``options`` as a sharded run registers them: the adaptive policy told the run is
-    sharded (int4, int8, bf16 or dense per unit, priced as a reduce-scatter)."""
-    return with_adaptive(options, {"sharded": True})
+class FsdpSync:
+    """A :class:`~raycomp.train.gradient_sync.GradientSync` over a ``fully_shard`` model and
+    its :class:`~raycomp.sharded_state.ShardedState`: plans name units, not parameters."""
+
+    sharded = True
+    bucket_cap_mb = None  # no DDP buckets
+
+    def __init__(self, model: nn.Module, state: Any) -> None:
+        self.model, self.state = model, state
+
+    def layers(self) -> dict[str, list[int]]:
+        return {name: [numel] for name, numel in self.state.sizes.items()}
+
+    def end_backward(self) -> None:
+        self.state.end_backward()  # FSDP reduce-scattered in backward; close the step
+
+
+def sharded_state(model: nn.Module, setup: SyncSetup, *, install: bool = True) -> Any:
+    """The rank's :class:`~raycomp.sharded_state.ShardedState` over ``model``, as the run's
+    options say (dense plan). ``install=False`` keeps the units' own reduce-scatter."""
+    from raycomp.sharded_state import ShardedState
+
+    c = setup.options.compression
+    return ShardedState(model, Plan(), min_compress_numel=c.min_compress_numel, seed=setup.options.seed,
+                        stats_every=setup.options.controller.interval_steps, error_feedback=c.memory != "none",
+                        install=install, control_group=setup.control_group)
+
+
+def fsdp_sync(model: nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> FsdpSync:
+    """raycomp's FSDP2 path: ``fully_shard`` on :func:`default_units` and the root, each
+    unit's reduce-scatter compressed per destination shard."""
+    model = shard_model(model, optimizer, setup.device)
+    return FsdpSync(model, sharded_state(model, setup))

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+__all__ = ["StepLog", "show_progress", "truncate"]
+
 log = logging.getLogger("raycomp.train")
 
 

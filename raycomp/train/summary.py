@@ -8,6 +8,8 @@ from typing import Any
 
 from raycomp.train.checkpoint import atomic_write
 
+__all__ = ["worker_summary", "write_summary"]
+
 
 def worker_summary(totals: dict[str, Any], run_id: str, world_size: int, policy: str,
                    controller: dict[str, Any], output_dir: Path) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from jobs.models import char_transformer
 from raycomp.compressors import COMPRESSORS
-from raycomp.models import char_transformer
 from raycomp.plan import DENSE, CompressorSpec, Plan
 from tests.gpu.support import PARAMS
 

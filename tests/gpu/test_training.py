@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from jobs.models import char_transformer, lm_loss
 from raycomp.buckets import bucket_cap_mb
 from raycomp.hook import CompressionState, compression_hook
-from raycomp.models import char_transformer, lm_loss
 from raycomp.plan import Plan
 from tests.gpu.models import rule_tokens
 from tests.gpu.support import CUDA

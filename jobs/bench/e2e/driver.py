@@ -101,10 +101,10 @@ def driver(spec_path: str) -> int:
     import ray
 
     from jobs import train
+    from jobs.baselines import one_bucket_cap_mb
+    from jobs.config import load_config
     from jobs.workloads import build
-    from raycomp.baselines import one_bucket_cap_mb
     from raycomp.buckets import ddp_kwargs
-    from raycomp.config import load_config
 
     logging.basicConfig(level=logging.WARNING)
     spec = json.loads(Path(spec_path).read_text())

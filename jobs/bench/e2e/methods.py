@@ -21,10 +21,10 @@ __all__ = [
 _STATIC_TOPK = "compression.static.compressor={name: topk, ratio: 0.01}"
 #: method name -> config overrides (on top of the workload's config and the shared ones)
 METHODS: dict[str, list[str]] = {
-    "dense": ["compression.baseline_hook=torch_allreduce"],
-    "torch_fp16": ["compression.baseline_hook=torch_fp16"],
-    "torch_bf16": ["compression.baseline_hook=torch_bf16"],
-    **{f"torch_powersgd_r{r}": ["compression.baseline_hook=torch_powersgd", f"compression.baseline_powersgd_rank={r}"]
+    "dense": ["benchmark.baseline=torch_allreduce"],
+    "torch_fp16": ["benchmark.baseline=torch_fp16"],
+    "torch_bf16": ["benchmark.baseline=torch_bf16"],
+    **{f"torch_powersgd_r{r}": ["benchmark.baseline=torch_powersgd", f"benchmark.powersgd_rank={r}"]
        for r in (1, 2, 4)},
     "raycomp_topk": ["compression.policy=static", _STATIC_TOPK],
     "raycomp_dgc": ["compression.policy=static", "compression.static.compressor={name: dgc_topk, ratio: 0.001}"],
@@ -44,8 +44,8 @@ TORCH_BASELINE_OVERRIDES = ["compression.policy=static", "compression.static.com
 #: which FSDP cannot switch on mid-run: bf16 from step 0, no dense warm-up); raycomp_* replace
 #: it with the compressed all-to-all, adaptive choosing int8/bf16/dense per unit
 FSDP_METHODS: dict[str, list[str]] = {
-    "dense": ["compression.baseline_hook=torch_fsdp"],
-    "torch_bf16": ["compression.baseline_hook=torch_fsdp_bf16"],
+    "dense": ["benchmark.baseline=torch_fsdp"],
+    "torch_bf16": ["benchmark.baseline=torch_fsdp_bf16"],
     "raycomp_bf16": ["compression.policy=static", "compression.static.compressor={name: bf16}"],
     "raycomp_int8": ["compression.policy=static", "compression.static.compressor={name: int8}"],
     "raycomp_adaptive": [],
@@ -60,7 +60,7 @@ COMPUTE = "compute_only"
 #: group, so that a step is divided by a no-communication step of the same hour: one worker
 #: alone (COMPUTE) has the machine's two cores, caches and memory to itself
 NO_COMM = "no_comm"
-REFERENCES = {COMPUTE: ["scaling.num_workers=1"], NO_COMM: ["compression.baseline_hook=torch_noop"]}
+REFERENCES = {COMPUTE: ["scaling.num_workers=1"], NO_COMM: ["benchmark.baseline=torch_noop"]}
 
 #: per workload: config file, step budget, eval cadence, dense warm-up W (first compressed
 #: step), quick settings. Budgets: see the report's "Budget" line and docs in the configs.
@@ -111,8 +111,8 @@ def method_overrides(name: str, settings: dict[str, Any], seed: int, interval: i
     overrides = [*settings["extra"], *COMMON, f"run.seed={seed}", f"workload.steps_per_epoch={every}",
                  f"workload.epochs={steps // every}", f"workload.eval_every_steps={every}",
                  f"compression.warmup_steps={max(0, warmup - interval)}",
-                 f"compression.baseline_warmup_steps={warmup}",
-                 f"compression.baseline_powersgd_start_iter={warmup}"]
+                 f"benchmark.warmup_steps={warmup}",
+                 f"benchmark.powersgd_start_iter={warmup}"]
     if settings["stop_at_target"] and settings["target"] is not None and name not in REFERENCES:
         overrides += [f"workload.stop_at_target={settings['target']}", f"workload.stop_consecutive={CONSECUTIVE}"]
     if name == COMPUTE:  # one worker, no DDP, no communication; raycomp's plan stays dense
@@ -129,7 +129,7 @@ def method_overrides(name: str, settings: dict[str, Any], seed: int, interval: i
     if name in TORCH_HOOKS:
         overrides += TORCH_BASELINE_OVERRIDES
     if name.startswith("torch_powersgd"):  # one DDP bucket: powerSGD_hook on gloo needs it
-        overrides.append(f"compression.baseline_bucket_cap_mb={bucket_cap_mb}")
+        overrides.append(f"benchmark.bucket_cap_mb={bucket_cap_mb}")
     return overrides
 
 

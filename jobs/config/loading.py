@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import (
-    ValidationError,
-)
+from pydantic import ValidationError
 
-from raycomp.config.base import ConfigError, one_line
-from raycomp.config.sections import JobConfig
+from jobs.config.sections import JobConfig
+from raycomp.config import ConfigError, one_line
+
+__all__ = ["apply_overrides", "load_config", "parse_override", "read_yaml_mapping", "validate"]
 
 # --- loading ---------------------------------------------------------------------------
 _OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)=(.*)$", re.S)
@@ -44,10 +44,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
-    """Read YAML (optional), apply ``key=value`` overrides, validate."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                schema: type[JobConfig] = JobConfig) -> JobConfig:
+    """Read YAML (optional), apply ``key=value`` overrides, validate as ``schema`` (a
+    :class:`JobConfig`, or a subclass with more sections such as the fault drill's)."""
     data = read_yaml_mapping(path) if path is not None else {}
-    return validate(apply_overrides(data, list(overrides)))
+    return validate(apply_overrides(data, list(overrides)), schema)
 
 
 def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, Any]:
@@ -64,8 +66,9 @@ def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, 
     return loaded or {}
 
 
-def validate(data: dict[str, Any]) -> JobConfig:
+def validate(data: dict[str, Any], schema: type[JobConfig] = JobConfig) -> JobConfig:
+    """``data`` as a ``schema``; :class:`~raycomp.config.ConfigError` (one line) if it is not one."""
     try:
-        return JobConfig.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as error:
         raise ConfigError(one_line(error)) from None

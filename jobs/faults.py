@@ -1,7 +1,10 @@
 """Fault injection for tests and drills, wrapped around a :class:`~raycomp.train.TrainLoop`.
 
-The production step never looks at fault settings: the job, when ``faults.*`` is set,
-builds a :class:`FaultInjector` and lets it wrap the loop's methods and the loss function::
+Not part of a production config: ``faults.*`` is a section of :class:`DrillConfig` only,
+the job config of a fault drill (``python -m jobs.faults``, same arguments as
+``python -m jobs.train``; the tests load it the same way). When ``faults.*`` is set, the
+job builds a :class:`FaultInjector` and lets it wrap the loop's methods and the loss
+function; the production step never looks at fault settings::
 
     injector = FaultInjector(config.faults, rank, output_dir)
     injector.install(loop)               # kill/hang before a step, plan mismatch, crash mid-save,
@@ -17,13 +20,49 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field, model_validator
 
-from raycomp.config import FaultsSection
+from jobs.config import JobConfig
+from jobs.config.sections import Section
 
-log = logging.getLogger("raycomp.testing.faults")
+__all__ = ["DrillConfig", "FaultInjector", "FaultsSection", "main"]
+
+log = logging.getLogger("jobs.faults")
+
+
+class FaultsSection(Section):
+    """Fault injection for tests and drills; all off by default."""
+
+    nan_at_step: Annotated[int | None, Field(ge=0)] = None
+    nan_rank: Annotated[int, Field(ge=0)] = 0
+    kill_rank_at_step: Annotated[int | None, Field(ge=0)] = None
+    kill_rank: Annotated[int, Field(ge=0)] = 0
+    force_plan_mismatch_at_step: Annotated[int | None, Field(ge=0)] = None
+    loss_scale_at_step: Annotated[int | None, Field(ge=0)] = None  # multiply the loss: a spike
+    loss_scale: Annotated[float, Field(gt=0)] = 100.0
+    hang_rank_at_step: Annotated[int | None, Field(ge=0)] = None  # that rank stops communicating
+    hang_rank: Annotated[int, Field(ge=0)] = 0
+    crash_while_checkpointing_epoch: Annotated[int | None, Field(ge=0)] = None  # rank 0, once
+    slow_eval_seconds: Annotated[float, Field(ge=0)] = 0.0  # every evaluation takes this much longer
+    slow_report_seconds: Annotated[float, Field(ge=0)] = 0.0  # every report takes this much longer
+
+
+class DrillConfig(JobConfig):
+    """A job config with a ``faults`` section: what a fault drill loads."""
+
+    faults: FaultsSection = FaultsSection()
+
+    @model_validator(mode="after")
+    def _ranks_exist(self) -> DrillConfig:
+        workers = self.scaling.num_workers
+        for key in ("nan_rank", "kill_rank", "hang_rank"):
+            if getattr(self.faults, key) >= workers:
+                raise ValueError(f"faults.{key} must be < scaling.num_workers ({workers})")
+        return self
+
 
 
 class FaultInjector:
@@ -113,3 +152,16 @@ class FaultInjector:
         loop.log.flush()
         log.warning("fault injection: rank %d crashes (%s)", self.rank, name)
         os._exit(17)  # a crash, not an exception: no cleanup, like a killed process
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jobs.faults``: ``python -m jobs.train`` with the ``faults.*`` keys allowed."""
+    from jobs.train import main as train_main
+
+    return train_main(argv, schema=DrillConfig)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raycomp.data import windows
+from jobs.data import windows
 
 
 def mlp(inputs: int = 64, hidden: int = 512, classes: int = 10) -> nn.Module:

@@ -13,13 +13,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from raycomp.config.base import ConfigError
-from raycomp.config.sections import JobConfig
+from jobs.config.sections import JobConfig
+from raycomp.config import ConfigError
+
+__all__ = ["DIGITS_TRAIN_EXAMPLES", "check_cluster_fits", "check_controller_paths", "check_metrics_endpoint",
+           "check_resources", "check_sizes", "check_writable_dir", "check_writable_file", "local_cpus",
+           "train_examples"]
 
 
 def check_resources(config: JobConfig) -> None:
     """Things outside the config that must exist before any cluster resource is taken."""
-    from raycomp import data
+    from jobs import data
 
     fashion_dir = Path(config.workload.data_dir or data.FASHION_MNIST_DIR)
     shipped = config.workload.entrypoint is None  # a user workload checks its own data
@@ -52,9 +56,8 @@ def check_resources(config: JobConfig) -> None:
     check_controller_paths(config, address, SD_DIR)
 
 
-
 # --- checks against the machine (before Ray starts) --------------------------------------
-#: sklearn's digits: 1,797 images, 20 % held out for evaluation (see raycomp.data.digits)
+#: sklearn's digits: 1,797 images, 20 % held out for evaluation (see jobs.data.digits)
 DIGITS_TRAIN_EXAMPLES = 1797 - int(1797 * 0.2)
 
 
@@ -159,7 +162,7 @@ def check_metrics_endpoint(host: str, port: int) -> None:
 
 def train_examples(config: JobConfig) -> int | None:
     """Training examples of a classification workload (None: windows sampled from a corpus)."""
-    from raycomp import data
+    from jobs import data
 
     if config.workload.name == "digits":
         return DIGITS_TRAIN_EXAMPLES
@@ -178,7 +181,7 @@ def check_sizes(config: JobConfig) -> None:
             f"workload.batch_size: {w.batch_size} x {workers} workers (scaling.num_workers) exceeds the "
             f"{examples} training examples of {w.name}; at most {examples // workers} per worker")
     if w.name == "kjv" and w.max_chars is not None:
-        test_chars = int(w.max_chars * 0.05)  # raycomp.data.CharCorpus.from_text holds out 5 %
+        test_chars = int(w.max_chars * 0.05)  # jobs.data.CharCorpus.from_text holds out 5 %
         if test_chars <= w.block + 1:
             raise ConfigError(
                 f"workload.block: {w.block} is too long for the {test_chars}-character test split of "

@@ -1,0 +1,137 @@
+"""torch's own gradient communication, the baselines raycomp is measured against: a
+gradient-sync factory (:func:`torch_baseline`) that ``jobs.train`` passes to
+``raycomp.train.prepare_model(..., gradient_sync=...)`` when ``benchmark.baseline`` is set.
+The guard, the controller link, the step log and checkpoints stay raycomp's; its plans are
+then not applied and nothing is counted on the wire.
+
+DDP hooks (``scaling.strategy=ddp``), registered by name:
+
+* ``torch_allreduce``: ``default_hooks.allreduce_hook`` (dense fp32);
+* ``torch_fp16`` / ``torch_bf16``: ``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``
+  after ``benchmark.warmup_steps`` dense fp32 steps (torch's hooks have no warm-up of their
+  own; a benchmark gives every method the same one);
+* ``torch_powersgd``: ``powerSGD_hook`` at ``benchmark.powersgd_rank``, dense (torch's own
+  all-reduce) before ``benchmark.powersgd_start_iter``.
+* ``torch_noop``: ``debugging_hooks.noop_hook``, torch's hook for headroom analysis: no
+  collective at all, each rank steps with its own gradient (the replicas drift apart). Not
+  training: the step time of the same workers, buckets and loop with the network free, which
+  the benchmark divides step times by.
+
+FSDP2 (``scaling.strategy=fsdp``): ``torch_fsdp``, FSDP's own fp32 reduce-scatter, and
+``torch_fsdp_bf16``, its ``MixedPrecisionPolicy(reduce_dtype=bf16)``.
+
+torch's ``powerSGD_hook`` on gloo needs the whole model in one DDP bucket (chains of futures
+from several buckets interleave differently on the ranks: abort or hang): build the DDP model
+with ``bucket_cap_mb`` above the model's fp32 size (``benchmark.bucket_cap_mb``,
+:func:`one_bucket_cap_mb`; :func:`ddp_options` applies it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from jobs.config import DDP_BASELINES, FSDP_BASELINES, BenchmarkSection
+from raycomp.buckets import ddp_kwargs, gradient_mb
+from raycomp.train import GradientSync, GradientSyncFactory, SyncSetup
+
+__all__ = ["HOOKS", "ddp_options", "one_bucket_cap_mb", "register_torch_hook", "torch_baseline"]
+
+HOOKS = DDP_BASELINES
+
+
+def one_bucket_cap_mb(model: torch.nn.Module, margin: float = 1.25) -> float:
+    """A ``bucket_cap_mb`` that holds every gradient of ``model`` in one bucket (fp32 size x margin)."""
+    return round(max(1.0, margin * gradient_mb(model)), 1)
+
+
+class _Warmup:
+    """Dense fp32 all-reduce for ``warmup`` steps, then ``hook``; counts steps by the last bucket."""
+
+    def __init__(self, hook: Any, warmup: int) -> None:
+        self.hook, self.warmup, self.step = hook, warmup, 0
+
+    def __call__(self, state: Any, bucket: Any) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.allreduce_hook if self.step < self.warmup else self.hook
+        future = hook(state, bucket)
+        if bucket.is_last():
+            self.step += 1
+        return future
+
+
+def register_torch_hook(model: torch.nn.parallel.DistributedDataParallel, benchmark: BenchmarkSection) -> None:
+    """torch's own DDP hook ``benchmark.baseline`` on ``model`` (its bytes are not counted here)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import (
+        debugging_hooks,
+        default_hooks,
+        powerSGD_hook,
+    )
+
+    name, warmup = benchmark.baseline, benchmark.warmup_steps
+    if name in ("torch_fp16", "torch_bf16"):
+        cast = default_hooks.fp16_compress_hook if name == "torch_fp16" else default_hooks.bf16_compress_hook
+        warm = _Warmup(cast, warmup)
+
+        def casted(state, bucket):  # unannotated: DDP checks hook annotations at run time
+            return warm(state, bucket)
+
+        model.register_comm_hook(None, casted)
+    elif name == "torch_powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=benchmark.powersgd_rank,
+            start_powerSGD_iter=benchmark.powersgd_start_iter,
+        )
+
+        def serialized(state, bucket):
+            # on gloo, powerSGD_hook's future chains of different buckets interleave their
+            # collectives and fail or hang (reproduced without Ray): finish one bucket first
+            future = powerSGD_hook.powerSGD_hook(state, bucket)
+            future.wait()
+            return future
+
+        model.register_comm_hook(state, serialized)
+    elif name == "torch_noop":
+        model.register_comm_hook(None, debugging_hooks.noop_hook)
+    else:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+def ddp_options(benchmark: BenchmarkSection, compression: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """DDP's keyword arguments for a torch hook: ``benchmark.bucket_cap_mb`` when set, else
+    the buckets raycomp's hook would get (:func:`raycomp.buckets.ddp_kwargs`)."""
+    if benchmark.bucket_cap_mb is not None:
+        return {"bucket_cap_mb": float(benchmark.bucket_cap_mb)}
+    return ddp_kwargs(compression, model)
+
+
+def torch_baseline(benchmark: BenchmarkSection) -> GradientSyncFactory:
+    """A ``gradient_sync`` factory for ``raycomp.train.prepare_model`` that communicates with
+    torch's own ``benchmark.baseline`` (not ``none``) in place of raycomp's compression."""
+    if benchmark.baseline not in (*DDP_BASELINES, *FSDP_BASELINES):
+        raise ValueError(f"benchmark.baseline: must be one of {', '.join((*DDP_BASELINES, *FSDP_BASELINES))}, "
+                         f"got {benchmark.baseline!r}")
+
+    def build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> GradientSync:
+        fsdp = setup.options.strategy == "fsdp"
+        if fsdp != (benchmark.baseline in FSDP_BASELINES):
+            allowed = ", ".join(FSDP_BASELINES if fsdp else DDP_BASELINES)
+            raise ValueError(f"benchmark.baseline: {benchmark.baseline!r} does not fit strategy "
+                             f"{setup.options.strategy!r}; allowed there: {allowed}")
+        if fsdp:  # FSDP's own reduce-scatter; raycomp's state keeps the guard's rows
+            from raycomp.train.sharding import FsdpSync, shard_model, sharded_state
+
+            reduce_dtype = torch.bfloat16 if benchmark.baseline == "torch_fsdp_bf16" else None
+            model = shard_model(model, optimizer, setup.device, reduce_dtype)
+            return FsdpSync(model, sharded_state(model, setup, install=False))
+        from raycomp.train.ddp_sync import DdpSync, compression_state, wrap_ddp
+
+        model = wrap_ddp(model, setup, ddp_options(benchmark, setup.options.compression, model))
+        sync = DdpSync(model, compression_state(model, setup))
+        if sync.ddp:
+            register_torch_hook(model, benchmark)  # raycomp's hook stays out of the way
+        return sync
+
+    return build

@@ -1,1 +1,0 @@
-"""Test-only machinery: fault injection and wire recording. Never imported on the production path."""

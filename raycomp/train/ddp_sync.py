@@ -1,0 +1,65 @@
+"""``strategy="ddp"``: the model in DDP (``ray.train.torch.prepare_model``) with raycomp's
+comm hook, which compresses each bucket's all-reduce as the plan says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raycomp.buckets import ddp_kwargs
+from raycomp.hook import CompressionState, compression_hook
+from raycomp.plan import Plan
+from raycomp.train.gradient_sync import SyncSetup
+
+__all__ = ["DdpSync", "compression_state", "ddp_sync", "wrap_ddp"]
+
+
+class DdpSync:
+    """A :class:`~raycomp.train.gradient_sync.GradientSync` over a DDP model (or, with one
+    worker, the bare model) and its :class:`~raycomp.hook.CompressionState`."""
+
+    sharded = False
+
+    def __init__(self, model: torch.nn.Module, state: CompressionState) -> None:
+        self.model, self.state = model, state
+        self.ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.bucket_cap_mb = model.bucket_bytes_cap / 2**20 if self.ddp else None
+
+    def layers(self) -> dict[str, list[int]]:
+        module = getattr(self.model, "module", self.model)
+        return {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
+
+    def end_backward(self) -> None:
+        if not self.ddp:  # one process: no hook ran; local compression + memory
+            self.state.allreduce_gradients()
+
+
+def wrap_ddp(model: torch.nn.Module, setup: SyncSetup, ddp_options: dict[str, Any]) -> torch.nn.Module:
+    """``ray.train.torch.prepare_model`` with ``ddp_options`` (DDP's keyword arguments) and
+    the run's ``find_unused_parameters``."""
+    import ray.train.torch
+
+    ddp_options = dict(ddp_options)
+    if setup.options.find_unused_parameters:
+        ddp_options["find_unused_parameters"] = True
+    return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options)
+
+
+def compression_state(model: torch.nn.Module, setup: SyncSetup) -> CompressionState:
+    """The rank's compression state over ``model``, as the run's options say (dense plan)."""
+    c = setup.options.compression
+    profile = tuple(sorted({*c.error_budget.ratios, c.error_budget.reference_ratio})) \
+        if c.policy == "error_budget" else ()
+    return CompressionState(model, Plan(), memory=c.memory, min_compress_numel=c.min_compress_numel,
+                            seed=setup.options.seed, stats_every=setup.options.controller.interval_steps,
+                            profile_ratios=profile, grad_scaler=setup.grad_scaler)
+
+
+def ddp_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> DdpSync:
+    """raycomp's DDP path: buckets of ``compression.bucket_cap_mb``, the compressed hook."""
+    model = wrap_ddp(model, setup, ddp_kwargs(setup.options.compression, model))
+    sync = DdpSync(model, compression_state(model, setup))
+    if sync.ddp:
+        model.register_comm_hook(sync.state, compression_hook)
+    return sync

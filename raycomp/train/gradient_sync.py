@@ -1,0 +1,119 @@
+"""How a worker's gradients travel: the one extension point of :class:`~raycomp.train.TrainLoop`.
+
+The loop never looks at how the gradients are reduced. It asks a factory
+(:data:`GradientSyncFactory`) for a :class:`GradientSync` once, at
+:func:`raycomp.train.prepare_model`, and from then on only uses the protocol: the model to
+train, the state that carries the plan and the guard's control rows, and one call after
+each backward. raycomp's own factory, :func:`raycomp_sync`, gives
+
+* ``strategy="ddp"``: DDP with raycomp's comm hook (compressed all-reduce per bucket,
+  :class:`raycomp.train.ddp_sync.DdpSync`);
+* ``strategy="fsdp"``: FSDP2 with a compressed reduce-scatter per ``fully_shard`` unit
+  (:class:`raycomp.train.sharding.FsdpSync`).
+
+Another factory (``prepare_model(..., gradient_sync=...)``) can put something else in its
+place, e.g. torch's own DDP hooks for a side-by-side benchmark, as long as it keeps the
+protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from raycomp.ledger import WireLedger
+from raycomp.plan import Plan
+from raycomp.stats import LayerStats
+from raycomp.train.options import TrainOptions
+
+__all__ = ["GradientState", "GradientSync", "GradientSyncFactory", "SyncSetup", "raycomp_sync"]
+
+
+class GradientState(Protocol):
+    """What the loop, its guard and its reporter read and steer on a rank: the plan, the
+    byte ledger, the statistics and the guard's control rows. Kept by
+    :class:`raycomp.hook.CompressionState` (DDP) and :class:`raycomp.sharded_state.ShardedState`
+    (FSDP2)."""
+
+    ledger: WireLedger
+    stats: list[LayerStats]
+    stats_step: int  # the step the statistics were measured at
+    step: int  # steps reduced so far
+    comm_seconds: float  # time spent communicating, whole run
+    control_rows: torch.Tensor | None  # every rank's control row of this step, or None
+
+    @property
+    def plan(self) -> Plan: ...
+
+    def set_plan(self, plan: Plan) -> None:
+        """Install ``plan`` from the next step on (the same step on every rank)."""
+
+    def stage_control(self, values: Sequence[float]) -> None:
+        """Carry these floats of this rank to every rank with the next step's reduction."""
+
+    def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
+        """The norm of the reduced gradient the guard watches (the same on every rank)."""
+
+    def discard_step(self) -> None:
+        """The step was skipped: forget what it folded into error feedback."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None:
+        """Release threads and buffers."""
+
+
+class GradientSync(Protocol):
+    """One rank's gradient communication, as the loop uses it."""
+
+    #: the model to train: wrapped (DDP), sharded (FSDP2) or as it was
+    model: torch.nn.Module
+    state: GradientState
+    #: the parameters are sharded: every rank saves its own shards in a checkpoint
+    sharded: bool
+    #: DDP's bucket cap in MB, for the run's totals (None without DDP buckets)
+    bucket_cap_mb: float | None
+
+    def layers(self) -> dict[str, list[int]]:
+        """What a plan names, each with its shape (the controller sizes compressors from it)."""
+
+    def end_backward(self) -> None:
+        """After ``loss.backward()``: finish this step's reduction (a no-op where backward did)."""
+
+
+@dataclass(frozen=True)
+class SyncSetup:
+    """What a factory builds a :class:`GradientSync` from, besides the model and optimizer.
+
+    Args:
+        options: the run's options, resolved (:func:`raycomp.train.options.resolve_options`).
+        device: this worker's device (``ray.train.torch.get_device()``).
+        control_group: a gloo group for the small CPU exchanges (None: the default group,
+            when that is gloo already).
+        grad_scaler: the run's enabled ``torch.amp.GradScaler``, or None.
+    """
+
+    options: TrainOptions
+    device: torch.device
+    control_group: Any = None
+    grad_scaler: torch.amp.GradScaler | None = None
+
+
+#: ``factory(model, optimizer, setup) -> GradientSync``
+GradientSyncFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, SyncSetup], GradientSync]
+
+
+def raycomp_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> GradientSync:
+    """raycomp's compressed communication for ``setup.options.strategy`` (the default factory)."""
+    if setup.options.strategy == "fsdp":
+        from raycomp.train.sharding import fsdp_sync
+
+        return fsdp_sync(model, optimizer, setup)
+    from raycomp.train.ddp_sync import ddp_sync
+
+    return ddp_sync(model, optimizer, setup)

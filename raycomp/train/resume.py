@@ -1,0 +1,70 @@
+"""A :class:`~raycomp.train.TrainLoop`'s own checkpoint state: what it saves beside the
+model and optimizer, and how a restarted worker takes it back (files:
+:mod:`raycomp.train.checkpoint`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from raycomp.plan import Plan
+from raycomp.train import checkpoint
+
+if TYPE_CHECKING:
+    from raycomp.train.loop import TrainLoop
+
+__all__ = ["restore", "save_state"]
+
+log = logging.getLogger("raycomp.train")
+
+
+def save_state(loop: TrainLoop, directory: Path) -> None:
+    """Every rank's compression, guard and counters; the shards of a sharded model (a
+    collective); rank 0's shared part through ``loop.save_shared``."""
+    checkpoint.save_own(directory, loop.rank, {
+        "compression": loop.state.state_dict(), "guard": loop.guard.state_dict(),
+        "controller_plan": loop.controller_plan.to_dict(), "rng": torch.get_rng_state(),
+        "counters": {"plan_switches": loop.plan_switches, "outages": loop.outages.count,
+                     "skipped_steps": loop.skipped_steps, "lr_ramp_from": loop.lr_ramp.started_at,
+                     "loss_scale_overflows": loop.guard.overflows},
+        "grad_scaler": None if loop.grad_scaler is None else loop.grad_scaler.state_dict(),
+    })
+    if loop.sharded:  # every rank writes its shards (a collective)
+        checkpoint.save_sharded(directory, loop.model, loop.optimizer)
+    if loop.rank == 0:
+        loop.save_shared(directory)
+
+
+def restore(loop: TrainLoop) -> None:
+    """Take back ``ray.train.get_checkpoint()``'s state, if it holds raycomp's. From another
+    number of workers only the model, optimizer and step come back."""
+    import ray.train
+
+    found = ray.train.get_checkpoint()
+    if found is None:
+        return
+    with found.as_directory() as directory:
+        if not (Path(directory) / checkpoint.META).exists():
+            log.warning("the checkpoint holds no raycomp state: starting fresh")
+            return
+        meta, own = checkpoint.load(Path(directory), loop.rank, loop.world_size, loop.model,
+                                    loop.optimizer, loop.scheduler, sharded=loop.sharded)
+        if own is None:
+            log.warning("checkpoint is from %d workers, now %d: compression state starts fresh",
+                        meta["world_size"], loop.world_size)
+        else:
+            loop.state.load_state_dict(own["compression"])
+            loop.guard.load_state_dict(own["guard"])
+            loop.controller_plan = Plan.from_dict(own["controller_plan"])
+            torch.set_rng_state(own["rng"])
+            counters = own["counters"]
+            loop.plan_switches, loop.outages.count = counters["plan_switches"], counters["outages"]
+            loop.skipped_steps, loop.lr_ramp.started_at = counters["skipped_steps"], counters["lr_ramp_from"]
+            loop.guard.overflows = counters.get("loss_scale_overflows", 0)
+            if loop.grad_scaler is not None and own.get("grad_scaler"):
+                loop.grad_scaler.load_state_dict(own["grad_scaler"])
+    loop.global_step = loop.restored_from = meta["global_step"]
+    log.info("resumed from step %d", loop.global_step)
