@@ -99,8 +99,7 @@ class MinMaxInt4(MinMaxInt8):
 
     A step is 1/15 of the chunk's range instead of 1/255: relative error about 0.13 on a
     Gaussian chunk of 2,048 against int8's 0.008, which error feedback carries into the
-    next steps. Measured at 100 Mbit/s, 3 seeds each, beside int8 in the same hour
-    (docs/benchmarks/e2e-gpt-100mbit-int4.md, e2e-cnn-100mbit-int4.md): on the KJV
+    next steps. Measured at 100 Mbit/s, 3 seeds each, beside int8 in the same hour: on the KJV
     transformer it reached the loss target at the same steps as int8, in 94.4 s against
     119.6 s (steps 550 vs 776 ms, final loss 0.07% higher); on the BatchNorm CNN in 58.5 s
     against 74.1 s, with a higher final accuracy (0.8895 vs 0.8885).
