@@ -189,11 +189,11 @@ def int2():
 
 
 def test_a_registered_compressor_is_a_rung_when_it_declares_a_near_lossless_cost(int2):
-    assert config.validate({"compression": {"adaptive": {"near_lossless": ["int8", "int2"]}}}
+    assert job_config.validate({"compression": {"adaptive": {"near_lossless": ["int8", "int2"]}}}
                            ).compression.adaptive.near_lossless == ["int2", "int8"]  # a quarter byte: first
     with pytest.raises(config.ConfigError, match=r"^compression\.adaptive\.near_lossless: 'topk' is not a "
                                                  r"near-lossless compressor; allowed: int2, int4, int8, fp16, bf16"):
-        config.validate({"compression": {"adaptive": {"near_lossless": ["topk"]}}})
+        job_config.validate({"compression": {"adaptive": {"near_lossless": ["topk"]}}})
     torch = pytest.importorskip("torch")
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     codec = compressors.make_compressor("int2")

@@ -256,7 +256,7 @@ def test_a_new_policy_with_typed_options_is_one_file_and_its_registration(ramp):
     from controllers.service import Controller
     from tests.support.ramp_policy import RampOptions
 
-    job = config.validate({"compression": {"policy": "ramp", "custom_options": {"start_ratio": 0.2, "every_steps": 10}}})
+    job = job_config.validate({"compression": {"policy": "ramp", "custom_options": {"start_ratio": 0.2, "every_steps": 10}}})
     assert job.compression.policy == "tests.support.ramp_policy:RampPolicy"  # what the controller imports
     options = job.compression.policy_options()
     assert options == {"start_ratio": 0.2, "min_ratio": 0.01, "every_steps": 10}
@@ -266,7 +266,7 @@ def test_a_new_policy_with_typed_options_is_one_file_and_its_registration(ramp):
                                                                   r"start_ratio \(0\.2\), got 0\.5"),
                          ({"every_step": 5}, r"custom_options\.every_step: unknown key")]:
         with pytest.raises(config.ConfigError, match=rf"^compression: {message}$") as info:
-            config.validate({"compression": {"policy": "ramp", "custom_options": bad}})
+            job_config.validate({"compression": {"policy": "ramp", "custom_options": bad}})
         assert "\n" not in str(info.value)
     # the controller's decide path: the policy gets its typed options
     controller = Controller()
