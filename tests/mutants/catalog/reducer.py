@@ -4,7 +4,7 @@ from ..mutant import mutant
 
 MUTANTS = (
     mutant(
-        "ef-skipped-for-sparse", "CompressedReducer.start.finish",
+        "ef-skipped-for-sparse", "CompressedReducer._update_memory",
         "                else:\n                    self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
         "                elif not compressor.sparse:\n"
         "                    self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
@@ -39,15 +39,15 @@ MUTANTS = (
     ),
     mutant(
         "dense-in-place-on-statistics-steps", "CompressedReducer.start",
-        "            in_place = overwrite and not self.collecting_stats and all(compensated[i] is grads[i] for i in members)\n",
-        "            in_place = overwrite and all(compensated[i] is grads[i] for i in members)\n",
+        "        overwritable = [overwrite and not measuring and c is g for c, g in zip(compensated, grads, strict=True)]\n",
+        "        overwritable = [overwrite and c is g for c, g in zip(compensated, grads, strict=True)]\n",
         "tests/test_hook.py",
         "a statistics step reduces the bucket in place: the layers' gradient norms are the mean's",
     ),
     mutant(
         "dense-in-place-in-memory-buffer", "CompressedReducer.start",
-        "            in_place = overwrite and not self.collecting_stats and all(compensated[i] is grads[i] for i in members)\n",
-        "            in_place = overwrite and not self.collecting_stats\n",
+        "        overwritable = [overwrite and not measuring and c is g for c, g in zip(compensated, grads, strict=True)]\n",
+        "        overwritable = [overwrite and not measuring for c, g in zip(compensated, grads, strict=True)]\n",
         "tests/test_hook.py",
         "an in-place dense reduction divides a buffer the error-feedback memory handed back",
     ),
@@ -81,8 +81,8 @@ MUTANTS = (
     ),
     mutant(
         "finite-flag-checks-dense-layers-only", "CompressedReducer.start",
-        "        finite = all_finite([grads[i] for t, members in routes.items() if t is not Transport.DENSE\n",
-        "        finite = all_finite([grads[i] for t, members in routes.items() if t is Transport.DENSE\n",
+        "        self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is not Transport.DENSE])\n",
+        "        self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is Transport.DENSE])\n",
         "tests/test_hook.py -k covers_compressed",
         "a compressed layer's NaN is not flagged: a compressor may drop it from the mean and the guard never skips the step",
     ),

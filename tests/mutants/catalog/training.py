@@ -4,10 +4,10 @@ from ..mutant import mutant
 
 MUTANTS = (
     mutant(
-        "checkpoint-drops-ef-residuals", "TrainLoop.save_state",
-        '            "compression": self.state.state_dict(), "guard": self.guard.state_dict(),\n',
-        '            "compression": {**self.state.state_dict(), "memory": {"residuals": {}}},\n'
-        '            "guard": self.guard.state_dict(),\n',
+        "checkpoint-drops-ef-residuals", "save_state",
+        '        "compression": loop.state.state_dict(), "guard": loop.guard.state_dict(),\n',
+        '        "compression": {**loop.state.state_dict(), "memory": {"residuals": {}}},\n'
+        '        "guard": loop.guard.state_dict(),\n',
         "tests/test_train_job.py -k step_checkpoints_resume_mid_epoch",
         "the Ray Train checkpoint (rank*.pt) drops the error-feedback residuals",
     ),
@@ -68,30 +68,30 @@ MUTANTS = (
         "AdamW runs get the lossy rungs that error feedback cannot make work with it",
     ),
     mutant(
-        "lossy-auto-empties-the-ladder", "lossy_options",
-        "    lossy = \"always\" if lossy_suits(optimizer) or not adaptive.near_lossless else \"never\"\n",
-        "    lossy = \"always\" if lossy_suits(optimizer) else \"never\"\n",
+        "lossy-auto-empties-the-ladder", "lossy_setting",
+        "    return \"always\" if lossy_suits(optimizer) or not adaptive.near_lossless else \"never\"\n",
+        "    return \"always\" if lossy_suits(optimizer) else \"never\"\n",
         "tests/test_lossy.py",
         "near_lossless: [] with AdamW leaves no rung but dense",
     ),
     mutant(
-        "lossy-auto-never-resolved", "TrainLoop.__init__",
-        "        options = lossy_options(options, optimizer)  # \"auto\": the optimizer decides\n",
-        "",
+        "lossy-auto-never-resolved", "resolve_options",
+        '    update: dict[str, Any] = {"lossy": lossy_setting(compression.adaptive, optimizer)}\n',
+        "    update: dict[str, Any] = {}\n",
         "tests/test_train_job.py::test_stop_at_target_leaves_after_the_second_consecutive_evaluation_on_every_rank",
         "prepare_model never resolves lossy: auto, so an AdamW run is offered PowerSGD and Top-K",
     ),
     mutant(
-        "buckets-not-given-to-ddp", "TrainLoop.__init__",
-        "            ddp_options = ddp_kwargs(c, model)\n",
-        "            ddp_options = {}\n",
+        "buckets-not-given-to-ddp", "ddp_sync",
+        "    model = wrap_ddp(model, setup, ddp_kwargs(setup.options.compression, model))\n",
+        "    model = wrap_ddp(model, setup, {})\n",
         "tests/test_train_job.py -k critical_policy_switches",
         "raycomp.train.prepare_model builds DDP with its default buckets, whatever compression.bucket_cap_mb says",
     ),
     mutant(
-        "find-unused-not-given-to-ddp", "TrainLoop.__init__",
-        "                ddp_options[\"find_unused_parameters\"] = True\n",
-        "                pass\n",
+        "find-unused-not-given-to-ddp", "wrap_ddp",
+        "        ddp_options[\"find_unused_parameters\"] = True\n",
+        "        pass\n",
         "tests/test_train_job.py -k skips_parameters",
         "TrainOptions.find_unused_parameters never reaches DDP: a model that skips a head fails",
     ),

@@ -5,17 +5,17 @@ from ..mutant import mutant
 MUTANTS = (
     mutant(
         "sparse-also-sends-dense", "sparse_allgather",
-        "    gathering, overhead = _gather_payloads(payloads, compressors, group)\n\n    def merge(",
+        "    gathering, overhead = gather_payloads(payloads, compressors, group)\n\n    def merge(",
         "    group.all_reduce_(torch.cat([t.detach().reshape(-1).float() for t in tensors]))\n"
-        "    gathering, overhead = _gather_payloads(payloads, compressors, group)\n\n    def merge(",
+        "    gathering, overhead = gather_payloads(payloads, compressors, group)\n\n    def merge(",
         "tests/test_wire.py tests/test_collectives.py",
         "the sparse all-gather path also all-reduces the dense tensor (wire grows, ledger unchanged)",
     ),
     mutant(
         "dense-mean-divided-twice", "dense_allreduce.finish",
-        "            for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):\n",
+        "            for i, mean in zip(members, split(flat, [tensors[i] for i in members]), strict=True):\n",
         "            flat.div_(group.size)\n"
-        "            for i, mean in zip(members, _split(flat, [tensors[i] for i in members]), strict=True):\n",
+        "            for i, mean in zip(members, split(flat, [tensors[i] for i in members]), strict=True):\n",
         "tests/test_collectives.py",
         "dense all-reduce divides by the world size before and after summing",
     ),
