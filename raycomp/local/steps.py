@@ -13,6 +13,7 @@ then keep the progress those steps made on top of the new global weights.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -159,9 +160,8 @@ class LocalSteps:
         flat = torch.cat([b.detach().reshape(-1).float() for b in floats])
         dist.all_reduce(flat, group=self.group)
         flat /= dist.get_world_size(self.group)
-        nbytes = flat.numel() * flat.element_size()
-        self.reducer.ledger.add("buffers", self.reducer.group.allreduce_bytes(nbytes),
-                                self.reducer.group.allreduce_bytes(nbytes))
+        sent = self.reducer.group.allreduce_bytes(flat.numel() * flat.element_size())
+        self.reducer.ledger.add("buffers", sent, sent)  # dense: what was sent is what dense costs
         with torch.no_grad():
             offset = 0
             for b in floats:
@@ -185,17 +185,14 @@ class LocalSteps:
         return {
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
-            "schedule": {"sync_every": self.schedule.sync_every, "fragments": self.schedule.fragments,
-                         "delay": self.schedule.delay},
+            "schedule": dataclasses.asdict(self.schedule),
             "global": [p.detach().clone() for p in self.global_params],
             "outer": self.outer.state_dict(),
             "reducer": self.reducer.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["schedule"]
-        mine = {"sync_every": self.schedule.sync_every, "fragments": self.schedule.fragments,
-                "delay": self.schedule.delay}
+        saved, mine = state["schedule"], dataclasses.asdict(self.schedule)
         if saved != mine:
             raise ValueError(f"LocalSteps.load_state_dict: checkpoint schedule {saved} differs from {mine}")
         if len(state["global"]) != len(self.global_params):
