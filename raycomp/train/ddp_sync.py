@@ -34,6 +34,9 @@ class DdpSync:
         if not self.ddp:  # one process: no hook ran; local compression + memory
             self.state.allreduce_gradients()
 
+    def after_optimizer_step(self, applied: bool) -> None:
+        pass  # per-step: the gradients were reduced in backward
+
 
 def wrap_ddp(model: torch.nn.Module, setup: SyncSetup, ddp_options: dict[str, Any]) -> torch.nn.Module:
     """``ray.train.torch.prepare_model`` with ``ddp_options`` (DDP's keyword arguments) and

@@ -3,8 +3,8 @@
 The loop never looks at how the gradients are reduced. It asks a factory
 (:data:`GradientSyncFactory`) for a :class:`GradientSync` once, at
 :func:`raycomp.train.prepare_model`, and from then on only uses the protocol: the model to
-train, the state that carries the plan and the guard's control rows, and one call after
-each backward. raycomp's own factory, :func:`raycomp_sync`, gives
+train, the state that carries the plan and the guard's control rows, one call after each
+backward and one after each optimizer step. raycomp's own factory, :func:`raycomp_sync`, gives
 
 * ``strategy="ddp"``: DDP with raycomp's comm hook (compressed all-reduce per bucket,
   :class:`raycomp.train.ddp_sync.DdpSync`);
@@ -84,6 +84,10 @@ class GradientSync(Protocol):
 
     def end_backward(self) -> None:
         """After ``loss.backward()``: finish this step's reduction (a no-op where backward did)."""
+
+    def after_optimizer_step(self, applied: bool) -> None:
+        """After the optimizer step (``applied``) or its skip: local steps merge the ranks'
+        weights here; a per-step sync has nothing to do."""
 
 
 @dataclass(frozen=True)

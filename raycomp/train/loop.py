@@ -88,7 +88,7 @@ class TrainLoop:
         self.control_seconds = self.step_seconds = 0.0  # the controller's share of a rank's time
         self.boundary_seconds = 0.0  # the part of control_seconds spent at boundaries
         self.lr_ramp = LrRamp(options.compression.lr_scaling)
-        self._lr_used = 0.0
+        self._lr_used = self._loss_value = 0.0
         # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
         self.controller_plan = self.plans.register(self.sync.layers(), options, options.eval_kind)
         self.state.set_plan(self.controller_plan)
@@ -112,8 +112,21 @@ class TrainLoop:
     def step(self, loss: torch.Tensor, samples: int = 0) -> bool:
         """After ``loss.backward()``: guard, optimizer step (unless skipped), boundary.
         Returns whether the optimizer step was applied."""
+        applied = self.after_backward(loss)
+        if applied:
+            self.lr_ramp.optimizer_step(self.optimizer, self.global_step)
+        self.after_optimizer_step(loss, samples, applied)
+        return applied
+
+    # The two halves of :meth:`step`, for a framework that steps the optimizer itself
+    # (Lightning, the Hugging Face Trainer): call ``after_backward`` once the gradients of
+    # a step are complete, step the optimizer only if it returns True, then call
+    # ``after_optimizer_step``.
+    def after_backward(self, loss: torch.Tensor | float) -> bool:
+        """Finish the step's reduction, unscale (fp16), let the guard judge the gradient.
+        Returns whether the optimizer may step (False: the guard skips this step)."""
         self.sync.end_backward()
-        loss_value = float(loss.detach())
+        self._loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         started = time.perf_counter()
         if self.grad_scaler is not None:  # the guard judges the gradient itself
             unscale_once(self.grad_scaler, self.optimizer)
@@ -124,22 +137,28 @@ class TrainLoop:
             log.warning("guard %s at step %d: %s (%s)", event.kind, event.step, event.reason, event.detail)
             self._install(self.controller_plan)
         applied = not verdict.skip_update
-        self.guard.stage(loss_value, applied)
+        self.guard.stage(self._loss_value, applied)
         self.control_seconds += time.perf_counter() - started
         self._lr_used = self.optimizer.param_groups[0]["lr"] * self.lr_ramp.factor(self.global_step)
-        # with a scaler the gradients are unscaled and finite here: its step() would do no more
-        if applied:
-            self.lr_ramp.optimizer_step(self.optimizer, self.global_step)
-        else:
+        return applied
+
+    def after_optimizer_step(self, loss: torch.Tensor | float | None = None, samples: int = 0,
+                             applied: bool = True) -> None:
+        """After the optimizer step (or its skip): the gradient sync's own after-step work
+        (local steps merge ranks here), the scaler's update, zeroed gradients, the
+        scheduler's step, the step log and, every ``interval_steps``, a control boundary."""
+        loss_value = self._loss_value if loss is None else \
+            float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        if not applied:
             self.skipped_steps += 1
             self.state.discard_step()
+        self.sync.after_optimizer_step(applied)
         if self.grad_scaler is not None:
             self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
         self._finish_step(loss_value, samples, applied)
-        return applied
 
     def _finish_step(self, loss: float, samples: int, applied: bool) -> None:
         seconds = time.perf_counter() - self._step_started  # this step's own time

@@ -87,6 +87,9 @@ class FsdpSync:
     def end_backward(self) -> None:
         self.state.end_backward()  # FSDP reduce-scattered in backward; close the step
 
+    def after_optimizer_step(self, applied: bool) -> None:
+        pass  # per-step: the gradients were reduced in backward
+
 
 def sharded_state(model: nn.Module, setup: SyncSetup, *, install: bool = True) -> Any:
     """The rank's :class:`~raycomp.sharded_state.ShardedState` over ``model``, as the run's
