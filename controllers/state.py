@@ -207,7 +207,8 @@ class RunState:
 
     def install(self, plan: Plan) -> Plan:
         """Publish ``plan`` (next version) if it differs from the current one."""
-        same = (plan.default, plan.layers, plan.dense) == (self.plan.default, self.plan.layers, self.plan.dense)
+        same = (plan.default, plan.layers, plan.dense, plan.local) == \
+            (self.plan.default, self.plan.layers, self.plan.dense, self.plan.local)
         if same:
             return self.plan
         self.plan = plan.with_version(self.plan.version + 1)

@@ -8,7 +8,7 @@ from raycomp.compressors import COMPRESSORS, Compressor, make_compressor
 from raycomp.hook import CompressionState, compression_hook
 from raycomp.ledger import WireLedger
 from raycomp.payload import Payload
-from raycomp.plan import DENSE, CompressorSpec, Plan
+from raycomp.plan import DENSE, CompressorSpec, LocalMode, Plan
 from raycomp.reducer import CompressedReducer
 from raycomp.stats import LayerStats
 
@@ -23,6 +23,7 @@ __all__ = [
     "CompressorSpec",
     "LayerStats",
     "Payload",
+    "LocalMode",
     "Plan",
     "WireLedger",
     "bucket_cap_mb",

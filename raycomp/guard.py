@@ -75,9 +75,10 @@ class Guard:
         self.events: list[GuardEvent] = []
 
     def observe(self, step: int, nonfinite: bool, loss: float | None, max_error: float | None,
-                grad_norm: float = 0.0) -> Verdict:
+                grad_norm: float | None = 0.0) -> Verdict:
         """One step's decision. ``loss`` None: no loss to judge at this step (the first step,
-        or the loss belonged to a skipped step); ``max_error`` None: not measured."""
+        or the loss belonged to a skipped step); ``max_error`` None: not measured;
+        ``grad_norm`` None: no reduced gradient to judge (a sync of local steps)."""
         if not self.enabled:
             return Verdict(skip_update=nonfinite, changed=False)
         trigger = self._trigger(nonfinite, loss, max_error, grad_norm)
@@ -92,7 +93,8 @@ class Guard:
             return Verdict(skip_update=skip, changed=changed)
         if loss is not None:
             self.losses.append(loss)
-        self.grad_norms.append(grad_norm)
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
         if self.active:
             self.clean_steps += 1
             if self.clean_steps >= self.stable_steps:
@@ -103,23 +105,24 @@ class Guard:
         return Verdict(skip_update=False, changed=False)
 
     def _trigger(self, nonfinite: bool, loss: float | None, max_error: float | None,
-                 grad_norm: float) -> tuple[str, str] | None:
+                 grad_norm: float | None) -> tuple[str, str] | None:
         if nonfinite or (loss is not None and (loss != loss or loss in (float("inf"), float("-inf")))):
             return "nonfinite_gradient", "NaN/Inf in gradients or loss"
-        if (level := self._spike(grad_norm, self.grad_norms, self.grad_norm_factor)) is not None:
+        if grad_norm is not None and \
+                (level := self.spike_level(grad_norm, self.grad_norms, self.grad_norm_factor)) is not None:
             return "gradient_explosion", (
                 f"gradient norm {grad_norm:.4g} > {self.grad_norm_factor} x recent level {level:.4g}")
         if loss is not None:
             self.recent_losses.append(loss)
         recent = sum(self.recent_losses) / len(self.recent_losses) if self.recent_losses else 0.0
-        if loss is not None and (level := self._spike(recent, self.losses, self.loss_spike_factor)) is not None:
+        if loss is not None and (level := self.spike_level(recent, self.losses, self.loss_spike_factor)) is not None:
             return "loss_spike", (f"mean loss of the last {len(self.recent_losses)} steps {recent:.4g} > "
                                   f"{self.loss_spike_factor} x recent level {level:.4g}")
         if max_error is not None and max_error > self.max_compression_error:
             return "compression_error", f"relative error {max_error:.4g} > {self.max_compression_error}"
         return None
 
-    def _spike(self, value: float, window: deque[float], factor: float) -> float | None:
+    def spike_level(self, value: float, window: deque[float], factor: float) -> float | None:
         """The window's level if ``value`` is more than ``factor`` x it, else None."""
         if len(window) < 3:
             return None

@@ -69,6 +69,35 @@ DENSE = CompressorSpec("none")
 
 
 @dataclass(frozen=True)
+class LocalMode:
+    """Local steps (the DiLoCo family): ranks run ``sync_every`` inner steps without
+    exchanging gradients, then average their pseudo-gradients (global - local weights),
+    each layer compressed as the plan's spec for it says, and an outer optimizer steps the
+    global weights. ``fragments`` pieces of the model sync in turn, ``sync_every /
+    fragments`` steps apart (:class:`raycomp.local.LocalSteps`)."""
+
+    sync_every: int
+    fragments: int = 1
+
+    def __post_init__(self) -> None:
+        for key, value, low in (("sync_every", self.sync_every, 1), ("fragments", self.fragments, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"plan.local.{key}: expected an integer >= {low}, got {value!r}")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"plan.local.fragments: must divide sync_every ({self.sync_every}), "
+                             f"got {self.fragments}")
+
+    def to_dict(self) -> dict[str, int]:
+        return {"sync_every": self.sync_every, "fragments": self.fragments}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LocalMode:
+        if not isinstance(data, Mapping) or set(data) - {"sync_every", "fragments"} or "sync_every" not in data:
+            raise ValueError(f"plan.local: expected {{sync_every, fragments}}, got {data!r}")
+        return cls(data["sync_every"], data.get("fragments", 1))
+
+
+@dataclass(frozen=True)
 class Plan:
     """Which compressor each layer uses; ``dense=True`` overrides everything (fallback).
 
@@ -76,7 +105,11 @@ class Plan:
         version: increases with every decision the controller publishes.
         default: spec for layers without an entry in ``layers``.
         layers: per-layer overrides, by parameter name.
-        dense: fall back to plain all-reduce for every layer.
+        dense: fall back to plain all-reduce for every layer (per step, whatever ``local``
+            says).
+        local: local steps (:class:`LocalMode`): gradients stay on their rank for
+            ``local.sync_every`` steps and the layers' specs compress the pseudo-gradients
+            instead; None: every step's gradients are reduced.
         reason: why this plan was chosen (shown in logs, metrics and summaries).
     """
 
@@ -85,6 +118,7 @@ class Plan:
     layers: tuple[tuple[str, CompressorSpec], ...] = ()
     dense: bool = False
     reason: str = ""
+    local: LocalMode | None = None
     _by_layer: dict[str, CompressorSpec] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +138,11 @@ class Plan:
     ) -> Plan:
         return cls(version, default, tuple(sorted(layers.items())), reason=reason)
 
+    @property
+    def local_steps(self) -> LocalMode | None:
+        """The local-step mode in force (None per step, and always under ``dense``)."""
+        return None if self.dense else self.local
+
     def spec_for(self, layer: str) -> CompressorSpec:
         if self.dense:
             return DENSE
@@ -113,17 +152,20 @@ class Plan:
         return replace(self, version=version)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "version": self.version,
             "default": self.default.to_dict(),
             "layers": {name: spec.to_dict() for name, spec in self.layers},
             "dense": self.dense,
             "reason": self.reason,
         }
+        if self.local is not None:  # absent per step: a per-step plan's digest is unchanged
+            data["local"] = self.local.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        unknown = set(data) - {"version", "default", "layers", "dense", "reason"}
+        unknown = set(data) - {"version", "default", "layers", "dense", "reason", "local"}
         if unknown:
             raise ValueError(f"plan: unknown key {sorted(unknown)[0]!r}")
         layers = {k: CompressorSpec.from_dict(v) for k, v in dict(data.get("layers", {})).items()}
@@ -133,6 +175,7 @@ class Plan:
             layers=tuple(sorted(layers.items())),
             dense=bool(data.get("dense", False)),
             reason=str(data.get("reason", "")),
+            local=None if data.get("local") is None else LocalMode.from_dict(data["local"]),
         )
 
     def to_json(self) -> str:
@@ -151,4 +194,4 @@ class Plan:
 # the worker -> controller message moved to raycomp.messages; importable from here too
 from raycomp.messages import GradStats, ReportTooLarge  # noqa: E402
 
-__all__ = ["DENSE", "CompressorSpec", "GradStats", "Plan", "ReportTooLarge"]
+__all__ = ["DENSE", "CompressorSpec", "GradStats", "LocalMode", "Plan", "ReportTooLarge"]

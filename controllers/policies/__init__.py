@@ -26,8 +26,10 @@ from controllers.policies.base import MIN_COMPRESS_NUMEL, Policy, PolicyOptions
 from controllers.policies.critical import CriticalOptions, CriticalPolicy
 from controllers.policies.error_budget import ErrorBudgetOptions, ErrorBudgetPolicy
 from controllers.policies.guarded import Guarded
+from controllers.policies.local import LocalChoice
 from controllers.policies.schedule import ScheduleOptions, SchedulePolicy, ScheduleStage
 from controllers.policies.static import StaticOptions, StaticPolicy
+from raycomp.config import LocalSection
 from raycomp.config.base import one_line
 from raycomp.registry import Registry
 
@@ -98,16 +100,20 @@ def validate_options(name: str, options: Any) -> Any:
 
 def make_policy(name: str, options: dict[str, Any], guard: bool = True) -> Policy:
     """The policy ``name`` with its options (the mapping a job config's section dumps to;
-    ``min_compress_numel`` rides along), wrapped in :class:`Guarded` unless ``guard=False``."""
-    own = {k: v for k, v in options.items() if k != "min_compress_numel"}
+    ``min_compress_numel`` rides along, and ``local``, ``compression.local``, when its mode is
+    not off: the policy is then wrapped in :class:`LocalChoice`), wrapped in
+    :class:`Guarded` unless ``guard=False``."""
+    own = {k: v for k, v in options.items() if k not in ("min_compress_numel", "local")}
     policy = policy_class(name)(validate_options(name, own),
                                 int(options.get("min_compress_numel", MIN_COMPRESS_NUMEL)))
+    if options.get("local") is not None:  # compression.local rides along when not off
+        policy = LocalChoice(policy, LocalSection.model_validate(options["local"]))
     return Guarded(policy) if guard else policy
 
 
 __all__ = [
     "POLICIES", "REGISTRY", "AdaptiveOptions", "AdaptivePolicy", "BandwidthOptions", "BandwidthPolicy",
-    "CriticalOptions", "CriticalPolicy", "ErrorBudgetOptions", "ErrorBudgetPolicy", "Guarded", "Policy",
+    "CriticalOptions", "CriticalPolicy", "ErrorBudgetOptions", "ErrorBudgetPolicy", "Guarded", "LocalChoice", "Policy",
     "PolicyOptions", "ScheduleOptions", "SchedulePolicy", "ScheduleStage", "StaticOptions", "StaticPolicy",
     "make_policy", "options_key", "policy_class", "register_policy", "unregister_policy", "validate_options",
 ]

@@ -19,11 +19,12 @@ from raycomp.config.sections import (
     CompressionSection,
     ControllerSection,
     GuardSection,
+    LocalSection,
     LrScalingSection,
     host_literal,
 )
 
 __all__ = [
     "CheckpointSection", "CompressionSection", "CompressorConfig", "ConfigError", "ControllerSection",
-    "GuardSection", "LrScalingSection", "compressor", "host_literal", "one_line",
+    "GuardSection", "LocalSection", "LrScalingSection", "compressor", "host_literal", "one_line",
 ]

@@ -85,20 +85,35 @@ class LocalSteps:
     ) -> None:
         if buffers not in BUFFER_MODES:
             raise ValueError(f"buffers: must be one of {', '.join(BUFFER_MODES)}, got {buffers!r}")
-        self.schedule = FragmentSchedule(sync_every, fragments, delay)
         self.model, self.buffers, self.group = model, buffers, process_group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.fragment_members = split_fragments([p.numel() for p in self.params], fragments)
         self._broadcast_start()
-        self.global_params = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
-        self.outer = outer_optimizer(self.global_params)
+        self._outer_factory = outer_optimizer
         self.reducer = CompressedReducer(plan, process_group=process_group, memory=memory, seed=seed,
                                          min_compress_numel=min_compress_numel)
         self.inner_steps = 0
         self.outer_steps = 0
+        self.skipped_outer = 0  # syncs whose mean pseudo-gradient was not finite
+        #: the control rows that rode with the latest finished sync (see :meth:`stage_control`)
+        self.last_rows: torch.Tensor | None = None
         self._in_flight: _InFlight | None = None
+        self.restart(sync_every, fragments, delay)
+
+    def restart(self, sync_every: int, fragments: int = 1, delay: int = 0) -> None:
+        """Start over from the model's current weights, which must be the same on every rank
+        (after per-step training, say): a new schedule counted from this step, the global
+        weights set to the current ones, a fresh outer optimizer and error-feedback memory.
+        Only while :attr:`quiescent`."""
+        if not self.quiescent:
+            raise RuntimeError("LocalSteps.restart: a sync is on the wire; call quiesce() first")
+        self.schedule = FragmentSchedule(sync_every, fragments, delay)
+        self.fragment_members = split_fragments([p.numel() for p in self.params], fragments)
+        self.origin = self.inner_steps  # the schedule counts inner steps from here
+        self.global_params = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self.outer = self._outer_factory(self.global_params)
+        self.reducer.memory.reset()
 
     # --- the loop ---------------------------------------------------------------------
     def step(self) -> bool:
@@ -107,14 +122,17 @@ class LocalSteps:
         self.inner_steps += 1
         applied = False
         if self._in_flight is not None and self._in_flight.finish_after == self.inner_steps:
-            self._finish()
-            applied = True
-        for fragment in self.schedule.due(self.inner_steps):
+            applied = self._finish()
+        for fragment in self.schedule.due(self.inner_steps - self.origin):
             self._start(fragment)
             if self.schedule.delay == 0:
-                self._finish()
-                applied = True
+                applied = self._finish() or applied
         return applied
+
+    def starts_next(self) -> bool:
+        """Whether the next :meth:`step` starts a sync (what :meth:`stage_control` stages
+        rides with it)."""
+        return bool(self.schedule.due(self.inner_steps + 1 - self.origin))
 
     @property
     def quiescent(self) -> bool:
@@ -125,20 +143,50 @@ class LocalSteps:
         """How the next syncs' pseudo-gradients travel (from the next sync on)."""
         self.reducer.set_plan(plan)
 
+    def stage_control(self, values: Sequence[float]) -> None:
+        """Carry these floats of this rank to every rank with the next sync (its last
+        collective); after that sync, :attr:`last_rows` holds one row per rank:
+        ``[non-finite flag, *values]`` (:meth:`raycomp.reducer.CompressedReducer.stage_control`)."""
+        self.reducer.stage_control(values)
+
+    def quiesce(self) -> None:
+        """Finish a sync that is on the wire now, without waiting for its ``delay`` steps."""
+        if self._in_flight is not None:
+            self._finish()
+
+    def merge_all(self) -> None:
+        """Sync every fragment now (after finishing one on the wire): the ranks then hold
+        the same weights, as they must to leave local steps."""
+        self.quiesce()
+        for fragment in range(self.schedule.fragments):
+            self._start(fragment)
+            self._finish()
+
     def _start(self, fragment: int) -> None:
         members = self.fragment_members[fragment]
         pseudo = [self.global_params[i].detach() - self.params[i].detach().float() for i in members]
         snapshot = [self.params[i].detach().clone() for i in members] if self.schedule.delay else None
         self.reducer.begin_step()
-        pending = self.reducer.start([self.names[i] for i in members], pseudo)
+        pending = self.reducer.start([self.names[i] for i in members], pseudo, closes_step=True)
         self._in_flight = _InFlight(fragment, self.inner_steps + self.schedule.delay, pending, snapshot)
 
-    def _finish(self) -> None:
+    def _finish(self) -> bool:
+        """Wait for the sync on the wire and apply its outer step; False if it was skipped."""
         flight, self._in_flight = self._in_flight, None
         assert flight is not None
         means = flight.pending.wait()
+        self.last_rows = self.reducer.control_rows
         self.reducer.end_step()
         members = self.fragment_members[flight.fragment]
+        if not all(bool(torch.isfinite(m).all()) for m in means):
+            # NaN/Inf reached the mean (the same on every rank): no outer step, and every rank
+            # goes back to the global weights, dropping the interval and its memory
+            self.skipped_outer += 1
+            self.reducer.discard_step()
+            with torch.no_grad():
+                for i in members:
+                    self.params[i].copy_(self.global_params[i].detach())
+            return False
         for i, mean in zip(members, means, strict=True):
             self.global_params[i].grad = mean.to(self.global_params[i].dtype)
         self.outer.step()  # parameters without a gradient (other fragments) are left alone
@@ -152,6 +200,7 @@ class LocalSteps:
         if flight.fragment == 0 and self.buffers == "average":
             self._average_buffers()
         self.outer_steps += 1
+        return True
 
     def _average_buffers(self) -> None:
         floats = [b for b in self.model.buffers() if b.is_floating_point() and b.numel()]
@@ -185,6 +234,8 @@ class LocalSteps:
         return {
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
+            "skipped_outer": self.skipped_outer,
+            "origin": self.origin,
             "schedule": dataclasses.asdict(self.schedule),
             "global": [p.detach().clone() for p in self.global_params],
             "outer": self.outer.state_dict(),
@@ -205,3 +256,5 @@ class LocalSteps:
         self.reducer.load_state_dict(state["reducer"])
         self.inner_steps = int(state["inner_steps"])
         self.outer_steps = int(state["outer_steps"])
+        self.skipped_outer = int(state["skipped_outer"])
+        self.origin = int(state["origin"])

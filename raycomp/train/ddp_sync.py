@@ -20,6 +20,7 @@ class DdpSync:
     worker, the bare model) and its :class:`~raycomp.hook.CompressionState`."""
 
     sharded = False
+    per_step = True  # every step's gradients are reduced
 
     def __init__(self, model: torch.nn.Module, state: CompressionState) -> None:
         self.model, self.state = model, state
@@ -34,8 +35,11 @@ class DdpSync:
         if not self.ddp:  # one process: no hook ran; local compression + memory
             self.state.allreduce_gradients()
 
-    def after_optimizer_step(self, applied: bool) -> None:
-        pass  # per-step: the gradients were reduced in backward
+    def after_optimizer_step(self, applied: bool, loss: float) -> None:
+        return None  # per step: the gradients were reduced in backward
+
+    def agreement(self) -> tuple[float, ...]:
+        return ()
 
 
 def wrap_ddp(model: torch.nn.Module, setup: SyncSetup, ddp_options: dict[str, Any]) -> torch.nn.Module:

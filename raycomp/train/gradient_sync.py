@@ -8,6 +8,8 @@ backward and one after each optimizer step. raycomp's own factory, :func:`raycom
 
 * ``strategy="ddp"``: DDP with raycomp's comm hook (compressed all-reduce per bucket,
   :class:`raycomp.train.ddp_sync.DdpSync`);
+* ``compression.local.mode`` ``fixed`` or ``auto``: the same, or local steps while the plan
+  says so (:class:`raycomp.train.local_sync.LocalSync`);
 * ``strategy="fsdp"``: FSDP2 with a compressed reduce-scatter per ``fully_shard`` unit
   (:class:`raycomp.train.sharding.FsdpSync`).
 
@@ -82,12 +84,23 @@ class GradientSync(Protocol):
     def layers(self) -> dict[str, list[int]]:
         """What a plan names, each with its shape (the controller sizes compressors from it)."""
 
+    @property
+    def per_step(self) -> bool:
+        """Whether this step's gradients are reduced across ranks (False while local steps
+        run: the replicas then differ, and the guard judges syncs instead of steps)."""
+
     def end_backward(self) -> None:
         """After ``loss.backward()``: finish this step's reduction (a no-op where backward did)."""
 
-    def after_optimizer_step(self, applied: bool) -> None:
-        """After the optimizer step (``applied``) or its skip: local steps merge the ranks'
-        weights here; a per-step sync has nothing to do."""
+    def after_optimizer_step(self, applied: bool, loss: float) -> list[list[float]] | None:
+        """After the optimizer step (``applied``) or its skip, with this rank's ``loss``:
+        local steps merge the ranks' weights here and return every rank's control row
+        ``[non-finite, mean loss, has loss]`` of a sync that finished (else None); a
+        per-step sync has nothing to do."""
+
+    def agreement(self) -> tuple[float, ...]:
+        """Numbers every rank must hold equal at a control boundary, beside the plan and the
+        guard (local steps: the schedule's position); () if none."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,10 @@ def raycomp_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup
         from raycomp.train.sharding import fsdp_sync
 
         return fsdp_sync(model, optimizer, setup)
+    if setup.options.compression.local.mode != "off":
+        from raycomp.train.local_sync import local_sync
+
+        return local_sync(model, optimizer, setup)
     from raycomp.train.ddp_sync import ddp_sync
 
     return ddp_sync(model, optimizer, setup)

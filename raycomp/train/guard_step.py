@@ -21,6 +21,7 @@ nevertheless decided differently are caught at the next control boundary
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 import torch
@@ -53,6 +54,8 @@ class GuardStep:
         self.grad_scaler = grad_scaler
         self.overflows = 0  # steps skipped for the loss scaler
         self.carry = [0.0, 0.0, -1.0]  # the previous step's (loss, has loss, worst error)
+        #: this rank's recent gradient norms during local steps (its own, not agreed on)
+        self.inner_norms: deque[float] = deque(maxlen=guard.grad_norms.maxlen)
         self.state.stage_control(self.carry)
 
     def decide(self, step: int, parameters: list[torch.Tensor]) -> Verdict:
@@ -68,6 +71,29 @@ class GuardStep:
             return Verdict(skip_update=True, changed=False)
         return self.guard.observe(step, nonfinite, loss, max(errors) if errors else None,
                                   norm if math.isfinite(norm) else 0.0)
+
+    def judge_inner(self, parameters: list[torch.Tensor]) -> bool:
+        """Local steps: whether this rank may apply its own inner step. Nothing is exchanged,
+        so only this rank's gradient is judged, against its own recent norms: a non-finite
+        gradient, or a norm above ``grad_norm_factor`` x their level, is skipped on this rank
+        alone (its replica), never averaged into the next sync."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
+            if grads else 0.0
+        if not math.isfinite(norm) or \
+                self.guard.spike_level(norm, self.inner_norms, self.guard.grad_norm_factor) is not None:
+            return False
+        self.inner_norms.append(norm)
+        return True
+
+    def judge_sync(self, step: int, rows: list[list[float]]) -> Verdict:
+        """A sync of local steps, from the rows that rode inside it (the same on every rank):
+        per rank ``[non-finite, mean loss since the previous sync, has loss]``. The mean of
+        those losses is judged like a step's loss; there is no reduced gradient to judge."""
+        nonfinite = any(r[0] > 0 for r in rows)
+        losses = [r[1] for r in rows if r[2] > 0]
+        loss = math.fsum(losses) / len(losses) if losses else None
+        return self.guard.observe(step, nonfinite, loss, None, grad_norm=None)
 
     def stage(self, loss: float, applied: bool) -> None:
         """What rides in the next step's collective: this step's loss (unless the step was
@@ -90,9 +116,11 @@ class GuardStep:
         return rows.tolist()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"guard": self.guard.state_dict(), "carry": list(self.carry)}
+        return {"guard": self.guard.state_dict(), "carry": list(self.carry), "inner_norms": list(self.inner_norms)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state["guard"])
         self.carry = list(state["carry"])
+        self.inner_norms.clear()
+        self.inner_norms.extend(state["inner_norms"])
         self.state.stage_control(self.carry)

@@ -82,6 +82,7 @@ class TrainLoop:
         self.reporter = StatsReporter(controller, self.run_id, self.rank, self.outages)
         self.log = StepLog(self.output_dir, self.rank, options.progress_every)
         self.global_step = self.epoch = self.plan_switches = self.skipped_steps = 0
+        self.local_skips = 0  # inner steps this rank skipped on its own (local steps)
         self.steps_per_epoch: int | None = None
         self.epochs_total: int | None = None
         self.restored_from: int | None = None
@@ -130,14 +131,13 @@ class TrainLoop:
         started = time.perf_counter()
         if self.grad_scaler is not None:  # the guard judges the gradient itself
             unscale_once(self.grad_scaler, self.optimizer)
-        verdict = self.guard.decide(self.global_step, self._params)
-        if verdict.changed:
-            event = self.guard.guard.events[-1]
-            self.reporter.events.append(event.to_dict())
-            log.warning("guard %s at step %d: %s (%s)", event.kind, event.step, event.reason, event.detail)
-            self._install(self.controller_plan)
-        applied = not verdict.skip_update
-        self.guard.stage(self._loss_value, applied)
+        if self.sync.per_step:
+            verdict = self.guard.decide(self.global_step, self._params)
+            self._verdict(verdict)
+            applied = not verdict.skip_update
+            self.guard.stage(self._loss_value, applied)
+        else:  # local steps: the rank judges its own inner step; the guard judges syncs
+            applied = self.guard.judge_inner(self._params)
         self.control_seconds += time.perf_counter() - started
         self._lr_used = self.optimizer.param_groups[0]["lr"] * self.lr_ramp.factor(self.global_step)
         return applied
@@ -149,16 +149,28 @@ class TrainLoop:
         scheduler's step, the step log and, every ``interval_steps``, a control boundary."""
         loss_value = self._loss_value if loss is None else \
             float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        if not applied:
+        if not applied and self.sync.per_step:
             self.skipped_steps += 1
             self.state.discard_step()
-        self.sync.after_optimizer_step(applied)
+        elif not applied:
+            self.local_skips += 1  # this rank's own: only its replica skipped the step
+        rows = self.sync.after_optimizer_step(applied, loss_value)
+        if rows is not None:  # a sync of local steps finished: the guard judges it
+            self._verdict(self.guard.judge_sync(self.global_step, rows))
         if self.grad_scaler is not None:
             self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
         self._finish_step(loss_value, samples, applied)
+
+    def _verdict(self, verdict: Any) -> None:
+        """Act on a guard verdict that changed the fallback state: log, report, install."""
+        if verdict.changed:
+            event = self.guard.guard.events[-1]
+            self.reporter.events.append(event.to_dict())
+            log.warning("guard %s at step %d: %s (%s)", event.kind, event.step, event.reason, event.detail)
+            self._install(self.controller_plan)
 
     def _finish_step(self, loss: float, samples: int, applied: bool) -> None:
         seconds = time.perf_counter() - self._step_started  # this step's own time
@@ -210,7 +222,7 @@ class TrainLoop:
     def sync_plan(self, offer: Plan | None) -> Plan | None:
         """Agreement check of plan and guard state; rank 0's ``offer`` on every rank."""
         guard = self.guard.guard
-        state = (float(self.skipped_steps), float(guard.active), float(len(guard.events)))
+        state = (float(self.skipped_steps), float(guard.active), float(len(guard.events)), *self.sync.agreement())
         return self.plans.sync(self.state.plan, state, offer, self.global_step)
 
     def _install(self, controller_plan: Plan) -> None:

@@ -31,6 +31,10 @@ def save_state(loop: TrainLoop, directory: Path) -> None:
                      "skipped_steps": loop.skipped_steps, "lr_ramp_from": loop.lr_ramp.started_at,
                      "loss_scale_overflows": loop.guard.overflows},
         "grad_scaler": None if loop.grad_scaler is None else loop.grad_scaler.state_dict(),
+        # during local steps every rank's weights and optimizer state are its own
+        "replica": None if loop.sync.per_step else {
+            "model": getattr(loop.model, "module", loop.model).state_dict(),
+            "optimizer": loop.optimizer.state_dict()},
     })
     if loop.sharded:  # every rank writes its shards (a collective)
         checkpoint.save_sharded(directory, loop.model, loop.optimizer)
@@ -66,5 +70,8 @@ def restore(loop: TrainLoop) -> None:
             loop.guard.overflows = counters.get("loss_scale_overflows", 0)
             if loop.grad_scaler is not None and own.get("grad_scaler"):
                 loop.grad_scaler.load_state_dict(own["grad_scaler"])
+            if own.get("replica") is not None:  # this rank's own weights (local steps)
+                getattr(loop.model, "module", loop.model).load_state_dict(own["replica"]["model"])
+                loop.optimizer.load_state_dict(own["replica"]["optimizer"])
     loop.global_step = loop.restored_from = meta["global_step"]
     log.info("resumed from step %d", loop.global_step)

@@ -76,6 +76,7 @@ class FsdpSync:
     its :class:`~raycomp.sharded_state.ShardedState`: plans name units, not parameters."""
 
     sharded = True
+    per_step = True  # every step's gradients are reduced
     bucket_cap_mb = None  # no DDP buckets
 
     def __init__(self, model: nn.Module, state: Any) -> None:
@@ -87,8 +88,11 @@ class FsdpSync:
     def end_backward(self) -> None:
         self.state.end_backward()  # FSDP reduce-scattered in backward; close the step
 
-    def after_optimizer_step(self, applied: bool) -> None:
-        pass  # per-step: the gradients were reduced in backward
+    def after_optimizer_step(self, applied: bool, loss: float) -> None:
+        return None  # per step: the gradients were reduced in backward
+
+    def agreement(self) -> tuple[float, ...]:
+        return ()
 
 
 def sharded_state(model: nn.Module, setup: SyncSetup, *, install: bool = True) -> Any:

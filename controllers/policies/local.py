@@ -1,0 +1,151 @@
+"""How often ranks talk, beside how hard: per-step compression or local steps.
+
+:class:`LocalChoice` wraps the run's policy (which keeps deciding the per-step plan) when
+``compression.local.mode`` is ``fixed`` or ``auto``:
+
+* ``fixed``: every plan after the warm-up is local steps every ``sync_every`` steps, the
+  pseudo-gradients compressed with ``compressor``.
+* ``auto``: from the cost model's measurements (link bytes/s, compute per step, round
+  overhead), the predicted step of the inner policy's per-step plan is compared with local
+  steps' ``compute + sync / H``, where a sync sends every compressible layer's
+  pseudo-gradient with ``compressor``. H is the smallest power of two (2 ..
+  ``max_sync_every``) whose sync adds at most ``target_overhead`` of the compute per step,
+  else the largest. Local steps are chosen when the per-step plan is predicted more than
+  ``min_gain`` slower; on a fast link that never happens, and the per-step plan (often
+  dense) stays. A switch of mode or H waits until ``PATIENCE`` boundaries in a row agree
+  (the first choice is taken at once), so that choices that would undo each other are
+  damped.
+
+The guard steps back: a fallback while local steps are in force halves the largest H this
+policy may choose from then on (below 2: per step only), and the fallback itself runs dense
+per step until the workers recover (:class:`~controllers.policies.guarded.Guarded`).
+
+While local steps are in force the timings the workers report are those of inner steps
+and syncs, not of per-step reductions; the cost models (this one's and the inner
+adaptive policy's) do not learn from them, so they keep the per-step figures they compare
+against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from controllers.policies.base import Policy, compressible_layers
+from controllers.policies.cost_model import CostModel
+from controllers.state import RunState
+from raycomp.config import LocalSection
+from raycomp.plan import CompressorSpec, LocalMode, Plan
+
+__all__ = ["PATIENCE", "LocalChoice"]
+
+PATIENCE = 2  # boundaries in a row that must agree before a change of mode or H
+
+
+class LocalChoice(Policy):
+    """Args:
+        inner: the policy that decides per-step plans (and is consulted every boundary).
+        options: ``compression.local`` (``mode`` fixed or auto).
+    """
+
+    def __init__(self, inner: Policy, options: LocalSection) -> None:
+        super().__init__(inner.options, inner.min_numel)
+        self.inner, self.local = inner, options
+        self.name = inner.name
+        self.cost = CostModel(round_seconds=0.001)
+        self.ceiling = options.max_sync_every  # the largest H allowed (halved by fallbacks)
+        self.chosen: int | None = None  # the H in force (0: per step), None before any choice
+        self.wanted: int | None = None  # a different H asked for at the previous boundary
+        self.strikes = 0
+        self.fallbacks_seen = 0
+        self.last: Plan | None = None  # the inner policy's latest per-step plan
+        self.history: list[list[Any]] = []
+
+    def decide(self, run: RunState) -> Plan | None:
+        local_in_force = run.plan.local_steps is not None
+        if local_in_force:  # timings of inner steps and syncs: not per-step figures
+            self._freeze(run)
+        else:
+            self.cost.measure(run)
+        plan = self.inner.decide(run)
+        if plan is not None:
+            self.last = plan
+        if run.fallback_events > self.fallbacks_seen:
+            if local_in_force and self.chosen:
+                self.ceiling = max(1, self.chosen // 2)
+                self.history.append([run.step, "step back", f"largest H now {self.ceiling}"])
+            self.fallbacks_seen = run.fallback_events
+        pseudo = CompressorSpec.of(self.local.compressor)
+        if self.local.mode == "fixed":
+            return Plan(default=pseudo, local=LocalMode(self.local.sync_every, self.local.fragments),
+                        reason=f"local steps: fixed, H={self.local.sync_every}, pseudo-gradients {pseudo}")
+        return self._auto(run, pseudo)
+
+    def _auto(self, run: RunState, pseudo: CompressorSpec) -> Plan | None:
+        base = self.last
+        if base is None or not self.cost.ready:
+            return base
+        layers = compressible_layers(run, self.min_numel)
+        per_step, _ = self.cost.predict(run, {n: base.spec_for(n) for n in layers})
+        compute = self.cost.compute or 0.0
+        sync = max(0.0, self.cost.predict(run, dict.fromkeys(layers, pseudo))[0] - compute)
+        h = self._interval(sync, compute)
+        local_step = compute + sync / h if h else per_step
+        target = h if h and per_step > (1 + self.local.min_gain) * local_step else 0
+        if self.chosen is None or target == self.chosen:
+            self.chosen, self.wanted, self.strikes = target, None, 0
+        elif target == self.wanted:
+            self.strikes += 1
+            if self.strikes >= PATIENCE:
+                self.chosen, self.wanted, self.strikes = target, None, 0
+        else:
+            self.wanted, self.strikes = target, 1
+        figures = (f"per step {per_step * 1e3:.0f} ms predicted, local steps {local_step * 1e3:.0f} ms "
+                   f"(compute {compute * 1e3:.0f} ms, a sync {sync * 1e3:.0f} ms)")
+        if not self.chosen:
+            reason = f"per step: {base.reason}; {figures}"
+            self.history.append([run.step, 0, reason])
+            return replace(base, reason=reason)
+        fragments = self.local.fragments if self.chosen % self.local.fragments == 0 else 1
+        reason = f"local steps: H={self.chosen}, pseudo-gradients {pseudo}; {figures}"
+        self.history.append([run.step, self.chosen, reason])
+        return Plan(default=pseudo, local=LocalMode(self.chosen, fragments), reason=reason)
+
+    def _interval(self, sync: float, compute: float) -> int:
+        """The smallest power-of-two H whose sync adds at most ``target_overhead`` of the
+        compute per step, else the largest allowed; 0 when local steps are not allowed."""
+        candidates = [h for h in (2 ** k for k in range(1, 18)) if h <= min(self.ceiling, self.local.max_sync_every)]
+        if not candidates:
+            return 0
+        for h in candidates:
+            if sync / h <= self.local.target_overhead * compute:
+                return h
+        return candidates[-1]
+
+    def _freeze(self, run: RunState) -> None:
+        if run.timings:
+            latest = run.timings[-1].step
+            for model in (self.cost, getattr(self.inner, "cost", None)):
+                if isinstance(model, CostModel):
+                    model.seen_step = max(model.seen_step, latest)
+
+    def details(self) -> dict[str, Any]:
+        return {**self.inner.details(), "local": {
+            "mode": self.local.mode, "sync_every": self.chosen, "largest_allowed": self.ceiling,
+            "history": list(self.history)}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "cost": self.cost.state_dict(), "ceiling": self.ceiling,
+                "chosen": self.chosen, "wanted": self.wanted, "strikes": self.strikes,
+                "fallbacks_seen": self.fallbacks_seen, "history": list(self.history),
+                "last": None if self.last is None else self.last.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.inner.load_state_dict(state["inner"])
+        self.cost.load_state_dict(state["cost"], ())
+        self.ceiling, self.chosen, self.wanted = state["ceiling"], state["chosen"], state["wanted"]
+        self.strikes, self.fallbacks_seen = state["strikes"], state["fallbacks_seen"]
+        self.history = [list(h) for h in state["history"]]
+        self.last = None if state["last"] is None else Plan.from_dict(state["last"])

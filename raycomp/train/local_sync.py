@@ -1,0 +1,203 @@
+"""``compression.local.mode`` ``fixed`` or ``auto``: per-step compression or local steps, as
+the plan in force says.
+
+The model is in DDP with raycomp's comm hook, as for ``mode: off``. A plan without
+:attr:`~raycomp.plan.Plan.local` runs per step through the hook. A plan with it switches DDP's
+gradient synchronisation off (DDP then issues no collective at all: no bucket reduction,
+no buffer broadcast) and hands the weights to :class:`raycomp.local.LocalSteps`: every
+``sync_every`` steps the pseudo-gradients travel compressed as the plan's layer specs say,
+and the outer optimizer steps the synchronised weights.
+
+The switch happens where the loop installs a plan, which is the same step on every rank.
+Leaving local steps first syncs every fragment, so that the ranks hold the same weights
+again before DDP resumes; entering them starts a fresh schedule from the current (equal)
+weights.
+
+The guard cannot judge each inner step as it does per step (the gradients differ per rank
+and nothing is exchanged); instead each rank skips its own non-finite inner steps, and the
+loss every rank saw since the previous sync rides in the sync's collective, so the guard
+judges every sync on the same numbers on every rank (:meth:`LocalSync.after_optimizer_step`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from raycomp.config import LocalSection
+from raycomp.hook import CompressionState
+from raycomp.ledger import WireLedger
+from raycomp.local import LocalSteps
+from raycomp.plan import LocalMode, Plan
+from raycomp.stats import LayerStats
+from raycomp.train.ddp_sync import compression_state, wrap_ddp
+from raycomp.train.gradient_sync import SyncSetup
+
+__all__ = ["LocalState", "LocalSync", "local_sync", "outer_sgd"]
+
+
+def outer_sgd(params: Sequence[torch.Tensor], *, lr: float, momentum: float, nesterov: bool) -> torch.optim.Optimizer:
+    """The outer optimizer of ``compression.local``: SGD over the synchronised weights."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
+
+
+class LocalState:
+    """The :class:`~raycomp.train.gradient_sync.GradientState` of a run that may take local
+    steps: the hook's :class:`~raycomp.hook.CompressionState` for per-step plans, a
+    :class:`~raycomp.local.LocalSteps` for local ones, one byte ledger for both."""
+
+    def __init__(self, model: torch.nn.Module, hook: CompressionState, steps: LocalSteps,
+                 options: LocalSection) -> None:
+        self.model, self.hook, self.steps, self.options = model, hook, steps, options
+        self.ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        steps.reducer.ledger = hook.reducer.ledger  # pseudo-gradient bytes count with the rest
+        self.mode: LocalMode | None = None  # the local steps in force, or None (per step)
+        self.local_seconds = 0.0  # time spent in syncs of local steps
+
+    # --- what the loop reads --------------------------------------------------------------
+    ledger: WireLedger = property(lambda self: self.hook.ledger)  # type: ignore[assignment]
+    stats: list[LayerStats] = property(lambda self: self.hook.stats)  # type: ignore[assignment]
+    stats_step: int = property(lambda self: self.hook.stats_step)  # type: ignore[assignment]
+    step: int = property(lambda self: self.hook.step)  # type: ignore[assignment]
+    plan: Plan = property(lambda self: self.hook.plan)  # type: ignore[assignment]
+
+    @property
+    def comm_seconds(self) -> float:
+        return self.hook.comm_seconds + self.local_seconds
+
+    @property
+    def control_rows(self) -> torch.Tensor | None:
+        return self.hook.control_rows
+
+    @control_rows.setter
+    def control_rows(self, rows: torch.Tensor | None) -> None:
+        self.hook.control_rows = rows
+
+    def stage_control(self, values: Sequence[float]) -> None:
+        self.hook.stage_control(values)
+
+    def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
+        return self.hook.gradient_norm(parameters)
+
+    def discard_step(self) -> None:
+        self.hook.discard_step()
+
+    # --- the mode ---------------------------------------------------------------------------
+    def set_plan(self, plan: Plan) -> None:
+        """Install ``plan`` from the next step on: per step through the hook, or local steps
+        (entered, left or rescheduled here, at the same step on every rank)."""
+        mode = plan.local_steps
+        if mode != self.mode:
+            if self.mode is not None:
+                self.steps.merge_all()  # the ranks leave with the same weights
+            if mode is not None:
+                spacing = mode.sync_every // mode.fragments
+                self.steps.restart(mode.sync_every, mode.fragments, min(self.options.delay, spacing - 1))
+            self._ddp_sync(mode is None)
+            self.mode = mode
+        self.steps.set_plan(plan)
+        self.hook.set_plan(plan)  # the agreement check compares this plan's digest
+
+    def _ddp_sync(self, on: bool) -> None:
+        if self.ddp:  # what DDP's no_sync() sets, kept: no reduction, no buffer broadcast
+            self.model.require_backward_grad_sync = on
+            self.model.require_forward_param_sync = on
+
+    # --- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The hook's state and the local steps' (a sync on the wire is finished first)."""
+        self.steps.quiesce()
+        return {"hook": self.hook.state_dict(), "local": self.steps.state_dict(),
+                "mode": None if self.mode is None else self.mode.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.hook.load_state_dict(state["hook"])
+        mode = None if state["mode"] is None else LocalMode.from_dict(state["mode"])
+        if mode is not None:  # the schedule the checkpoint was taken under, then its position
+            spacing = mode.sync_every // mode.fragments
+            self.steps.restart(mode.sync_every, mode.fragments, min(self.options.delay, spacing - 1))
+        self.steps.load_state_dict(state["local"])
+        self._ddp_sync(mode is None)
+        self.mode = mode
+
+    def close(self) -> None:
+        self.steps.quiesce()
+        self.hook.close()
+
+
+class LocalSync:
+    """A :class:`~raycomp.train.gradient_sync.GradientSync` that follows the plan's mode:
+    per step (DDP and raycomp's hook) or local steps."""
+
+    sharded = False
+
+    def __init__(self, model: torch.nn.Module, state: LocalState) -> None:
+        self.model, self.state = model, state
+        self.bucket_cap_mb = model.bucket_bytes_cap / 2**20 if state.ddp else None
+        self._losses: list[float] = []  # this rank's losses since the last sync (local steps)
+
+    @property
+    def per_step(self) -> bool:
+        """Whether this step's gradients are reduced (False while local steps run)."""
+        return self.state.mode is None
+
+    def layers(self) -> dict[str, list[int]]:
+        module = getattr(self.model, "module", self.model)
+        return {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
+
+    def end_backward(self) -> None:
+        if not self.state.ddp and self.per_step:  # one process: local compression + memory
+            self.state.hook.allreduce_gradients()
+
+    def agreement(self) -> tuple[float, ...]:
+        """What every rank must hold equal at a boundary: the local steps' position."""
+        steps = self.state.steps
+        return (float(steps.inner_steps - steps.origin), float(steps.outer_steps), float(steps.skipped_outer))
+
+    def after_optimizer_step(self, applied: bool, loss: float) -> list[list[float]] | None:
+        """Per step: nothing. Local steps: count the inner step and, where a sync is due,
+        run it with this rank's mean loss since the previous one riding inside; returns the
+        rows ``[non-finite, mean loss, has loss]`` of every rank when a sync finished."""
+        if self.per_step:
+            return None
+        steps = self.state.steps
+        if applied and math.isfinite(loss):
+            self._losses.append(loss)
+        if steps.starts_next():  # this rank's mean loss since the last sync rides with the next
+            mean = math.fsum(self._losses) / len(self._losses) if self._losses else 0.0
+            steps.stage_control([mean, 1.0 if self._losses else 0.0])
+            self._losses = []
+        finished, skipped = steps.outer_steps + steps.skipped_outer, steps.skipped_outer
+        started = time.perf_counter()
+        steps.step()
+        self.state.local_seconds += time.perf_counter() - started
+        if steps.outer_steps + steps.skipped_outer == finished or steps.last_rows is None:
+            return None
+        rows = steps.last_rows.tolist()
+        if steps.skipped_outer > skipped:  # NaN/Inf reached the mean: every rank saw it
+            rows = [[1.0, *row[1:]] for row in rows]
+        return rows
+
+
+def local_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> LocalSync:
+    """raycomp's DDP path (buckets, the compressed hook) plus local steps over the same model."""
+    from raycomp.buckets import ddp_kwargs
+    from raycomp.hook import compression_hook
+
+    options = setup.options
+    c, local = options.compression, options.compression.local
+    model = wrap_ddp(model, setup, ddp_kwargs(c, model))
+    hook = compression_state(model, setup)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.register_comm_hook(hook, compression_hook)
+    outer = partial(outer_sgd, lr=local.outer_lr, momentum=local.outer_momentum, nesterov=local.nesterov)
+    steps = LocalSteps(getattr(model, "module", model), sync_every=local.sync_every, outer_optimizer=outer,
+                       memory="none" if c.memory == "none" else "residual", fragments=local.fragments,
+                       delay=local.delay, buffers=local.buffers, process_group=setup.control_group,
+                       seed=options.seed, min_compress_numel=c.min_compress_numel)
+    return LocalSync(model, LocalState(model, hook, steps, local))

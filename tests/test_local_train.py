@@ -1,0 +1,155 @@
+"""Local steps through ``raycomp.train`` on a real local Ray (2 workers, gloo): the plan's mode
+switches every rank at the same step, inner steps send nothing, syncs send compressed
+pseudo-gradients and leave every rank with the same weights, the guard judges syncs and
+steps back to dense per step, and a worker killed mid-interval resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, fit_with_controller
+from tests.test_train_job import latest_checkpoint, step_logs, train
+
+H = 4
+SPIKE_STEP = 29  # the loss reported at this step is multiplied by 1000 on every rank
+
+
+def _train_local(config: dict) -> dict:
+    import ray.train
+    import torch.distributed as dist
+
+    import raycomp.train
+    from controllers.policies import StaticOptions
+    from raycomp.config import (
+        CompressionSection,
+        ControllerSection,
+        GuardSection,
+        LocalSection,
+        compressor,
+    )
+    from tests.support.wire import WireRecorder
+
+    rank = ray.train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = raycomp.train.TrainOptions(
+        compression=CompressionSection(
+            policy="static", warmup_steps=4, static=StaticOptions(compressor=compressor("int8")),
+            guard=GuardSection(stable_steps=6, loss_spike_factor=3.0),
+            local=LocalSection(mode="fixed", sync_every=H, compressor="int8")),
+        controller=ControllerSection(name=config["controller"], interval_steps=2),
+        output_dir=config["output_dir"])
+    model = raycomp.train.prepare_model(model, optimizer, options=options)
+    loop = raycomp.train.current()
+    gen = torch.Generator().manual_seed(rank)
+    records = []
+    with WireRecorder() as wire:
+        for _ in loop.epochs(1, 60):
+            for step in range(60):
+                mark = wire.mark()
+                x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                outer_before, local_before = loop.sync.state.steps.outer_steps, not loop.sync.per_step
+                # the loss the guard is told of jumps at one step (the gradient does not)
+                raycomp.train.step(loss * (1000.0 if step == SPIKE_STEP else 1.0), samples=len(y))
+                sent = sum(c.transmitted for c in wire.since(mark))
+                # a step in local steps from start to end (not one that entered or left them)
+                local = local_before and not loop.sync.per_step
+                records.append({"step": step, "local": local, "after": not loop.sync.per_step, "sent": sent,
+                                "synced": loop.sync.state.steps.outer_steps > outer_before,
+                                "weights": [p.detach().clone() for p in model.parameters()]})
+    # the test's own check, after training: which steps left the ranks with equal weights
+    for r in records:
+        flat = torch.cat([w.reshape(-1) for w in r.pop("weights")])
+        gathered = [torch.empty_like(flat) for _ in range(2)]
+        dist.all_gather(gathered, flat)
+        r["equal"] = torch.equal(gathered[0], gathered[1])
+    totals = raycomp.train.finish()
+    return {**totals, "records": records}
+
+
+@pytest.fixture(scope="module")
+def local_run(ray_cluster, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("local")
+    return fit_with_controller(_train_local, tmp, "local"), tmp
+
+
+def test_inner_steps_send_nothing_and_syncs_leave_every_rank_with_the_same_weights(local_run):
+    totals, tmp = local_run
+    records = totals["records"]
+    assert not any(r["local"] for r in records[:4])  # the dense warm-up, per step
+    local = [r for r in records if r["local"]]
+    assert len(local) >= 30
+    synced = [r for r in local if r["synced"]]
+    inner = [r for r in local if not r["synced"]]
+    assert synced and inner
+    assert all(r["equal"] for r in synced)  # the outer step: the same global weights everywhere
+    assert sum(not r["equal"] for r in inner) >= len(inner) // 2  # replicas drift in between
+    # an inner step sends nothing but the control boundary's few bytes; a sync sends the
+    # int8 pseudo-gradients, about a quarter of the per-step dense all-reduce of the warm-up
+    dense_step = min(r["sent"] for r in records[:4])
+    assert dense_step > 35_000  # the 9.6k-parameter MLP's fp32 all-reduce
+    assert max(r["sent"] for r in inner) < 0.02 * dense_step
+    assert all(0.2 * dense_step < r["sent"] < 0.4 * dense_step for r in synced)
+    logs = step_logs(tmp / "out")
+    assert [r["plan_digest"] for r in logs[0]] == [r["plan_digest"] for r in logs[1]]
+
+
+def test_the_guard_judges_a_sync_falls_back_to_dense_per_step_and_returns_to_local_steps(local_run):
+    totals, _ = local_run
+    events = totals["fallback_events"]
+    assert [e["kind"] for e in events] == ["fallback", "recovered"]
+    assert events[0]["reason"] == "loss_spike"
+    # judged at the first sync after the spike (the mean loss of its interval), not before
+    assert SPIKE_STEP <= events[0]["step"] < SPIKE_STEP + H
+    records = totals["records"]
+    fallback, recovered = events[0]["step"], events[1]["step"]
+    assert all(r["equal"] for r in records[fallback + 1:recovered + 1])  # left local steps merged
+    assert not any(r["after"] for r in records[fallback:recovered + 1])  # dense, per step
+    assert any(r["local"] for r in records[recovered + 1:])  # and back to local steps
+
+
+# A worker killed mid-interval resumes bit for bit: jobs.train on the digits config, local
+# steps from the first step (no warm-up), a step checkpoint every 5 steps, rank 1 killed at
+# step 27 (three inner steps into an interval of 4), against the same run uninterrupted.
+RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.epochs=2",
+          "compression.local.mode=fixed", f"compression.local.sync_every={H}", "compression.local.compressor=int4",
+          "checkpoint.every_steps=5")
+
+
+def test_a_worker_killed_mid_interval_resumes_bit_for_bit(ray_cluster, tmp_path):
+    reference = train(tmp_path, "straight", *RESUME)
+    crashed = train(tmp_path, "killed", *RESUME, "faults.kill_rank_at_step=27", "faults.kill_rank=1")
+    assert crashed["restored_from_step"] == 25
+    assert crashed["steps"] == reference["steps"] == 44
+    ref_dir, crash_dir = (latest_checkpoint(Path(s["output_dir"])) for s in (reference, crashed))
+    for rank in (0, 1):
+        a, b = (torch.load(d / f"rank{rank}.pt", weights_only=False) for d in (ref_dir, crash_dir))
+        assert a["compression"]["mode"] == {"sync_every": H, "fragments": 1}
+        la, lb = a["compression"]["local"], b["compression"]["local"]
+        assert la["inner_steps"] == lb["inner_steps"] == 44
+        assert all(torch.equal(x, y) for x, y in zip(la["global"], lb["global"], strict=True))
+        residuals = la["reducer"]["memory"]["residuals"]
+        assert residuals and all(torch.equal(residuals[k], lb["reducer"]["memory"]["residuals"][k])
+                                 for k in residuals)
+        ma, mb = a["replica"]["model"], b["replica"]["model"]  # this rank's own weights
+        assert all(torch.equal(ma[k], mb[k]) for k in ma)
+    assert crashed["final_eval_accuracy"] == reference["final_eval_accuracy"]
+    evals = (Path(crashed["output_dir"]) / "evals.jsonl").read_text().splitlines()
+    assert json.loads(evals[-1])["step"] == 44
+
+
+def test_local_steps_are_refused_with_fsdp_before_anything_starts(tmp_path):
+    from jobs.config import JobConfig
+    from jobs.train import prepare
+
+    with pytest.raises(ValueError, match=r"compression.local.mode: 'fixed' is not available with "
+                                         r"scaling.strategy=fsdp.*allowed: off"):
+        prepare(["--config", str(REPO / "jobs" / "configs" / "digits.yaml"), "--output", str(tmp_path),
+                 "scaling.strategy=fsdp", "compression.local.mode=fixed"], JobConfig)
