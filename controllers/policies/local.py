@@ -59,6 +59,7 @@ class LocalChoice(Policy):
         self.strikes = 0
         self.fallbacks_seen = 0
         self.last: Plan | None = None  # the inner policy's latest per-step plan
+        #: per boundary: step, H in force (0: per step), H this boundary asked for, reason
         self.history: list[list[Any]] = []
 
     def decide(self, run: RunState) -> Plan | None:
@@ -73,7 +74,7 @@ class LocalChoice(Policy):
         if run.fallback_events > self.fallbacks_seen:
             if local_in_force and self.chosen:
                 self.ceiling = max(1, self.chosen // 2)
-                self.history.append([run.step, "step back", f"largest H now {self.ceiling}"])
+                self.history.append([run.step, self.chosen, "step back", f"largest H now {self.ceiling}"])
             self.fallbacks_seen = run.fallback_events
         pseudo = CompressorSpec.of(self.local.compressor)
         if self.local.mode == "fixed":
@@ -94,21 +95,20 @@ class LocalChoice(Policy):
         target = h if h and per_step > (1 + self.local.min_gain) * local_step else 0
         if self.chosen is None or target == self.chosen:
             self.chosen, self.wanted, self.strikes = target, None, 0
-        elif target == self.wanted:
-            self.strikes += 1
+        else:
+            self.strikes = self.strikes + 1 if target == self.wanted else 1
+            self.wanted = target
             if self.strikes >= PATIENCE:
                 self.chosen, self.wanted, self.strikes = target, None, 0
-        else:
-            self.wanted, self.strikes = target, 1
         figures = (f"per step {per_step * 1e3:.0f} ms predicted, local steps {local_step * 1e3:.0f} ms "
                    f"(compute {compute * 1e3:.0f} ms, a sync {sync * 1e3:.0f} ms)")
         if not self.chosen:
             reason = f"per step: {base.reason}; {figures}"
-            self.history.append([run.step, 0, reason])
+            self.history.append([run.step, 0, target, reason])
             return replace(base, reason=reason)
         fragments = self.local.fragments if self.chosen % self.local.fragments == 0 else 1
         reason = f"local steps: H={self.chosen}, pseudo-gradients {pseudo}; {figures}"
-        self.history.append([run.step, self.chosen, reason])
+        self.history.append([run.step, self.chosen, target, reason])
         return Plan(default=pseudo, local=LocalMode(self.chosen, fragments), reason=reason)
 
     def _interval(self, sync: float, compute: float) -> int:

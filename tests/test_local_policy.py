@@ -1,0 +1,125 @@
+"""``compression.local.mode: auto`` on the controller: local steps where the link makes
+per-step communication the cost of a step, with the smallest H whose sync adds at most
+``target_overhead`` of the compute; per step where the link is fast; switches damped; a
+guard fallback during local steps halves the largest H. Reports are simulated at the
+controller's interface, as for the adaptive policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from controllers.service import Controller
+from raycomp.config import LocalSection
+from tests.test_adaptive_policy import FAST, SHAPES, SLOW, WARMUP, K, Link, Sim, W, layer_bytes, numel
+
+
+class LocalSim(Sim):
+    """The adaptive policy's simulation, registered with ``compression.local``; ``fallback``
+    is what the workers' reports say of the guard."""
+
+    def __init__(self, local: dict, **options) -> None:
+        super().__init__(**options)
+        self.controller = Controller()
+        self.controller.register_run("run", W, SHAPES, "adaptive",
+                                     {**self.options, "local": LocalSection(**local).model_dump(mode="json")},
+                                     WARMUP, K, 1024)
+        self.fallback = False
+        self.events: list[dict] = []
+        ingest = self.controller.ingest
+        self.controller.ingest = lambda report: ingest(
+            {**report, "fallback_active": self.fallback, "events": self.events if report["rank"] == 0 else []})
+
+    def local_details(self) -> dict:
+        return self.details()["local"]
+
+
+def expected_interval(link: Link, largest: int, target: float = 0.1) -> int:
+    """What the policy should choose, from the link alone: the smallest power of two H with
+    (int4 pseudo-gradients of every compressible layer) / H <= target x compute."""
+    sync = sum(layer_bytes(n, "int4", {}) for n, s in SHAPES.items() if numel(s) >= 1024) / link.bandwidth
+    sync += link.overhead  # int4 at two ranks: one extra collective round
+    h = 2
+    while h < largest and sync / h > target * link.compute:
+        h *= 2
+    return h
+
+
+def test_a_slow_link_gets_local_steps_with_the_smallest_interval_that_hides_the_sync():
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64})
+    plan = sim.run(5, SLOW)  # warm-up, then the first decision
+    assert plan.local is not None and plan.default.name == "int4"
+    assert plan.local.sync_every == expected_interval(SLOW, 64) == 32
+    assert plan.reason.startswith("local steps: H=32, pseudo-gradients int4; per step")
+    # the ceiling is a ceiling
+    capped = LocalSim({"mode": "auto", "max_sync_every": 8}).run(5, SLOW)
+    assert capped.local is not None and capped.local.sync_every == 8
+
+
+def test_a_looser_overhead_target_gives_a_shorter_interval():
+    plan = LocalSim({"mode": "auto", "max_sync_every": 64, "target_overhead": 0.5}).run(5, SLOW)
+    assert plan.local is not None
+    assert plan.local.sync_every == expected_interval(SLOW, 64, target=0.5) < 32
+
+
+def test_a_fast_link_stays_per_step():
+    sim = LocalSim({"mode": "auto"})
+    plan = sim.run(12, FAST)
+    assert plan.local is None
+    assert sim.local_details()["sync_every"] == 0
+    assert all(h[1] == 0 for h in sim.local_details()["history"])
+
+
+def test_a_switch_to_local_steps_waits_for_two_boundaries_that_agree():
+    sim = LocalSim({"mode": "auto"})
+    sim.run(8, FAST)
+    assert sim.plan.local is None
+    plans = [sim.run(1, SLOW) for _ in range(8)]
+    first = next(i for i, p in enumerate(plans) if p.local is not None)
+    history = sim.local_details()["history"]
+    # the boundary that first wanted local steps did not switch; the next one that agreed did
+    wanted = [h[2] for h in history[-8:]]
+    assert first >= 1 and wanted[first - 1] > 0 and plans[first - 1].local is None
+    assert all(p.local is not None for p in plans[first:])
+
+
+def test_a_guard_fallback_during_local_steps_halves_the_largest_interval():
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64})
+    assert sim.run(5, SLOW).local.sync_every == 32
+    sim.fallback = True
+    sim.events = [{"step": sim.step + 1, "kind": "fallback", "reason": "loss_spike", "detail": ""}]
+    assert sim.run(1, SLOW).dense  # the guard's dense plan while the workers fall back
+    sim.fallback, sim.events = False, []
+    plan = sim.run(1, SLOW)
+    assert plan.local is not None and plan.local.sync_every == 16
+    assert sim.local_details()["largest_allowed"] == 16
+
+
+def test_fixed_mode_is_local_steps_from_the_first_decision_with_the_configured_compressor():
+    sim = LocalSim({"mode": "fixed", "sync_every": 8, "fragments": 2, "compressor": "int8"})
+    sim.run(3, FAST)
+    assert sim.plan.local is None  # the warm-up: dense, per step
+    plan = sim.run(1, FAST)
+    assert plan.local is not None and (plan.local.sync_every, plan.local.fragments) == (8, 2)
+    assert plan.default.name == "int8"
+
+
+def test_the_policy_state_survives_a_controller_restart():
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64})
+    sim.run(5, SLOW)
+    policy = sim.controller.policies["run"]
+    saved = policy.state_dict()
+    fresh = LocalSim({"mode": "auto", "max_sync_every": 64}).controller.policies["run"]
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict() == saved
+
+
+@pytest.mark.parametrize(("local", "message"), [
+    ({"mode": "auto", "fragments": 3, "sync_every": 8}, "fragments: must divide sync_every"),
+    ({"mode": "fixed", "sync_every": 8, "delay": 8}, "delay: must be below sync_every / fragments"),
+    ({"mode": "fixed", "nesterov": True}, "nesterov: needs outer_momentum > 0"),
+])
+def test_bad_local_options_are_refused_naming_the_key(local, message):
+    from raycomp.config import CompressionSection
+
+    with pytest.raises(ValueError, match=message):
+        CompressionSection.model_validate({"local": local})
