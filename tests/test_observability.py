@@ -202,3 +202,19 @@ def test_metrics_endpoint_binds_loopback_by_default():
 
     prometheus_yml = (REPO / "dashboards" / "prometheus" / "prometheus.yml").read_text()
     assert f"{SD_DIR}/*.json" in prometheus_yml
+
+
+def test_the_plan_s_local_steps_are_exported_as_their_interval(tmp_path):
+    from raycomp.config import LocalSection
+
+    controller = Controller()
+    exporter = Exporter(controller, "127.0.0.1", 0, str(tmp_path / "targets.json"))
+    try:
+        local = LocalSection(mode="fixed", sync_every=8).model_dump(mode="json")
+        controller.register_run("per-step", 2, {"fc1.weight": 4096}, "static", {}, 0, 5, 1024)
+        controller.register_run("local", 2, {"fc1.weight": 4096}, "static", {"local": local}, 0, 5, 1024)
+        text = scrape(exporter.url)
+        assert 'raycomp_local_sync_every{run="local"} 8.0' in text
+        assert 'raycomp_local_sync_every{run="per-step"} 0.0' in text
+    finally:
+        exporter.close()

@@ -43,12 +43,21 @@ def test_bad_tune_config_exits_2_with_one_line(capsys):
         "search.compression.warmup_steps={uniform: [5, 1]}": "low must be < high",
         "objective.kind=accuracy": "objective.kind: must be one of",
         "asha.grace_period=99": "asha.grace_period",
+        "search.compression.local.sync_every={choice: [4, 0]}": "search.compression.local.sync_every: 0 is not a valid value",
     }
     for override, message in cases.items():
         assert tune.main(["--config", TUNE_DIGITS, "--output", "/nonexistent/never-created", override]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err, (override, err)
         assert len(err.splitlines()) == 1, err
+
+
+def test_the_transformer_search_covers_local_steps_and_a_trial_gets_them():
+    plan = tune.load_tune_config(REPO / "jobs" / "configs" / "tune_gpt.yaml", output="/nonexistent/never-created")
+    assert {"compression.local.mode", "compression.local.sync_every"} <= plan.search.keys()
+    config = tune.trial_config(plan.base, "sampled", {"compression.local.mode": "fixed",
+                                                      "compression.local.sync_every": 16})
+    assert (config.compression.local.mode, config.compression.local.sync_every) == ("fixed", 16)
 
 
 def test_objectives():
