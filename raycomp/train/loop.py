@@ -317,6 +317,10 @@ def refuse_scaler(grad_scaler: Any, options: TrainOptions) -> None:
     if grad_scaler is not None and grad_scaler.is_enabled() and options.strategy == "fsdp":
         raise ValueError("grad_scaler: not supported with strategy 'fsdp'; allowed there: None "
                          "(train in bf16, which needs no loss scaling)")
+    if grad_scaler is not None and grad_scaler.is_enabled() and options.compression.local.mode != "off":
+        # each rank's scaler would follow its own overflows: the scales would drift apart
+        raise ValueError("grad_scaler: not supported with compression.local.mode "
+                         f"{options.compression.local.mode!r}; allowed there: None (train in bf16)")
 
 
 def _is_dense(plan: Plan) -> bool:
