@@ -53,7 +53,11 @@ class GuardStep:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.grad_scaler = grad_scaler
         self.overflows = 0  # steps skipped for the loss scaler
-        self.carry = [0.0, 0.0, -1.0]  # the previous step's (loss, has loss, worst error)
+        #: what rides in the next step's collective: the previous step's loss, whether it has
+        #: one, its worst compression error, and the plan version rank 0 offers (0: none)
+        self.carry = [0.0, 0.0, -1.0, 0.0]
+        self.offer = 0  # rank 0: the version of a plan it holds and has not announced
+        self.announced = 0  # the version rank 0 announced in this step's rows
         #: this rank's recent gradient norms during local steps (its own, not agreed on)
         self.inner_norms: deque[float] = deque(maxlen=guard.grad_norms.maxlen)
         self.state.stage_control(self.carry)
@@ -62,6 +66,7 @@ class GuardStep:
         norm = self.state.gradient_norm(parameters)
         rows = self._rows()
         nonfinite = any(r[0] > 0 for r in rows) or not math.isfinite(norm)
+        self.announced = int(max(r[4] for r in rows))
         losses = [r[1] for r in rows if r[2] > 0]
         loss = (math.fsum(losses) / len(losses) if all(map(math.isfinite, losses)) else float("nan")) \
             if losses else None
@@ -97,10 +102,13 @@ class GuardStep:
 
     def stage(self, loss: float, applied: bool) -> None:
         """What rides in the next step's collective: this step's loss (unless the step was
-        skipped: a discarded step's loss is not judged) and worst compression error."""
+        skipped: a discarded step's loss is not judged), worst compression error, and
+        :attr:`offer` (so that every rank learns of rank 0's new plan one step later, with
+        no collective of its own: :attr:`announced`)."""
         fresh = self.state.stats_step == self.state.step - 1
         worst = max((s.compression_error for s in self.state.stats), default=-1.0) if fresh else -1.0
-        self.carry = [loss if applied else 0.0, 1.0 if applied else 0.0, worst if math.isfinite(worst) else -1.0]
+        self.carry = [loss if applied else 0.0, 1.0 if applied else 0.0, worst if math.isfinite(worst) else -1.0,
+                      float(self.offer)]
         self.state.stage_control(self.carry)
 
     def _rows(self) -> list[list[float]]:
@@ -120,7 +128,7 @@ class GuardStep:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state["guard"])
-        self.carry = list(state["carry"])
+        self.carry = [*state["carry"], 0.0][:4]  # a checkpoint from before the plan offer: none
         self.inner_norms.clear()
         self.inner_norms.extend(state["inner_norms"])
         self.state.stage_control(self.carry)

@@ -135,6 +135,8 @@ class TrainLoop:
             verdict = self.guard.decide(self.global_step, self._params)
             self._verdict(verdict)
             applied = not verdict.skip_update
+            self.plans.check(self.controller_plan.version)  # rank 0: a new plan is in?
+            self.guard.offer = self.plans.ready_version  # then it rides with the next step
             self.guard.stage(self._loss_value, applied)
         else:  # local steps: the rank judges its own inner step; the guard judges syncs
             applied = self.guard.judge_inner(self._params)
@@ -157,6 +159,10 @@ class TrainLoop:
         rows = self.sync.after_optimizer_step(applied, loss_value)
         if rows is not None:  # a sync of local steps finished: the guard judges it
             self._verdict(self.guard.judge_sync(self.global_step, rows))
+        if self.sync.per_step and self.guard.announced > self.controller_plan.version:
+            # rank 0 announced a new plan in this step's rows, the same on every rank: hand
+            # it out now, in force from the next step (not from the next boundary)
+            self._adopt(self.plans.broadcast(self.plans.take()))
         if self.grad_scaler is not None:
             self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
         self.optimizer.zero_grad(set_to_none=True)
@@ -208,7 +214,10 @@ class TrainLoop:
         self.log.flush()
         self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active,
                            **self._skips())
-        new_plan = self.sync_plan(self.plans.poll(self.controller_plan.version))
+        self._adopt(self.sync_plan(self.plans.poll(self.controller_plan.version)))
+
+    def _adopt(self, new_plan: Plan | None) -> None:
+        """Make ``new_plan`` (the same on every rank) the controller's plan in force, if newer."""
         if new_plan is not None and new_plan.version > self.controller_plan.version:
             self.controller_plan = new_plan
             self.plan_switches += 1

@@ -1,6 +1,8 @@
-"""Every rank on the same plan: rank 0 asks the controller (never blocking); at each control
-boundary one all-gather proves the ranks agree and announces rank 0's answer, which a
-broadcast then hands to every rank."""
+"""Every rank on the same plan: rank 0 asks the controller (never blocking) and checks for
+the answer every step; its version rides to every rank inside the next step's gradient
+collective, and a broadcast then hands the plan to every rank, in force from the step after
+(:meth:`raycomp.train.loop.TrainLoop.after_optimizer_step`). At each control boundary one
+all-gather proves the ranks agree and hands out an answer not announced yet."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class PlanSync:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.controller, self.run_id, self.outages = controller, run_id, outages
         self._poll: Any = None
+        self.ready: Plan | None = None  # rank 0: a newer plan than installed, not yet handed out
 
     def register(self, layers: dict[str, list[int]], options: Any, eval_kind: str) -> Plan:
         """Rank 0 registers the run (idempotent: a restarted run keeps its controller state);
@@ -47,29 +50,46 @@ class PlanSync:
                 self.outages.add(error, 0)
         return self.broadcast(plan or Plan(reason="warm-up: dense")) or Plan(reason="warm-up: dense")
 
-    def poll(self, known_version: int) -> Plan | None:
-        """Rank 0: the answer to the poll sent at the previous boundary, if it is in; sends the next."""
+    def check(self, known_version: int) -> None:
+        """Rank 0, every step: take the long poll's answer if it is in (never waiting for
+        it; :attr:`ready` then holds a plan newer than ``known_version``), and keep one poll
+        in flight."""
         import ray
 
         if self.controller is None or self.rank != 0:
-            return None
-        plan = None
+            return
         if self._poll is not None:
             ready, _ = ray.wait([self._poll], timeout=0)
             if not ready:
-                return None  # still in flight: never wait for it
+                return  # still in flight: never wait for it
             try:
                 answer = ray.get(self._poll)
                 plan = None if answer is None else Plan.from_dict(answer)
+                if plan is not None and plan.version > max(known_version, self.ready_version):
+                    self.ready = plan
             except Exception as error:  # noqa: BLE001
                 self.outages.add(error, known_version)
             self._poll = None
         try:
-            # a long poll: answers as soon as a newer plan exists; checked, never awaited
-            self._poll = self.controller.plan.remote(self.run_id, known_version, 30.0)
+            # a long poll: answers as soon as a plan newer than the newest known exists
+            self._poll = self.controller.plan.remote(self.run_id, max(known_version, self.ready_version), 30.0)
         except Exception as error:  # noqa: BLE001
             self.outages.add(error, known_version)
+
+    @property
+    def ready_version(self) -> int:
+        """Rank 0: the version of the plan it holds and has not handed out (0: none)."""
+        return 0 if self.ready is None else self.ready.version
+
+    def take(self) -> Plan | None:
+        """Rank 0: the ready plan, handed out once."""
+        plan, self.ready = self.ready, None
         return plan
+
+    def poll(self, known_version: int) -> Plan | None:
+        """Rank 0 at a boundary: the ready plan, if any (after a :meth:`check`)."""
+        self.check(known_version)
+        return self.take()
 
     def broadcast(self, plan: Plan | None) -> Plan | None:
         """Rank 0's ``plan`` (or None) on every rank (at registration)."""

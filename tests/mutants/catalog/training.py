@@ -102,4 +102,11 @@ MUTANTS = (
         "tests/test_train_loss_scale.py -k its_precision",
         "workload.precision=bf16/fp16 trains in fp32: the setting is accepted and ignored",
     ),
+    mutant(
+        "plan-waits-for-the-next-boundary", "TrainLoop.after_optimizer_step",
+        "        if self.sync.per_step and self.guard.announced > self.controller_plan.version:\n",
+        "        if False:\n",
+        "tests/test_plan_latency.py",
+        "a plan rank 0 announced is ignored until the next control boundary: decisions take effect K steps late",
+    ),
 )

@@ -1,0 +1,57 @@
+"""A plan the controller decides at a control boundary is in force on every rank a few steps
+later, not one control interval later: rank 0 checks for the answer every step, and its
+version rides to every rank inside the next step's gradient collective (real Ray, 2 gloo
+workers)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from tests.conftest import fit_with_controller
+from tests.test_train_job import step_logs
+
+K, WARMUP = 10, 4
+
+
+def _train(config: dict) -> dict:
+    import ray.train
+
+    import raycomp.train
+    from controllers.policies import StaticOptions
+    from raycomp.config import CompressionSection, ControllerSection, compressor
+
+    rank = ray.train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = raycomp.train.TrainOptions(
+        compression=CompressionSection(policy="static", warmup_steps=WARMUP,
+                                       static=StaticOptions(compressor=compressor("int8"))),
+        controller=ControllerSection(name=config["controller"], interval_steps=K),
+        output_dir=config["output_dir"])
+    model = raycomp.train.prepare_model(model, optimizer, options=options)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in raycomp.train.current().epochs(1, 3 * K):
+        for _ in range(3 * K):
+            x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            time.sleep(0.05)  # a step's compute: the controller's answer takes a few ms
+            raycomp.train.step(loss, samples=len(y))
+    return raycomp.train.finish()
+
+
+def test_a_plan_decided_at_a_boundary_is_in_force_within_a_few_steps_on_every_rank(ray_cluster, tmp_path):
+    totals = fit_with_controller(_train, tmp_path, "latency")
+    assert totals["steps"] == 3 * K
+    logs = step_logs(Path(tmp_path / "out"))
+    first = [next(r["step"] for r in records if not r["dense"]) for records in logs]
+    # the statistics of the boundary after the warm-up (step K - 1) make the controller decide;
+    # the plan then reaches every rank at the same step, well before the next boundary (2K)
+    assert first[0] == first[1]
+    assert K < first[0] <= K + 4, first
+    for mine, theirs in zip(*logs, strict=True):
+        assert mine["plan_digest"] == theirs["plan_digest"]
