@@ -102,4 +102,18 @@ MUTANTS = (
         "tests/test_train_loss_scale.py -k its_precision",
         "workload.precision=bf16/fp16 trains in fp32: the setting is accepted and ignored",
     ),
+    mutant(
+        "report-records-no-evaluation", "TrainLoop.report",
+        "        if name is not None and name in metrics and self._evaluated_at != self.global_step:\n",
+        "        if False:\n",
+        "tests/test_train_report.py -k records_the_evaluation",
+        "report({'accuracy': ...}) writes no evals.jsonl line and the controller never sees the value",
+    ),
+    mutant(
+        "no-checkpoint-in-the-last-epoch", "CheckpointSection.at_report",
+        "        if epochs is not None and epoch + 1 >= epochs:\n",
+        "        if False:\n",
+        "tests/test_train_report.py -k last_epoch",
+        "by default a run never checkpoints: its trained model and compression state are lost",
+    ),
 )
