@@ -142,6 +142,9 @@ class Controller:
             "events": list(run.events),
             "reports": run.reports,
             "last_step": run.step,
+            # the latest evaluation the ranks reported (their mean), and how to read it
+            "eval_metric": run.eval_metric,
+            "eval_kind": run.eval_kind,
         }
 
     def health(self) -> dict[str, Any]:

@@ -3,9 +3,11 @@
     python examples/ray_train_resnet.py --workers 2 --epochs 3
 
 A small ResNet-style CNN with BatchNorm on synthetic 16x16 images (ten classes, each a
-noisy template), trained data-parallel by ``TorchTrainer``. raycomp adds three lines to
-an ordinary training function (``prepare_model``, ``step``, ``report``) and a callback that
-starts the controller service. Copy it and put your model and data in.
+noisy template), trained data-parallel by ``TorchTrainer`` under raycomp's default
+(adaptive) policy. raycomp adds three lines to an ordinary training function
+(``prepare_model``, ``step``, ``report``) and a callback that starts the controller
+service. ``report`` records the accuracy as an evaluation (``evals.jsonl``, and the
+controller sees it) and checkpoints in the last epoch. Copy it and put your model and data in.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 import raycomp.train
-from controllers.policies import CriticalOptions
 from raycomp.config import CompressionSection, ControllerSection
 
 
@@ -55,8 +56,8 @@ def train_func(config: dict) -> dict:
     torch.manual_seed(0)  # the same initial weights on every rank
     model = resnet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    options = raycomp.train.TrainOptions(
-        compression=CompressionSection(policy="critical", warmup_steps=5, critical=CriticalOptions(window_steps=10)),
+    options = raycomp.train.TrainOptions(  # the adaptive policy; a short warm-up for a short run
+        compression=CompressionSection(warmup_steps=5),
         controller=ControllerSection(name=config["controller"], interval_steps=5),
         output_dir=config["output_dir"], progress_every=10)
     model = raycomp.train.prepare_model(model, optimizer, options=options)
@@ -64,7 +65,7 @@ def train_func(config: dict) -> dict:
     train_x, train_y = synthetic(4096, seed=1)
     test_x, test_y = synthetic(512, seed=2)
     steps, batch = config["steps_per_epoch"], 32
-    for epoch in loop.epochs(config["epochs"], steps):  # a restarted worker resumes mid-epoch
+    for epoch in loop.epochs(config["epochs"], steps):  # a restarted worker resumes at its checkpoint
         order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(epoch))
         for step in range(loop.step_in_epoch, steps):
             idx = order[step * batch * world:(step + 1) * batch * world][rank::world]  # this rank's share
@@ -75,8 +76,7 @@ def train_func(config: dict) -> dict:
         with torch.no_grad():
             accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
         model.train()
-        raycomp.train.record_eval({"accuracy": accuracy}, accuracy)
-        raycomp.train.report({"accuracy": accuracy})  # checkpoint holds raycomp's state too
+        raycomp.train.report({"accuracy": accuracy})  # an evaluation; in the last epoch, a checkpoint
     return {**raycomp.train.finish(), "accuracy": accuracy}
 
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     totals = trainer.fit().return_value
     print(f"accuracy {totals['accuracy']:.3f}, {totals['steps']} steps, compression "
           f"{totals['dense_bytes_total'] / max(1.0, totals['wire_bytes_total']):.1f}x, "
-          f"plan switches {totals['plan_switches']}")
+          f"plan switches {totals['plan_switches']}; last plan: {totals['final_plan']['reason']}")
     return totals
 
 

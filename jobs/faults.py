@@ -45,6 +45,9 @@ class FaultsSection(Section):
     loss_scale: Annotated[float, Field(gt=0)] = 100.0
     hang_rank_at_step: Annotated[int | None, Field(ge=0)] = None  # that rank stops communicating
     hang_rank: Annotated[int, Field(ge=0)] = 0
+    #: how long it stays silent (an outage of its link), once: beyond scaling.collective_timeout_s
+    #: the others' collective times out and the run restarts from its checkpoint
+    hang_seconds: Annotated[float, Field(gt=0)] = 24 * 3600.0
     crash_while_checkpointing_epoch: Annotated[int | None, Field(ge=0)] = None  # rank 0, once
     slow_eval_seconds: Annotated[float, Field(ge=0)] = 0.0  # every evaluation takes this much longer
     slow_report_seconds: Annotated[float, Field(ge=0)] = 0.0  # every report takes this much longer
@@ -137,18 +140,26 @@ class FaultInjector:
 
     def before_step(self, step: int, loop: Any) -> None:
         f = self.faults
-        if f.hang_rank_at_step == step and f.hang_rank == self.rank:
-            log.warning("fault injection: rank %d stops communicating at step %d", self.rank, step)
-            time.sleep(24 * 3600)  # the others' next collective must time out, not wait forever
+        if f.hang_rank_at_step == step and f.hang_rank == self.rank and self.once(f"hang-at-{step}"):
+            log.warning("fault injection: rank %d stops communicating at step %d for %.0f s",
+                        self.rank, step, f.hang_seconds)
+            time.sleep(f.hang_seconds)  # longer than the timeout: the others' collective must time out
         if f.kill_rank_at_step == step and f.kill_rank == self.rank:
             self.crash_once(f"killed-at-{step}", loop)
 
-    def crash_once(self, name: str, loop: Any) -> None:
+    def once(self, name: str) -> bool:
+        """Whether the fault ``name`` has not happened yet in this run (and mark it happened):
+        a restarted run goes on past it."""
         marker = self.output_dir / "faults" / name
         if marker.exists():
-            return  # the injected fault already happened; the restarted run goes on
+            return False
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(str(os.getpid()))
+        return True
+
+    def crash_once(self, name: str, loop: Any) -> None:
+        if not self.once(name):
+            return  # the injected fault already happened; the restarted run goes on
         loop.log.flush()
         log.warning("fault injection: rank %d crashes (%s)", self.rank, name)
         os._exit(17)  # a crash, not an exception: no cleanup, like a killed process

@@ -89,6 +89,7 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         compression=config.compression, controller=config.controller, checkpoint=config.checkpoint,
         output_dir=loop_config["output_dir"], run_id=loop_config["run_id"], seed=config.run.seed,
         progress_every=config.run.progress_every_steps, eval_kind="loss" if workload.metric == "loss" else "accuracy",
+        eval_metric=None,  # evaluate() below records each evaluation, also those between reports
         strategy=config.scaling.strategy)
     precision = Precision(config.workload.precision, ray.train.torch.get_device().type)
     sync = raycomp.train.raycomp_sync

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -22,16 +24,27 @@ def test_own_resnet_on_ray_train(ray_cluster, tmp_path):
     totals = example.main(["--workers", "2", "--epochs", "2", "--steps-per-epoch", "15",
                            "--storage", str(tmp_path), "--name", f"resnet-{tmp_path.name}",
                            "--controller", f"example-{tmp_path.name}"[:60]])
+    output = tmp_path / f"resnet-{tmp_path.name}"
     assert totals["steps"] == 30 and totals["skipped_steps"] == 0
-    assert totals["plan_switches"] >= 1  # the controller steered it off the dense warm-up
-    assert totals["wire_bytes_total"] < totals["dense_bytes_total"]
     assert totals["accuracy"] > 0.3  # ten classes: chance is 0.1
-    evals = (tmp_path / f"resnet-{tmp_path.name}" / "evals.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in evals] == [15, 30]
-    assert any(p.name.startswith("checkpoint_") for p in (tmp_path / f"resnet-{tmp_path.name}").iterdir())
-    summary = json.loads((tmp_path / f"resnet-{tmp_path.name}" / "summary.json").read_text())
-    assert summary["steps"] == 30 and summary["compression_ratio"] > 1
-    assert summary["policy"]["name"] == "critical" and "control_overhead" in summary
+    # the default policy decided at every boundary after the warm-up (on loopback it may
+    # well choose dense: the link is fast)
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["steps"] == 30 and "control_overhead" in summary
+    policy = summary["policy"]
+    assert policy["name"] == "adaptive"
+    decided = [step for step, _, _ in policy["policy_details"]["history"]]
+    assert len(decided) >= 3 and set(decided) <= {4, 9, 14, 19, 24, 29}, decided
+    # report() recorded each epoch's accuracy without a record_eval call, and the
+    # controller received it: epoch 0's (step 30, the last, is also a boundary, so epoch
+    # 1's has no later statistics to ride with)
+    evals = [json.loads(line) for line in (output / "evals.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [15, 30]
+    assert evals[-1]["accuracy"] == totals["accuracy"]
+    assert policy["eval_metric"] == pytest.approx(evals[0]["accuracy"], abs=0.01)
+    # one checkpoint, in the last epoch
+    checkpoints = [p for p in output.glob("checkpoint_*") if p.is_dir()]
+    assert [json.loads((p / "meta.json").read_text())["global_step"] for p in checkpoints] == [30]
 
 
 def test_plain_ddp_hook_without_ray():

@@ -123,10 +123,13 @@ RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.e
           "checkpoint.every_steps=5")
 
 
-def test_a_worker_killed_mid_interval_resumes_bit_for_bit(ray_cluster, tmp_path):
-    reference = train(tmp_path, "straight", *RESUME)
-    crashed = train(tmp_path, "killed", *RESUME, "faults.kill_rank_at_step=27", "faults.kill_rank=1")
-    assert crashed["restored_from_step"] == 25
+@pytest.fixture(scope="module")
+def local_reference(ray_cluster, tmp_path_factory):
+    return train(tmp_path_factory.mktemp("local-reference"), "straight", *RESUME)
+
+
+def assert_same_local_training(crashed: dict, reference: dict) -> None:
+    """Every rank's own weights, the shared weights and the residuals bit for bit."""
     assert crashed["steps"] == reference["steps"] == 44
     ref_dir, crash_dir = (latest_checkpoint(Path(s["output_dir"])) for s in (reference, crashed))
     for rank in (0, 1):
@@ -143,6 +146,24 @@ def test_a_worker_killed_mid_interval_resumes_bit_for_bit(ray_cluster, tmp_path)
     assert crashed["final_eval_accuracy"] == reference["final_eval_accuracy"]
     evals = (Path(crashed["output_dir"]) / "evals.jsonl").read_text().splitlines()
     assert json.loads(evals[-1])["step"] == 44
+
+
+def test_a_worker_killed_mid_interval_resumes_bit_for_bit(local_reference, tmp_path):
+    crashed = train(tmp_path, "killed", *RESUME, "faults.kill_rank_at_step=27", "faults.kill_rank=1")
+    assert crashed["restored_from_step"] == 25
+    assert_same_local_training(crashed, local_reference)
+
+
+@pytest.mark.slow
+def test_an_outage_longer_than_the_collective_timeout_restarts_from_the_checkpoint_and_loses_nothing(
+        local_reference, tmp_path):
+    # rank 1 goes silent for 15 s at step 27 (its link down): rank 0's next collective (the
+    # sync after step 27) times out after 8 s, the worker group restarts from the step-25
+    # checkpoint and the run ends where the uninterrupted one does
+    crashed = train(tmp_path, "outage", *RESUME, "faults.hang_rank_at_step=27", "faults.hang_rank=1",
+                    "faults.hang_seconds=15", "scaling.collective_timeout_s=8")
+    assert crashed["restored_from_step"] == 25
+    assert_same_local_training(crashed, local_reference)
 
 
 def test_local_steps_are_refused_with_fsdp_before_anything_starts(tmp_path):

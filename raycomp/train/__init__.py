@@ -10,12 +10,12 @@
         model, optimizer = MyModel(), torch.optim.SGD(...)
         model = raycomp.train.prepare_model(model, optimizer)   # DDP + hook + controller link
         loop = raycomp.train.current()
-        for epoch in loop.epochs(num_epochs, steps_per_epoch):  # resumes mid-epoch
+        for epoch in loop.epochs(num_epochs, steps_per_epoch):  # resumes at a checkpoint
             for x, y in my_batches(epoch, start=loop.step_in_epoch):
                 loss = loss_fn(model(x), y)
                 loss.backward()                                 # fp16: grad_scaler.scale(loss).backward()
                 raycomp.train.step(loss, samples=len(y))       # guard, optimizer, boundary
-            raycomp.train.report({"accuracy": evaluate(model)})  # + checkpoint with raycomp state
+            raycomp.train.report({"accuracy": evaluate(model)})  # + evaluation; last epoch: checkpoint
         return raycomp.train.finish()                          # run totals (rank 0's is returned)
 
     TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=2),
@@ -24,6 +24,11 @@
 
 :class:`ControllerCallback` starts (or finds) the controller service when it is built, on
 the driver. Options: :class:`TrainOptions`.
+
+:func:`report` records the evaluation it carries (``TrainOptions.eval_metric``, default
+``"accuracy"``): a line of rank 0's ``evals.jsonl``, and the value reaches the controller
+with the next statistics. It checkpoints in the last epoch, and more often when
+``TrainOptions.checkpoint`` says (:class:`raycomp.config.CheckpointSection`).
 """
 
 from __future__ import annotations
@@ -101,14 +106,27 @@ def step(loss: torch.Tensor, samples: int = 0) -> bool:
     return current().step(loss, samples)
 
 
-def record_eval(metrics: dict[str, float], value: float | None = None) -> None:
-    """Log an evaluation (rank 0's ``evals.jsonl``); ``value`` is what the controller sees."""
+def record_eval(metrics: dict[str, Any], value: float | None = None) -> None:
+    """Log an evaluation (a line of rank 0's ``evals.jsonl``: ``metrics``, step, epoch, time);
+    ``value`` is what the controller sees. Call it on every rank. Not needed for an
+    evaluation you pass to :func:`report` (see ``TrainOptions.eval_metric``); for one you
+    make between reports."""
     current().record_eval(metrics, value)
 
 
 def report(metrics: dict[str, Any], checkpoint: bool | None = None) -> None:
-    """``ray.train.report`` with byte totals; the checkpoint holds the model, optimizer and
-    every rank's compressor/error-feedback state (None: at the epoch ends the options name)."""
+    """``ray.train.report(metrics)`` on every rank, with raycomp's byte totals added.
+
+    An evaluation: when ``metrics`` hold ``TrainOptions.eval_metric`` (default
+    ``"accuracy"``), the call also records them as :func:`record_eval` would, with that
+    metric's value for the controller, unless an evaluation was recorded at this step.
+
+    A checkpoint (model, optimizer, scheduler, every rank's compressor and error-feedback
+    state): ``checkpoint=True`` writes one, ``False`` none; ``None`` (the default) writes one
+    in the last epoch of ``loop.epochs(...)``, and besides every ``checkpoint.every_epochs``
+    epochs and at an epoch end on a multiple of ``checkpoint.every_steps`` when they are
+    set (:class:`raycomp.config.CheckpointSection`). Call it once per epoch, at its end.
+    """
     current().report(metrics, checkpoint)
 
 

@@ -10,13 +10,15 @@ Every ``interval_steps`` (a control boundary): statistics go to the controller
 (:mod:`raycomp.train.reporter`), the ranks prove they hold the same plan and guard state,
 and rank 0's newest plan is broadcast and installed for the next step
 (:mod:`raycomp.train.plan_sync`). Every ``checkpoint.every_steps`` steps, and at epoch
-ends, the model, optimizer and every rank's compression state go into a Ray Train
+ends as :meth:`raycomp.config.CheckpointSection.at_report` says (by default the last
+only), the model, optimizer and every rank's compression state go into a Ray Train
 checkpoint (:mod:`raycomp.train.resume`, :mod:`raycomp.train.checkpoint`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Iterator
@@ -244,17 +246,27 @@ class TrainLoop:
         self.state.set_plan(plan)
 
     # --- evaluations, reports, checkpoints ---------------------------------------------------
-    def record_eval(self, metrics: dict[str, float], value: float | None = None) -> None:
-        """An evaluation: one line in rank 0's ``evals.jsonl``; ``value`` goes to the controller."""
+    _evaluated_at: int | None = None  # the step of the latest recorded evaluation
+
+    def record_eval(self, metrics: dict[str, Any], value: float | None = None) -> None:
+        """An evaluation: one line in rank 0's ``evals.jsonl``; ``value`` goes to the
+        controller with the next statistics (a non-finite one does not: it would void them)."""
         self.log.write_eval(metrics, self.global_step, self.epoch)
-        self.reporter.eval_metric = value
+        value = None if value is None else float(value)
+        self.reporter.eval_metric = value if value is not None and math.isfinite(value) else None
+        self._evaluated_at = self.global_step
         self._restart_step_clock()  # the evaluation ran since the last step: not step time
 
     def report(self, metrics: dict[str, Any], checkpoint: bool | None = None) -> None:
-        """``ray.train.report`` (a barrier on all ranks) with byte totals added; with a
-        checkpoint when asked, or (None) at the epoch ends ``checkpoint.every_epochs`` names."""
+        """``ray.train.report`` (a barrier on all ranks) with byte totals added. When
+        ``metrics`` hold ``options.eval_metric``, also an evaluation (:meth:`record_eval`)
+        unless one was recorded at this step already. With a checkpoint when asked, or
+        (None) as :meth:`raycomp.config.CheckpointSection.at_report` says."""
         import ray.train
 
+        name = self.options.eval_metric
+        if name is not None and name in metrics and self._evaluated_at != self.global_step:
+            self.record_eval(dict(metrics), _eval_value(name, metrics[name]))
         self.log.flush()
         ledger = self.state.ledger
         metrics = {**metrics, "epoch": self.epoch, "step": self.global_step,
@@ -262,8 +274,8 @@ class TrainLoop:
                    "dense_bytes": ledger.dense_total * self.world_size,
                    "compression_ratio": ledger.compression_ratio or 1.0}
         if checkpoint is None:
-            last = self.epochs_total is not None and self.epoch + 1 == self.epochs_total
-            checkpoint = last or (self.epoch + 1) % self.options.checkpoint.every_epochs == 0
+            checkpoint = self.options.checkpoint.at_report(self.epoch, self.global_step, self.epochs_total,
+                                                           self.steps_per_epoch)
         if not checkpoint:
             ray.train.report(metrics)
         else:
@@ -330,6 +342,15 @@ def refuse_scaler(grad_scaler: Any, options: TrainOptions) -> None:
         # each rank's scaler would follow its own overflows: the scales would drift apart
         raise ValueError("grad_scaler: not supported with compression.local.mode "
                          f"{options.compression.local.mode!r}; allowed there: None (train in bf16)")
+
+
+def _eval_value(name: str, value: Any) -> float:
+    """The reported evaluation metric as a float (a Python number or a one-element tensor)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"report: metrics[{name!r}] (TrainOptions.eval_metric) must be a number, "
+                         f"got {value!r}") from None
 
 
 def _is_dense(plan: Plan) -> bool:

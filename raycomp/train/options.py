@@ -19,23 +19,31 @@ class TrainOptions:
     """How raycomp steers one Ray Train run.
 
     Args:
-        compression: the policy the controller runs (``policy``: static, schedule, critical,
-            error_budget, bandwidth; each with its own section), the dense warm-up, the
-            error-feedback memory, the guard's thresholds and the LR ramp — see
-            :class:`raycomp.config.CompressionSection`.
-        controller: ``interval_steps`` (K: statistics, plan sync and agreement checks happen
-            every K steps, never in between) and which controller service to talk to.
-        checkpoint: ``every_steps`` also checkpoints (through ``ray.train.report``) every this
-            many steps, so a crash mid-epoch replays fewer than that many steps;
-            ``every_epochs`` is used by :func:`raycomp.train.report`'s default.
+        compression: the policy the controller runs (``policy``: ``adaptive``, the default,
+            or ``static``, ``schedule``, ``critical``, ``error_budget``, ``bandwidth``; each
+            with its own section, e.g. ``compression.adaptive``), the dense warm-up
+            (``warmup_steps``, default 20), the error-feedback memory, the guard's
+            thresholds and the LR ramp — see :class:`raycomp.config.CompressionSection`.
+        controller: ``interval_steps`` (K, default 10: statistics, plan sync and agreement
+            checks happen every K steps, never in between) and which controller service to
+            talk to.
+        checkpoint: when :func:`raycomp.train.report` checkpoints (default: only in the last
+            epoch); ``every_epochs`` adds every this many epochs, ``every_steps`` every this
+            many steps (a crash mid-epoch then replays fewer than that many) — see
+            :class:`raycomp.config.CheckpointSection`.
         output_dir: where per-rank step logs (``steps/rank<r>.jsonl``) and rank 0's
             ``evals.jsonl`` go (default: ``<tmp>/raycomp/<run_id>``).
         run_id: the run's key at the controller (default: the Ray Train run name, stable
             across worker restarts).
         seed: base seed of the compressors' random draws (same on every rank).
         progress_every: rank 0 logs one status line every this many steps (0: never).
-        eval_kind: "accuracy" (higher is better) or "loss" (lower): how the controller reads
-            the evaluation metric you report.
+        eval_metric: the key of :func:`raycomp.train.report`'s metrics that is an
+            evaluation (default ``"accuracy"``): a report holding it also records an
+            evaluation, as :func:`raycomp.train.record_eval` does (a line of rank 0's
+            ``evals.jsonl``, the value to the controller). None: only ``record_eval`` records.
+        eval_kind: "accuracy" (higher is better, the default) or "loss" (lower): what the
+            evaluation metric is; the controller exports it under this label
+            (``raycomp_eval_metric``). No built-in policy steers by the metric.
         strategy: "ddp" (DDP with raycomp's comm hook, compressed all-reduce) or "fsdp"
             (FSDP2: ``fully_shard`` on every child of an ``nn.ModuleList``/``nn.Sequential``
             that holds parameters, then the root, unless you sharded the model yourself;
@@ -58,6 +66,7 @@ class TrainOptions:
     run_id: str | None = None
     seed: int = 0
     progress_every: int = 0
+    eval_metric: str | None = "accuracy"
     eval_kind: Literal["accuracy", "loss"] = "accuracy"
     strategy: Literal["ddp", "fsdp"] = "ddp"
     find_unused_parameters: bool = False
@@ -65,6 +74,11 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "fsdp"):
             raise ValueError(f"strategy: must be 'ddp' or 'fsdp', got {self.strategy!r}")
+        if self.eval_metric is not None and not (isinstance(self.eval_metric, str) and self.eval_metric):
+            raise ValueError(f"eval_metric: must be a metric name (a non-empty string) or None, "
+                             f"got {self.eval_metric!r}")
+        if self.eval_kind not in ("accuracy", "loss"):
+            raise ValueError(f"eval_kind: must be 'accuracy' or 'loss', got {self.eval_kind!r}")
         if not isinstance(self.find_unused_parameters, bool):
             raise ValueError(f"find_unused_parameters: must be True or False, got {self.find_unused_parameters!r}")
         if self.find_unused_parameters and self.strategy != "ddp":

@@ -62,7 +62,8 @@ class StepLog:
         if self.rank != 0:
             return
         with (self.output_dir / "evals.jsonl").open("a") as evals:
-            evals.write(json.dumps({"time": time.time(), **metrics, "epoch": epoch, "step": step}) + "\n")
+            evals.write(json.dumps({"time": time.time(), **metrics, "epoch": epoch, "step": step},
+                                   default=_json_value) + "\n")
 
     def flush(self) -> None:
         if self._file is not None:
@@ -91,6 +92,15 @@ def show_progress() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def _json_value(value: Any) -> Any:
+    """A reported value JSON has no type for: a number if it is one (a NumPy scalar, a
+    one-element tensor), else its text."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def truncate(path: Path, next_step: int) -> int:

@@ -109,4 +109,18 @@ MUTANTS = (
         "tests/test_plan_latency.py",
         "a plan rank 0 announced is ignored until the next control boundary: decisions take effect K steps late",
     ),
+    mutant(
+        "report-records-no-evaluation", "TrainLoop.report",
+        "        if name is not None and name in metrics and self._evaluated_at != self.global_step:\n",
+        "        if False:\n",
+        "tests/test_train_report.py -k records_the_evaluation",
+        "report({'accuracy': ...}) writes no evals.jsonl line and the controller never sees the value",
+    ),
+    mutant(
+        "no-checkpoint-in-the-last-epoch", "CheckpointSection.at_report",
+        "        if epochs is not None and epoch + 1 >= epochs:\n",
+        "        if False:\n",
+        "tests/test_train_report.py -k last_epoch",
+        "by default a run never checkpoints: its trained model and compression state are lost",
+    ),
 )

@@ -1,0 +1,107 @@
+"""``raycomp.train.report``: the evaluation it records (``TrainOptions.eval_metric``) and
+when it checkpoints (``CheckpointSection.at_report``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from raycomp.config import CheckpointSection
+from raycomp.train import TrainOptions
+from raycomp.train.step_log import StepLog
+from tests.conftest import fit_with_controller
+
+EPOCHS, STEPS = 4, 5  # per epoch; 20 steps in all
+
+
+@pytest.mark.parametrize(("section", "checkpointed"), [
+    # (epoch, step) of one report per epoch, at its end: 4 epochs of 5 steps
+    ({}, [(3, 20)]),  # the default: the last epoch only
+    ({"every_epochs": 2}, [(1, 10), (3, 20)]),
+    ({"every_epochs": 3}, [(2, 15), (3, 20)]),
+    # a multiple of every_steps that ends an epoch is the report's to take (step() leaves it)
+    ({"every_steps": 10}, [(1, 10), (3, 20)]),
+    ({"every_steps": 3}, [(2, 15), (3, 20)]),
+])
+def test_the_report_checkpoints_the_last_epoch_and_what_the_section_adds(section, checkpointed):
+    rule = CheckpointSection(**section)
+    reports = [(epoch, (epoch + 1) * STEPS) for epoch in range(EPOCHS)]
+    assert [r for r in reports if rule.at_report(*r, EPOCHS, STEPS)] == checkpointed
+    # mid-epoch reports: checkpointed in the last epoch, never for every_steps (step() took those)
+    assert rule.at_report(3, 17, EPOCHS, STEPS)
+    assert not CheckpointSection(every_steps=2).at_report(0, 4, EPOCHS, STEPS)
+
+
+def test_without_loop_epochs_only_every_epochs_checkpoints():
+    # loop.epochs(...) was never called: no last epoch known, every report is epoch 0
+    assert not CheckpointSection().at_report(0, 40)
+    assert not CheckpointSection(every_steps=10).at_report(0, 40)
+    assert CheckpointSection(every_epochs=1).at_report(0, 40)
+
+
+def test_bad_eval_options_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"^eval_metric: must be a metric name \(a non-empty string\) or None, "
+                                         r"got ''$"):
+        TrainOptions(eval_metric="")
+    with pytest.raises(ValueError, match=r"^eval_kind: must be 'accuracy' or 'loss', got 'auc'$"):
+        TrainOptions(eval_kind="auc")
+    with pytest.raises(ValueError, match=r"every_epochs"):
+        CheckpointSection(every_epochs=0)
+
+
+def test_an_evaluation_line_holds_values_json_has_no_type_for(tmp_path):
+    log = StepLog(tmp_path, 0)
+    log.write_eval({"accuracy": np.float32(0.5), "top5": torch.tensor(0.75), "note": object()}, 10, 1)
+    line = json.loads((tmp_path / "evals.jsonl").read_text())
+    assert (line["accuracy"], line["top5"], line["step"], line["epoch"]) == (0.5, 0.75, 10, 1)
+    assert line["note"].startswith("<object object")
+
+
+def _reports(config: dict) -> dict:
+    import raycomp.train
+    from raycomp.config import ControllerSection
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    options = TrainOptions(controller=ControllerSection(name=config["controller"], interval_steps=3),
+                           checkpoint=CheckpointSection(every_steps=10), output_dir=config["output_dir"])
+    model = raycomp.train.prepare_model(model, optimizer, options=options)
+    loop = raycomp.train.current()
+    for epoch in loop.epochs(EPOCHS, STEPS):
+        for _ in range(loop.step_in_epoch, STEPS):
+            loss = model(torch.randn(8, 32)).pow(2).mean()
+            loss.backward()
+            raycomp.train.step(loss, samples=8)
+        accuracy = 0.1 * (epoch + 1)
+        if epoch == 1:  # an evaluation recorded by hand at this step: the report adds none
+            raycomp.train.record_eval({"accuracy": accuracy, "by": "record_eval"}, accuracy)
+        if epoch == 0:  # refused before anything is recorded or reported
+            with pytest.raises(ValueError, match=r"^report: metrics\['accuracy'\] \(TrainOptions\.eval_metric\) "
+                                                 r"must be a number, got 'high'$"):
+                raycomp.train.report({"accuracy": "high"})
+        raycomp.train.report({"accuracy": accuracy, "loss": float(loss)}, checkpoint=True if epoch == 2 else None)
+    return raycomp.train.finish()
+
+
+def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_documented(ray_cluster, tmp_path):
+    fit_with_controller(_reports, tmp_path, "report")
+    output = tmp_path / "out"
+    evals = [json.loads(line) for line in (output / "evals.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["epoch"], e["accuracy"]) for e in evals] == [
+        (5, 0, 0.1), (10, 1, 0.2), (15, 2, pytest.approx(0.3)), (20, 3, 0.4)]
+    assert evals[1]["by"] == "record_eval" and "loss" not in evals[1]  # one line at step 10
+    assert all("loss" in e for e in evals if e["step"] != 10)
+    # the controller got the latest evaluation: step 20 is no boundary (K=3), so it rode
+    # with the final statistics
+    summary = json.loads((output / "summary.json").read_text())
+    assert (summary["policy"]["eval_metric"], summary["policy"]["eval_kind"]) == (pytest.approx(0.4), "accuracy")
+    # checkpoints: step 10 (every_steps, at an epoch end), 15 (checkpoint=True), 20 (the last epoch)
+    run_dir = tmp_path / f"report-{tmp_path.name}"[:60]  # RunConfig(name=...) of fit_with_controller
+    steps = sorted(json.loads((p / "meta.json").read_text())["global_step"]
+                   for p in run_dir.glob("checkpoint_*") if p.is_dir())
+    assert steps == [10, 15, 20]
+
