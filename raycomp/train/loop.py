@@ -161,10 +161,6 @@ class TrainLoop:
         rows = self.sync.after_optimizer_step(applied, loss_value)
         if rows is not None:  # a sync of local steps finished: the guard judges it
             self._verdict(self.guard.judge_sync(self.global_step, rows))
-        if self.sync.per_step and self.guard.announced > self.controller_plan.version:
-            # rank 0 announced a new plan in this step's rows, the same on every rank: hand
-            # it out now, in force from the next step (not from the next boundary)
-            self._adopt(self.plans.broadcast(self.plans.take()))
         if self.grad_scaler is not None:
             self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
         self.optimizer.zero_grad(set_to_none=True)
@@ -192,6 +188,10 @@ class TrainLoop:
         }, samples)
         self.global_step += 1
         self.step_seconds += seconds
+        if self.sync.per_step and self.guard.announced > self.controller_plan.version:
+            # rank 0 announced a new plan in this step's rows, the same on every rank: hand
+            # it out now, in force from the next step (not from the next boundary)
+            self._adopt(self.plans.broadcast(self.plans.take()))
         if self.global_step % self.interval == 0:
             started = time.perf_counter()
             self._boundary()

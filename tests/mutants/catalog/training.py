@@ -103,7 +103,7 @@ MUTANTS = (
         "workload.precision=bf16/fp16 trains in fp32: the setting is accepted and ignored",
     ),
     mutant(
-        "plan-waits-for-the-next-boundary", "TrainLoop.after_optimizer_step",
+        "plan-waits-for-the-next-boundary", "TrainLoop._finish_step",
         "        if self.sync.per_step and self.guard.announced > self.controller_plan.version:\n",
         "        if False:\n",
         "tests/test_plan_latency.py",
