@@ -483,6 +483,7 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     assert f"without communication = **{results['compute_bound_time_to_target_s']:.1f} s**; at most **4.30x**" in text
     assert "torch_postlocalsgd_h4: 10.2 / 2.4000; torch_postlocalsgd_h8: 5.7 / 2.4000" in text
     assert "(physical limit, at the compute-bound time: " in text
+    assert text.count("| none |") == 1 and "| 4 steps |" in text  # dense's warm-up, post-local SGD's
     assert json.loads(paths[0].read_text())["methods"][2]["name"] == "raycomp_adaptive"
     # FSDP: dense's bytes are an ideal fp32 reduce-scatter's, half an all-reduce's
     sharded = analysis.analyze(raw, {**settings, "strategy": "fsdp"}, shaping, check)

@@ -26,6 +26,13 @@ def _seeds(values: Sequence[Any], fmt: str = "{:.1f}") -> str:
     return " / ".join("miss" if v is None else fmt.format(v) for v in values)
 
 
+def _warmup(row: dict[str, Any]) -> str:
+    """A torch baseline's warm-up as the benchmark set it; where a raycomp run compressed from."""
+    if row.get("warmup_steps") is not None:
+        return f"{row['warmup_steps']} steps" if row["warmup_steps"] else "none"
+    return _seeds(row["first_compressed_step_seeds"], "{}").replace("miss", "never")
+
+
 def report_stem(results: dict[str, Any]) -> str:
     """The report files' name without extension, e.g. ``e2e-gpt-100mbit``."""
     prefix = "fsdp" if results.get("strategy") == "fsdp" else "e2e"
@@ -76,8 +83,7 @@ def render_markdown(results: dict[str, Any]) -> str:
           show(m["step_s"] * 1e3 if m["step_s"] else None, "{:.0f}"),
           show(m.get("step_vs_no_comm"), "{:.2f}x"),
           show(m["control_share"] * 100 if m["control_share"] is not None else None, "{:.1f}%"),
-          f"{m['warmup_steps']} (set)" if m.get("warmup_steps") is not None
-          else _seeds(m["first_compressed_step_seeds"], "{}").replace("miss", "never")] for m in methods],
+          _warmup(m)] for m in methods],
         align="lllrrlrrrrrrrl",
     )
     grids = [f"- `{m['name']}`, each H (median time to target s / final {metric}): "
