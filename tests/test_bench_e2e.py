@@ -316,12 +316,14 @@ def test_every_method_gets_the_same_budget_seed_cadence_and_its_own_warmup():
         if name.startswith("torch_powersgd"):
             assert (b.powersgd_rank, b.powersgd_start_iter) == (int(name[-1]), 40)  # torch's docs: 10%
         if name.startswith("torch_postlocalsgd"):
-            assert (b.localsgd_period, b.localsgd_start_iter) == (methods.grid_setting(name), 40)
+            # about 10%, W + 1 a multiple of every H: the averages fall on the evaluations (48, 64, ...)
+            assert (b.localsgd_period, b.localsgd_start_iter) == (methods.grid_setting(name), 47)
         if name.startswith("torchft_diloco"):
             assert b.diloco_sync_every == methods.grid_setting(name)
         key = w.model_dump()
         shared = shared or key
         assert key == shared, name
+    assert [methods.warmup_of("torch_postlocalsgd_h4", {"steps": n}) for n in (64, 320, 400, 480)] == [15, 31, 47, 47]
     start = methods.method_overrides("torch_postlocalsgd_h8", {**settings, "localsgd_start": 0}, 0, 10, 16.0)
     assert load_config(REPO / "jobs/configs/gpt_kjv.yaml", start).benchmark.localsgd_start_iter == 0
 
@@ -367,6 +369,10 @@ def test_the_command_line_refuses_an_evaluation_cadence_that_splits_a_local_step
     assert (settings["steps"], settings["eval_every"], settings["target"], settings["localsgd_start"]) == (400, 16, None, None)
     with pytest.raises(SystemExit, match=r"--eval-every 20 must be a multiple of every local-step H run \(4, 8, 16\)"):
         cli.settings_from(parser.parse_args(["--methods", "torch_postlocalsgd", "--eval-every", "20", "--steps", "400"]))
+    with pytest.raises(SystemExit, match=r"--localsgd-start 40: W \+ 1 must be a multiple of every post-local SGD "
+                                         r"period run \(4, 8, 16\)"):
+        cli.settings_from(parser.parse_args(["--localsgd-start", "40"]))
+    assert cli.settings_from(parser.parse_args(["--localsgd-start", "31"]))["localsgd_start"] == 31
     with pytest.raises(SystemExit, match=r"--steps 390 must be a multiple of --eval-every 16"):
         cli.settings_from(parser.parse_args(["--steps", "390"]))
     with pytest.raises(SystemExit, match=r"--target-step must be in 1..400"):
@@ -464,9 +470,9 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     # post-local SGD: H=8 reached the target at step 20 on both seeds, H=4 at step 30 (slower)
     assert (local["variant"], local["time_to_target_s"]) == ("torch_postlocalsgd_h8", pytest.approx(0.3 * 19))
     assert [g["variant"] for g in local["grid"]] == ["torch_postlocalsgd_h4", "torch_postlocalsgd_h8"]
-    assert local["warmup_steps"] == 4  # 10% of the 40-step budget
-    # bytes: the averager's model, dense for steps 0-3, then every 8th step from step 4
-    per_rank = 4 * 202 * sum(1 for s in range(40) if s < 4 or (s - 4) % 8 == 0)
+    assert local["warmup_steps"] == 15  # W + 1 a multiple of 16 (the grid's periods)
+    # bytes: the averager's model, dense for steps 0-14, then every 8th step from step 15
+    per_rank = 4 * 202 * sum(1 for s in range(40) if s < 15 or (s - 15) % 8 == 0)
     assert local["wire_bytes"] == pytest.approx(2 * per_rank)
     # adaptive seed 1 never reaches 2.4: a miss, median of [hit, miss] is a miss
     assert ada["time_to_target_s_seeds"] == [pytest.approx(0.3 * 29), None] and ada["time_to_target_s"] is None
@@ -483,7 +489,7 @@ def test_analyze_writes_the_documented_schema(tmp_path):
     assert f"without communication = **{results['compute_bound_time_to_target_s']:.1f} s**; at most **4.30x**" in text
     assert "torch_postlocalsgd_h4: 10.2 / 2.4000; torch_postlocalsgd_h8: 5.7 / 2.4000" in text
     assert "(physical limit, at the compute-bound time: " in text
-    assert text.count("| none |") == 1 and "| 4 steps |" in text  # dense's warm-up, post-local SGD's
+    assert text.count("| none |") == 1 and "| 15 steps |" in text  # dense's warm-up, post-local SGD's
     assert json.loads(paths[0].read_text())["methods"][2]["name"] == "raycomp_adaptive"
     # FSDP: dense's bytes are an ideal fp32 reduce-scatter's, half an all-reduce's
     sharded = analysis.analyze(raw, {**settings, "strategy": "fsdp"}, shaping, check)

@@ -31,8 +31,8 @@ per-step lossy ones never reach an AdamW target.
 Rules: every method runs the same config file, seed, data order, LR schedule (over the same
 ``--steps`` budget, default 400), evaluation cadence and validation set. No shared warm-up:
 each method warms up as its authors recommend, and the warm-up counts in its time (torch
-PowerSGD's ``start_powerSGD_iter`` and post-local SGD's ``start_localSGD_iter``: 10% of the
-budget; torch's casts and torchft's DiLoCo: none; raycomp: its own config). torch's
+PowerSGD's ``start_powerSGD_iter``: 10% of the budget; post-local SGD's ``start_localSGD_iter``:
+about as much, aligned so that evaluations see averaged weights (47 of 400); torch's casts and torchft's DiLoCo: none; raycomp: its own config). torch's
 ``powerSGD_hook`` gets one DDP bucket (``bucket_cap_mb`` above the model's fp32 size), which
 it needs on gloo; every other DDP method gets the buckets raycomp's hook gets
 (``compression.bucket_cap_mb``, "auto": about 8 buckets).
@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of the budget)")
     parser.add_argument("--localsgd-start", type=int, default=None,
                         help="torch post-local SGD's warm-up W, the DDP steps before local SGD (default: "
-                             "10%% of the budget)")
+                             "about 10%% of the budget, W + 1 a multiple of 16: 47 of 400)")
     parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
                         help="ddp (default) or fsdp (FSDP2: FSDP's own reduce-scatter fp32/bf16 against "
                              "raycomp's compressed one; reports fsdp-<workload>-<link>.*)")
@@ -148,6 +148,11 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     if any(eval_every % h for h in periods):
         raise SystemExit(f"error: --eval-every {eval_every} must be a multiple of every local-step H run "
                          f"({', '.join(map(str, periods))}), so that evaluations see synced weights")
+    averaged = [grid_setting(m) for m in methods if m in GRIDS["torch_postlocalsgd"]]
+    if args.localsgd_start is not None and any((args.localsgd_start + 1) % h for h in averaged):
+        raise SystemExit(f"error: --localsgd-start {args.localsgd_start}: W + 1 must be a multiple of every post-local "
+                         f"SGD period run ({', '.join(map(str, averaged))}): torch's averager first averages after "
+                         "step W + 1, and evaluations must see averaged weights")
     return {"workload": args.workload, "config": spec["config"], "extra": spec.get("overrides", []),
             "mode": mode, "steps": steps, "eval_every": eval_every, "seeds": seeds, "target": target,
             "target_step": args.target_step, "localsgd_start": args.localsgd_start,

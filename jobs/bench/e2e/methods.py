@@ -12,6 +12,7 @@ in its time); every run stops once the target held at two consecutive evaluation
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any
 
 from jobs.bench.e2e.traces import CONSECUTIVE
@@ -71,7 +72,7 @@ TORCH_BASELINE_OVERRIDES = ["compression.policy=static", "compression.static.com
 #: torch's PowerSGD docs: "start with 10% of total training steps" (``start_powerSGD_iter``).
 #: Post-local SGD (Lin et al., ICLR 2020) switches to local steps at the first LR decay,
 #: which a cosine schedule does not have, and torch leaves ``start_localSGD_iter`` to the
-#: user: the same 10% of DDP steps first. torch's fp16/bf16 hooks and torchft's DiLoCo have
+#: user: about the same 10% of DDP steps first (:func:`warmup_of` aligns it). torch's fp16/bf16 hooks and torchft's DiLoCo have
 #: none; raycomp's methods use their own config (``compression.warmup_steps``, the local
 #: section's defaults); ``--localsgd-start`` overrides post-local SGD's
 WARMUP_SHARE = {"torch_powersgd": 0.10, "torch_postlocalsgd": 0.10}
@@ -182,13 +183,22 @@ def parse_methods(text: str | None, quick: bool, strategy: str = "ddp", workload
 
 def warmup_of(name: str, settings: dict[str, Any]) -> int:
     """The step at which ``name``'s own warm-up ends (0: none, or raycomp's, which the step
-    logs show)."""
+    logs show).
+
+    Post-local SGD's W is the value nearest its share of the budget whose W + 1 is a multiple
+    of every period H of the grid: torch's averager first averages right after optimizer step
+    W + 1, then every H steps, so evaluations (every multiple of H) see averaged weights.
+    """
     steps = settings["steps"]
     if name.startswith("torch_powersgd"):
         return max(2, round(WARMUP_SHARE["torch_powersgd"] * steps))  # torch: >= 2 with error feedback
     if name.startswith("torch_postlocalsgd"):
         start = settings.get("localsgd_start")
-        return round(WARMUP_SHARE["torch_postlocalsgd"] * steps) if start is None else int(start)
+        if start is not None:
+            return int(start)
+        align = math.lcm(*LOCALSGD_PERIODS)
+        cycles = max(1, round((WARMUP_SHARE["torch_postlocalsgd"] * steps + 1) / align))
+        return cycles * align - 1
     return 0
 
 

@@ -130,7 +130,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         *(_fsdp_setup() if results.get("strategy") == "fsdp" else [
             "- No shared warm-up: each method warms up as its authors recommend and the warm-up counts in its "
             "time. torch PowerSGD: `start_powerSGD_iter` = 10% of the budget (torch's docs); torch post-local SGD: "
-            "DDP for `start_localSGD_iter` steps (10% of the budget unless `--localsgd-start`), then "
+            "DDP for `start_localSGD_iter` = W steps (about 10% of the budget, W + 1 a multiple of 16 so that "
+            "evaluations see averaged weights, unless `--localsgd-start`), then "
             "`PeriodicModelAverager` every H steps, no gradient exchange in between; torch's bf16 hook and "
             "torchft's DiLoCo: none; raycomp: its own config (*compressed from* shows where each raycomp run "
             "really started: the first step whose ledger bytes fell below dense).",
