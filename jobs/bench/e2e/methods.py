@@ -89,7 +89,7 @@ FSDP_METHODS: dict[str, list[str]] = {
 }
 #: FSDP's own reduce-scatter: the byte model's dtype (bytes per element)
 FSDP_BASELINES = {"dense": 4, "torch_bf16": 2}
-QUICK_METHODS = ["dense", "torch_postlocalsgd_h8", "torchft_diloco_h8", "raycomp_int4", "raycomp_adaptive"]
+QUICK_METHODS = ["dense", "torch_postlocalsgd_h8", "torchft_diloco_h8", "raycomp_adaptive"]
 FSDP_QUICK_METHODS = ["dense", "raycomp_int8", "raycomp_adaptive"]
 COMPUTE = "compute_only"
 #: the step without the network: both workers, DDP and the same buckets, torch's noop_hook in
