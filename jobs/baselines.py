@@ -8,10 +8,15 @@ DDP hooks (``scaling.strategy=ddp``), registered by name:
 
 * ``torch_allreduce``: ``default_hooks.allreduce_hook`` (dense fp32);
 * ``torch_fp16`` / ``torch_bf16``: ``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``
-  after ``benchmark.warmup_steps`` dense fp32 steps (torch's hooks have no warm-up of their
-  own; a benchmark gives every method the same one);
+  after ``benchmark.warmup_steps`` dense fp32 steps (0 by default: torch's hooks have no
+  warm-up of their own);
 * ``torch_powersgd``: ``powerSGD_hook`` at ``benchmark.powersgd_rank``, dense (torch's own
   all-reduce) before ``benchmark.powersgd_start_iter``.
+* ``torch_postlocalsgd``: ``post_localSGD_hook`` and a ``PeriodicModelAverager``
+  (:mod:`jobs.postlocal_sgd`): DDP for ``benchmark.localsgd_start_iter`` steps, then local
+  steps with the parameters averaged every ``benchmark.localsgd_period``.
+* ``torchft_diloco``: torchft's ``DiLoCo`` (:mod:`jobs.torchft_diloco`), no DDP, the
+  pseudo-gradient all-reduced every ``benchmark.diloco_sync_every`` steps.
 * ``torch_noop``: ``debugging_hooks.noop_hook``, torch's hook for headroom analysis: no
   collective at all, each rank steps with its own gradient (the replicas drift apart). Not
   training: the step time of the same workers, buckets and loop with the network free, which
@@ -95,6 +100,8 @@ def register_torch_hook(model: torch.nn.parallel.DistributedDataParallel, benchm
         model.register_comm_hook(state, serialized)
     elif name == "torch_noop":
         model.register_comm_hook(None, debugging_hooks.noop_hook)
+    elif name in ("torch_postlocalsgd", "torchft_diloco"):
+        raise ValueError(f"benchmark.baseline: {name!r} is more than a comm hook; torch_baseline() builds it")
     else:
         model.register_comm_hook(None, default_hooks.allreduce_hook)
 
@@ -126,9 +133,18 @@ def torch_baseline(benchmark: BenchmarkSection) -> GradientSyncFactory:
             reduce_dtype = torch.bfloat16 if benchmark.baseline == "torch_fsdp_bf16" else None
             model = shard_model(model, optimizer, setup.device, reduce_dtype)
             return FsdpSync(model, sharded_state(model, setup, install=False))
+        if benchmark.baseline == "torchft_diloco":
+            from jobs.torchft_diloco import torchft_diloco
+
+            return torchft_diloco(model, optimizer, setup, benchmark)
+        options = ddp_options(benchmark, setup.options.compression, model)
+        if benchmark.baseline == "torch_postlocalsgd":
+            from jobs.postlocal_sgd import post_local_sgd
+
+            return post_local_sgd(model, setup, benchmark, options)
         from raycomp.train.ddp_sync import DdpSync, compression_state, wrap_ddp
 
-        model = wrap_ddp(model, setup, ddp_options(benchmark, setup.options.compression, model))
+        model = wrap_ddp(model, setup, options)
         sync = DdpSync(model, compression_state(model, setup))
         if sync.ddp:
             register_torch_hook(model, benchmark)  # raycomp's hook stays out of the way

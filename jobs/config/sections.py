@@ -7,6 +7,7 @@ workload, the cluster shape and the benchmark's torch baselines.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Annotated, Any, Literal
 
@@ -125,9 +126,12 @@ class ScalingSection(Section):
 
 
 #: torch's own DDP communication hooks (``jobs.baselines``): dense fp32, fp16, bf16 and
-#: PowerSGD all-reduce, and ``torch_noop``, torch's headroom hook (no communication, each
-#: rank keeps its own gradient: a step time without the network)
-DDP_BASELINES = ("torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd", "torch_noop")
+#: PowerSGD all-reduce, ``torch_noop``, torch's headroom hook (no communication, each rank
+#: keeps its own gradient: a step time without the network), and the local-step baselines:
+#: ``torch_postlocalsgd`` (torch's post-local SGD: DDP, then periodic model averaging) and
+#: ``torchft_diloco`` (torchft's DiLoCo; no DDP, needs the torchft package)
+DDP_BASELINES = ("torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd", "torch_noop",
+                 "torch_postlocalsgd", "torchft_diloco")
 #: FSDP's own reduce-scatter, fp32 or bf16 (``MixedPrecisionPolicy(reduce_dtype=bf16)``)
 FSDP_BASELINES = ("torch_fsdp", "torch_fsdp_bf16")
 
@@ -135,19 +139,41 @@ FSDP_BASELINES = ("torch_fsdp", "torch_fsdp_bf16")
 class BenchmarkSection(Section):
     """torch's own gradient communication in place of raycomp's, for side-by-side benchmarks."""
 
-    #: ``none``: raycomp compresses; a DDP hook of :data:`DDP_BASELINES` (scaling.strategy=ddp)
-    #: or one of :data:`FSDP_BASELINES` (scaling.strategy=fsdp) replaces it
+    #: ``none``: raycomp compresses; a DDP baseline of :data:`DDP_BASELINES`
+    #: (scaling.strategy=ddp) or one of :data:`FSDP_BASELINES` (scaling.strategy=fsdp) replaces it
     baseline: Literal["none", "torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd",
-                      "torch_noop", "torch_fsdp", "torch_fsdp_bf16"] = "none"
+                      "torch_noop", "torch_postlocalsgd", "torchft_diloco", "torch_fsdp",
+                      "torch_fsdp_bf16"] = "none"
     powersgd_rank: Annotated[int, Field(ge=1)] = 2
+    #: torch_powersgd: vanilla all-reduce before this step (torch's docs suggest starting
+    #: from 10% of the training steps)
     powersgd_start_iter: Annotated[int, Field(ge=1)] = 10
-    #: torch_fp16/torch_bf16: all-reduce fp32 for this many steps first (the dense warm-up
-    #: every method of a benchmark shares; torch_powersgd uses powersgd_start_iter)
+    #: torch_fp16/torch_bf16: all-reduce fp32 for this many steps first (torch's cast hooks
+    #: have no warm-up of their own: 0)
     warmup_steps: Annotated[int, Field(ge=0)] = 0
+    #: torch_postlocalsgd: H, the ``PeriodicModelAverager`` period: the ranks' parameters are
+    #: averaged every H steps after the warm-up (1 would be DDP with extra traffic)
+    localsgd_period: Annotated[int, Field(ge=2, le=100_000)] = 8
+    #: torch_postlocalsgd: W, the steps of DDP gradient all-reduce before local SGD starts
+    #: (``start_localSGD_iter`` of the hook = ``warmup_steps`` of the averager)
+    localsgd_start_iter: Annotated[int, Field(ge=0)] = 0
+    #: torchft_diloco: H, inner steps between two syncs of the pseudo-gradient
+    diloco_sync_every: Annotated[int, Field(ge=1, le=100_000)] = 16
+    #: torchft_diloco: the outer Nesterov SGD (DiLoCo's paper: lr 0.7, momentum 0.9)
+    diloco_outer_lr: Annotated[float, Field(gt=0, le=10)] = 0.7
+    diloco_outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     #: the DDP ``bucket_cap_mb`` of a torch hook in place of ``compression.bucket_cap_mb``
     #: (None: the same buckets as raycomp's hook). torch's powerSGD_hook on gloo needs the
     #: whole model in one bucket: a cap above the model's fp32 size does it
     bucket_cap_mb: Annotated[float | None, Field(gt=0, le=100_000)] = None
+
+    @field_validator("baseline")
+    @classmethod
+    def _installed(cls, value: str) -> str:
+        if value == "torchft_diloco" and importlib.util.find_spec("torchft") is None:
+            raise ValueError("'torchft_diloco' needs the torchft package, which is not installed "
+                             "(pip install 'raycomp[bench]')")
+        return value
 
 
 class JobConfig(Section):

@@ -1,4 +1,4 @@
-"""End-to-end benchmark: time to target of 15 methods, 2 Ray nodes over a veth link.
+"""End-to-end benchmark: time to target of every method, 2 Ray nodes over a veth link.
 
 Two network namespaces joined by a veth pair (:mod:`jobs.bench.netns`) each hold one Ray node
 (:mod:`jobs.bench.cluster`) with one CPU: the head in ``a``, a worker node in ``b``. The driver runs inside ``a``. Each
@@ -11,33 +11,41 @@ One invocation = one workload x one link x ``--seeds``:
 
 ====================  ==================================================================
 ``gpt``               ``jobs/configs/gpt_kjv.yaml``: 3.2M-parameter char transformer on the
-                      KJV, validation loss on 128 fixed held-out windows
+                      KJV (AdamW), validation loss on 128 fixed held-out windows
 ``cnn``               ``jobs/configs/cnn_fashion.yaml``: 2.5M-parameter BatchNorm CNN on
-                      Fashion-MNIST, accuracy on the first 2,000 test images
+                      Fashion-MNIST (SGD), accuracy on the first 2,000 test images
+``lstm``              ``jobs/configs/lstm_kjv.yaml``: character LSTM on the KJV (SGD)
 ``mlp``               the old digits MLP (234,762 parameters): a smoke case
 ====================  ==================================================================
 
-Methods (:mod:`jobs.bench.e2e.methods`): ``dense`` (torch ``allreduce_hook``), ``torch_fp16``,
-``torch_bf16``, ``torch_powersgd_r1|r2|r4`` (torch's hooks), raycomp static ``topk`` (1%),
-``dgc`` (sampled-threshold Top-0.1%), ``powersgd_r1|r2|r4``, ``sign``, ``int8``, ``int4``, and
-``raycomp_adaptive`` (the shipped default ``compression.policy``, untuned).
+Methods (:mod:`jobs.bench.e2e.methods`). The default run: ``dense`` (torch ``allreduce_hook``),
+``torch_bf16``, torch's PowerSGD at the workload's best rank (``torch_powersgd_r4``),
+``raycomp_int4``, the local-step family -- ``torch_postlocalsgd`` (torch's post-local SGD,
+H in {4, 8, 16}), ``torchft_diloco`` (torchft's DiLoCo, H in {4, 8, 16}; when torchft is
+installed), ``raycomp_local`` (raycomp's local steps, ``compression.local.mode=fixed``, H in
+{4, 8, 16}) -- and ``raycomp_adaptive`` (the shipped default with ``compression.local.mode=auto``,
+nothing else tuned). A grid is reported under its name with its best H. ``--all-methods`` adds torch's
+fp16 hook and PowerSGD r1/r2, and raycomp's static Top-K, DGC, PowerSGD, sign and int8: the
+per-step lossy ones never reach an AdamW target.
 
-Fairness: every method runs the same config file, seed, data order, LR schedule (over the
-same step budget), evaluation cadence and validation set, and the same dense warm-up: raycomp's
-first compressed plan is installed at step ``W`` (``compression.warmup_steps = W - K`` with
-control interval ``K``: the plan decided at the boundary after warm-up reaches the ranks at the
-next one; the step logs show where it really started and the report prints it), torch's
-PowerSGD starts at ``start_powerSGD_iter = W`` and the fp16/bf16 hooks all-reduce fp32 for the
-first ``W`` steps. torch's ``powerSGD_hook`` gets one DDP bucket (``bucket_cap_mb`` above the
-model's fp32 size), which it needs on gloo; every other method gets the buckets raycomp's
-hook gets (``compression.bucket_cap_mb``, "auto" by default: about 8 buckets), so that they
-overlap communication with backward alike and the comparison is the hook's.
+Rules: every method runs the same config file, seed, data order, LR schedule (over the same
+``--steps`` budget, default 400), evaluation cadence and validation set. No shared warm-up:
+each method warms up as its authors recommend, and the warm-up counts in its time (torch
+PowerSGD's ``start_powerSGD_iter``: 10% of the budget; post-local SGD's ``start_localSGD_iter``:
+about as much, aligned so that evaluations see averaged weights (47 of 400); torch's casts and torchft's DiLoCo: none; raycomp: its own config). torch's
+``powerSGD_hook`` gets one DDP bucket (``bucket_cap_mb`` above the model's fp32 size), which
+it needs on gloo; every other DDP method gets the buckets raycomp's hook gets
+(``compression.bucket_cap_mb``, "auto": about 8 buckets).
 
-Time to target: training wall time (from the end of step 0; evaluation and report pauses
-subtracted) at the first evaluation from which the target holds at two consecutive
-evaluations; the median over seeds counts a seed that never got there as infinitely slow
-(so the median is null when most seeds miss). ``--target auto`` (the default) takes the
-dense runs' median metric at the evaluation at 3/4 of the step budget. The goals
+Target: ``--target auto`` (the default) is dense's median validation metric at a fixed step
+(``--target-step``, default 3/4 of the budget): dense runs first on every seed, its whole
+budget; every other run then stops once the target held at two consecutive evaluations
+(``workload.stop_at_target``). A fixed ``--target`` stops dense too. Time to target: training
+wall time (from the end of step 0; evaluation and report pauses subtracted) at the first of
+those two evaluations; the median over seeds counts a seed that never got there as infinitely
+slow (so the median is null when most seeds miss). Beside every ratio the report puts the
+physical limit, ``compute_bound_time_to_target_s``: dense's steps to target x the step
+without communication (torch's ``noop_hook``, each seed's own run). The goals
 (:mod:`jobs.bench.e2e.goals`, a table) are judged on the medians over seeds.
 
 Output: ``<output-dir>/e2e-<workload>-<link>.json``, ``.md`` and ``.png``; raw traces of every
@@ -58,14 +66,21 @@ from typing import Any
 
 from jobs.bench.cluster import REPO, driver_env, measure_link, ray_nodes, ray_temp
 from jobs.bench.e2e.analysis import analyze
-from jobs.bench.e2e.methods import QUICK_METHODS, WORKLOADS, parse_methods
+from jobs.bench.e2e.methods import (
+    DEFAULT_BUDGET,
+    GRIDS,
+    QUICK_METHODS,
+    WORKLOADS,
+    grid_setting,
+    parse_methods,
+)
 from jobs.bench.e2e.report import show, write_reports
 from jobs.bench.netns import ThrottledLink, parse_rate, rate_label
 from jobs.bench.report import command_line, eprint, machine_info
 
 __all__ = ["HELP", "NAME", "add_arguments", "results_from", "run", "settings_from"]
 
-HELP = "time to target of 15 methods over a 2-node link (network namespaces)"
+HELP = "time to target of dense, torch, local-step and raycomp methods over a 2-node link (network namespaces)"
 NAME = "e2e"
 DRIVER_TIMEOUT_S = {"quick": 1200, "full": 4 * 3600}
 
@@ -80,24 +95,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency", default="0",
                         help="one-way delay added with netem when the kernel has it (default 0)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: 1 seed, {len(QUICK_METHODS)} methods, a few dozen steps")
+                        help=f"smoke run: 1 seed, {', '.join(QUICK_METHODS)}, 64 steps")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick: 0)")
-    parser.add_argument("--steps", type=int, default=None, help="step budget per run (default per workload)")
-    parser.add_argument("--eval-every", type=int, default=None, help="evaluation cadence in steps")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="dense warm-up: the step at which every method starts compressing")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"step budget of every run, the LR schedule's length (default {DEFAULT_BUDGET}; "
+                             "320-480 suits the shipped workloads; quick: 64)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="evaluation cadence in steps (default 16; every grid's H must divide it)")
     parser.add_argument("--target", default="auto",
-                        help="target value of the validation metric, or 'auto' (dense's median at 3/4 "
+                        help="target value of the validation metric (every run, dense too, stops once it "
+                             "held twice), or 'auto' (default): dense's median at --target-step")
+    parser.add_argument("--target-step", type=int, default=None,
+                        help="--target auto: the step of dense's curve that sets the target (default: 3/4 "
                              "of the budget)")
-    parser.add_argument("--stop-at-target", action="store_true",
-                        help="let runs stop once the target held twice (workload.stop_at_target; needs "
-                             "a fixed --target and a training loop that honours it)")
+    parser.add_argument("--localsgd-start", type=int, default=None,
+                        help="torch post-local SGD's warm-up W, the DDP steps before local SGD (default: "
+                             "about 10%% of the budget, W + 1 a multiple of 16: 47 of 400)")
     parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
-                        help="ddp (default: DDP, the 15 methods) or fsdp (FSDP2: FSDP's own reduce-scatter "
-                             "fp32/bf16 against raycomp's compressed one; reports fsdp-<workload>-<link>.*)")
+                        help="ddp (default) or fsdp (FSDP2: FSDP's own reduce-scatter fp32/bf16 against "
+                             "raycomp's compressed one; reports fsdp-<workload>-<link>.*)")
     parser.add_argument("--methods", default=None,
-                        help="comma-separated subset, or 'all' (default: all; quick: "
+                        help="comma-separated subset (a grid's name, e.g. torch_postlocalsgd, runs all its "
+                             "settings), or 'all' (default: the methods that matter; quick: "
                              f"{','.join(QUICK_METHODS)})")
+    parser.add_argument("--all-methods", action="store_true",
+                        help="every method, the per-step lossy ones that never reach an AdamW target included")
     parser.add_argument("--output-dir", default="docs/benchmarks",
                         help="where e2e-<workload>-<link>.{json,md,png} go (default docs/benchmarks)")
     parser.add_argument("--work-dir", default=None,
@@ -110,21 +132,31 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     """Everything a run depends on, from the command line (recorded in meta.json)."""
     mode = "quick" if args.quick else "full"
     spec = WORKLOADS[args.workload]
-    steps = args.steps or spec[mode]["steps"]
-    eval_every = args.eval_every or spec[mode]["eval_every"]
-    if steps % eval_every:
-        raise SystemExit(f"error: --steps {steps} must be a multiple of --eval-every {eval_every}")
+    steps = args.steps or (spec["quick"]["steps"] if args.quick else DEFAULT_BUDGET)
+    eval_every = args.eval_every or (spec["quick"]["eval_every"] if args.quick else spec["eval_every"])
+    if steps < 2 * eval_every or steps % eval_every:
+        raise SystemExit(f"error: --steps {steps} must be a multiple of --eval-every {eval_every}, at least two "
+                         "evaluations")
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",") if s.strip()]
     target = None if str(args.target).lower() == "auto" else float(args.target)
-    if args.stop_at_target and target is None:
-        raise SystemExit("error: --stop-at-target needs a fixed --target (auto is known only after dense ran)")
-    warmup = args.warmup if args.warmup is not None else spec["warmup"]
-    if warmup < 2:
-        raise SystemExit("error: --warmup must be >= 2 (torch's PowerSGD needs start_powerSGD_iter > 1)")
+    if args.target_step is not None and not 0 < args.target_step <= steps:
+        raise SystemExit(f"error: --target-step must be in 1..{steps} (the budget), got {args.target_step}")
+    if args.localsgd_start is not None and not 0 <= args.localsgd_start < steps:
+        raise SystemExit(f"error: --localsgd-start must be in 0..{steps - 1}, got {args.localsgd_start}")
+    methods = parse_methods(args.methods, args.quick, args.strategy, args.workload, args.all_methods)
+    periods = sorted({grid_setting(m) for grid in GRIDS.values() for m in grid if m in methods})
+    if any(eval_every % h for h in periods):
+        raise SystemExit(f"error: --eval-every {eval_every} must be a multiple of every local-step H run "
+                         f"({', '.join(map(str, periods))}), so that evaluations see synced weights")
+    averaged = [grid_setting(m) for m in methods if m in GRIDS["torch_postlocalsgd"]]
+    if args.localsgd_start is not None and any((args.localsgd_start + 1) % h for h in averaged):
+        raise SystemExit(f"error: --localsgd-start {args.localsgd_start}: W + 1 must be a multiple of every post-local "
+                         f"SGD period run ({', '.join(map(str, averaged))}): torch's averager first averages after "
+                         "step W + 1, and evaluations must see averaged weights")
     return {"workload": args.workload, "config": spec["config"], "extra": spec.get("overrides", []),
             "mode": mode, "steps": steps, "eval_every": eval_every, "seeds": seeds, "target": target,
-            "stop_at_target": bool(args.stop_at_target), "warmup": warmup,
-            "methods": parse_methods(args.methods, args.quick, args.strategy), "strategy": args.strategy,
+            "target_step": args.target_step, "localsgd_start": args.localsgd_start,
+            "methods": methods, "strategy": args.strategy,
             "link": rate_label(parse_rate(args.link)), "idle_s": 3.0 if args.quick else 10.0,
             "link_check_s": 1.0 if args.quick else 2.0}
 

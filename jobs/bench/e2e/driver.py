@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.bench.cluster import REPO
+from jobs.bench.e2e.analysis import auto_target, target_step
 from jobs.bench.e2e.methods import (
     COMPUTE,
     NO_COMM,
@@ -29,7 +30,7 @@ from jobs.bench.e2e.methods import (
     policy_default,
 )
 
-__all__ = ["NicSampler", "driver", "main", "read_jsonl"]
+__all__ = ["NicSampler", "driver", "main", "read_jsonl", "run_phases"]
 
 
 class NicSampler(threading.Thread):
@@ -100,7 +101,6 @@ def driver(spec_path: str) -> int:
 
     import ray
 
-    from jobs import train
     from jobs.baselines import one_bucket_cap_mb
     from jobs.config import load_config
     from jobs.workloads import build
@@ -127,63 +127,98 @@ def driver(spec_path: str) -> int:
                            "default_policy": policy_default(), "runs": [], "idle": []}
     del workload
     controller_pid = None
-    references = [NO_COMM] if settings.get("strategy", "ddp") == "ddp" else []  # FSDP gathers parameters
-    plan = [(COMPUTE, settings["seeds"][0])] + [(m, s) for s in settings["seeds"]
-                                                for m in [*references, *settings["methods"]]]
-    for name, seed in plan:  # seed-major: a drift in machine load hits every method alike
-        overrides = method_overrides(name, settings, seed, base.controller.interval_steps, cap)
-        if name == "raycomp_adaptive" or name == COMPUTE:
-            overrides.append(f"compression.policy={policy_default()}")  # a config file may pin one
-        run_id = f"e2e-{name.replace('_', '-')}-s{seed}-{os.urandom(3).hex()}"
-        output = work / run_id
-        config, run_id, output = train.prepare(["--config", config_file, "--run-id", run_id,
-                                                "--output", str(output), *overrides])
-        if name in REFERENCES:  # a few evaluation intervals suffice for a step time
-            config = config.model_copy(update={"workload": config.workload.model_copy(
-                update={"epochs": min(config.workload.epochs, max(2, 40 // settings["eval_every"]))})})
-        output.mkdir(parents=True, exist_ok=True)
-        sampler = NicSampler(spec["dev"])
-        cpu_before = _cpu_seconds(controller_pid)
-        _log(f"{name} seed {seed}: {' '.join(methods_of(settings.get('strategy', 'ddp')).get(name, REFERENCES.get(name, [])))}")
-        load_before = os.getloadavg()[0]
-        t_start = time.time()
-        sampler.start()
-        try:
-            summary = train.run(config, run_id, output)
-        except Exception as error:  # noqa: BLE001 - recorded, the other runs still go
-            summary = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
-        t_end = time.time()
-        sampler.stop()
-        if controller_pid is None:
-            try:
-                handle = ray.get_actor(config.controller.name, namespace=config.controller.namespace)
-                controller_pid = ray.get(handle.pid.remote(), timeout=30)
-                raw["controller"] = {"pid": controller_pid, "node": _node_of(controller_pid, inodes)}
-            except Exception as error:  # noqa: BLE001
-                raw["controller"] = {"error": str(error)}
-        cpu_after = _cpu_seconds(controller_pid)
-        raw["runs"].append({
-            "method": name, "seed": seed, "run_id": run_id, "output": str(output), "overrides": overrides,
-            "summary": {k: v for k, v in summary.items() if k not in ("config", "final_plan")},
-            "t_start": t_start, "t_end": t_end, "nic": sampler.samples,
-            "evals": read_jsonl(output / "evals.jsonl"),
-            "steps": [{k: r.get(k) for k in ("time", "step", "wire_bytes", "dense_bytes", "loss")}
-                      for r in read_jsonl(output / "steps" / "rank0.jsonl")],
-            "controller_cpu_s": None if cpu_before is None or cpu_after is None else cpu_after - cpu_before,
-            "load_average": [load_before, os.getloadavg()[0]],
-            "placement": _placement(spec["ray_temp_a"], t_start, spec["addresses"]),
-        })
-        last = raw["runs"][-1]
-        _log(f"{name} seed {seed}: {summary.get('status')} in {t_end - t_start:.1f} s, {summary.get('steps')} "
-             f"steps, last eval {last['evals'][-1] if last['evals'] else None}, placement {last['placement']}"
-             + (f", error {summary.get('error')}" if summary.get("error") else ""))
-        if name == COMPUTE:
-            raw["idle"].append(_idle(sampler, settings["idle_s"]))
-        (work / "raw.json").write_text(json.dumps(raw))
+    run_settings = dict(settings)
+    for index, phase in enumerate(run_phases(settings)):
+        if index == 1:  # dense has run on every seed: the target the other runs stop at
+            run_settings["target"] = auto_target(raw["runs"], raw["metric"], settings)
+            raw["stop_target"] = run_settings["target"]
+            _log(f"target for the other methods: {run_settings['target']} (dense's median at step "
+                 f"{target_step(settings)})")
+        for name, seed in phase:
+            controller_pid = _run_one(name, seed, run_settings, spec, raw, work, config_file, base, cap,
+                                      inodes, controller_pid)
     raw["idle"].append(_idle(NicSampler(spec["dev"]), settings["idle_s"]))
     (work / "raw.json").write_text(json.dumps(raw))
     ray.shutdown()
     return 0
+
+
+def run_phases(settings: dict[str, Any]) -> list[list[tuple[str, int]]]:
+    """The runs in order, in phases. With ``--target auto``, dense first on every seed (the
+    target is its median at a fixed step; dense runs its whole budget), then the other
+    methods seed-major, each stopping at that target; with a fixed target, one phase,
+    seed-major, dense included. Each seed's group starts with the no-communication run (DDP
+    only: FSDP gathers parameters even without a gradient exchange); the compute-only run
+    comes first. Seed-major: a drift in machine load hits every method alike."""
+    seeds, methods = settings["seeds"], settings["methods"]
+    references = [NO_COMM] if settings.get("strategy", "ddp") == "ddp" else []
+    first = [(COMPUTE, seeds[0])]
+    if settings["target"] is None and "dense" in methods:
+        others = [m for m in methods if m != "dense"]
+        return [first + [("dense", s) for s in seeds],
+                [(m, s) for s in seeds for m in [*references, *others]]]
+    return [first + [(m, s) for s in seeds for m in [*references, *methods]]]
+
+
+def _run_one(name: str, seed: int, settings: dict[str, Any], spec: dict[str, Any], raw: dict[str, Any],
+             work: Path, config_file: str, base: Any, cap: float, inodes: dict[str, int],
+             controller_pid: int | None) -> int | None:
+    """One run through ``jobs.train``, its traces appended to ``raw`` (and raw.json written);
+    the controller's pid (learnt at the first run)."""
+    import ray
+
+    from jobs import train
+
+    overrides = method_overrides(name, settings, seed, base.controller.interval_steps, cap)
+    if name == "raycomp_adaptive" or name == COMPUTE:
+        overrides.append(f"compression.policy={policy_default()}")  # a config file may pin one
+    run_id = f"e2e-{name.replace('_', '-')}-s{seed}-{os.urandom(3).hex()}"
+    output = work / run_id
+    config, run_id, output = train.prepare(["--config", config_file, "--run-id", run_id,
+                                            "--output", str(output), *overrides])
+    if name in REFERENCES:  # a few evaluation intervals suffice for a step time
+        config = config.model_copy(update={"workload": config.workload.model_copy(
+            update={"epochs": min(config.workload.epochs, max(2, 40 // settings["eval_every"]))})})
+    output.mkdir(parents=True, exist_ok=True)
+    sampler = NicSampler(spec["dev"])
+    cpu_before = _cpu_seconds(controller_pid)
+    _log(f"{name} seed {seed}: {' '.join(methods_of(settings.get('strategy', 'ddp')).get(name, REFERENCES.get(name, [])))}")
+    load_before = os.getloadavg()[0]
+    t_start = time.time()
+    sampler.start()
+    try:
+        summary = train.run(config, run_id, output)
+    except Exception as error:  # noqa: BLE001 - recorded, the other runs still go
+        summary = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
+    t_end = time.time()
+    sampler.stop()
+    if controller_pid is None:
+        try:
+            handle = ray.get_actor(config.controller.name, namespace=config.controller.namespace)
+            controller_pid = ray.get(handle.pid.remote(), timeout=30)
+            raw["controller"] = {"pid": controller_pid, "node": _node_of(controller_pid, inodes)}
+        except Exception as error:  # noqa: BLE001
+            raw["controller"] = {"error": str(error)}
+    cpu_after = _cpu_seconds(controller_pid)
+    raw["runs"].append({
+        "method": name, "seed": seed, "run_id": run_id, "output": str(output), "overrides": overrides,
+        "summary": {k: v for k, v in summary.items() if k not in ("config", "final_plan")},
+        "t_start": t_start, "t_end": t_end, "nic": sampler.samples,
+        "evals": read_jsonl(output / "evals.jsonl"),
+        "steps": [{k: r.get(k) for k in ("time", "step", "wire_bytes", "dense_bytes", "loss")}
+                  for r in read_jsonl(output / "steps" / "rank0.jsonl")],
+        "controller_cpu_s": None if cpu_before is None or cpu_after is None else cpu_after - cpu_before,
+        "load_average": [load_before, os.getloadavg()[0]],
+        "placement": _placement(spec["ray_temp_a"], t_start, spec["addresses"]),
+    })
+    last = raw["runs"][-1]
+    _log(f"{name} seed {seed}: {summary.get('status')} in {t_end - t_start:.1f} s, {summary.get('steps')} "
+         f"steps, last eval {last['evals'][-1] if last['evals'] else None}, placement {last['placement']}"
+         + (f", error {summary.get('error')}" if summary.get("error") else ""))
+    if name == COMPUTE:
+        raw["idle"].append(_idle(sampler, settings["idle_s"]))
+    (work / "raw.json").write_text(json.dumps(raw))
+    return controller_pid
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -2,9 +2,11 @@
 
 :data:`MEASURES` are the numbers a goal can read, each from the medians over seeds of
 ``raycomp_adaptive`` and the other methods; :func:`judge` picks the report's scope, reads each
-of its goals' measure, compares it with the threshold and says PASS (``ok``) or MISS.
-:func:`warmup_ceilings` gives the best values the benchmark's rules allow, printed beside the
-goals that name one.
+of its goals' measure, compares it with the threshold and says PASS (``ok``) or MISS. Beside
+every time ratio stands its physical limit (``limit``): the value the ratio would take if
+adaptive reached the target at the compute-bound time (dense's steps to target x the step
+without communication, ``compute_bound_time_to_target_s``). A goal beyond its limit cannot
+pass by any change of policy that keeps dense's steps to target.
 """
 
 from __future__ import annotations
@@ -14,25 +16,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.bench.e2e.goals import GOALS, SCOPES, Goal
-from jobs.bench.e2e.stats import median_with_misses, ratio
+from jobs.bench.e2e.goals import GOALS, LOCAL_METHODS, SCOPES, Goal
+from jobs.bench.e2e.stats import ratio
 
-__all__ = ["COMPARISONS", "MEASURES", "Measure", "judge", "scope_of", "warmup_ceilings"]
+__all__ = ["COMPARISONS", "MEASURES", "Measure", "judge", "scope_of"]
 
 
 @dataclass(frozen=True)
 class Measure:
     """A goal's number; ``note`` says why a goal without one is judged a PASS anyway (its
-    number would be infinite); ``reference`` names what a ratio divides by, for the text."""
+    number would be infinite); ``limit`` is the best value the compute bound allows."""
 
     value: float | None
     note: str | None = None
-    reference: str = ""
+    limit: float | None = None
 
 
 @dataclass(frozen=True)
 class _Rows:
-    """The results and the rows a measure reads: adaptive, dense, the fastest other method."""
+    """The results and the rows a measure reads: adaptive, dense, the fastest other method,
+    the compute-bound time to target."""
 
     results: dict[str, Any]
     by: dict[str, dict[str, Any]]
@@ -44,22 +47,46 @@ class _Rows:
     def time(self) -> float | None:
         return self.ada["time_to_target_s"]
 
+    @property
+    def bound(self) -> float | None:
+        return self.results.get("compute_bound_time_to_target_s")
+
+
+def _speedup_vs(r: _Rows, other: dict[str, Any] | None) -> Measure:
+    t = (other or {}).get("time_to_target_s")
+    return Measure(ratio(t, r.time), limit=ratio(t, r.bound))
+
 
 def _speedup_vs_dense(r: _Rows) -> Measure:
-    return Measure(ratio(r.dense.get("time_to_target_s"), r.time))
+    return _speedup_vs(r, r.dense)
+
+
+def _speedup_vs_int4(r: _Rows) -> Measure:
+    return _speedup_vs(r, r.by.get("raycomp_int4"))
+
+
+def best_local(r: _Rows) -> dict[str, Any] | None:
+    """The fastest local-step method that reached the target (None: none did)."""
+    reached = [r.by[n] for n in LOCAL_METHODS if n in r.by and r.by[n]["time_to_target_s"] is not None]
+    return min(reached, key=lambda m: m["time_to_target_s"], default=None)
+
+
+def _speedup_vs_best_local(r: _Rows) -> Measure:
+    best = best_local(r)
+    ran = [n for n in LOCAL_METHODS if n in r.by]
+    if best is None and ran and r.time is not None:  # a miss counts as infinitely slow, as in the medians
+        return Measure(None, note=f"none of the local-step methods run ({', '.join(ran)}) reached the target "
+                                  "within the step budget; adaptive did")
+    return _speedup_vs(r, best)
 
 
 def _time_vs_best_other(r: _Rows) -> Measure:
-    return Measure(ratio(r.time, r.best["time_to_target_s"] if r.best else None))
+    t = r.best["time_to_target_s"] if r.best else None
+    return Measure(ratio(r.time, t), limit=ratio(r.bound, t))
 
 
-def _speedup_vs_torch_powersgd(r: _Rows) -> Measure:
-    ranks = [r.by[n]["time_to_target_s"] for n in r.by if n.startswith("torch_powersgd")]
-    reached = [v for v in ranks if v is not None]
-    if ranks and not reached and r.time is not None:  # a miss counts as infinitely slow, as in the medians
-        return Measure(None, note=f"none of the {len(ranks)} torch powerSGD ranks run reached the target "
-                                  "within the step budget; adaptive did")
-    return Measure(ratio(min(reached), r.time) if reached else None)
+def _time_vs_compute_bound(r: _Rows) -> Measure:
+    return Measure(ratio(r.time, r.bound), limit=1.0 if r.bound else None)
 
 
 def _final_metric_vs_dense(r: _Rows) -> Measure:
@@ -73,31 +100,23 @@ def _final_metric_vs_dense(r: _Rows) -> Measure:
 
 
 def _nic_reduction_vs_dense(r: _Rows) -> Measure:
+    return Measure(ratio(r.dense.get("nic_bytes_to_stop"), r.ada.get("nic_bytes_to_stop")))
+
+
+def _nic_per_step_reduction_vs_dense(r: _Rows) -> Measure:
     return Measure(ratio(r.dense.get("nic_bytes_per_step"), r.ada["nic_bytes_per_step"]))
-
-
-def _step_vs_reference(r: _Rows) -> Measure:
-    """Adaptive's steady step over each seed's own no-communication step, or over the
-    compute-only step in a report from before the no-communication runs."""
-    if r.results.get("no_comm_step_s"):
-        return Measure(r.ada.get("step_vs_no_comm"), reference="the step without communication "
-                       "(2 workers, torch's noop_hook; each seed's own)")
-    return Measure(ratio(r.ada["step_s"], r.results["compute_step_s"]), reference="the compute-only step")
-
-
-def _control_share(r: _Rows) -> Measure:
-    return Measure(r.ada["control_share"])
 
 
 #: measure name (a goal's ``measure``) -> how it reads the results
 MEASURES: dict[str, Callable[[_Rows], Measure]] = {
     "speedup_vs_dense": _speedup_vs_dense,
+    "speedup_vs_int4": _speedup_vs_int4,
+    "speedup_vs_best_local": _speedup_vs_best_local,
     "time_vs_best_other": _time_vs_best_other,
-    "speedup_vs_torch_powersgd": _speedup_vs_torch_powersgd,
+    "time_vs_compute_bound": _time_vs_compute_bound,
     "final_metric_vs_dense": _final_metric_vs_dense,
     "nic_reduction_vs_dense": _nic_reduction_vs_dense,
-    "step_vs_reference": _step_vs_reference,
-    "control_share": _control_share,
+    "nic_per_step_reduction_vs_dense": _nic_per_step_reduction_vs_dense,
 }
 #: a goal's ``comparison`` -> (value, threshold) -> pass
 COMPARISONS: dict[str, Callable[[float, Any], bool]] = {
@@ -124,52 +143,18 @@ def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
                key=lambda m: m["time_to_target_s"], default=None)
     rows = _Rows(results, by, ada, by.get("dense") or {}, best)
     scope = scope_of(results)
-    ceilings: dict[str, float | None] = {}
-    out = []
-    for goal in GOALS:
-        if goal.scope != scope or (goal.needs and goal.needs not in by):
-            continue
-        measure = MEASURES[goal.measure](rows)
-        if goal.ceiling and not ceilings:
-            ceilings = warmup_ceilings(results, rows.dense)
-        out.append(_verdict(goal, measure, rows, ceilings.get(goal.ceiling or "")))
-    return out
+    return [_verdict(goal, MEASURES[goal.measure](rows), rows) for goal in GOALS
+            if goal.scope == scope and (not goal.needs or any(n in by for n in goal.needs))]
 
 
-def _verdict(goal: Goal, measure: Measure, rows: _Rows, ceiling: float | None) -> dict[str, Any]:
+def _verdict(goal: Goal, measure: Measure, rows: _Rows) -> dict[str, Any]:
     value = measure.value
     ok = COMPARISONS[goal.comparison](value, goal.threshold) if value is not None else measure.note is not None
+    local = best_local(rows)
     text = goal.text.format(
         threshold=goal.threshold, margin=None if goal.threshold is None else goal.threshold - 1,
-        best=f" ({rows.best['name']})" if rows.best else "", reference=measure.reference,
+        best=f" ({rows.best['name']})" if rows.best else "", best_local=f" ({local['name']})" if local else "",
         metric=rows.results.get("target", {}).get("metric"))
-    return {"goal": text, "value": value, "ok": bool(ok),
-            **({"note": measure.note} if measure.note else {}), **({"ceiling": ceiling} if ceiling is not None else {})}
-
-
-def warmup_ceilings(results: dict[str, Any], dense: dict[str, Any]) -> dict[str, float | None]:
-    """The best ratios against dense that any method could reach under this benchmark's rules.
-
-    Every method runs the same dense warm-up (steps 0 to ``warmup - 1``), so it pays dense's
-    bytes and dense's step time there, whatever it does afterwards. With communication free
-    from then on:
-
-    * ``nic``: dense's NIC bytes over the window the benchmark counts (steps 1 to the last)
-      divided by the warm-up's share of them: ``(steps - 1) / (warmup - 1)``;
-    * ``vs_dense``: dense's time to target divided by the time of a run that reaches the target
-      at dense's (median) step, paying dense's step time in the warm-up and only the
-      no-communication step after it (the compute-only step in a report without one).
-
-    None where the results lack a number it needs. A goal above its ceiling cannot pass by
-    any change of policy: only a shorter warm-up, a longer budget or a looser target could.
-    """
-    wl = results.get("workload", {})
-    steps, warmup = wl.get("steps"), wl.get("warmup_steps")
-    nic = (steps - 1) / (warmup - 1) if steps and warmup and warmup > 1 else None
-    hit = median_with_misses(dense.get("steps_to_target_seeds") or [])
-    ttt, dense_step = dense.get("time_to_target_s"), dense.get("step_s")
-    compute = results.get("no_comm_step_s") or results.get("compute_step_s")
-    vs_dense = None
-    if None not in (hit, ttt, dense_step, compute, warmup) and hit >= warmup:
-        vs_dense = ttt / ((warmup - 1) * dense_step + (hit - warmup + 1) * compute)
-    return {"nic": nic, "vs_dense": vs_dense}
+    return {"goal": text, "measure": goal.measure, "value": value, "ok": bool(ok),
+            **({"note": measure.note} if measure.note else {}),
+            **({"limit": measure.limit} if measure.limit is not None else {})}

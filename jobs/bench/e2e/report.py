@@ -26,6 +26,13 @@ def _seeds(values: Sequence[Any], fmt: str = "{:.1f}") -> str:
     return " / ".join("miss" if v is None else fmt.format(v) for v in values)
 
 
+def _warmup(row: dict[str, Any]) -> str:
+    """A torch baseline's warm-up as the benchmark set it; where a raycomp run compressed from."""
+    if row.get("warmup_steps") is not None:
+        return f"{row['warmup_steps']} steps" if row["warmup_steps"] else "none"
+    return _seeds(row["first_compressed_step_seeds"], "{}").replace("miss", "never")
+
+
 def report_stem(results: dict[str, Any]) -> str:
     """The report files' name without extension, e.g. ``e2e-gpt-100mbit``."""
     prefix = "fsdp" if results.get("strategy") == "fsdp" else "e2e"
@@ -37,7 +44,7 @@ def modeled(results: dict[str, Any], name: str) -> bool:
     return name in (FSDP_BASELINES if results.get("strategy") == "fsdp" else TORCH_HOOKS)
 
 
-def _fsdp_setup(wl: dict[str, Any]) -> list[str]:
+def _fsdp_setup() -> list[str]:
     return [
         "- Strategy **FSDP2** (`scaling.strategy=fsdp`): `fully_shard` on every transformer block, then the "
         "root; parameters are all-gathered fp32 in forward and backward by every method alike (FSDP's default "
@@ -45,8 +52,9 @@ def _fsdp_setup(wl: dict[str, Any]) -> list[str]:
         "- `dense`: FSDP's own fp32 reduce-scatter (gloo runs it as an all-reduce: twice the bytes of the "
         "ideal reduce-scatter that the wire column models); `torch_bf16`: FSDP's "
         "`MixedPrecisionPolicy(reduce_dtype=bf16)`, which cannot be switched on mid-run, so it casts from step "
-        "0 (no dense warm-up); `raycomp_*`: raycomp's compressed all-to-all per unit, dense (fp32 rows) until "
-        f"step {wl['warmup_steps']}, then bf16 / int8 / the adaptive policy (int4, int8, bf16 or dense per unit).",
+        "0 (no dense warm-up); `raycomp_*`: raycomp's compressed all-to-all per unit, dense (fp32 rows) for "
+        "raycomp's own `compression.warmup_steps`, then bf16 / int8 / the adaptive policy (int4, int8, bf16 or "
+        "dense per unit).",
         "- Compute-only step: 1 worker without FSDP (FSDP at one worker adds local copies, no communication).",
     ]
 
@@ -61,21 +69,26 @@ def render_markdown(results: dict[str, Any]) -> str:
     compute = results["compute_step_s"]
     metric = target["metric"]
     mfmt = "{:.4f}"
+    bound = results.get("compute_bound_time_to_target_s")
     table = markdown_table(
-        ["method", "time to target s (median)", "per seed", "vs dense", "steps to target", f"final {metric}",
-         "wire bytes", "NIC bytes", "NIC B/step", "step ms", "step / compute", "step / no-comm",
-         "control share", "compressed from"],
-        [[m["name"], show(m["time_to_target_s"], "{:.1f}"), _seeds(m["time_to_target_s_seeds"]),
-          show(ratio(dense_t, m["time_to_target_s"]), "{:.2f}x"), _seeds(m["steps_to_target_seeds"], "{}"),
-          show(m["final_metric"], mfmt), show(m["wire_bytes"], "{:,.0f}") + ("*" if modeled(results, m["name"]) else ""),
-          show(m["nic_bytes"], "{:,.0f}"), show(m["nic_bytes_per_step"], "{:,.0f}"),
+        ["method", "time to target s (median)", "per seed", "vs dense", "vs compute-bound", "steps to target",
+         f"final {metric}", "wire bytes", "NIC bytes to stop", "NIC B/step", "step ms", "step / no-comm",
+         "control share", "warm-up / compressed from"],
+        [[m["name"] + (f" ({m['variant']})" if m.get("variant") else ""), show(m["time_to_target_s"], "{:.1f}"),
+          _seeds(m["time_to_target_s_seeds"]),
+          show(ratio(dense_t, m["time_to_target_s"]), "{:.2f}x"), show(m.get("vs_compute_bound"), "{:.2f}x"),
+          _seeds(m["steps_to_target_seeds"], "{}"),
+          show(m["final_metric"], mfmt), show(m["wire_bytes"], "{:,.0f}") + ("*" if modeled(results, m.get("variant") or m["name"]) else ""),
+          show(m.get("nic_bytes_to_stop"), "{:,.0f}"), show(m["nic_bytes_per_step"], "{:,.0f}"),
           show(m["step_s"] * 1e3 if m["step_s"] else None, "{:.0f}"),
-          show(ratio(m["step_s"], compute), "{:.2f}x"),
           show(m.get("step_vs_no_comm"), "{:.2f}x"),
           show(m["control_share"] * 100 if m["control_share"] is not None else None, "{:.1f}%"),
-          _seeds(m["first_compressed_step_seeds"], "{}").replace("miss", "never")] for m in methods],
-        align="lllrlrrrrrrrrl",
+          _warmup(m)] for m in methods],
+        align="lllrrlrrrrrrrl",
     )
+    grids = [f"- `{m['name']}`, each H (median time to target s / final {metric}): "
+             + "; ".join(f"{g['variant']}: {show(g['time_to_target_s'], '{:.1f}')} / {show(g['final_metric'], mfmt)}"
+                         for g in m["grid"]) for m in methods if m.get("grid")]
     failures = [f"- {m['name']}: {e}" for m in methods for e in m["errors"]]
     load = results.get("load_average") or {}
     requested = results.get("seeds_requested") or results["seeds"]
@@ -106,29 +119,40 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## Set-up",
         "",
         f"- Workload `{wl['config']}`: {wl['parameters']:,} parameters ({wl['parameters'] * 4 / 1e6:.1f} MB fp32), "
-        f"2 workers (one per Ray node, one thread each), {wl['steps']} steps for every method, validation "
+        f"2 workers (one per Ray node, one thread each), a budget of {wl['steps']} steps for every method (the "
+        "LR schedule's length), validation "
         f"{metric} on the fixed validation set every {wl['eval_every_steps']} steps, seeds "
         f"{', '.join(map(str, results['seeds']))}; same data order, LR schedule and step budget for all.",
         f"- Link: {link['shaping']['qdisc'].get('a')} on each veth end; measured (one bulk TCP flow each way) "
         f"{show(check.get('a_to_b', {}).get('bits_per_s', 0) / 1e6, '{:.1f}')} / "
         f"{show(check.get('b_to_a', {}).get('bits_per_s', 0) / 1e6, '{:.1f}')} Mbit/s of payload "
         f"(min {show(measured, '{:.1f}')}), TCP round trip median {show(check.get('rtt', {}).get('median_s', 0) * 1e6, '{:.0f}')} µs.",
-        *(_fsdp_setup(wl) if results.get("strategy") == "fsdp" else [
-            f"- Dense warm-up: every method starts compressing at step {wl['warmup_steps']} (raycomp: "
-            f"`compression.warmup_steps` = {wl['warmup_steps']} - control interval; torch PowerSGD: "
-            f"`start_powerSGD_iter`; fp16/bf16: fp32 all-reduce first). *compressed from* shows where each "
-            "raycomp run really started (first step whose ledger bytes fell below dense).",
+        *(_fsdp_setup() if results.get("strategy") == "fsdp" else [
+            "- No shared warm-up: each method warms up as its authors recommend and the warm-up counts in its "
+            "time. torch PowerSGD: `start_powerSGD_iter` = 10% of the budget (torch's docs); torch post-local SGD: "
+            "DDP for `start_localSGD_iter` = W steps (about 10% of the budget, W + 1 a multiple of 16 so that "
+            "evaluations see averaged weights, unless `--localsgd-start`), then "
+            "`PeriodicModelAverager` every H steps, no gradient exchange in between; torch's bf16 hook and "
+            "torchft's DiLoCo: none; raycomp: its own config (*compressed from* shows where each raycomp run "
+            "really started: the first step whose ledger bytes fell below dense).",
             f"- torch PowerSGD: one DDP bucket (`bucket_cap_mb={wl['torch_powersgd_bucket_cap_mb']}`, above the "
-            "model's fp32 size; with several buckets `powerSGD_hook` aborts or hangs on gloo). Other methods: "
+            "model's fp32 size; with several buckets `powerSGD_hook` aborts or hangs on gloo). Other DDP methods: "
             + (f"the same DDP buckets, `bucket_cap_mb={wl['ddp_bucket_cap_mb']}` (`compression.bucket_cap_mb`), so "
                "they overlap communication with backward alike." if wl.get("ddp_bucket_cap_mb") is not None
-               else "DDP's default buckets.")]),
+               else "DDP's default buckets."),
+            "- A grid (torch post-local SGD, torchft DiLoCo: H in 4, 8, 16) is reported under its name with its best "
+            "H: the shortest median time to target, else the best final metric.",
+            *grids]),
         f"- `raycomp_adaptive` = the shipped default policy (`{wl['adaptive_policy']}`), untuned.",
         f"- Target: validation {metric} {'<=' if target['lower_is_better'] else '>='} "
-        f"**{show(target['value'], mfmt)}** ({target['source']}). Time to target: training wall time from the "
-        f"end of step 0, evaluation/report pauses subtracted, at the first evaluation from which the target "
-        f"holds at {target['consecutive']} consecutive evaluations; median over seeds with a miss counted as "
-        "infinitely slow (— when most seeds missed).",
+        f"**{show(target['value'], mfmt)}** ({target['source']}). Every run stops once the target held at "
+        f"{target['consecutive']} consecutive evaluations (with an auto target, dense runs its whole budget "
+        "first). Time to target: training wall time from the end of step 0, evaluation/report pauses "
+        "subtracted, at the first of those evaluations; median over seeds with a miss counted as infinitely "
+        "slow (— when most seeds missed).",
+        f"- Compute-bound time to target (the physical limit beside every ratio): dense's median steps to "
+        f"target x the median step without communication = **{show(bound, '{:.1f}')} s**; at most "
+        f"**{show(ratio(dense_t, bound), '{:.2f}x')}** faster than dense.",
         f"- Compute-only step (1 worker, no DDP, same per-worker batch, same loop): "
         f"**{show(compute * 1e3 if compute else None, '{:.0f}')} ms**.",
         *(["- Step without communication (both workers, DDP with the same buckets, torch's `noop_hook` in place "
@@ -142,7 +166,7 @@ def render_markdown(results: dict[str, Any]) -> str:
          "model of an ideal reduce-scatter ((N-1)/N x payload). NIC bytes:" if results.get("strategy") == "fsdp" else
          "- Wire bytes: all ranks, raycomp's ledger; * = torch hooks, byte model of the hook (ring all-reduce "
          "2(N-1)/N x payload). NIC bytes:")
-        + " veth tx+rx in namespace a from the end of step 0 to the last step, "
+        + " veth tx+rx in namespace a from the end of step 0, "
         f"minus idle Ray traffic ({link['idle_ray_bytes_per_s']:,.0f} B/s) x that time. Step time: mean "
         "step gap after compression started + one control interval, evaluation gaps excluded. Control "
         "share: the session's control time / step time.",
@@ -154,8 +178,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## Goals",
         "",
         *[f"- {g['goal']}: **{g.get('note') or show(g['value'], '{:.3f}')}** — **{'PASS' if g['ok'] else 'MISS'}**"
-          + (f" (ceiling under this benchmark's shared dense warm-up: {g['ceiling']:.2f}x)"
-             if g.get("ceiling") is not None else "")
+          + (f" (physical limit, at the compute-bound time: {g['limit']:.2f})" if g.get("limit") is not None else "")
           for g in results["goals"]],
         "",
     ]

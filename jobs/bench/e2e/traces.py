@@ -100,9 +100,17 @@ def first_compressed_step(steps: list[dict[str, Any]]) -> int | None:
 
 
 def torch_hook_bytes(hook: str, layers: dict[str, list[int]], world: int, steps: int,
-                     rank: int = 2, start_iter: int = 0, min_compression_rate: float = 2.0) -> list[float]:
-    """Bytes one rank transmits per step under torch's hook (ring all-reduce model); dense
-    fp32 before ``start_iter`` (PowerSGD's start, the casts' warm-up)."""
+                     rank: int = 2, start_iter: int = 0, min_compression_rate: float = 2.0,
+                     period: int = 1) -> list[float]:
+    """Bytes one rank transmits per step under torch's communication ``hook`` (ring
+    all-reduce model); dense fp32 before ``start_iter`` (PowerSGD's start, the casts' and
+    post-local SGD's warm-up).
+
+    ``localsgd``: post-local SGD, the fp32 parameters all-reduced after the optimizer steps
+    ``start_iter``, ``start_iter + period``, ... (``PeriodicModelAverager``), nothing in
+    between; ``diloco``: torchft's DiLoCo, the fp32 pseudo-gradient all-reduced after every
+    ``period``-th step (steps ``period - 1``, ``2 period - 1``, ...).
+    """
     factor = 2 * (world - 1) / world
     numel = sum(math.prod(s) for s in layers.values())
     dense = factor * 4 * numel
@@ -110,6 +118,10 @@ def torch_hook_bytes(hook: str, layers: dict[str, list[int]], world: int, steps:
         return [dense] * steps
     if hook in ("fp16", "bf16"):
         return [dense if step < start_iter else factor * 2 * numel for step in range(steps)]
+    if hook == "localsgd":
+        return [dense if step < start_iter or (step - start_iter) % period == 0 else 0.0 for step in range(steps)]
+    if hook == "diloco":
+        return [dense if (step + 1) % period == 0 else 0.0 for step in range(steps)]
     compressed = 0
     for shape in layers.values():  # powerSGD_hook: tensor.view(shape[0], -1); 1-D go dense
         n = shape[0]

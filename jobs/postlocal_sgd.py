@@ -1,0 +1,78 @@
+"""torch's post-local SGD as a benchmark baseline (``benchmark.baseline=torch_postlocalsgd``).
+
+As torch's authors set it up (``torch.distributed.algorithms.model_averaging``, RFC pytorch
+#59699): DDP with ``post_localSGD_hook`` all-reduces gradients for the first
+``start_localSGD_iter`` = W steps; from then on each rank steps its own optimizer on its own
+gradient, and a ``PeriodicModelAverager(period=H, warmup_steps=W)`` averages the ranks'
+parameters after every H-th optimizer step (what ``PostLocalSGDOptimizer.step`` does; here
+:meth:`PostLocalSgdSync.after_optimizer_step`, called by raycomp's loop after each optimizer
+step). Optimizer state stays local.
+
+One departure, and why: after its warm-up torch's hook keeps all-reducing gradients inside a
+*subgroup*, by default the ranks of one machine (``dist.new_subgroups()``, sized by the CUDA
+device count: it raises on a CPU-only host). That intra-machine all-reduce is meant for GPUs
+that share a fast interconnect. Here every rank stands for a machine of its own (the
+benchmark puts each worker on its own Ray node), so its subgroup would hold one rank and
+reduce nothing: the state is built with ``post_local_gradient_allreduce=False``, which is
+exactly that, without a subgroup, on one host too. After the warm-up the ranks exchange no
+gradients; only the parameter average every H steps crosses the link (and DDP's broadcast
+of a model's buffers, if it has any, at every forward, as under torch's own recipe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jobs.config import BenchmarkSection
+from jobs.local_guard import LocalGuardState
+from raycomp.train.ddp_sync import DdpSync, compression_state, wrap_ddp
+from raycomp.train.gradient_sync import SyncSetup
+
+__all__ = ["PostLocalSgdSync", "post_local_sgd", "register_post_local_sgd"]
+
+
+def register_post_local_sgd(model: torch.nn.parallel.DistributedDataParallel,
+                            benchmark: BenchmarkSection) -> torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager:
+    """``post_localSGD_hook`` on ``model`` (gradient all-reduce for ``localsgd_start_iter``
+    steps, none after) and the averager to call after every optimizer step."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        PostLocalSGDState,
+        post_localSGD_hook,
+    )
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    start = benchmark.localsgd_start_iter
+    state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start,
+                              post_local_gradient_allreduce=False)
+    model.register_comm_hook(state, post_localSGD_hook)
+    return PeriodicModelAverager(period=benchmark.localsgd_period, warmup_steps=start)
+
+
+class PostLocalSgdSync(DdpSync):
+    """DDP with ``post_localSGD_hook``; the parameters averaged every H optimizer steps."""
+
+    def __init__(self, model: torch.nn.Module, state: LocalGuardState, averager: object | None) -> None:
+        super().__init__(model, state)  # type: ignore[arg-type]
+        self.averager = averager
+        module = getattr(model, "module", model)
+        self._params = list(module.parameters())
+
+    def after_optimizer_step(self, applied: bool) -> None:
+        # every rank calls it at every step, applied or skipped (the guard skips on every
+        # rank alike), so the averagers count the same steps and average together
+        if self.averager is not None:
+            self.averager.average_parameters(self._params)
+
+
+def post_local_sgd(model: torch.nn.Module, setup: SyncSetup, benchmark: BenchmarkSection,
+                   ddp_options: dict[str, object]) -> PostLocalSgdSync:
+    """The model in DDP (``ddp_options``) under post-local SGD, the guard's inputs agreed."""
+    import torch.distributed as dist
+
+    model = wrap_ddp(model, setup, ddp_options)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = LocalGuardState(compression_state(model, setup), rank, world, setup.control_group)
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    averager = register_post_local_sgd(model, benchmark) if ddp else None
+    return PostLocalSgdSync(model, state, averager)
