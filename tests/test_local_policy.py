@@ -10,7 +10,18 @@ import pytest
 
 from controllers.service import Controller
 from raycomp.config import LocalSection
-from tests.test_adaptive_policy import FAST, SHAPES, SLOW, WARMUP, K, Link, Sim, W, layer_bytes, numel
+from tests.test_adaptive_policy import (
+    FAST,
+    SHAPES,
+    SLOW,
+    WARMUP,
+    K,
+    Link,
+    Sim,
+    W,
+    layer_bytes,
+    numel,
+)
 
 
 class LocalSim(Sim):
