@@ -82,7 +82,7 @@ MUTANTS = (
         timeout_s=300,
     ),
     mutant(
-        "guard-judges-scaled-gradients", "TrainLoop.step",
+        "guard-judges-scaled-gradients", "TrainLoop.after_backward",
         "            unscale_once(self.grad_scaler, self.optimizer)\n",
         "            pass\n",
         "tests/test_train_loss_scale.py -k resumes",
@@ -90,7 +90,7 @@ MUTANTS = (
         timeout_s=300,
     ),
     mutant(
-        "scaler-never-updated", "TrainLoop.step",
+        "scaler-never-updated", "TrainLoop.after_optimizer_step",
         "            self.grad_scaler.update()  # backs off after an overflow, grows after clean steps\n",
         "            pass\n",
         "tests/test_train_loss_scale.py -k resumes",
@@ -98,7 +98,7 @@ MUTANTS = (
         timeout_s=300,
     ),
     mutant(
-        "scaler-not-restored", "restore",
+        "scaler-not-restored", "load_own",
         "                loop.grad_scaler.load_state_dict(own[\"grad_scaler\"])\n",
         "                    pass\n",
         "tests/test_train_loss_scale.py -k resumes",
