@@ -55,3 +55,25 @@ def test_plain_ddp_hook_without_ray():
     assert len(lines) == 2
     ratio = float(lines[-1].rsplit("compression ", 1)[1].rstrip("x"))
     assert ratio > 5  # PowerSGD rank 2 on 256x64 and 10x256 layers
+
+
+def test_lightning_on_ray_train(ray_cluster, tmp_path):
+    pytest.importorskip("lightning")
+    example = _load("lightning_ray_train")
+    name = f"lightning-{tmp_path.name}"
+    totals = example.main(["--workers", "2", "--epochs", "2", "--samples", "1920", "--precision", "bf16-mixed",
+                           "--accumulate", "2", "--storage", str(tmp_path), "--name", name,
+                           "--controller", f"example-{tmp_path.name}"[:60]])
+    # 1920 images / (2 ranks x 32) = 30 micro-batches an epoch, 2 per optimizer step: 15 steps
+    assert totals["steps"] == 30 and totals["skipped_steps"] == 0
+    assert totals["plan_switches"] >= 1  # the controller steered it off the dense warm-up
+    assert totals["wire_bytes_total"] < totals["dense_bytes_total"]
+    assert totals["val_accuracy"] > 0.3  # ten classes: chance is 0.1
+    evals = [json.loads(line) for line in (tmp_path / name / "evals.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [15, 30] and all("val_accuracy" in e for e in evals)
+    checkpoints = sorted(p for p in (tmp_path / name).glob("checkpoint_*") if p.is_dir())
+    assert len(checkpoints) == 2  # RayTrainReportCallback's, one an epoch, each with raycomp's state beside
+    assert {p.name for p in (checkpoints[-1] / "checkpoint.ckpt.raycomp").iterdir()} == {
+        "rank0.pt", "rank1.pt", "meta.json"}
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["policy"]["name"] == "critical"

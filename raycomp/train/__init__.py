@@ -33,6 +33,7 @@ with the next statistics. It checkpoints in the last epoch, and more often when
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,8 @@ from raycomp.train.options import TrainOptions, resolve_options
 from raycomp.train.plan_sync import PlanMismatchError
 
 __all__ = ["ControllerCallback", "GradientState", "GradientSync", "GradientSyncFactory", "PlanMismatchError",
-           "SyncSetup", "TrainLoop", "TrainOptions", "current", "finish", "prepare_model", "raycomp_sync",
-           "record_eval", "report", "save_state", "step"]
+           "SyncSetup", "TrainLoop", "TrainOptions", "current", "finish", "finish_loop", "prepare_model",
+           "raycomp_sync", "record_eval", "report", "save_state", "start_loop", "step"]
 
 _loop: TrainLoop | None = None
 
@@ -83,14 +84,31 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
             to put something else in their place (a benchmark's torch baselines do) while
             the guard, the controller link, the step log and checkpoints stay as they are.
     """
+    return start_loop(model, optimizer, scheduler, grad_scaler=grad_scaler, options=options,
+                      gradient_sync=gradient_sync).model
+
+
+def start_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
+               grad_scaler: torch.amp.GradScaler | None = None, options: TrainOptions | None = None,
+               gradient_sync: GradientSyncFactory = raycomp_sync, owns_optimizer: bool = True,
+               resume: Callable[[TrainLoop], None] | None = None) -> TrainLoop:
+    """The :class:`TrainLoop` behind :func:`prepare_model`, for code that drives the step
+    itself (:mod:`raycomp.integrations`: Lightning, the Hugging Face Trainer): it calls
+    ``loop.after_backward`` and ``loop.after_optimizer_step`` around its own optimizer step
+    and :func:`finish_loop` at the end. The loop is also :func:`current`.
+
+    Args: as :func:`prepare_model`'s; ``owns_optimizer`` and ``resume``: as
+    :class:`TrainLoop`'s (False and a restore of raycomp's own state, for a framework that
+    steps, zeroes and checkpoints the optimizer itself).
+    """
     global _loop
     options = options or TrainOptions()
     refuse_scaler(grad_scaler, options)
     options = resolve_options(options, optimizer)  # once: what the run uses and registers
     controller = _find_controller(options)
     _loop = TrainLoop(model, optimizer, scheduler, options=options, controller=controller, grad_scaler=grad_scaler,
-                      gradient_sync=gradient_sync)
-    return _loop.model
+                      gradient_sync=gradient_sync, owns_optimizer=owns_optimizer, resume=resume)
+    return _loop
 
 
 def current() -> TrainLoop:
@@ -138,11 +156,16 @@ def save_state(directory: str | Path) -> None:
 def finish() -> dict[str, Any]:
     """Run totals over all ranks (a collective), then close this worker's loop; rank 0 also
     tells the controller the run is done and writes ``<output_dir>/summary.json``."""
+    return finish_loop(current())
+
+
+def finish_loop(loop: TrainLoop) -> dict[str, Any]:
+    """:func:`finish` for a given loop (one :func:`start_loop` returned)."""
     global _loop
-    loop = current()
     totals = loop.totals()
     loop.close()
-    _loop = None
+    if _loop is loop:
+        _loop = None
     if loop.rank == 0:
         _write_summary(loop, totals)
     return totals

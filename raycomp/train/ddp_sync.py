@@ -12,7 +12,7 @@ from raycomp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
 from raycomp.train.gradient_sync import SyncSetup
 
-__all__ = ["DdpSync", "compression_state", "ddp_sync", "wrap_ddp"]
+__all__ = ["DdpSync", "compression_state", "ddp_hook_sync", "ddp_sync", "wrap_ddp"]
 
 
 class DdpSync:
@@ -66,6 +66,15 @@ def compression_state(model: torch.nn.Module, setup: SyncSetup) -> CompressionSt
 def ddp_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> DdpSync:
     """raycomp's DDP path: buckets of ``compression.bucket_cap_mb``, the compressed hook."""
     model = wrap_ddp(model, setup, ddp_kwargs(setup.options.compression, model))
+    return ddp_hook_sync(model, optimizer, setup)
+
+
+def ddp_hook_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> DdpSync:
+    """The compressed hook on a model that is already wrapped in DDP, as a framework wraps
+    it (Lightning's DDP strategy, accelerate under the Hugging Face Trainer): no second
+    wrap, the DDP instance's own buckets. A model that is not a DDP (one worker) is
+    reduced locally after backward. Call it before the model's first backward: DDP takes
+    a comm hook only then, and only once."""
     sync = DdpSync(model, compression_state(model, setup))
     if sync.ddp:
         model.register_comm_hook(sync.state, compression_hook)

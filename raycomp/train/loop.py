@@ -21,7 +21,7 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +51,26 @@ class TrainLoop:
 
     Holds a thread (the hook's communication thread) and a log file: use it as a context
     manager or call :meth:`finish`.
+
+    Two options serve a framework that drives the step itself (Lightning, the Hugging Face
+    Trainer: :mod:`raycomp.integrations`), which calls :meth:`after_backward` and
+    :meth:`after_optimizer_step` around its own optimizer step:
+
+    * ``owns_optimizer=False``: the framework zeroes the gradients and updates the
+      GradScaler after its optimizer step, so :meth:`after_optimizer_step` leaves both to it
+      (a second ``GradScaler.update()`` would fail). Pass ``scheduler=None`` too when the
+      framework steps its own scheduler.
+    * ``resume``: how the loop takes back a checkpoint's state, ``resume(loop)``, called once
+      in the constructor (default: :func:`raycomp.train.resume.restore`, from
+      ``ray.train.get_checkpoint()``, model and optimizer included). A framework that
+      restores the model and optimizer from its own checkpoint passes a function that
+      restores raycomp's part only (:func:`raycomp.train.resume.load_own`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                  options: TrainOptions, controller: Any = None, grad_scaler: torch.amp.GradScaler | None = None,
-                 gradient_sync: GradientSyncFactory = raycomp_sync) -> None:
+                 gradient_sync: GradientSyncFactory = raycomp_sync, owns_optimizer: bool = True,
+                 resume: Callable[[TrainLoop], None] | None = None) -> None:
         import ray.train
         import ray.train.torch
 
@@ -74,7 +89,7 @@ class TrainLoop:
         self.sync = gradient_sync(model, optimizer, SyncSetup(options, ray.train.torch.get_device(),
                                                               self.control_group, self.grad_scaler))
         self.model, self.state, self.sharded = self.sync.model, self.sync.state, self.sync.sharded
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.optimizer, self.scheduler, self.owns_optimizer = optimizer, scheduler, owns_optimizer
         module = getattr(self.model, "module", self.model)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.outages = Outages()
@@ -95,7 +110,7 @@ class TrainLoop:
         # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
         self.controller_plan = self.plans.register(self.sync.layers(), options, options.eval_kind)
         self.state.set_plan(self.controller_plan)
-        restore(self)
+        (resume or restore)(self)
         self.replayed_steps = self.log.open(self.restored_from)
         self._restart_step_clock()
 
@@ -149,8 +164,9 @@ class TrainLoop:
     def after_optimizer_step(self, loss: torch.Tensor | float | None = None, samples: int = 0,
                              applied: bool = True) -> None:
         """After the optimizer step (or its skip): the gradient sync's own after-step work
-        (local steps merge ranks here), the scaler's update, zeroed gradients, the
-        scheduler's step, the step log and, every ``interval_steps``, a control boundary."""
+        (local steps merge ranks here), the scaler's update and zeroed gradients (unless
+        the framework owns the optimizer), the scheduler's step, the step log and, every
+        ``interval_steps``, a control boundary."""
         loss_value = self._loss_value if loss is None else \
             float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         if not applied and self.sync.per_step:
@@ -161,9 +177,10 @@ class TrainLoop:
         rows = self.sync.after_optimizer_step(applied, loss_value)
         if rows is not None:  # a sync of local steps finished: the guard judges it
             self._verdict(self.guard.judge_sync(self.global_step, rows))
-        if self.grad_scaler is not None:
-            self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.owns_optimizer:  # else the framework did both after its optimizer step
+            if self.grad_scaler is not None:
+                self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
+            self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
         self._finish_step(loss_value, samples, applied)

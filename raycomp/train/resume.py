@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,15 +16,15 @@ from raycomp.train import checkpoint
 if TYPE_CHECKING:
     from raycomp.train.loop import TrainLoop
 
-__all__ = ["restore", "save_state"]
+__all__ = ["load_own", "own_state", "restore", "save_state"]
 
 log = logging.getLogger("raycomp.train")
 
 
-def save_state(loop: TrainLoop, directory: Path) -> None:
-    """Every rank's compression, guard and counters; the shards of a sharded model (a
-    collective); rank 0's shared part through ``loop.save_shared``."""
-    checkpoint.save_own(directory, loop.rank, {
+def own_state(loop: TrainLoop) -> dict[str, Any]:
+    """What only this rank holds: compression and error-feedback state, guard, the
+    controller's plan, RNG, counters and the GradScaler's state (``rank<r>.pt``)."""
+    return {
         "compression": loop.state.state_dict(), "guard": loop.guard.state_dict(),
         "controller_plan": loop.controller_plan.to_dict(), "rng": torch.get_rng_state(),
         "counters": {"plan_switches": loop.plan_switches, "outages": loop.outages.count,
@@ -35,7 +35,30 @@ def save_state(loop: TrainLoop, directory: Path) -> None:
         "replica": None if loop.sync.per_step else {
             "model": getattr(loop.model, "module", loop.model).state_dict(),
             "optimizer": loop.optimizer.state_dict()},
-    })
+    }
+
+
+def load_own(loop: TrainLoop, own: dict[str, Any]) -> None:
+    """Take back :func:`own_state`'s dictionary (the GradScaler's only if the loop holds one)."""
+    loop.state.load_state_dict(own["compression"])
+    loop.guard.load_state_dict(own["guard"])
+    loop.controller_plan = Plan.from_dict(own["controller_plan"])
+    torch.set_rng_state(own["rng"])
+    counters = own["counters"]
+    loop.plan_switches, loop.outages.count = counters["plan_switches"], counters["outages"]
+    loop.skipped_steps, loop.lr_ramp.started_at = counters["skipped_steps"], counters["lr_ramp_from"]
+    loop.guard.overflows = counters.get("loss_scale_overflows", 0)
+    if loop.grad_scaler is not None and own.get("grad_scaler"):
+        loop.grad_scaler.load_state_dict(own["grad_scaler"])
+    if own.get("replica") is not None:  # this rank's own weights (local steps)
+        getattr(loop.model, "module", loop.model).load_state_dict(own["replica"]["model"])
+        loop.optimizer.load_state_dict(own["replica"]["optimizer"])
+
+
+def save_state(loop: TrainLoop, directory: Path) -> None:
+    """Every rank's compression, guard and counters; the shards of a sharded model (a
+    collective); rank 0's shared part through ``loop.save_shared``."""
+    checkpoint.save_own(directory, loop.rank, own_state(loop))
     if loop.sharded:  # every rank writes its shards (a collective)
         checkpoint.save_sharded(directory, loop.model, loop.optimizer)
     if loop.rank == 0:
@@ -60,18 +83,6 @@ def restore(loop: TrainLoop) -> None:
             log.warning("checkpoint is from %d workers, now %d: compression state starts fresh",
                         meta["world_size"], loop.world_size)
         else:
-            loop.state.load_state_dict(own["compression"])
-            loop.guard.load_state_dict(own["guard"])
-            loop.controller_plan = Plan.from_dict(own["controller_plan"])
-            torch.set_rng_state(own["rng"])
-            counters = own["counters"]
-            loop.plan_switches, loop.outages.count = counters["plan_switches"], counters["outages"]
-            loop.skipped_steps, loop.lr_ramp.started_at = counters["skipped_steps"], counters["lr_ramp_from"]
-            loop.guard.overflows = counters.get("loss_scale_overflows", 0)
-            if loop.grad_scaler is not None and own.get("grad_scaler"):
-                loop.grad_scaler.load_state_dict(own["grad_scaler"])
-            if own.get("replica") is not None:  # this rank's own weights (local steps)
-                getattr(loop.model, "module", loop.model).load_state_dict(own["replica"]["model"])
-                loop.optimizer.load_state_dict(own["replica"]["optimizer"])
+            load_own(loop, own)
     loop.global_step = loop.restored_from = meta["global_step"]
     log.info("resumed from step %d", loop.global_step)

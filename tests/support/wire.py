@@ -268,7 +268,8 @@ class WireRecorder:
         if self._fr_start is None:
             raise RuntimeError("the recorder was never entered")
         return [
-            (e["profiling_name"], sum(math.prod(s) for s in e["input_sizes"]), e["input_dtypes"][0])
+            (e["profiling_name"], sum(math.prod(s) for s in e["input_sizes"]),
+             e["input_dtypes"][0] if e["input_dtypes"] else "")  # a barrier has no input
             for e in flight_recorder_entries()
             if e["record_id"] >= self._fr_start
         ]

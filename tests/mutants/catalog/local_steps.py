@@ -53,7 +53,7 @@ MUTANTS = (
         "leaving local steps keeps each rank's own weights: per-step training goes on from replicas that differ",
     ),
     mutant(
-        "local-checkpoint-drops-the-replicas", "save_state",
+        "local-checkpoint-drops-the-replicas", "own_state",
         "        \"replica\": None if loop.sync.per_step else {\n",
         "        \"replica\": None if True else {\n",
         "tests/test_local_train.py -k killed",

@@ -98,7 +98,7 @@ MUTANTS = (
         timeout_s=300,
     ),
     mutant(
-        "scaler-not-restored", "restore",
+        "scaler-not-restored", "load_own",
         "                loop.grad_scaler.load_state_dict(own[\"grad_scaler\"])\n",
         "                    pass\n",
         "tests/test_train_loss_scale.py -k resumes",

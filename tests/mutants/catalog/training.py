@@ -4,7 +4,7 @@ from ..mutant import mutant
 
 MUTANTS = (
     mutant(
-        "checkpoint-drops-ef-residuals", "save_state",
+        "checkpoint-drops-ef-residuals", "own_state",
         '        "compression": loop.state.state_dict(), "guard": loop.guard.state_dict(),\n',
         '        "compression": {**loop.state.state_dict(), "memory": {"residuals": {}}},\n'
         '        "guard": loop.guard.state_dict(),\n',

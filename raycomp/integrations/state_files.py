@@ -1,0 +1,67 @@
+"""raycomp's own checkpoint state beside a framework's checkpoint.
+
+The framework checkpoints the model, the optimizer, its scheduler, its GradScaler and its
+loop counters; what only raycomp holds is per rank (error-feedback residuals, compressor
+state, the guard, the controller's plan, counters; :func:`raycomp.train.resume.own_state`),
+so every rank writes its own file into a directory beside the framework's files::
+
+    <directory>/rank<r>.pt     every rank
+    <directory>/meta.json      rank 0: {"global_step", "world_size"}
+
+Ray Train gathers what every rank reported into one checkpoint, as it does for raycomp's
+own checkpoints. A restarted worker reads its rank's file back where the framework resumes
+from (:func:`load_state`) and the loop takes it in its constructor (:func:`resume_with`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raycomp.train import TrainLoop, checkpoint
+from raycomp.train.resume import load_own, own_state
+
+__all__ = ["load_state", "resume_with", "save_state"]
+
+log = logging.getLogger("raycomp.train")
+
+
+def save_state(loop: TrainLoop, directory: Path) -> None:
+    """This rank's raycomp state into ``directory`` (created); rank 0 also ``meta.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpoint.save_own(directory, loop.rank, own_state(loop))
+    if loop.rank == 0:
+        meta = {"global_step": loop.global_step, "world_size": loop.world_size}
+        checkpoint.atomic_write(directory / checkpoint.META, lambda p: p.write_text(json.dumps(meta)))
+
+
+def load_state(directory: Path, rank: int, world_size: int) -> dict[str, Any] | None:
+    """This rank's state from :func:`save_state`'s ``directory``; None (with a warning) when
+    the checkpoint holds none, or was written by another number of workers."""
+    own, meta = directory / f"rank{rank}.pt", directory / checkpoint.META
+    if not own.exists() or not meta.exists():
+        log.warning("the checkpoint holds no raycomp state in %s: compression state starts fresh", directory)
+        return None
+    written_by = json.loads(meta.read_text())["world_size"]
+    if written_by != world_size:
+        log.warning("checkpoint is from %d workers, now %d: compression state starts fresh", written_by, world_size)
+        return None
+    return torch.load(own, weights_only=False)
+
+
+def resume_with(own: dict[str, Any] | None, global_step: int) -> Callable[[TrainLoop], None]:
+    """A ``TrainLoop(resume=...)`` that continues at the framework's ``global_step`` (its
+    optimizer steps, which are raycomp's steps) with ``own`` (:func:`load_state`) if any."""
+
+    def resume(loop: TrainLoop) -> None:
+        if own is not None:
+            load_own(loop, own)
+        loop.global_step = loop.restored_from = global_step
+        log.info("resumed from step %d", global_step)
+
+    return resume
