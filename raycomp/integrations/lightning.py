@@ -52,7 +52,7 @@ from raycomp.buckets import ddp_kwargs
 from raycomp.integrations import state_files
 from raycomp.integrations.framework_step import FrameworkStep, batch_size, refuse_unsupported
 from raycomp.train import GradientSyncFactory, TrainLoop, TrainOptions, finish_loop, start_loop
-from raycomp.train.ddp_sync import ddp_hook_sync
+from raycomp.train.ddp_sync import framework_sync
 
 try:  # the package Ray's RayDDPStrategy was built from
     import lightning.pytorch as pl
@@ -90,13 +90,14 @@ class RaycompStrategy(RayDDPStrategy):
             ``find_unused_parameters`` from ``options`` unless you give them here.
         gradient_sync: how gradients travel, ``factory(ddp_model, optimizer, setup)``
             (:mod:`raycomp.train.gradient_sync`). The default puts raycomp's hook on
-            Lightning's DDP model; another factory (local steps, a baseline) gets that
-            same DDP model and must return it as its ``model``.
+            Lightning's DDP model, with local steps when ``compression.local.mode`` says so
+            (:func:`raycomp.train.ddp_sync.framework_sync`); another factory (a baseline)
+            gets that same DDP model and must return it as its ``model``.
     """
 
     def __init__(self, options: TrainOptions | None = None, *, monitor: str | None = None,
                  ddp_options: Mapping[str, Any] | None = None,
-                 gradient_sync: GradientSyncFactory = ddp_hook_sync) -> None:
+                 gradient_sync: GradientSyncFactory = framework_sync) -> None:
         self.options = options or TrainOptions()
         refuse_unsupported(self.options, "RaycompStrategy")
         ddp_options = dict(ddp_options or {})

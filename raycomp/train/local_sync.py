@@ -38,7 +38,7 @@ from raycomp.stats import LayerStats
 from raycomp.train.ddp_sync import compression_state, wrap_ddp
 from raycomp.train.gradient_sync import SyncSetup
 
-__all__ = ["LocalState", "LocalSync", "local_sync", "outer_sgd"]
+__all__ = ["LocalState", "LocalSync", "local_hook_sync", "local_sync", "outer_sgd"]
 
 
 def outer_sgd(params: Sequence[torch.Tensor], *, lr: float, momentum: float, nesterov: bool) -> torch.optim.Optimizer:
@@ -187,11 +187,17 @@ class LocalSync:
 def local_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> LocalSync:
     """raycomp's DDP path (buckets, the compressed hook) plus local steps over the same model."""
     from raycomp.buckets import ddp_kwargs
+
+    return local_hook_sync(wrap_ddp(model, setup, ddp_kwargs(setup.options.compression, model)), optimizer, setup)
+
+
+def local_hook_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> LocalSync:
+    """:func:`local_sync` on a model already wrapped in DDP (a framework's), as
+    :func:`raycomp.train.ddp_sync.ddp_hook_sync` is for per-step compression."""
     from raycomp.hook import compression_hook
 
     options = setup.options
     c, local = options.compression, options.compression.local
-    model = wrap_ddp(model, setup, ddp_kwargs(c, model))
     hook = compression_state(model, setup)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model.register_comm_hook(hook, compression_hook)
