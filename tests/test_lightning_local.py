@@ -1,0 +1,67 @@
+"""Local steps under Lightning: ``compression.local.mode=fixed`` through
+:class:`raycomp.integrations.lightning.RaycompStrategy` on a real Ray (2 workers, gloo):
+Lightning's own optimizer step, replicas that drift apart between syncs and agree after
+each, one outer step every H optimizer steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from tests.conftest import fit_with_controller  # noqa: E402
+from tests.test_lightning import Classifier, lightning_trainer, loaders, options, static  # noqa: E402
+
+H = 4
+
+
+class Agreement(pl.Callback):
+    """After every optimizer step: whether the two ranks hold the same weights."""
+
+    def __init__(self) -> None:
+        self.equal: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import torch.distributed as dist
+
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(2)]
+        dist.all_gather(gathered, flat)
+        self.equal.append(torch.equal(gathered[0], gathered[1]))
+
+
+def _train_func(config: dict) -> None:
+    import ray.train
+
+    from raycomp.config import LocalSection
+    from raycomp.integrations.lightning import RaycompStrategy
+
+    rank = ray.train.get_context().get_world_rank()
+    strategy = RaycompStrategy(options(config, "local", **static("int8"),
+                                       local=LocalSection(mode="fixed", sync_every=H, compressor="int8")))
+    agreement = Agreement()
+    train, val = loaders(seed=rank)
+    trainer = lightning_trainer(strategy, epochs=1, callbacks=[agreement])
+    trainer.fit(Classifier(), train, val)
+    steps = strategy.loop.sync.state.steps
+    out = {"equal": agreement.equal, "outer_steps": steps.outer_steps, "per_step": strategy.loop.sync.per_step,
+           "totals": strategy.totals}
+    Path(config["output_dir"]).mkdir(parents=True, exist_ok=True)
+    Path(config["output_dir"], f"rank{rank}.json").write_text(json.dumps(out, default=str))
+
+
+def test_lightning_trains_with_local_steps_and_every_sync_leaves_the_ranks_equal(ray_cluster, tmp_path):
+    fit_with_controller(_train_func, tmp_path, "lightning-local")
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    equal = ranks[0]["equal"]
+    assert len(equal) == 16  # one epoch: 512 samples / (2 ranks x 16)
+    assert not ranks[0]["per_step"]
+    assert ranks[0]["outer_steps"] == ranks[1]["outer_steps"] == 16 // H
+    # the replicas agree exactly after the H-th step of each interval, and only then
+    assert equal == [(step + 1) % H == 0 for step in range(16)]
+    totals = ranks[0]["totals"]
+    assert 0 < totals["wire_bytes_total"] < 0.3 * totals["dense_bytes_total"]  # int8 pseudo-gradients
