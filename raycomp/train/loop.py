@@ -4,7 +4,10 @@ Per step (the hot path): the rank's gradient sync (:mod:`raycomp.train.gradient_
 DDP hook, or FSDP2's reduce-scatter) has reduced the gradients (compressed as the plan
 says, with the guard's control rows riding inside the last collective); the guard decides
 from the reduced gradient and those rows (:mod:`raycomp.train.guard_step`); the optimizer
-steps unless the guard skips; the step is logged. Nothing else talks to other ranks.
+steps unless the guard skips; the step is logged. Nothing else talks to other ranks, except
+one broadcast at a step where rank 0 has announced a new plan in those rows. During local
+steps (:mod:`raycomp.train.local_sync`) nothing is reduced: each rank judges its own inner
+step, and every H steps a sync averages the pseudo-gradients and the guard judges it.
 
 Every ``interval_steps`` (a control boundary): statistics go to the controller
 (:mod:`raycomp.train.reporter`), the ranks prove they hold the same plan and guard state,
@@ -325,6 +328,7 @@ class TrainLoop:
             "wire_bytes_total": float(sums[0]), "dense_bytes_total": float(sums[1]),
             "controller_outages": int(sums[2]), "steps": self.global_step, "stats_dropped": self.reporter.dropped,
             "plan_switches": self.plan_switches, "skipped_steps": self.skipped_steps,
+            "local_skipped_steps": self.local_skips,
             "loss_scale_overflows": self.guard.overflows,
             "fallback_events": [e.to_dict() for e in self.guard.guard.events],
             "replayed_steps": self.replayed_steps, "restored_from_step": self.restored_from,
