@@ -50,9 +50,13 @@ from ray.train.lightning import RayDDPStrategy
 
 from raycomp.buckets import ddp_kwargs
 from raycomp.integrations import state_files
-from raycomp.integrations.framework_step import FrameworkStep, batch_size, refuse_unsupported
+from raycomp.integrations.framework_step import (
+    FrameworkStep,
+    batch_size,
+    framework_sync,
+    refuse_unsupported,
+)
 from raycomp.train import GradientSyncFactory, TrainLoop, TrainOptions, finish_loop, start_loop
-from raycomp.train.ddp_sync import ddp_hook_sync
 
 try:  # the package Ray's RayDDPStrategy was built from
     import lightning.pytorch as pl
@@ -96,7 +100,7 @@ class RaycompStrategy(RayDDPStrategy):
 
     def __init__(self, options: TrainOptions | None = None, *, monitor: str | None = None,
                  ddp_options: Mapping[str, Any] | None = None,
-                 gradient_sync: GradientSyncFactory = ddp_hook_sync) -> None:
+                 gradient_sync: GradientSyncFactory = framework_sync) -> None:
         self.options = options or TrainOptions()
         refuse_unsupported(self.options, "RaycompStrategy")
         ddp_options = dict(ddp_options or {})
