@@ -66,6 +66,7 @@ def test_lightning_on_ray_train(ray_cluster, tmp_path):
         "rank0.pt", "rank1.pt", "meta.json"}
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["policy"]["name"] == "critical"
+    assert summary["policy"]["reports"] > 0  # the workers' statistics reached the controller
 
 
 def test_hugging_face_trainer_on_ray_train(ray_cluster, tmp_path):
@@ -88,3 +89,4 @@ def test_hugging_face_trainer_on_ray_train(ray_cluster, tmp_path):
         "rank0.pt", "rank1.pt", "meta.json"}
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert summary["steps"] == 24 and summary["policy"]["name"] == "critical"
+    assert summary["policy"]["reports"] > 0  # the workers' statistics reached the controller
