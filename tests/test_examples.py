@@ -77,3 +77,27 @@ def test_lightning_on_ray_train(ray_cluster, tmp_path):
         "rank0.pt", "rank1.pt", "meta.json"}
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["policy"]["name"] == "critical"
+    assert summary["policy"]["reports"] > 0  # the workers' statistics reached the controller
+
+
+def test_hugging_face_trainer_on_ray_train(ray_cluster, tmp_path):
+    pytest.importorskip("transformers")
+    example = _load("transformers_ray_train")
+    name = f"transformers-{tmp_path.name}"
+    totals = example.main(["--workers", "2", "--epochs", "2", "--sequences", "384", "--bf16", "--accumulate", "2",
+                           "--storage", str(tmp_path), "--name", name,
+                           "--controller", f"example-{tmp_path.name}"[:60]])
+    # 384 sequences / (2 ranks x 8) = 24 micro-batches an epoch, 2 per optimizer step: 12 steps
+    assert totals["steps"] == 24 and totals["skipped_steps"] == 0
+    assert totals["plan_switches"] >= 1  # the controller steered it off the dense warm-up
+    assert totals["wire_bytes_total"] < totals["dense_bytes_total"]
+    assert totals["eval_loss"] < 3.0  # chance: ln 64 = 4.16
+    evals = [json.loads(line) for line in (tmp_path / name / "evals.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [12, 24] and all("eval_loss" in e for e in evals)
+    checkpoints = sorted(p for p in (tmp_path / name).glob("checkpoint_*") if p.is_dir())
+    assert len(checkpoints) == 2  # RayTrainReportCallback's, one an epoch, each with raycomp's state inside
+    assert {p.name for p in (checkpoints[-1] / "checkpoint" / "raycomp").iterdir()} == {
+        "rank0.pt", "rank1.pt", "meta.json"}
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    assert summary["steps"] == 24 and summary["policy"]["name"] == "critical"
+    assert summary["policy"]["reports"] > 0  # the workers' statistics reached the controller

@@ -20,14 +20,15 @@ def test_raycomp_its_train_api_the_controllers_and_the_jobs_import_no_framework(
             "    sys.modules[name] = None  # importing it fails\n"
             "import raycomp, raycomp.train, raycomp.integrations, raycomp.integrations.framework_step\n"
             "import raycomp.integrations.state_files, controllers.service, jobs.train, jobs.tune\n"
-            "try:\n"
-            "    import raycomp.integrations.lightning\n"
-            "except ImportError:\n"
-            "    print('lightning glue needs lightning')\n")
+            "for glue in ('lightning', 'transformers'):\n"
+            "    try:\n"
+            "        __import__(f'raycomp.integrations.{glue}')\n"
+            "    except ImportError:\n"
+            "        print(f'{glue} glue needs {glue}')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines() == ["lightning glue needs lightning"]
+    assert result.stdout.splitlines() == ["lightning glue needs lightning", "transformers glue needs transformers"]
 
 
 @pytest.mark.parametrize("options, message", [

@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
-from raycomp.train import TrainLoop, TrainOptions
+from raycomp.train import GradientSync, SyncSetup, TrainLoop, TrainOptions
+from raycomp.train.ddp_sync import ddp_hook_sync
 
-__all__ = ["FrameworkStep", "batch_size", "refuse_unsupported"]
+__all__ = ["FrameworkStep", "batch_size", "framework_sync", "refuse_unsupported"]
 
 log = logging.getLogger("raycomp.train")
 
@@ -93,6 +94,24 @@ class FrameworkStep:
 
         self._checkpoint_pending = False
         ray.train.get_all_reported_checkpoints()
+
+
+def framework_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> GradientSync:
+    """The integrations' default ``gradient_sync``: raycomp's hook on the DDP model the
+    framework built (:func:`raycomp.train.ddp_sync.ddp_hook_sync`), or with
+    ``compression.local.mode`` fixed or auto, local steps over it while the plan says so
+    (:func:`raycomp.train.local_sync.local_hook_sync`).
+
+    The one place where a framework-driven run picks how its gradients travel, as
+    :func:`raycomp.train.raycomp_sync` is for ``prepare_model``. A sync gets the
+    framework's DDP model before its first backward, and its
+    ``after_optimizer_step(applied, loss)`` runs once per optimizer step, after the
+    framework's."""
+    if setup.options.compression.local.mode != "off":
+        from raycomp.train.local_sync import local_hook_sync
+
+        return local_hook_sync(model, optimizer, setup)
+    return ddp_hook_sync(model, optimizer, setup)
 
 
 def refuse_unsupported(options: TrainOptions, where: str) -> None:

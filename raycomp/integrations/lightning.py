@@ -50,9 +50,13 @@ from ray.train.lightning import RayDDPStrategy
 
 from raycomp.buckets import ddp_kwargs
 from raycomp.integrations import state_files
-from raycomp.integrations.framework_step import FrameworkStep, batch_size, refuse_unsupported
+from raycomp.integrations.framework_step import (
+    FrameworkStep,
+    batch_size,
+    framework_sync,
+    refuse_unsupported,
+)
 from raycomp.train import GradientSyncFactory, TrainLoop, TrainOptions, finish_loop, start_loop
-from raycomp.train.ddp_sync import framework_sync
 
 try:  # the package Ray's RayDDPStrategy was built from
     import lightning.pytorch as pl

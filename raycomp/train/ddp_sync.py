@@ -12,7 +12,7 @@ from raycomp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
 from raycomp.train.gradient_sync import SyncSetup
 
-__all__ = ["DdpSync", "compression_state", "ddp_hook_sync", "ddp_sync", "framework_sync", "wrap_ddp"]
+__all__ = ["DdpSync", "compression_state", "ddp_hook_sync", "ddp_sync", "wrap_ddp"]
 
 
 class DdpSync:
@@ -80,13 +80,3 @@ def ddp_hook_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setu
         model.register_comm_hook(sync.state, compression_hook)
     return sync
 
-
-def framework_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> Any:
-    """For a model a framework wrapped in DDP: :func:`ddp_hook_sync`, or with
-    ``compression.local.mode`` fixed or auto,
-    :func:`raycomp.train.local_sync.local_hook_sync` (local steps while the plan says so)."""
-    if setup.options.compression.local.mode != "off":
-        from raycomp.train.local_sync import local_hook_sync
-
-        return local_hook_sync(model, optimizer, setup)
-    return ddp_hook_sync(model, optimizer, setup)

@@ -28,6 +28,22 @@ MUTANTS = (
         timeout_s=600,
     ),
     mutant(
+        "trainer-raycomp-state-not-resumed", "RaycompCallback.on_train_begin",
+        "            own = state_files.load_state(self.resume_from / STATE_DIR, rank, world)\n",
+        "            own = None\n",
+        "tests/test_transformers.py -k killed",
+        "a resumed Trainer run keeps the Trainer's state but restarts raycomp's residuals and guard",
+        timeout_s=600,
+    ),
+    mutant(
+        "trainer-loss-not-read", "_RaycompTrainer.training_step",
+        "        self.raycomp.add(loss, batch_size(inputs))\n",
+        "        pass\n",
+        "tests/test_transformers.py -k guard_falls_back",
+        "the guard and the step log never see the Trainer's loss: loss spikes go unnoticed",
+        timeout_s=600,
+    ),
+    mutant(
         "framework-loss-of-last-micro-batch", "FrameworkStep.add",
         "        self._loss = loss if self._loss is None else self._loss + loss\n",
         "        self._loss = loss\n",

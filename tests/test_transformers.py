@@ -1,0 +1,341 @@
+"""raycomp in the Hugging Face Trainer on a real local Ray (2 workers, gloo): raycomp's
+``prepare_trainer`` in place of Ray's, with the Trainer's own loop, optimizer step, gradient
+accumulation and mixed precision. A two-layer GPT-2 built from its config class on
+tokenizer-free sequences, nothing downloaded. Plan switches, a guard fallback and its
+recovery, bytes checked at torch.distributed, a killed worker that resumes bit for bit, and
+the same final loss as the Trainer's own DDP within the spread of its seeds.
+
+Each Ray Train fit costs ~20 s of start-up here, so one fit runs several Trainers in the
+same workers and the tests read its results."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.conftest import fit_with_controller  # noqa: E402
+from tests.support.wire import FLIGHT_RECORDER_ENV  # noqa: E402
+
+GRADIENT_DTYPES = ("Float", "Half", "BFloat16", "Double")  # the flight recorder's names
+
+VOCAB, LENGTH, SEQUENCES, BATCH = 64, 24, 256, 8  # an epoch: 256 / (2 ranks x 8) = 16 steps
+NAN_STEP, STABLE, SWITCH = 9, 6, 14  # the guard's run: NaN on rank 1, hysteresis, int8 from here
+KILL_AT = 20  # global step, in the second epoch
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same initial weights on every rank and in every run
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=VOCAB, n_positions=LENGTH,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def sequences(n: int, seed: int) -> list[dict]:
+    """Arithmetic sequences modulo VOCAB (start and stride drawn): learnable from context."""
+    gen = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, VOCAB, (n, 1), generator=gen), torch.randint(1, 4, (n, 1), generator=gen)
+    tokens = (start + stride * torch.arange(LENGTH)) % VOCAB
+    return [{"input_ids": t, "labels": t} for t in tokens]
+
+
+class FaultyTrainer(transformers.Trainer):
+    """A Trainer whose loss is NaN on rank ``nan_rank`` at global step ``nan_at`` (a fault)."""
+
+    nan_at: int | None = None
+    nan_rank = 1
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.state.global_step == self.nan_at and self.args.process_index == self.nan_rank:
+            loss = loss * float("nan")
+        return loss
+
+
+def hf_trainer(output_dir: str, seed: int = 0, callbacks=(), nan_at: int | None = None,
+               **args) -> transformers.Trainer:
+    arguments = transformers.TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=BATCH, per_device_eval_batch_size=32,
+        learning_rate=3e-3, warmup_steps=0, num_train_epochs=args.pop("epochs", 2), eval_strategy="epoch",
+        save_strategy=args.pop("save_strategy", "no"), logging_steps=1000, report_to="none",
+        disable_tqdm=True, seed=0, use_cpu=True, **args)
+    trainer = FaultyTrainer(model=gpt2(), args=arguments, train_dataset=sequences(SEQUENCES, seed),
+                            eval_dataset=sequences(64, 999), callbacks=list(callbacks))
+    trainer.nan_at = nan_at
+    return trainer
+
+
+def options(config: dict, run: str, **compression):
+    import raycomp.train
+    from raycomp.config import CompressionSection, ControllerSection
+
+    return raycomp.train.TrainOptions(
+        compression=CompressionSection(**compression),
+        controller=ControllerSection(name=config["controller"], interval_steps=2),
+        output_dir=f"{config['output_dir']}/{run}", run_id=f"{run}-{config['controller']}", eval_kind="loss")
+
+
+def static(name: str, **params) -> dict:
+    """``compression`` options: the static policy with one compressor from the first step."""
+    from controllers.policies import StaticOptions
+    from raycomp.config import compressor
+
+    return {"policy": "static", "warmup_steps": 0, "static": StaticOptions(compressor=compressor(name, **params))}
+
+
+def eval_loss(trainer) -> float:
+    return next(h["eval_loss"] for h in reversed(trainer.state.log_history) if "eval_loss" in h)
+
+
+# --- one Ray fit, several Trainers -------------------------------------------------------------
+def _train_func(config: dict) -> None:
+    """The first attempt runs the Trainers the tests read and an uninterrupted reference,
+    then the run whose rank 1 is killed; the restarted attempt resumes that run only."""
+    import ray.train
+
+    if ray.train.get_checkpoint() is None:
+        _several_runs(config)
+    _killed_and_resumed(config)
+
+
+def _several_runs(config: dict) -> None:
+    import ray.train
+    from ray.train.huggingface.transformers import prepare_trainer as ray_prepare_trainer
+
+    from controllers.policies import ScheduleOptions
+    from raycomp.config import GuardSection, compressor
+    from raycomp.integrations.transformers import prepare_trainer
+    from tests.support.observed_sync import observed_ddp_hook_sync
+    from tests.support.wire import WireRecorder
+
+    rank = ray.train.get_context().get_world_rank()
+    work = config["output_dir"]
+    out: dict = {}
+
+    # 1. the schedule policy (Top-K, int8 from SWITCH), NaN gradients on rank 1 at NAN_STEP
+    schedule = ScheduleOptions(stages=[{"start_step": 0, "compressor": compressor("topk", ratio=0.1)},
+                                       {"start_step": SWITCH, "compressor": compressor("int8")}])
+    trainer = prepare_trainer(
+        hf_trainer(f"{work}/hf-guard", nan_at=NAN_STEP),
+        options(config, "guard", policy="schedule", warmup_steps=0, schedule=schedule,
+                guard=GuardSection(stable_steps=STABLE)),
+        monitor="eval_loss", gradient_sync=observed_ddp_hook_sync)
+    with WireRecorder() as wire:
+        trainer.train()
+    loop = trainer.raycomp.loop
+    hook_group = str(loop.state.reducer.group.handle.group_name)
+    out["guard"] = {**trainer.raycomp.totals, "global_step": trainer.state.global_step,
+                    "eval_loss": eval_loss(trainer), "after_optimizer_step": loop.sync.calls,
+                    "hook_bytes": sum(c.transmitted for c in wire.calls if c.group == hook_group),
+                    "ledger_bytes": loop.state.ledger.wire_total,
+                    "escaped": [m for m in wire.unrecorded() if m[0] == "gloo:all_reduce" and m[2] in GRADIENT_DTYPES],
+                    "output_dir": loop.output_dir.as_posix()}
+
+    # 2. bf16 autocast, two micro-batches per optimizer step
+    trainer = prepare_trainer(hf_trainer(f"{work}/hf-bf16", bf16=True, gradient_accumulation_steps=2),
+                              options(config, "bf16", **static("topk", ratio=0.1)))
+    trainer.train()
+    out["bf16"] = {**trainer.raycomp.totals, "global_step": trainer.state.global_step,
+                   "reductions": trainer.raycomp.loop.state.step, "eval_loss": eval_loss(trainer),
+                   "output_dir": trainer.raycomp.loop.output_dir.as_posix()}
+
+    # 3. fp16=True on CPU: accelerate runs no autocast and no GradScaler there (GPU only)
+    trainer = prepare_trainer(hf_trainer(f"{work}/hf-fp16", fp16=True, epochs=1),
+                              options(config, "fp16", **static("int8")))
+    trainer.train()
+    out["fp16"] = {**trainer.raycomp.totals, "global_step": trainer.state.global_step,
+                   "scaler": trainer.accelerator.scaler is not None,
+                   "loop_scaler": trainer.raycomp.loop.grad_scaler is not None, "eval_loss": eval_loss(trainer)}
+
+    # 4. the final loss of the Trainer's own DDP and of raycomp's int8, three seeds each
+    out["metric"] = {"ddp": [], "raycomp": [], "ratio": []}
+    for seed in range(3):
+        trainer = ray_prepare_trainer(hf_trainer(f"{work}/hf-ddp{seed}", seed=seed))
+        trainer.train()
+        out["metric"]["ddp"].append(eval_loss(trainer))
+        trainer = prepare_trainer(hf_trainer(f"{work}/hf-seed{seed}", seed=seed),
+                                  options(config, f"seed{seed}", **static("int8")))
+        trainer.train()
+        out["metric"]["raycomp"].append(eval_loss(trainer))
+        totals = trainer.raycomp.totals
+        out["metric"]["ratio"].append(totals["dense_bytes_total"] / max(1.0, totals["wire_bytes_total"]))
+    Path(work, f"rank{rank}.json").write_text(json.dumps(out, default=str))
+
+
+class KillOnce(transformers.TrainerCallback):
+    """Rank 1 dies (``os._exit``: no cleanup, like a killed process) before global step
+    ``KILL_AT``, once; a marker file remembers it across the restart."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == KILL_AT and args.process_index == 1 and not self.marker.exists():
+            self.marker.write_text(str(os.getpid()))
+            os._exit(17)
+
+
+def _weights_and_residuals(trainer) -> dict:
+    return {"weights": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "residuals": trainer.raycomp.loop.state.state_dict()["memory"]["residuals"]}
+
+
+def _killed_and_resumed(config: dict) -> None:
+    """Top-K 5% with error feedback, three epochs, the Trainer's checkpoint at every epoch end
+    (reported by Ray's callback); rank 1 dies in the second epoch, once."""
+    import ray.train
+    from ray.train.huggingface.transformers import RayTrainReportCallback
+
+    from raycomp.integrations.transformers import prepare_trainer
+
+    rank = ray.train.get_context().get_world_rank()
+    work = Path(config["output_dir"])
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:  # the first attempt: the uninterrupted reference first
+        trainer = prepare_trainer(hf_trainer(f"{work}/hf-reference", epochs=3),
+                                  options(config, "reference", **static("topk", ratio=0.05)))
+        trainer.train()
+        torch.save(_weights_and_residuals(trainer), work / f"reference{rank}.pt")
+    trainer = prepare_trainer(
+        hf_trainer(f"{work}/hf-killed", epochs=3, save_strategy="epoch",
+                   callbacks=[RayTrainReportCallback(), KillOnce(work / "rank1-was-killed")]),
+        options(config, "killed", **static("topk", ratio=0.05)))
+    if checkpoint is None:
+        trainer.train()
+    else:
+        with checkpoint.as_directory() as directory:
+            trainer.train(resume_from_checkpoint=os.path.join(directory, RayTrainReportCallback.CHECKPOINT_NAME))
+    reference, mine = torch.load(work / f"reference{rank}.pt", weights_only=False), _weights_and_residuals(trainer)
+    result = {**trainer.raycomp.totals, "resumed": checkpoint is not None,
+              "same_weights": all(torch.equal(reference["weights"][k], v) for k, v in mine["weights"].items()),
+              "same_residuals": reference["residuals"].keys() == mine["residuals"].keys() and all(
+                  torch.equal(reference["residuals"][k], v) for k, v in mine["residuals"].items()),
+              "residual_layers": len(mine["residuals"]), "output_dir": trainer.raycomp.loop.output_dir.as_posix()}
+    (work / f"killed{rank}.json").write_text(json.dumps(result, default=str))
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tmp_path_factory):
+    """Per rank: what :func:`_several_runs` and :func:`_killed_and_resumed` found."""
+    tmp = tmp_path_factory.mktemp("transformers")
+    fit_with_controller(_train_func, tmp, "transformers", max_failures=1, worker_env=FLIGHT_RECORDER_ENV)
+    out = tmp / "out"
+    return [{**json.loads((out / f"rank{r}.json").read_text()),
+             "killed": {**json.loads((out / f"killed{r}.json").read_text()),
+                        "marker": (out / "rank1-was-killed").exists()}} for r in (0, 1)]
+
+
+def step_logs(output_dir: str) -> list[list[dict]]:
+    return [[json.loads(line) for line in (Path(output_dir) / "steps" / f"rank{r}.jsonl").read_text().splitlines()]
+            for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_plans_switch_and_the_guard_falls_back_and_recovers_on_every_rank(runs):
+    guard = runs[0]["guard"]
+    assert guard["global_step"] == guard["steps"] == 32
+    events = guard["fallback_events"]
+    assert events[0] == {"step": NAN_STEP, "kind": "fallback", "reason": "nonfinite_gradient",
+                         "detail": "NaN/Inf in gradients or loss"}
+    assert events[1]["kind"] == "recovered" and events[1]["step"] == NAN_STEP + STABLE
+    assert guard["ddp_bucket_cap_mb"] == 1.0  # raycomp's bucket cap for a small model, not DDP's 25 MB
+    assert guard["skipped_steps"] == 1 and guard["plan_switches"] >= 1
+    assert guard["final_plan"]["default"] == {"name": "int8"}
+    logs = step_logs(guard["output_dir"])
+    for records in logs:
+        assert [r["step"] for r in records] == list(range(32))
+        by_step = {r["step"]: r for r in records}
+        assert not by_step[NAN_STEP]["applied"] and not by_step[NAN_STEP - 1]["dense"]
+        assert all(by_step[s]["dense"] for s in range(NAN_STEP + 1, NAN_STEP + STABLE + 1))
+        assert not by_step[31]["dense"]
+    for mine, theirs in zip(*logs, strict=True):
+        assert (mine["plan_version"], mine["plan_digest"]) == (theirs["plan_version"], theirs["plan_digest"])
+    assert 3 < logs[0][0]["loss"] < 5  # the step's loss as the Trainer computed it (chance: ln 64 = 4.16)
+    assert all(math.isfinite(r["loss"]) for r in logs[0] if r["step"] > NAN_STEP)  # the NaN never applied
+    assert guard["eval_loss"] < 2.5
+    evals = [json.loads(line) for line in (Path(guard["output_dir"]) / "evals.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["eval_loss"] > 0) for e in evals] == [(16, True), (32, True)]  # monitor="eval_loss"
+
+
+@pytest.mark.slow
+def test_every_gradient_byte_went_through_raycomps_hook(runs):
+    for rank in runs:
+        guard = rank["guard"]
+        # no gradient all-reduce that Python did not see (DDP's own, in C++); DDP's map of
+        # used parameters (int32, find_unused_parameters, which the Trainer turns on) may pass
+        assert guard["escaped"] == []
+        assert guard["hook_bytes"] == pytest.approx(guard["ledger_bytes"], rel=1e-9)
+        assert guard["ledger_bytes"] > 0
+    assert runs[0]["guard"]["wire_bytes_total"] < 0.6 * runs[0]["guard"]["dense_bytes_total"]
+
+
+@pytest.mark.slow
+def test_the_trainer_step_reaches_the_gradient_syncs_after_step_with_the_guards_verdict(runs):
+    # one call per optimizer step, after that step's reduction: where local steps plug in
+    calls = runs[0]["guard"]["after_optimizer_step"]
+    assert calls == [[step + 1, step != NAN_STEP] for step in range(32)]
+
+
+@pytest.mark.slow
+def test_bf16_with_gradient_accumulation_reduces_once_per_optimizer_step(runs):
+    bf16 = runs[0]["bf16"]
+    assert bf16["global_step"] == bf16["steps"] == bf16["reductions"] == 16  # 2 epochs of 16 batches, 2 a step
+    assert bf16["skipped_steps"] == 0 and bf16["wire_bytes_total"] < 0.5 * bf16["dense_bytes_total"]
+    assert bf16["eval_loss"] < 3.5
+    first = json.loads((Path(bf16["output_dir"]) / "steps" / "rank0.jsonl").read_text().splitlines()[0])
+    assert 3 < first["loss"] < 5  # both micro-batches' halves: the step's mean loss
+
+
+@pytest.mark.slow
+def test_fp16_on_cpu_trains_without_a_scaler_as_accelerate_runs_it(runs):
+    fp16 = runs[0]["fp16"]
+    assert not fp16["scaler"] and not fp16["loop_scaler"]  # accelerate makes a GradScaler on GPUs only
+    assert fp16["global_step"] == fp16["steps"] == 16 and fp16["skipped_steps"] == 0
+    assert fp16["eval_loss"] < 3.5
+
+
+@pytest.mark.slow
+def test_the_final_loss_matches_the_trainers_own_ddp_within_its_seeds(runs):
+    metric = runs[0]["metric"]
+    ddp, raycomp = metric["ddp"], metric["raycomp"]
+    spread = max(ddp) - min(ddp)
+    assert abs(statistics.mean(raycomp) - statistics.mean(ddp)) <= max(spread, 0.02), metric
+    assert min(metric["ratio"]) > 3  # int8 (~3.9x) from step 0: registering the run returns the plan
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_from_the_trainers_checkpoint_with_raycomps_state(runs):
+    for rank in runs:
+        killed = rank["killed"]
+        assert killed["marker"], "rank 1 was never killed"
+        assert killed["resumed"] and killed["restored_from_step"] == 16  # the epoch-1 checkpoint
+        assert killed["steps"] == 48
+        assert killed["residual_layers"] >= 3  # Top-K's error feedback, restored on every rank
+        assert killed["same_weights"] and killed["same_residuals"]  # bit for bit the uninterrupted run
+    assert runs[0]["killed"]["replayed_steps"] >= 1  # rank 0 had logged steps past the checkpoint
+    for records in step_logs(runs[0]["killed"]["output_dir"]):
+        assert [r["step"] for r in records] == list(range(48))
+
+
+def test_what_raycomps_prepare_trainer_cannot_drive_fails_in_one_line(tmp_path):
+    from raycomp.config import CheckpointSection
+    from raycomp.integrations.transformers import prepare_trainer
+    from raycomp.train import TrainOptions
+
+    with pytest.raises(ValueError, match=r"^trainer: a transformers\.Trainer, got str$"):
+        prepare_trainer("not a trainer")
+    with pytest.raises(ValueError, match=r"^checkpoint\.every_steps: raycomp's prepare_trainer checkpoints "):
+        prepare_trainer(hf_trainer(str(tmp_path)), TrainOptions(checkpoint=CheckpointSection(every_steps=5)))
+    trainer = prepare_trainer(hf_trainer(str(tmp_path)))
+    assert trainer.callback_handler.callbacks[0] is trainer.raycomp  # before RayTrainReportCallback's on_save
+    assert trainer.accelerator.ddp_handler.bucket_cap_mb == 1.0  # raycomp's cap for a small model
+    with pytest.raises(ValueError, match=r"^trainer: raycomp's prepare_trainer was applied to it already$"):
+        prepare_trainer(trainer)
