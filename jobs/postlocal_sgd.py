@@ -57,7 +57,7 @@ class PostLocalSgdSync(DdpSync):
         module = getattr(model, "module", model)
         self._params = list(module.parameters())
 
-    def after_optimizer_step(self, applied: bool) -> None:
+    def after_optimizer_step(self, applied: bool, loss: float) -> None:
         # every rank calls it at every step, applied or skipped (the guard skips on every
         # rank alike), so the averagers count the same steps and average together
         if self.averager is not None:

@@ -109,6 +109,7 @@ class TorchftDilocoSync:
 
     sharded = False
     bucket_cap_mb = None
+    per_step = True  # the loop's guard runs every step (its inputs agreed by LocalGuardState)
 
     def __init__(self, model: torch.nn.Module, state: _DilocoState) -> None:
         self.model, self.state = model, state
@@ -119,8 +120,11 @@ class TorchftDilocoSync:
     def end_backward(self) -> None:
         pass
 
-    def after_optimizer_step(self, applied: bool) -> None:
-        pass
+    def after_optimizer_step(self, applied: bool, loss: float) -> None:
+        return None
+
+    def agreement(self) -> tuple[float, ...]:
+        return ()
 
 
 def torchft_diloco(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup,

@@ -48,7 +48,7 @@ def _post_local_sgd_steps(rank: int, world: int, period: int, start: int, steps:
         ddp(_batch(step, rank)).square().mean().backward()
         record = {"grad": _flat(model, grads=True), "own": _flat(reference, grads=True)}
         optimizer.step()
-        sync.after_optimizer_step(True)
+        sync.after_optimizer_step(True, 0.0)
         out.append({**record, "params": _flat(model)})
     return out
 
