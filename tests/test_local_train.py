@@ -154,7 +154,7 @@ def test_a_worker_killed_mid_interval_resumes_bit_for_bit(local_reference, tmp_p
     assert_same_local_training(crashed, local_reference)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a collective timeout and a worker-group restart: scripts/long-checks.sh
 def test_an_outage_longer_than_the_collective_timeout_restarts_from_the_checkpoint_and_loses_nothing(
         local_reference, tmp_path):
     # rank 1 goes silent for 15 s at step 27 (its link down): rank 0's next collective (the
