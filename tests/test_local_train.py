@@ -174,3 +174,34 @@ def test_local_steps_are_refused_with_fsdp_before_anything_starts(tmp_path):
                                          r"scaling.strategy=fsdp.*allowed: off"):
         prepare(["--config", str(REPO / "jobs" / "configs" / "digits.yaml"), "--output", str(tmp_path),
                  "scaling.strategy=fsdp", "compression.local.mode=fixed"], JobConfig)
+
+
+def _leave_mid_interval(rank: int, world: int) -> tuple[bool, bool]:
+    """Two inner steps of H=4 on each rank's own data, then a per-step plan is installed (the
+    controller or the guard leaving local steps between two syncs)."""
+    from raycomp.config import LocalSection
+    from raycomp.hook import CompressionState
+    from raycomp.local import LocalSteps
+    from raycomp.plan import LocalMode, Plan
+    from raycomp.train.local_sync import LocalState
+    from tests.test_local_steps import _flat, _gather, _inner_step, _model
+
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = LocalState(ddp, CompressionState(ddp), LocalSteps(model, sync_every=H),
+                       LocalSection(mode="fixed", sync_every=H))
+    state.set_plan(Plan(local=LocalMode(H)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        _inner_step(model, opt, rank, step)
+        state.steps.step()
+    apart = len({tuple(t.tolist()) for t in _gather(_flat(model))}) > 1
+    state.set_plan(Plan())  # per step again
+    together = len({tuple(t.tolist()) for t in _gather(_flat(model))}) == 1
+    return apart, together
+
+
+def test_leaving_local_steps_between_syncs_merges_the_replicas_first():
+    from tests.distributed import run_distributed
+
+    assert run_distributed(_leave_mid_interval, 2) == [(True, True), (True, True)]

@@ -49,7 +49,7 @@ MUTANTS = (
         "local-leaves-without-merging-replicas", "LocalState.set_plan",
         "                self.steps.merge_all()  # the ranks leave with the same weights\n",
         "                pass\n",
-        "tests/test_local_train.py -k guard_judges",
+        "tests/test_local_train.py -k leaving_local_steps",
         "leaving local steps keeps each rank's own weights: per-step training goes on from replicas that differ",
     ),
     mutant(
