@@ -12,7 +12,7 @@ from raycomp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
 from raycomp.train.gradient_sync import SyncSetup
 
-__all__ = ["DdpSync", "compression_state", "ddp_hook_sync", "ddp_sync", "wrap_ddp"]
+__all__ = ["DdpSync", "compression_state", "ddp_hook_sync", "ddp_sync", "parameter_shapes", "wrap_ddp"]
 
 
 class DdpSync:
@@ -28,8 +28,7 @@ class DdpSync:
         self.bucket_cap_mb = model.bucket_bytes_cap / 2**20 if self.ddp else None
 
     def layers(self) -> dict[str, list[int]]:
-        module = getattr(self.model, "module", self.model)
-        return {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
+        return parameter_shapes(self.model)
 
     def end_backward(self) -> None:
         if not self.ddp:  # one process: no hook ran; local compression + memory
@@ -40,6 +39,12 @@ class DdpSync:
 
     def agreement(self) -> tuple[float, ...]:
         return ()
+
+
+def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    """What a plan names on a DDP model (or a bare one): each trainable parameter's shape."""
+    module = getattr(model, "module", model)
+    return {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
 
 
 def wrap_ddp(model: torch.nn.Module, setup: SyncSetup, ddp_options: dict[str, Any]) -> torch.nn.Module:

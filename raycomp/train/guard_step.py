@@ -82,9 +82,7 @@ class GuardStep:
         so only this rank's gradient is judged, against its own recent norms: a non-finite
         gradient, or a norm above ``grad_norm_factor`` x their level, is skipped on this rank
         alone (its replica), never averaged into the next sync."""
-        grads = [p.grad for p in parameters if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
-            if grads else 0.0
+        norm = self.state.gradient_norm(parameters)  # of this rank's own gradients here
         if not math.isfinite(norm) or \
                 self.guard.spike_level(norm, self.inner_norms, self.guard.grad_norm_factor) is not None:
             return False

@@ -35,7 +35,7 @@ from raycomp.ledger import WireLedger
 from raycomp.local import LocalSteps
 from raycomp.plan import LocalMode, Plan
 from raycomp.stats import LayerStats
-from raycomp.train.ddp_sync import compression_state, wrap_ddp
+from raycomp.train.ddp_sync import compression_state, parameter_shapes, wrap_ddp
 from raycomp.train.gradient_sync import SyncSetup
 
 __all__ = ["LocalState", "LocalSync", "local_hook_sync", "local_sync", "outer_sgd"]
@@ -96,12 +96,16 @@ class LocalState:
             if self.mode is not None:
                 self.steps.merge_all()  # the ranks leave with the same weights
             if mode is not None:
-                spacing = mode.sync_every // mode.fragments
-                self.steps.restart(mode.sync_every, mode.fragments, min(self.options.delay, spacing - 1))
+                self._restart(mode)
             self._ddp_sync(mode is None)
             self.mode = mode
         self.steps.set_plan(plan)
         self.hook.set_plan(plan)  # the agreement check compares this plan's digest
+
+    def _restart(self, mode: LocalMode) -> None:
+        """A fresh schedule for ``mode``; the configured delay, capped below its spacing."""
+        spacing = mode.sync_every // mode.fragments
+        self.steps.restart(mode.sync_every, mode.fragments, min(self.options.delay, spacing - 1))
 
     def _ddp_sync(self, on: bool) -> None:
         if self.ddp:  # what DDP's no_sync() sets, kept: no reduction, no buffer broadcast
@@ -119,8 +123,7 @@ class LocalState:
         self.hook.load_state_dict(state["hook"])
         mode = None if state["mode"] is None else LocalMode.from_dict(state["mode"])
         if mode is not None:  # the schedule the checkpoint was taken under, then its position
-            spacing = mode.sync_every // mode.fragments
-            self.steps.restart(mode.sync_every, mode.fragments, min(self.options.delay, spacing - 1))
+            self._restart(mode)
         self.steps.load_state_dict(state["local"])
         self._ddp_sync(mode is None)
         self.mode = mode
@@ -147,8 +150,7 @@ class LocalSync:
         return self.state.mode is None
 
     def layers(self) -> dict[str, list[int]]:
-        module = getattr(self.model, "module", self.model)
-        return {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
+        return parameter_shapes(self.model)
 
     def end_backward(self) -> None:
         if not self.state.ddp and self.per_step:  # one process: local compression + memory
