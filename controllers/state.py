@@ -113,6 +113,7 @@ class RunState:
         self.per_rank_bytes: dict[int, tuple[float, float]] = {}
         self.per_rank_outages: dict[int, int] = {}
         self.skipped_steps = 0  # the optimizer steps skipped (the same on every rank)
+        self.outer_steps = 0  # outer steps of local steps applied (the same on every rank)
         self.loss_scale: float | None = None  # the latest GradScaler scale reported (fp16 runs)
         self.eval_kind = eval_kind
         self.fallback_by_reason: dict[str, int] = {}
@@ -133,6 +134,7 @@ class RunState:
             self.per_rank_bytes[stats.rank] = (stats.wire_bytes, stats.dense_bytes)
         self.per_rank_outages[stats.rank] = max(stats.outages, self.per_rank_outages.get(stats.rank, 0))
         self.skipped_steps = max(self.skipped_steps, stats.skipped_steps)
+        self.outer_steps = max(self.outer_steps, stats.outer_steps)
         if stats.loss_scale is not None and stats.step >= self._totals_step.get(stats.rank, -1):
             self.loss_scale = stats.loss_scale
         for name in TIMED:
@@ -240,7 +242,7 @@ class RunState:
             "reports": self.reports, "status": self.status,
             "per_rank_bytes": {str(k): list(v) for k, v in self.per_rank_bytes.items()},
             "per_rank_outages": {str(k): v for k, v in self.per_rank_outages.items()},
-            "skipped_steps": self.skipped_steps, "loss_scale": self.loss_scale,
+            "skipped_steps": self.skipped_steps, "loss_scale": self.loss_scale, "outer_steps": self.outer_steps,
             "eval_kind": self.eval_kind, "fallback_by_reason": self.fallback_by_reason,
             "histograms": {k: vars(h) for k, h in self.histograms.items()},
         }
@@ -269,6 +271,7 @@ class RunState:
         run.per_rank_bytes = {int(k): (v[0], v[1]) for k, v in data["per_rank_bytes"].items()}
         run.per_rank_outages = {int(k): v for k, v in data["per_rank_outages"].items()}
         run.skipped_steps, run.loss_scale = data.get("skipped_steps", 0), data.get("loss_scale")
+        run.outer_steps = data.get("outer_steps", 0)
         run.fallback_by_reason = dict(data["fallback_by_reason"])
         run.histograms = {k: Histogram(**h) for k, h in data["histograms"].items()}
         return run

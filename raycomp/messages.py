@@ -53,6 +53,7 @@ class GradStats:
     outages: int = 0  # times this rank could not reach the controller so far
     skipped_steps: int = 0  # steps this rank's optimizer skipped so far (guard or loss-scale overflow)
     loss_scale: float | None = None  # the GradScaler's scale at the boundary (fp16; None without one)
+    outer_steps: int = 0  # outer steps (syncs of local steps) this rank applied so far
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -78,8 +79,8 @@ class GradStats:
             raise ValueError("stats.run_id: expected a non-empty string")
         if len(run_id) > MAX_NAME_CHARS:
             raise ReportTooLarge(f"stats.run_id: longer than {MAX_NAME_CHARS} characters")
-        for key in ("rank", "step", "epoch", "plan_version", "outages", "skipped_steps"):
-            value = data.get(key, 0 if key in ("outages", "skipped_steps") else None)
+        for key in ("rank", "step", "epoch", "plan_version", "outages", "skipped_steps", "outer_steps"):
+            value = data.get(key, 0 if key in ("outages", "skipped_steps", "outer_steps") else None)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"stats.{key}: expected an integer >= 0, got {value!r}")
         for key in _STATS_FLOATS:

@@ -65,6 +65,7 @@ def test_malformed_reports_are_rejected_counted_and_harmless():
         {**report("r1", 0, 4), "layers": [{"layer": "x"}] * 20_000},
         {**report("r1", 5, 4)},  # rank beyond the world size
         {**report("r1", 0, 4), "skipped_steps": -1},
+        {**report("r1", 0, 4), "outer_steps": 1.5},
         {**report("r1", 0, 4), "loss_scale": float("inf")},
         {**report("r1", 0, 4), "loss_scale": 0.0},
     ]

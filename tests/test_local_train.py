@@ -90,6 +90,7 @@ def test_inner_steps_send_nothing_and_syncs_leave_every_rank_with_the_same_weigh
     inner = [r for r in local if not r["synced"]]
     assert synced and inner
     assert all(r["equal"] for r in synced)  # the outer step: the same global weights everywhere
+    assert totals["outer_steps"] == sum(r["synced"] for r in records)  # what the controller is told
     assert sum(not r["equal"] for r in inner) >= len(inner) // 2  # replicas drift in between
     # an inner step sends nothing but the control boundary's few bytes; a sync sends the
     # int8 pseudo-gradients, about a quarter of the per-step dense all-reduce of the warm-up

@@ -103,6 +103,7 @@ class TrainLoop:
         self.log = StepLog(self.output_dir, self.rank, options.progress_every)
         self.global_step = self.epoch = self.plan_switches = self.skipped_steps = 0
         self.local_skips = 0  # inner steps this rank skipped on its own (local steps)
+        self.outer_steps = 0  # syncs of local steps whose outer step was applied (every rank alike)
         self.steps_per_epoch: int | None = None
         self.epochs_total: int | None = None
         self.restored_from: int | None = None
@@ -179,6 +180,7 @@ class TrainLoop:
             self.local_skips += 1  # this rank's own: only its replica skipped the step
         rows = self.sync.after_optimizer_step(applied, loss_value)
         if rows is not None:  # a sync of local steps finished: the guard judges it
+            self.outer_steps += not any(row[0] for row in rows)  # a non-finite mean skips the outer step
             self._verdict(self.guard.judge_sync(self.global_step, rows))
         if self.owns_optimizer:  # else the framework did both after its optimizer step
             if self.grad_scaler is not None:
@@ -235,7 +237,7 @@ class TrainLoop:
     def _boundary(self) -> None:
         self.log.flush()
         self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active,
-                           **self._skips())
+                           **self._totals())
         self._adopt(self.sync_plan(self.plans.poll(self.controller_plan.version)))
 
     def _adopt(self, new_plan: Plan | None) -> None:
@@ -245,10 +247,10 @@ class TrainLoop:
             self.plan_switches += 1
             self._install(new_plan)
 
-    def _skips(self) -> dict[str, Any]:
-        """Skipped steps so far and the loss scale, for the controller's report."""
+    def _totals(self) -> dict[str, Any]:
+        """Skipped and outer steps so far and the loss scale, for the controller's report."""
         scale = None if self.grad_scaler is None else self.grad_scaler.get_scale()
-        return {"skipped_steps": self.skipped_steps, "loss_scale": scale}
+        return {"skipped_steps": self.skipped_steps, "loss_scale": scale, "outer_steps": self.outer_steps}
 
     def sync_plan(self, offer: Plan | None) -> Plan | None:
         """Agreement check of plan and guard state; rank 0's ``offer`` on every rank."""
@@ -328,7 +330,7 @@ class TrainLoop:
             "wire_bytes_total": float(sums[0]), "dense_bytes_total": float(sums[1]),
             "controller_outages": int(sums[2]), "steps": self.global_step, "stats_dropped": self.reporter.dropped,
             "plan_switches": self.plan_switches, "skipped_steps": self.skipped_steps,
-            "local_skipped_steps": self.local_skips,
+            "local_skipped_steps": self.local_skips, "outer_steps": self.outer_steps,
             "loss_scale_overflows": self.guard.overflows,
             "fallback_events": [e.to_dict() for e in self.guard.guard.events],
             "replayed_steps": self.replayed_steps, "restored_from_step": self.restored_from,
@@ -342,7 +344,7 @@ class TrainLoop:
     def close(self) -> None:
         """Send the last statistics (final byte totals) and release the thread and files."""
         self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active, final=True,
-                           **self._skips())
+                           **self._totals())
         self.log.close()
         self.state.close()
 

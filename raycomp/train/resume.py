@@ -29,7 +29,8 @@ def own_state(loop: TrainLoop) -> dict[str, Any]:
         "controller_plan": loop.controller_plan.to_dict(), "rng": torch.get_rng_state(),
         "counters": {"plan_switches": loop.plan_switches, "outages": loop.outages.count,
                      "skipped_steps": loop.skipped_steps, "lr_ramp_from": loop.lr_ramp.started_at,
-                     "loss_scale_overflows": loop.guard.overflows},
+                     "loss_scale_overflows": loop.guard.overflows, "outer_steps": loop.outer_steps,
+                     "local_skips": loop.local_skips},
         "grad_scaler": None if loop.grad_scaler is None else loop.grad_scaler.state_dict(),
         # during local steps every rank's weights and optimizer state are its own
         "replica": None if loop.sync.per_step else {
@@ -48,6 +49,7 @@ def load_own(loop: TrainLoop, own: dict[str, Any]) -> None:
     loop.plan_switches, loop.outages.count = counters["plan_switches"], counters["outages"]
     loop.skipped_steps, loop.lr_ramp.started_at = counters["skipped_steps"], counters["lr_ramp_from"]
     loop.guard.overflows = counters.get("loss_scale_overflows", 0)
+    loop.outer_steps, loop.local_skips = counters.get("outer_steps", 0), counters.get("local_skips", 0)
     if loop.grad_scaler is not None and own.get("grad_scaler"):
         loop.grad_scaler.load_state_dict(own["grad_scaler"])
     if own.get("replica") is not None:  # this rank's own weights (local steps)
