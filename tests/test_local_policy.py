@@ -36,9 +36,11 @@ class LocalSim(Sim):
                                      WARMUP, K, 1024)
         self.fallback = False
         self.events: list[dict] = []
+        self.loss = 1.0  # the training loss the workers report
         ingest = self.controller.ingest
         self.controller.ingest = lambda report: ingest(
-            {**report, "fallback_active": self.fallback, "events": self.events if report["rank"] == 0 else []})
+            {**report, "fallback_active": self.fallback, "events": self.events if report["rank"] == 0 else [],
+             "loss": self.loss})
 
     def local_details(self) -> dict:
         return self.details()["local"]
@@ -103,6 +105,39 @@ def test_a_guard_fallback_during_local_steps_halves_the_largest_interval():
     plan = sim.run(1, SLOW)
     assert plan.local is not None and plan.local.sync_every == 16
     assert sim.local_details()["largest_allowed"] == 16
+
+
+def test_a_loss_that_falls_behind_under_local_steps_halves_the_interval_down_to_per_step():
+    # lossy "never": the per-step plan stays int4, so only the loss moves the choice
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64, "loss_tolerance": 0.05}, lossy="never")
+    sim.loss = 2.0
+    assert sim.run(5, SLOW).local.sync_every == 32
+    for loss in (1.9, 1.8, 1.8, 1.85, 1.88):  # progress, then noise within 5% of the best (1.8)
+        sim.loss = loss
+        assert sim.run(1, SLOW).local.sync_every == 32
+    sim.loss = 1.95  # boundary means 1.915, then 1.95: above 1.8 + 5% (1.89) once, then twice
+    assert sim.run(1, SLOW).local.sync_every == 32
+    assert sim.run(1, SLOW).local.sync_every == 16  # at once, no waiting for agreement
+    step_back = sim.local_details()["history"][-2]
+    assert step_back[1:3] == [32, 16] and step_back[3].startswith("step back: loss 1.95 above 1.89")
+    assert sim.local_details()["largest_allowed"] == 16
+    # each H keeps its own record: a loss that keeps drifting halves it again, down to per step
+    for h in (8, 4, 2, None):
+        for _ in range(3):
+            sim.loss *= 1.1
+            plan = sim.run(1, SLOW)
+        assert (plan.local.sync_every if plan.local else None) == h, sim.local_details()["history"][-3:]
+    assert sim.local_details()["largest_allowed"] == 1
+
+
+def test_a_falling_loss_keeps_the_interval():
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64}, lossy="never")
+    sim.loss = 2.0
+    sim.run(5, SLOW)
+    for i in range(20):
+        sim.loss = 2.0 / (1 + 0.1 * i) * (1.02 if i % 2 else 1.0)  # falling, with noise under 5%
+        assert sim.run(1, SLOW).local.sync_every == 32
+    assert sim.local_details()["largest_allowed"] == 64
 
 
 def test_fixed_mode_is_local_steps_from_the_first_decision_with_the_configured_compressor():

@@ -16,9 +16,16 @@
   (the first choice is taken at once), so that choices that would undo each other are
   damped.
 
-The guard steps back: a fallback while local steps are in force halves the largest H this
-policy may choose from then on (below 2: per step only), and the fallback itself runs dense
-per step until the workers recover (:class:`~controllers.policies.guarded.Guarded`).
+Two things step back, each halving the largest H this policy may choose from then on (below
+2: per step only):
+
+* a guard fallback while local steps are in force (the fallback itself runs dense per step
+  until the workers recover, :class:`~controllers.policies.guarded.Guarded`);
+* ``auto``: a loss that falls behind. Under local steps the controller expects the training
+  loss (each boundary's mean over ranks, averaged with the previous boundary's) never to rise
+  more than ``loss_tolerance`` above the lowest it has reached since local steps began; an H
+  too large for the run drifts upward slowly, below the guard's spike factor. When it does at
+  ``PATIENCE`` boundaries in a row, the H in force is halved at once.
 
 While local steps are in force the timings the workers report are those of inner steps
 and syncs, not of per-step reductions; the cost models (this one's and the inner
@@ -58,6 +65,8 @@ class LocalChoice(Policy):
         self.wanted: int | None = None  # a different H asked for at the previous boundary
         self.strikes = 0
         self.fallbacks_seen = 0
+        self.best_loss: float | None = None  # lowest smoothed loss since local steps began
+        self.behind = 0  # boundaries in a row with the loss behind
         self.last: Plan | None = None  # the inner policy's latest per-step plan
         #: per boundary: step, H in force (0: per step), H this boundary asked for, reason
         self.history: list[list[Any]] = []
@@ -77,6 +86,10 @@ class LocalChoice(Policy):
                 self.history.append([run.step, self.chosen, "step back", f"largest H now {self.ceiling}"])
             self.fallbacks_seen = run.fallback_events
         pseudo = CompressorSpec.of(self.local.compressor)
+        if local_in_force and self.local.mode == "auto" and not run.fallback_active:
+            self._follow_loss(run)
+        else:
+            self.best_loss, self.behind = None, 0
         if self.local.mode == "fixed":
             return Plan(default=pseudo, local=LocalMode(self.local.sync_every, self.local.fragments),
                         reason=f"local steps: fixed, H={self.local.sync_every}, pseudo-gradients {pseudo}")
@@ -111,6 +124,28 @@ class LocalChoice(Policy):
         self.history.append([run.step, self.chosen, target, reason])
         return Plan(default=pseudo, local=LocalMode(self.chosen, fragments), reason=reason)
 
+    def _follow_loss(self, run: RunState) -> None:
+        """Halve H when the loss has fallen behind at ``PATIENCE`` boundaries in a row."""
+        losses = [loss for _, loss in list(run.losses)[-2:]]
+        if not losses or not self.chosen:
+            return
+        level = sum(losses) / len(losses)
+        if self.best_loss is None or level < self.best_loss:
+            self.best_loss, self.behind = level, 0
+            return
+        limit = self.best_loss + self.local.loss_tolerance * abs(self.best_loss)
+        self.behind = self.behind + 1 if level > limit else 0
+        if self.behind < PATIENCE:
+            return
+        self.ceiling = max(1, self.chosen // 2)
+        halved = self.ceiling if self.ceiling >= 2 else 0
+        self.history.append([run.step, self.chosen, halved,
+                             f"step back: loss {level:.4g} above {limit:.4g} (lowest since local steps "
+                             f"{self.best_loss:.4g} + {self.local.loss_tolerance:.0%}) at {PATIENCE} boundaries; "
+                             f"largest H now {self.ceiling}"])
+        self.chosen, self.wanted, self.strikes = halved, None, 0
+        self.best_loss, self.behind = None, 0  # the next H starts its own record
+
     def _interval(self, sync: float, compute: float) -> int:
         """The smallest power-of-two H whose sync adds at most ``target_overhead`` of the
         compute per step, else the largest allowed; 0 when local steps are not allowed."""
@@ -138,6 +173,7 @@ class LocalChoice(Policy):
         return {"inner": self.inner.state_dict(), "cost": self.cost.state_dict(), "ceiling": self.ceiling,
                 "chosen": self.chosen, "wanted": self.wanted, "strikes": self.strikes,
                 "fallbacks_seen": self.fallbacks_seen, "history": list(self.history),
+                "best_loss": self.best_loss, "behind": self.behind,
                 "last": None if self.last is None else self.last.to_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -148,4 +184,5 @@ class LocalChoice(Policy):
         self.ceiling, self.chosen, self.wanted = state["ceiling"], state["chosen"], state["wanted"]
         self.strikes, self.fallbacks_seen = state["strikes"], state["fallbacks_seen"]
         self.history = [list(h) for h in state["history"]]
+        self.best_loss, self.behind = state.get("best_loss"), state.get("behind", 0)
         self.last = None if state["last"] is None else Plan.from_dict(state["last"])

@@ -61,7 +61,9 @@ class LocalSection(_Strict):
       link and compute: local steps when even the best per-step plan spends more than
       ``min_gain`` of the step communicating, with the smallest ``sync_every`` whose
       share of a sync per step is at most ``target_overhead`` of the compute. A guard
-      fallback during local steps halves the largest ``sync_every`` it may choose.
+      fallback during local steps halves the largest ``sync_every`` it may choose, and so
+      does a loss that falls behind: above ``loss_tolerance`` over the lowest it reached
+      since local steps began, at two boundaries in a row.
 
     Outer optimizer: SGD with ``outer_lr``, ``outer_momentum`` and ``nesterov``. The default
     (lr 1.0, no momentum) is plain model averaging, as torch's ``PeriodicModelAverager``:
@@ -96,6 +98,11 @@ class LocalSection(_Strict):
     min_gain: Annotated[float, Field(ge=0, le=10)] = 0.1
     #: ``auto``: the share of the compute a sync may add per step
     target_overhead: Annotated[float, Field(gt=0, le=10)] = 0.1
+    #: ``auto``: how far (a fraction) the training loss, averaged over two boundaries, may
+    #: rise above the lowest it reached since local steps began before H is halved. Training
+    #: that works does not lose ground; an H too large for the run does, slowly, below the
+    #: guard's spike factor. Raise it for a noisy loss (small batches)
+    loss_tolerance: Annotated[float, Field(gt=0, le=10)] = 0.05
 
     @field_validator("compressor")
     @classmethod
