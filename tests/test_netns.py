@@ -175,6 +175,33 @@ def test_fast_link_is_an_unshaped_veth() -> None:
     _assert_gone(link)
 
 
+def _connects(link: ThrottledLink, timeout_s: float) -> str:
+    """What a TCP connect from a to b (a closed port: answered by a reset) says."""
+    code = (f"import socket; s = socket.socket(); s.settimeout({timeout_s})\n"
+            f"try:\n    s.connect(({link.addr_b!r}, 9))\nexcept OSError as e:\n    print(type(e).__name__)")
+    return link.run("a", [sys.executable, "-c", code], timeout=timeout_s + 20).stdout.strip()
+
+
+@needs_netns
+@pytest.mark.parametrize("rate", ["50mbit", "fast"])
+def test_a_blackout_drops_every_frame_both_ways_and_restores_the_shaping(rate: str) -> None:
+    with ThrottledLink(rate) as link:
+        before = {side: link.qdisc_stats(side) for side in ("a", "b")}
+        assert _connects(link, 2.0) == "ConnectionRefusedError"  # the link carries the reset
+        link.blackout(True)
+        assert _connects(link, 1.0) == "TimeoutError"  # nothing crosses, nothing comes back
+        dropped = {side: sum(q.get("drops", 0) for q in link.qdisc_stats(side)) for side in ("a", "b")}
+        assert dropped["a"] >= 1  # the SYN and its retransmissions died at a's qdisc
+        link.blackout(False)
+        assert _connects(link, 2.0) == "ConnectionRefusedError"
+        assert [[q["kind"] for q in link.qdisc_stats(side)] for side in ("a", "b")] == \
+            [[q["kind"] for q in before[side]] for side in ("a", "b")]
+        if rate != "fast":  # the throttle is back, not just some link
+            measured = link.measure_throughput(1.0, "a")
+            assert measured["bits_per_s"] == pytest.approx(parse_rate(rate), rel=TOLERANCE)
+    _assert_gone(link)
+
+
 _CHILD = """
 import sys, time
 from jobs.bench.netns import ThrottledLink

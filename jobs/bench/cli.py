@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "jobs.bench.e2e.cli",
     "controller": "jobs.bench.controller.cli",
     "tune": "jobs.bench.tune",
+    "outage": "jobs.bench.outage",
 }
 
 

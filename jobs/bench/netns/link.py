@@ -46,6 +46,8 @@ class ThrottledLink:
         self.mtu = mtu
         self.latency_applied = False
         self.qdisc: dict[str, str] = {}
+        self._tbf: dict[str, tuple[list[str], list[str]]] = {}  # side -> (where, tbf args) of its shaper
+        self.blacked_out = False
         self._procs: list[subprocess.Popen[Any]] = []
         self._created: list[str] = []
         self._closed = False
@@ -122,10 +124,34 @@ class ThrottledLink:
             run([tc_, "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                   "delay", delay, "limit", "100000"])
             run([tc_, "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
+            self._tbf[side] = (["parent", "1:1", "handle", "10:"], tbf)
             self.latency_applied = True
             return f"netem delay {delay} -> {' '.join(tbf)}"
         run([tc_, "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+        self._tbf[side] = (["root", "handle", "1:"], tbf)
         return " ".join(tbf)
+
+    # --- faults --------------------------------------------------------------------------
+    #: a shaper no frame gets through: a token a second, a bucket smaller than any frame
+    BLACKHOLE = ["tbf", "rate", "8bit", "burst", "32", "limit", "32"]
+
+    def blackout(self, on: bool) -> None:
+        """Cut the link both ways (``on``) or give it back its shaping. Every frame is dropped
+        at the sender's qdisc while the interfaces, addresses and routes stay as they were:
+        what a cable pulled somewhere on the path looks like to both hosts (TCP retransmits
+        into the void), without taking down the local routes of the nodes' own addresses as
+        ``ip link set down`` would (this kernel has no ``sch_netem`` to drop packets with)."""
+        self._check_open()
+        tc_ = tc()
+        for side in ("a", "b"):
+            ns, dev = self.ns[side], self.dev[side]
+            where, tbf = self._tbf.get(side, (["root", "handle", "1:"], None))
+            if tbf is None:  # an unshaped veth: a root qdisc only while cut
+                command = ["add", *where, *self.BLACKHOLE] if on else ["del", "root"]
+            else:
+                command = ["change", *where, *(self.BLACKHOLE if on else tbf)]
+            run([tc_, "-n", ns, "qdisc", command[0], "dev", dev, *command[1:]])
+        self.blacked_out = on
 
     def shaping(self) -> dict[str, Any]:
         """What was asked for and what the kernel applied (for reports)."""
