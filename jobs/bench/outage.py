@@ -49,7 +49,7 @@ NAME = "outage"
 COMMON = ["compression.policy=static", "compression.warmup_steps=0", "workload.epochs=6",
           "scaling.placement_strategy=SPREAD", "checkpoint.every_steps=5", "checkpoint.max_failures=3"]
 MODES: dict[str, list[str]] = {
-    "per_step": ["compression.static.compressor=int4"],
+    "per_step": ["compression.static.compressor={name: int4}"],
     "local": ["compression.local.mode=fixed", "compression.local.sync_every=4", "compression.local.compressor=int4"],
 }
 RUN_TIMEOUT_S = 900
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     link = ThrottledLink(args.link)
     results: dict[str, Any] = {"command": "python -m jobs.bench " + " ".join(argv), "link": args.link,
                                "seconds": args.seconds, "at_step": args.at_step, "modes": {}}
-    with link.open(), ray_nodes(link, work) as address:
+    with link, ray_nodes(link, work) as address:
         for mode in modes:
             overrides = [*COMMON, *MODES[mode], f"scaling.collective_timeout_s={args.collective_timeout}"]
             reference = _train(link, address, work / f"{mode}-reference", overrides)
@@ -130,16 +130,16 @@ class _Cutter(threading.Thread):
         self.link, self.step_log, self.step, self.seconds = link, step_log, step, seconds
         self.cut_at_step: int | None = None
         self.error: str | None = None
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._done.is_set():
                 last = _last_step(self.step_log)
                 if last is not None and last >= self.step:
                     self.cut_at_step = last
                     self.link.blackout(True)
-                    self._stop.wait(self.seconds)
+                    self._done.wait(self.seconds)
                     self.link.blackout(False)
                     return
                 time.sleep(0.02)
@@ -147,7 +147,7 @@ class _Cutter(threading.Thread):
             self.error = f"{type(error).__name__}: {error}"
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         self.join(timeout=self.seconds + 30)
         if self.link.blacked_out:
             self.link.blackout(False)
