@@ -237,7 +237,7 @@ class TrainLoop:
     def _boundary(self) -> None:
         self.log.flush()
         self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active,
-                           **self._totals())
+                           **self._report_counters())
         self._adopt(self.sync_plan(self.plans.poll(self.controller_plan.version)))
 
     def _adopt(self, new_plan: Plan | None) -> None:
@@ -247,7 +247,7 @@ class TrainLoop:
             self.plan_switches += 1
             self._install(new_plan)
 
-    def _totals(self) -> dict[str, Any]:
+    def _report_counters(self) -> dict[str, Any]:
         """Skipped and outer steps so far and the loss scale, for the controller's report."""
         scale = None if self.grad_scaler is None else self.grad_scaler.get_scale()
         return {"skipped_steps": self.skipped_steps, "loss_scale": scale, "outer_steps": self.outer_steps}
@@ -344,7 +344,7 @@ class TrainLoop:
     def close(self) -> None:
         """Send the last statistics (final byte totals) and release the thread and files."""
         self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active, final=True,
-                           **self._totals())
+                           **self._report_counters())
         self.log.close()
         self.state.close()
 
