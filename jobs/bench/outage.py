@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.bench.cluster import REPO, driver_env, ray_nodes
+from jobs.bench.e2e.driver import read_jsonl
 from jobs.bench.netns import ThrottledLink
 from jobs.bench.report import eprint
 
@@ -135,9 +136,9 @@ class _Cutter(threading.Thread):
     def run(self) -> None:
         try:
             while not self._done.is_set():
-                last = _last_step(self.step_log)
-                if last is not None and last >= self.step:
-                    self.cut_at_step = last
+                records = read_jsonl(self.step_log)
+                if records and records[-1]["step"] >= self.step:
+                    self.cut_at_step = records[-1]["step"]
                     self.link.blackout(True)
                     self._done.wait(self.seconds)
                     self.link.blackout(False)
@@ -151,19 +152,6 @@ class _Cutter(threading.Thread):
         self.join(timeout=self.seconds + 30)
         if self.link.blacked_out:
             self.link.blackout(False)
-
-
-def _last_step(path: Path) -> int | None:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            continue  # a line still being written
-    return None
 
 
 def compare(reference: dict[str, Any], cut: dict[str, Any]) -> dict[str, Any]:
