@@ -231,6 +231,98 @@ def test_a_grid_is_reported_under_its_name_with_its_fastest_setting():
     assert accuracy[0]["variant"] == "torchft_diloco_h8"
 
 
+def test_a_grid_searched_on_one_seed_is_judged_on_that_seed():
+    def row(name, seeds, ttt, final):
+        return {"name": name, "time_to_target_s": stats.median_with_misses(ttt), "time_to_target_s_seeds": ttt,
+                "final_metric": stats.median(final), "final_metric_seeds": final, "nic_bytes_to_stop": 1.0,
+                "step_s": 0.3, "runs": [{"seed": s} for s in seeds]}
+
+    # H=8 ran seeds 0-2 (median 90 s) but took 120 s on seed 0, where H=4 took 100 s
+    rows = [row("raycomp_local_h4", [0], [100.0], [2.0]), row("raycomp_local_h8", [0, 1, 2], [120.0, 90.0, 90.0],
+                                                              [2.0, 2.0, 2.0]),
+            row("raycomp_local_h16", [0], [None], [2.1])]
+    (local,) = analysis.best_of_grids(rows, lower_is_better=True)
+    assert local["variant"] == "raycomp_local_h4" and local["time_to_target_s"] == 100.0
+    assert [g["seeds"] for g in local["grid"]] == [[0], [0, 1, 2], [0]]
+    line = report._grid_seeds(local["grid"][1], local["grid"])
+    assert line == " (seeds 0, 1, 2)" and report._grid_seeds(local["grid"][0], local["grid"]) == " (seed 0)"
+    # every variant on seeds 0-2: judged on all three (H=8's median 90 s beats H=4's 100 s)
+    rows[0] = row("raycomp_local_h4", [0, 1, 2], [100.0, 100.0, 100.0], [2.0, 2.0, 2.0])
+    rows[2] = row("raycomp_local_h16", [0, 1, 2], [None, None, None], [2.1, 2.1, 2.1])
+    assert analysis.best_of_grids(rows, lower_is_better=True)[0]["variant"] == "raycomp_local_h8"
+
+
+def _phase(path: Path, runs: list[dict[str, Any]], methods_: list[str], seeds: list[int], stop: float | None,
+           steps: int = 40) -> Path:
+    path.mkdir()
+    settings = {"workload": "gpt", "config": "jobs/configs/gpt_kjv.yaml", "mode": "full", "steps": steps,
+                "eval_every": 10, "seeds": seeds, "target": None, "link": "100mbit", "methods": methods_,
+                "strategy": "ddp", "extra": []}
+    raw = {"layers": {"w": [100, 2]}, "metric": "loss", "interval_steps": 10, "bucket_cap_mb": 1.0,
+           "default_policy": "adaptive", "idle": [{"seconds": 10.0, "tx_bytes": 50, "rx_bytes": 50}], "runs": runs}
+    if stop is not None:
+        raw["stop_target"] = stop
+    meta = {"settings": settings, "shaping": {"qdisc": {"a": "tbf"}, "rate": "100mbit"},
+            "check": {"a_to_b": {"bits_per_s": 95.7e6}, "b_to_a": {"bits_per_s": 95.6e6}, "rtt": {"median_s": 2e-5}},
+            "command": f"python -m jobs.bench e2e --methods {','.join(methods_)}", "machine": {},
+            "benchmark_seconds": 100.0, "load_average": {"start": [0.1], "end": [0.2]}}
+    (path / "raw.json").write_text(json.dumps(raw))
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def test_phases_of_one_benchmark_merge_into_one_report(tmp_path):
+    from jobs.bench.e2e.merge import merge_work
+
+    dense = [_raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.15, 0.0),
+             *[_raw_run("dense", s, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0) for s in (0, 1)],
+             *[_raw_run(methods.NO_COMM, s, [3.0, 3.0], 0.25, 0.0) for s in (0, 1)]]
+    first = _phase(tmp_path / "a", dense, ["dense"], [0, 1], 2.4)
+    grid = [_raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.5, 0.0), _raw_run(methods.NO_COMM, 0, [3.0, 3.0], 0.9, 0.0),
+            _raw_run("raycomp_local_h4", 0, [3.0, 2.4, 2.4, 2.4], 0.3, 0.0),
+            _raw_run("raycomp_local_h8", 0, [3.0, 2.6, 2.4, 2.4], 0.3, 0.0)]
+    second = _phase(tmp_path / "b", grid, ["raycomp_local"], [0], 2.4)
+    best = _phase(tmp_path / "c", [_raw_run("raycomp_local_h4", 1, [3.0, 2.6, 2.4, 2.4], 0.3, 0.0)],
+                  ["raycomp_local_h4"], [1], 2.4)
+    raw, meta = merge_work([first, second, best])
+    assert [(r["method"], r["seed"]) for r in raw["runs"]] == [
+        (methods.COMPUTE, 0), ("dense", 0), ("dense", 1), (methods.NO_COMM, 0), (methods.NO_COMM, 1),
+        ("raycomp_local_h4", 0), ("raycomp_local_h8", 0), ("raycomp_local_h4", 1)]  # the first phase's references
+    assert meta["settings"]["methods"] == ["dense", "raycomp_local", "raycomp_local_h4"]
+    assert meta["settings"]["seeds"] == [0, 1] and meta["benchmark_seconds"] == 300.0
+    assert meta["command"].splitlines()[1] == "python -m jobs.bench e2e --methods raycomp_local"
+    results = analysis.analyze(raw, meta["settings"], meta["shaping"], meta["check"])
+    local = next(m for m in results["methods"] if m["name"] == "raycomp_local")
+    assert local["variant"] == "raycomp_local_h4" and len(local["runs"]) == 2  # seed 0's grid, then seed 1
+    assert results["compute_step_s"] == pytest.approx(0.15) and results["no_comm_step_s"] == pytest.approx(0.25)
+    # what phases must share
+    with pytest.raises(ValueError, match="settings.steps is 80"):
+        merge_work([first, _phase(tmp_path / "d", grid, ["raycomp_local"], [0], 2.4, steps=80)])
+    with pytest.raises(ValueError, match="stopped at target 2.5"):
+        merge_work([first, _phase(tmp_path / "e", grid, ["raycomp_local"], [0], 2.5)])
+    # a method re-run in a later directory replaces the earlier runs of the same seeds
+    rerun = _phase(tmp_path / "f", [_raw_run("raycomp_local_h8", 0, [3.0, 2.4, 2.4, 2.4], 0.2, 0.0)],
+                   ["raycomp_local_h8"], [0], 2.4)
+    raw, _ = merge_work([first, second, best, rerun])
+    h8 = [r for r in raw["runs"] if r["method"] == "raycomp_local_h8"]
+    assert len(h8) == 1 and h8[0]["steps"][1]["time"] - h8[0]["steps"][0]["time"] == pytest.approx(0.2)
+    assert [r["method"] for r in raw["runs"]][-2:] == ["raycomp_local_h4", "raycomp_local_h8"]
+    # the command line: --reanalyze with several directories writes one report, or exits 2
+    import argparse
+
+    from jobs.bench.e2e import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    out = tmp_path / "reports"
+    assert cli.run(parser.parse_args(["--reanalyze", str(first), str(second), str(best), "--output-dir", str(out)]),
+                   []) == 0
+    text = (out / "e2e-gpt-100mbit.md").read_text()
+    assert "raycomp_local_h4: " in text and "(seeds 0, 1)" in text and "(seed 0)" in text
+    assert cli.run(parser.parse_args(["--reanalyze", str(first), str(tmp_path / "d"), "--output-dir",
+                                      str(out)]), []) == 2
+
+
 def test_the_byte_models_of_the_local_step_baselines():
     layers = {"w": [10, 10]}
     dense = 2 * (2 - 1) / 2 * 4 * 100

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from controllers.service import Controller
-from raycomp.config import LocalSection
+from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from tests.test_adaptive_policy import (
     FAST,
     SHAPES,
@@ -26,11 +26,13 @@ from tests.test_adaptive_policy import (
 
 class LocalSim(Sim):
     """The adaptive policy's simulation, registered with ``compression.local``; ``fallback``
-    is what the workers' reports say of the guard."""
+    is what the workers' reports say of the guard. ``min_gain`` is registered resolved, as a
+    worker does (:func:`raycomp.train.lossy.local_min_gain`): an SGD run's unless given."""
 
     def __init__(self, local: dict, **options) -> None:
         super().__init__(**options)
         self.controller = Controller()
+        local = {"min_gain": LOCAL_MIN_GAIN["linear"], **local}
         self.controller.register_run("run", W, SHAPES, "adaptive",
                                      {**self.options, "local": LocalSection(**local).model_dump(mode="json")},
                                      WARMUP, K, 1024)
@@ -80,6 +82,42 @@ def test_a_fast_link_stays_per_step():
     assert plan.local is None
     assert sim.local_details()["sync_every"] == 0
     assert all(h[1] == 0 for h in sim.local_details()["history"])
+
+
+def test_under_adam_local_steps_must_be_predicted_twice_as_fast():
+    # int4 per step (lossy rungs off, as for an Adam) on a link where local steps every 8
+    # are predicted 1.7x faster: an SGD run (min_gain 0.1) takes them, an Adam run (1.0)
+    # stays per step and says why; only a slower link, 2x and more, takes an Adam there
+    link = Link(bandwidth=8e6)
+    sgd = LocalSim({"mode": "auto"}, lossy="never").run(6, link)
+    assert sgd.local is not None and sgd.local.sync_every == 8
+    adam = LocalSim({"mode": "auto", "min_gain": LOCAL_MIN_GAIN["other"]}, lossy="never")
+    plan = adam.run(6, link)
+    assert plan.local is None and plan.spec_for("fc1.weight").name == "int8"
+    assert plan.reason.startswith("per step: ") and plan.reason.endswith("local steps must be 100% faster)")
+    assert "per step 90 ms predicted, local steps 53 ms" in plan.reason
+    slower = LocalSim({"mode": "auto", "min_gain": LOCAL_MIN_GAIN["other"]}, lossy="never").run(6, Link(bandwidth=4e6))
+    assert slower.local is not None and slower.local.sync_every == 16
+    # a run registered with "auto" unresolved (not through raycomp.train) gets Adam's caution
+    unresolved = LocalSim({"mode": "auto", "min_gain": "auto"}, lossy="never").run(6, link)
+    assert unresolved.local is None
+
+
+def test_the_worker_resolves_min_gain_from_its_optimizer():
+    import torch
+
+    from raycomp.config import CompressionSection
+    from raycomp.train.options import TrainOptions, resolve_options
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    auto = TrainOptions(compression=CompressionSection(local=LocalSection(mode="auto")))
+    for optimizer, gain in ((torch.optim.SGD(params, lr=0.1, momentum=0.9), 0.1), (torch.optim.AdamW(params), 1.0),
+                            (torch.optim.Adam(params), 1.0)):
+        assert resolve_options(auto, optimizer).compression.local.min_gain == gain, type(optimizer).__name__
+    chosen = TrainOptions(compression=CompressionSection(local=LocalSection(mode="auto", min_gain=0.3)))
+    assert resolve_options(chosen, torch.optim.AdamW(params)).compression.local.min_gain == 0.3
+    with pytest.raises(ValueError, match="min_gain"):
+        LocalSection(min_gain="sometimes")
 
 
 def test_a_switch_to_local_steps_waits_for_two_boundaries_that_agree():

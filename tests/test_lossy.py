@@ -42,7 +42,10 @@ def test_a_sharded_run_is_resolved_in_the_same_copy():
     resolved = resolve_options(options, torch.optim.AdamW(_params()))
     assert (resolved.compression.adaptive.sharded, resolved.compression.adaptive.lossy) == (True, "never")
     assert (options.compression.adaptive.sharded, options.compression.adaptive.lossy) == (False, "auto")
-    assert resolved.compression.model_dump(exclude={"adaptive"}) == options.compression.model_dump(exclude={"adaptive"})
+    # the rest as given, but local steps' min_gain, resolved from the optimizer
+    assert resolved.compression.local.min_gain == 1.0 and options.compression.local.min_gain == "auto"
+    assert resolved.compression.model_dump(exclude={"adaptive", "local"}) == \
+        options.compression.model_dump(exclude={"adaptive", "local"})
 
 
 def test_an_explicit_choice_is_kept_and_auto_without_near_lossless_rungs_stays_lossy():

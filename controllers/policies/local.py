@@ -11,7 +11,8 @@
   pseudo-gradient with ``compressor``. H is the smallest power of two (2 ..
   ``max_sync_every``) whose sync adds at most ``target_overhead`` of the compute per step,
   else the largest. Local steps are chosen when the per-step plan is predicted more than
-  ``min_gain`` slower; on a fast link that never happens, and the per-step plan (often
+  ``min_gain`` slower (resolved by the worker from its optimizer: twice as slow under Adam,
+  :func:`raycomp.train.lossy.local_min_gain`); on a fast link that never happens, and the per-step plan (often
   dense) stays. A switch of mode or H waits until ``PATIENCE`` boundaries in a row agree
   (the first choice is taken at once), so that choices that would undo each other are
   damped.
@@ -41,7 +42,7 @@ from typing import Any
 from controllers.policies.base import Policy, compressible_layers
 from controllers.policies.cost_model import CostModel
 from controllers.state import RunState
-from raycomp.config import LocalSection
+from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from raycomp.plan import CompressorSpec, LocalMode, Plan
 
 __all__ = ["PATIENCE", "LocalChoice"]
@@ -105,7 +106,8 @@ class LocalChoice(Policy):
         sync = max(0.0, self.cost.predict(run, dict.fromkeys(layers, pseudo))[0] - compute)
         h = self._interval(sync, compute)
         local_step = compute + sync / h if h else per_step
-        target = h if h and per_step > (1 + self.local.min_gain) * local_step else 0
+        min_gain = self._min_gain()
+        target = h if h and per_step > (1 + min_gain) * local_step else 0
         if self.chosen is None or target == self.chosen:
             self.chosen, self.wanted, self.strikes = target, None, 0
         else:
@@ -114,7 +116,8 @@ class LocalChoice(Policy):
             if self.strikes >= PATIENCE:
                 self.chosen, self.wanted, self.strikes = target, None, 0
         figures = (f"per step {per_step * 1e3:.0f} ms predicted, local steps {local_step * 1e3:.0f} ms "
-                   f"(compute {compute * 1e3:.0f} ms, a sync {sync * 1e3:.0f} ms)")
+                   f"(compute {compute * 1e3:.0f} ms, a sync {sync * 1e3:.0f} ms; local steps must be "
+                   f"{min_gain:.0%} faster)")
         if not self.chosen:
             reason = f"per step: {base.reason}; {figures}"
             self.history.append([run.step, 0, target, reason])
@@ -123,6 +126,12 @@ class LocalChoice(Policy):
         reason = f"local steps: H={self.chosen}, pseudo-gradients {pseudo}; {figures}"
         self.history.append([run.step, self.chosen, target, reason])
         return Plan(default=pseudo, local=LocalMode(self.chosen, fragments), reason=reason)
+
+    def _min_gain(self) -> float:
+        """``min_gain`` as the worker resolved it; "auto" unresolved (a run registered
+        without :func:`raycomp.train.prepare_model`): the cautious value, as for an Adam."""
+        gain = self.local.min_gain
+        return LOCAL_MIN_GAIN["other"] if gain == "auto" else float(gain)
 
     def _follow_loss(self, run: RunState) -> None:
         """Halve H when the loss has fallen behind at ``PATIENCE`` boundaries in a row."""

@@ -15,6 +15,7 @@ from raycomp.config.base import (
     one_line,
 )
 from raycomp.config.sections import (
+    LOCAL_MIN_GAIN,
     CheckpointSection,
     CompressionSection,
     ControllerSection,
@@ -26,5 +27,5 @@ from raycomp.config.sections import (
 
 __all__ = [
     "CheckpointSection", "CompressionSection", "CompressorConfig", "ConfigError", "ControllerSection",
-    "GuardSection", "LocalSection", "LrScalingSection", "compressor", "host_literal", "one_line",
+    "GuardSection", "LOCAL_MIN_GAIN", "LocalSection", "LrScalingSection", "compressor", "host_literal", "one_line",
 ]

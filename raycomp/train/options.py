@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 
 from raycomp.config import CheckpointSection, CompressionSection, ControllerSection
-from raycomp.train.lossy import lossy_setting
+from raycomp.train.lossy import local_min_gain, lossy_setting
 
 __all__ = ["TrainOptions", "resolve_options"]
 
@@ -91,10 +91,13 @@ def resolve_options(options: TrainOptions, optimizer: torch.optim.Optimizer) -> 
     """``options`` as the run uses and registers them, resolved once: the adaptive policy is
     told what raycomp knows of the run, whether it is sharded (``strategy="fsdp"``: int4,
     int8, bf16 or dense per unit, priced as a reduce-scatter) and whether the optimizer
-    suits lossy rungs (``lossy="auto"``, :func:`raycomp.train.lossy.lossy_setting`)."""
+    suits lossy rungs (``lossy="auto"``, :func:`raycomp.train.lossy.lossy_setting`); local
+    steps' ``min_gain`` (``"auto"``: :func:`raycomp.train.lossy.local_min_gain`)."""
     compression = options.compression
     update: dict[str, Any] = {"lossy": lossy_setting(compression.adaptive, optimizer)}
     if options.strategy == "fsdp":
         update["sharded"] = True
     adaptive = compression.adaptive.model_copy(update=update)
-    return dataclasses.replace(options, compression=compression.model_copy(update={"adaptive": adaptive}))
+    local = compression.local.model_copy(update={"min_gain": local_min_gain(compression.local, optimizer)})
+    return dataclasses.replace(options, compression=compression.model_copy(update={"adaptive": adaptive,
+                                                                                  "local": local}))

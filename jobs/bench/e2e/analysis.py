@@ -164,7 +164,10 @@ def best_of_grids(methods: list[dict[str, Any]], lower_is_better: bool) -> list[
     """The rows with each grid's variants (:data:`~jobs.bench.e2e.methods.GRIDS`) replaced by
     one row under the grid's name: the variant with the shortest median time to target or,
     when none reached it, the best median final metric; every variant's headline numbers in
-    its ``grid``, the winner's name in ``variant``. The row stands where its first variant stood."""
+    its ``grid``, the winner's name in ``variant``. The row stands where its first variant stood.
+
+    Variants are compared on the seeds all of them ran (a grid searched on seed 0 whose best
+    setting then ran seeds 1 and 2 is judged on seed 0); the winner's row keeps all its seeds."""
     out: list[dict[str, Any]] = []
     for m in methods:
         name = family(m["name"])
@@ -174,12 +177,29 @@ def best_of_grids(methods: list[dict[str, Any]], lower_is_better: bool) -> list[
         if any(o["name"] == name for o in out):
             continue
         variants = [v for v in methods if family(v["name"]) == name]
-        best = min(variants, key=lambda v: _grid_rank(v, lower_is_better))
+        common = set.intersection(*(set(_seeds_of(v)) for v in variants))
+        best = min(variants, key=lambda v: _grid_rank(_on_seeds(v, common), lower_is_better))
         grid = [{"variant": v["name"], "setting": grid_setting(v["name"]), "time_to_target_s": v["time_to_target_s"],
                  "time_to_target_s_seeds": v["time_to_target_s_seeds"], "final_metric": v["final_metric"],
-                 "nic_bytes_to_stop": v["nic_bytes_to_stop"], "step_s": v["step_s"]} for v in variants]
+                 "nic_bytes_to_stop": v["nic_bytes_to_stop"], "step_s": v["step_s"], "seeds": _seeds_of(v)}
+                for v in variants]
         out.append({**best, "name": name, "variant": best["name"], "grid": grid})
     return out
+
+
+def _seeds_of(row: dict[str, Any]) -> list[int]:
+    """The seeds a method's row holds, in the order of its per-seed lists."""
+    return [r["seed"] for r in row["runs"]] if "runs" in row else list(row.get("seeds") or [0])
+
+
+def _on_seeds(row: dict[str, Any], seeds: set[int]) -> dict[str, Any]:
+    """A row's time to target and final metric as medians over ``seeds`` only."""
+    keep = [i for i, s in enumerate(_seeds_of(row)) if s in seeds]
+    if len(keep) == len(_seeds_of(row)):
+        return row
+    ttt = [row["time_to_target_s_seeds"][i] for i in keep]
+    return {"time_to_target_s": median_with_misses(ttt),
+            "final_metric": median([row["final_metric_seeds"][i] for i in keep])}
 
 
 def _grid_rank(row: dict[str, Any], lower_is_better: bool) -> tuple[float, float]:

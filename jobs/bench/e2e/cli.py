@@ -49,7 +49,8 @@ without communication (torch's ``noop_hook``, each seed's own run). The goals
 (:mod:`jobs.bench.e2e.goals`, a table) are judged on the medians over seeds.
 
 Output: ``<output-dir>/e2e-<workload>-<link>.json``, ``.md`` and ``.png``; raw traces of every
-run stay in ``--work-dir`` (``--reanalyze WORK_DIR`` rebuilds the reports from them).
+run stay in ``--work-dir`` (``--reanalyze WORK_DIR`` rebuilds the reports from them; several
+directories merge the phases of one benchmark, :mod:`jobs.bench.e2e.merge`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from typing import Any
 
 from jobs.bench.cluster import REPO, driver_env, measure_link, ray_nodes, ray_temp
 from jobs.bench.e2e.analysis import analyze
+from jobs.bench.e2e.merge import merge_work
 from jobs.bench.e2e.methods import (
     DEFAULT_BUDGET,
     GRIDS,
@@ -124,8 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where e2e-<workload>-<link>.{json,md,png} go (default docs/benchmarks)")
     parser.add_argument("--work-dir", default=None,
                         help="run outputs and raw traces (default outputs/e2e/<workload>-<link>-<suffix>)")
-    parser.add_argument("--reanalyze", metavar="WORK_DIR", default=None,
-                        help="rebuild the reports from a finished run's raw traces (no training)")
+    parser.add_argument("--reanalyze", metavar="WORK_DIR", nargs="+", default=None,
+                        help="rebuild the reports from a finished run's raw traces (no training); several "
+                             "directories: the phases of one benchmark merged (same workload, budget, link, target)")
 
 
 def settings_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,11 +168,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Build the link and the cluster, run the driver in namespace a, write the reports
     (or only rebuild them with ``--reanalyze``); the exit status."""
     if args.reanalyze:
-        work = Path(args.reanalyze)
-        meta = json.loads((work / "meta.json").read_text())
-        results = results_from(work, meta)
+        works = [Path(w) for w in args.reanalyze]
+        try:
+            raw, meta = merge_work(works)
+        except (ValueError, FileNotFoundError) as error:
+            eprint(f"e2e: --reanalyze: {error}")
+            return 2
+        results = analyzed(raw, meta, ", ".join(map(str, works)))
         paths = write_reports(results, Path(args.output_dir))
-        eprint(f"e2e: rebuilt {', '.join(map(str, paths))} from {work}")
+        eprint(f"e2e: rebuilt {', '.join(map(str, paths))} from {', '.join(map(str, works))}")
         return 0
     settings = settings_from(args)
     if os.geteuid() != 0:
@@ -232,8 +239,11 @@ def _write_meta(work: Path, settings: dict[str, Any], shaping: dict[str, Any], c
 
 def results_from(work: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """The results of a run's work directory (``raw.json`` analysed, ``meta.json`` added)."""
-    raw = json.loads((work / "raw.json").read_text())
+    return analyzed(json.loads((work / "raw.json").read_text()), meta, str(work))
+
+
+def analyzed(raw: dict[str, Any], meta: dict[str, Any], work_dir: str) -> dict[str, Any]:
     results = analyze(raw, meta["settings"], meta["shaping"], meta["check"])
     results.update({k: meta[k] for k in ("command", "machine", "benchmark_seconds", "load_average")},
-                   work_dir=str(work))
+                   work_dir=work_dir)
     return results

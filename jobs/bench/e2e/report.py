@@ -88,7 +88,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     )
     grids = [f"- `{m['name']}`, each H (median time to target s / final {metric}): "
              + "; ".join(f"{g['variant']}: {show(g['time_to_target_s'], '{:.1f}')} / {show(g['final_metric'], mfmt)}"
-                         for g in m["grid"]) for m in methods if m.get("grid")]
+                         + _grid_seeds(g, m["grid"]) for g in m["grid"]) for m in methods if m.get("grid")]
     failures = [f"- {m['name']}: {e}" for m in methods for e in m["errors"]]
     load = results.get("load_average") or {}
     requested = results.get("seeds_requested") or results["seeds"]
@@ -141,7 +141,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                "they overlap communication with backward alike." if wl.get("ddp_bucket_cap_mb") is not None
                else "DDP's default buckets."),
             "- A grid (torch post-local SGD, torchft DiLoCo: H in 4, 8, 16) is reported under its name with its best "
-            "H: the shortest median time to target, else the best final metric.",
+            "H: the shortest median time to target, else the best final metric, compared on the seeds every H ran.",
             *grids]),
         f"- `raycomp_adaptive` = the shipped default policy (`{wl['adaptive_policy']}`), untuned.",
         f"- Target: validation {metric} {'<=' if target['lower_is_better'] else '>='} "
@@ -226,3 +226,11 @@ def write_reports(results: dict[str, Any], out: Path) -> list[Path]:
     except Exception as error:  # noqa: BLE001 - the numbers matter more than the plot
         print(f"e2e: plot failed: {error}", file=sys.stderr)
     return [json_path, md_path, png_path]
+
+
+def _grid_seeds(variant: dict[str, Any], grid: list[dict[str, Any]]) -> str:
+    """`` (seed 0)`` after a grid variant whose seeds differ from another variant's."""
+    seeds = variant.get("seeds")
+    if seeds is None or all(g.get("seeds") == seeds for g in grid):
+        return ""
+    return f" (seed{'' if len(seeds) == 1 else 's'} {', '.join(map(str, seeds))})"

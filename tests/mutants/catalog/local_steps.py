@@ -59,4 +59,25 @@ MUTANTS = (
         "tests/test_local_train.py -k killed",
         "a checkpoint during local steps keeps only rank 0's weights: a resumed rank 1 trains on rank 0's replica",
     ),
+    mutant(
+        "local-loss-never-steps-back", "LocalChoice._follow_loss",
+        "        self.behind = self.behind + 1 if level > limit else 0\n",
+        "        self.behind = 0\n",
+        "tests/test_local_policy.py -k loss_that_falls_behind",
+        "a loss that drifts up under local steps never halves H: auto keeps an H the run cannot afford",
+    ),
+    mutant(
+        "local-min-gain-ignores-the-optimizer", "local_min_gain",
+        "    return LOCAL_MIN_GAIN[\"linear\" if lossy_suits(optimizer) else \"other\"]\n",
+        "    return LOCAL_MIN_GAIN[\"linear\"]\n",
+        "tests/test_local_policy.py -k min_gain",
+        "an AdamW run takes local steps for a 10% predicted gain, as SGD would",
+    ),
+    mutant(
+        "local-outer-steps-not-counted", "TrainLoop.after_optimizer_step",
+        "            self.outer_steps += not any(row[0] for row in rows)  # a non-finite mean skips the outer step\n",
+        "            pass\n",
+        "tests/test_local_train.py -k inner_steps_send_nothing",
+        "raycomp_outer_steps_total stays at zero: the dashboard shows no sync of a run in local steps",
+    ),
 )
