@@ -277,7 +277,7 @@ def test_phases_of_one_benchmark_merge_into_one_report(tmp_path):
     dense = [_raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.15, 0.0),
              *[_raw_run("dense", s, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0) for s in (0, 1)],
              *[_raw_run(methods.NO_COMM, s, [3.0, 3.0], 0.25, 0.0) for s in (0, 1)]]
-    first = _phase(tmp_path / "a", dense, ["dense"], [0, 1], 2.4)
+    first = _phase(tmp_path / "a", dense, ["dense"], [0, 1], 2.40001)  # the others typed it as 2.4
     grid = [_raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.5, 0.0), _raw_run(methods.NO_COMM, 0, [3.0, 3.0], 0.9, 0.0),
             _raw_run("raycomp_local_h4", 0, [3.0, 2.4, 2.4, 2.4], 0.3, 0.0),
             _raw_run("raycomp_local_h8", 0, [3.0, 2.6, 2.4, 2.4], 0.3, 0.0)]

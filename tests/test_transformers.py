@@ -2,8 +2,9 @@
 ``prepare_trainer`` in place of Ray's, with the Trainer's own loop, optimizer step, gradient
 accumulation and mixed precision. A two-layer GPT-2 built from its config class on
 tokenizer-free sequences, nothing downloaded. Plan switches, a guard fallback and its
-recovery, bytes checked at torch.distributed, a killed worker that resumes bit for bit, and
-the same final loss as the Trainer's own DDP within the spread of its seeds.
+recovery, bytes checked at torch.distributed, a killed worker that resumes bit for bit,
+the same final loss as the Trainer's own DDP within the spread of its seeds, and local steps
+(``compression.local``) under the Trainer's own step.
 
 Each Ray Train fit costs ~20 s of start-up here, so one fit runs several Trainers in the
 same workers and the tests read its results."""
@@ -27,6 +28,7 @@ GRADIENT_DTYPES = ("Float", "Half", "BFloat16", "Double")  # the flight recorder
 VOCAB, LENGTH, SEQUENCES, BATCH = 64, 24, 256, 8  # an epoch: 256 / (2 ranks x 8) = 16 steps
 NAN_STEP, STABLE, SWITCH = 9, 6, 14  # the guard's run: NaN on rank 1, hysteresis, int8 from here
 KILL_AT = 20  # global step, in the second epoch
+LOCAL_H = 4  # the local-step run: a sync every 4 optimizer steps
 
 
 def gpt2() -> torch.nn.Module:
@@ -165,7 +167,35 @@ def _several_runs(config: dict) -> None:
         out["metric"]["raycomp"].append(eval_loss(trainer))
         totals = trainer.raycomp.totals
         out["metric"]["ratio"].append(totals["dense_bytes_total"] / max(1.0, totals["wire_bytes_total"]))
+
+    # 5. local steps (compression.local.mode=fixed) under the Trainer's own optimizer step
+    from raycomp.config import LocalSection
+
+    trainer = prepare_trainer(hf_trainer(f"{work}/hf-local", epochs=1),
+                              options(config, "local", **static("int8"),
+                                      local=LocalSection(mode="fixed", sync_every=LOCAL_H, compressor="int8")))
+    agreement = Agreement()
+    trainer.add_callback(agreement)  # after raycomp's callback, whose on_step_end syncs
+    trainer.train()
+    sync = trainer.raycomp.loop.sync
+    out["local"] = {**trainer.raycomp.totals, "equal": agreement.equal, "per_step": sync.per_step,
+                    "outer_steps": sync.state.steps.outer_steps, "global_step": trainer.state.global_step}
     Path(work, f"rank{rank}.json").write_text(json.dumps(out, default=str))
+
+
+class Agreement(transformers.TrainerCallback):
+    """After every optimizer step: whether the two ranks hold the same weights."""
+
+    def __init__(self) -> None:
+        self.equal: list[bool] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        import torch.distributed as dist
+
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(2)]
+        dist.all_gather(gathered, flat)
+        self.equal.append(torch.equal(gathered[0], gathered[1]))
 
 
 class KillOnce(transformers.TrainerCallback):
@@ -294,6 +324,15 @@ def test_a_killed_worker_resumes_from_the_trainers_checkpoint_with_raycomps_stat
     assert runs[0]["killed"]["replayed_steps"] >= 1  # rank 0 had logged steps past the checkpoint
     for records in step_logs(runs[0]["killed"]["output_dir"]):
         assert [r["step"] for r in records] == list(range(48))
+
+
+@pytest.mark.slow
+def test_local_steps_under_the_trainer_leave_the_ranks_equal_after_every_sync_and_only_then(runs):
+    local = runs[0]["local"]
+    assert not local["per_step"] and local["global_step"] == local["steps"] == 16  # one epoch
+    assert local["outer_steps"] == runs[1]["local"]["outer_steps"] == 16 // LOCAL_H
+    assert local["equal"] == [(step + 1) % LOCAL_H == 0 for step in range(16)]
+    assert 0 < local["wire_bytes_total"] < 0.3 * local["dense_bytes_total"]  # int8 pseudo-gradients, every 4th step
 
 
 def test_what_raycomps_prepare_trainer_cannot_drive_fails_in_one_line(tmp_path):

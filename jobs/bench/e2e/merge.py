@@ -6,7 +6,8 @@ and 2, beside the runs that set the target), each phase in its own ``--work-dir`
 ``--reanalyze DIR DIR ...`` merges their raw traces. What the phases must share is checked:
 the workload, its config, step budget, evaluation cadence, link, strategy and extra
 overrides, and the target every run stopped at (the first directory's; a phase started with
-``--target`` must name the value the first one's dense runs set). A method and seed that a
+``--target`` must name the value the first one's dense runs set, to the 4 decimals reports
+print: within :data:`TARGET_TOLERANCE`). A method and seed that a
 later directory ran again is taken from the later one (a method re-run after a change of
 the code replaces its earlier runs), except the reference runs every phase starts with
 (compute-only, and no communication per seed): those count from the first directory that
@@ -22,8 +23,10 @@ from typing import Any
 
 from jobs.bench.e2e.methods import REFERENCES
 
-__all__ = ["SHARED", "merge_work"]
+__all__ = ["SHARED", "TARGET_TOLERANCE", "merge_work"]
 
+#: relative difference allowed between the phases' stop targets (a target typed from a report)
+TARGET_TOLERANCE = 1e-4
 #: settings every phase must share
 SHARED = ("workload", "config", "extra", "steps", "eval_every", "strategy", "link", "mode")
 
@@ -50,7 +53,7 @@ def merge_work(works: list[Path]) -> tuple[dict[str, Any], dict[str, Any]]:
                 raise ValueError(f"{work}: settings.{key} is {theirs.get(key)!r}, {works[0]} has {settings.get(key)!r}; "
                                  "merged phases must share it")
         stop = _stop_target(other, theirs)
-        if (stop is None) != (target is None) or (stop is not None and not math.isclose(stop, target, rel_tol=1e-9)):
+        if (stop is None) != (target is None) or (stop is not None and not math.isclose(stop, target, rel_tol=TARGET_TOLERANCE)):
             raise ValueError(f"{work}: its runs stopped at target {stop}, {works[0]}'s at {target}; "
                              "merged phases must stop at the same target")
         if other["layers"] != raw["layers"]:
