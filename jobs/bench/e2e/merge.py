@@ -7,11 +7,14 @@ and 2, beside the runs that set the target), each phase in its own ``--work-dir`
 the workload, its config, step budget, evaluation cadence, link, strategy and extra
 overrides, and the target every run stopped at (the first directory's; a phase started with
 ``--target`` must name the value the first one's dense runs set, to the 4 decimals reports
-print: within :data:`TARGET_TOLERANCE`). A method and seed that a
-later directory ran again is taken from the later one (a method re-run after a change of
-the code replaces its earlier runs), except the reference runs every phase starts with
-(compute-only, and no communication per seed): those count from the first directory that
-has them, the machine's figures from one sitting.
+print: within :data:`TARGET_TOLERANCE`).
+
+A method and seed that a later directory ran again is taken from the later one (a method
+re-run after a change of the code replaces its earlier runs), except the reference runs
+every phase starts with (compute-only, and no communication per seed): those count from the
+first directory that has them, so that every step is divided by figures of one sitting.
+Phases run hours apart are comparable only as far as the machine's speed held; the report
+lists every phase's command.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ def merge_work(works: list[Path]) -> tuple[dict[str, Any], dict[str, Any]]:
                 raise ValueError(f"{work}: settings.{key} is {theirs.get(key)!r}, {works[0]} has {settings.get(key)!r}; "
                                  "merged phases must share it")
         stop = _stop_target(other, theirs)
-        if (stop is None) != (target is None) or (stop is not None and not math.isclose(stop, target, rel_tol=TARGET_TOLERANCE)):
+        same = stop is None if target is None else stop is not None and math.isclose(stop, target,
+                                                                                  rel_tol=TARGET_TOLERANCE)
+        if not same:
             raise ValueError(f"{work}: its runs stopped at target {stop}, {works[0]}'s at {target}; "
                              "merged phases must stop at the same target")
         if other["layers"] != raw["layers"]:
