@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
 from tests.conftest import fit_with_controller  # noqa: E402
+from tests.support.framework_runs import replicas_equal  # noqa: E402
 from tests.test_lightning import Classifier, lightning_trainer, loaders, options, static  # noqa: E402
 
 H = 4
@@ -26,12 +26,7 @@ class Agreement(pl.Callback):
         self.equal: list[bool] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        import torch.distributed as dist
-
-        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(2)]
-        dist.all_gather(gathered, flat)
-        self.equal.append(torch.equal(gathered[0], gathered[1]))
+        self.equal.append(replicas_equal(pl_module.parameters()))
 
 
 def _train_func(config: dict) -> None:

@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.support.framework_runs import assert_guard_run, fit_and_read, step_logs  # noqa: E402
+from tests.support.framework_runs import assert_guard_run, fit_and_read, replicas_equal, step_logs  # noqa: E402
 
 GRADIENT_DTYPES = ("Float", "Half", "BFloat16", "Double")  # the flight recorder's names
 
@@ -190,12 +190,7 @@ class Agreement(transformers.TrainerCallback):
         self.equal: list[bool] = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        import torch.distributed as dist
-
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(2)]
-        dist.all_gather(gathered, flat)
-        self.equal.append(torch.equal(gathered[0], gathered[1]))
+        self.equal.append(replicas_equal(model.parameters()))
 
 
 class KillOnce(transformers.TrainerCallback):

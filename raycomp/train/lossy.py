@@ -56,8 +56,7 @@ def lossy_suits(optimizer: torch.optim.Optimizer) -> bool:
 
 def local_min_gain(local: LocalSection, optimizer: torch.optim.Optimizer) -> float:
     """``local.min_gain`` for ``optimizer``: "auto" becomes :data:`LOCAL_MIN_GAIN`'s value
-    for its kind. Local steps cost more of the loss under Adam's per-coordinate steps than
-    under SGD's (see :class:`~raycomp.config.LocalSection`), so they must buy more time."""
+    for its kind (the measurement behind it: this module's docstring)."""
     if local.min_gain != "auto":
         return float(local.min_gain)
     return LOCAL_MIN_GAIN["linear" if lossy_suits(optimizer) else "other"]
