@@ -23,6 +23,7 @@ import torch.distributed as dist
 from raycomp.local.schedule import FragmentSchedule, split_fragments
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
+from raycomp.signals import all_finite
 
 __all__ = ["BUFFER_MODES", "LocalSteps", "nesterov_outer"]
 
@@ -178,7 +179,8 @@ class LocalSteps:
         self.last_rows = self.reducer.control_rows
         self.reducer.end_step()
         members = self.fragment_members[flight.fragment]
-        if not all(bool(torch.isfinite(m).all()) for m in means):
+        finite = all_finite(means)  # one host read below (the reducer's own flag is another)
+        if finite is not None and not bool(finite):
             # NaN/Inf reached the mean (the same on every rank): no outer step, and every rank
             # goes back to the global weights, dropping the interval and its memory
             self.skipped_outer += 1
