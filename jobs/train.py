@@ -216,21 +216,47 @@ def run(config: JobConfig, run_id: str, output: Path, callbacks: list[Any] | Non
 
     ``callbacks`` are extra Ray Train callbacks, e.g. Tune's report callback.
     """
-    import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     output.mkdir(parents=True, exist_ok=True)
+    start_ray()
+    controller = controller_for(config, output.parent)  # the workers register the run
+    trainer = trainer_for(config, train_loop, loop_config(config, run_id, output), output, callbacks)
+    started = time.time()
+    status, error, result = "succeeded", None, None
+    try:
+        result = trainer.fit()
+    except Exception as failure:  # noqa: BLE001 - recorded in summary.json, exit code 1
+        status, error = "failed", f"{type(failure).__name__}: {failure}"
+    worker = (result.return_value if result is not None else None) or {}
+    return conclude(config, run_id, output, controller, status, error, worker, time.time() - started)
+
+
+def start_ray() -> None:
+    """Connect to the cluster in ``RAY_ADDRESS``, or start an embedded one (not a cluster
+    that ``ray start`` left on this machine); nothing if Ray is already initialised."""
+    import ray
+
     if not ray.is_initialized():
-        # "local": a fresh embedded cluster, never one that `ray start` left on this machine
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
                  if not os.environ.get("RAY_ADDRESS") else None)
-    controller = controller_for(config, output.parent)  # the workers register the run
-    trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={"config": config.model_dump(mode="json"), "schema": type(config), "run_id": run_id,
-                           "output_dir": str(output)},
+
+
+def loop_config(config: JobConfig, run_id: str, output: Path) -> dict[str, Any]:
+    """What :func:`train_loop` gets on every worker for this run."""
+    return {"config": config.model_dump(mode="json"), "schema": type(config), "run_id": run_id,
+            "output_dir": str(output)}
+
+
+def trainer_for(config: JobConfig, train_func: Any, train_loop_config: dict[str, Any], output: Path,
+                callbacks: list[Any] | None = None) -> Any:
+    """The ``TorchTrainer`` of ``config``'s scaling, fault tolerance and collective timeout,
+    storing Ray Train's checkpoints in ``output``."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    return TorchTrainer(
+        train_func,
+        train_loop_config=train_loop_config,
         scaling_config=ScalingConfig(num_workers=config.scaling.num_workers, use_gpu=config.scaling.use_gpu,
                                      resources_per_worker={"CPU": config.scaling.cpus_per_worker},
                                      placement_strategy=config.scaling.placement_strategy),
@@ -239,19 +265,17 @@ def run(config: JobConfig, run_id: str, output: Path, callbacks: list[Any] | Non
                              failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
                              callbacks=list(callbacks or [])),
     )
-    started = time.time()
-    status, error, result = "succeeded", None, None
-    try:
-        result = trainer.fit()
-    except Exception as failure:  # noqa: BLE001 - recorded in summary.json, exit code 1
-        status, error = "failed", f"{type(failure).__name__}: {failure}"
-    wall = time.time() - started
-    controller_summary: dict[str, Any] = {}
+
+
+def conclude(config: JobConfig, run_id: str, output: Path, controller: Any, status: str, error: str | None,
+             worker: dict[str, Any], wall: float) -> dict[str, Any]:
+    """After the run: tell the controller it ended, write ``summary.json`` and the plot."""
+    import ray
+
     try:
         controller_summary = ray.get(controller.finish_run.remote(run_id, status), timeout=30)
     except Exception as failure:  # noqa: BLE001 - the summary says so
         controller_summary = {"error": f"controller unreachable at the end: {failure}"}
-    worker = (result.return_value if result is not None else None) or {}
     summary = build_summary(config, run_id, status, error, worker, controller_summary, wall, output)
     write_outputs(summary, output)
     return summary

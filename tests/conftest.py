@@ -86,3 +86,21 @@ def fit_with_controller(train_func, tmp_path: Path, prefix: str, max_failures: i
                              failure_config=FailureConfig(max_failures=max_failures),
                              worker_runtime_env={"env_vars": {**RAY_TEST_ENV, **worker_env}} if worker_env else None))
     return trainer.fit().return_value
+
+
+@pytest.fixture(scope="session")
+def digits_in_turn(ray_cluster, tmp_path_factory):
+    """The ``IN_TURN`` runs of every collected test module, trained in turn in one Ray Train
+    fit (:mod:`tests.support.runs_in_turn`), keyed ``"<module>:<name>"``."""
+    from tests.support.runs_in_turn import collected_runs, train_in_turn
+
+    return train_in_turn(tmp_path_factory.mktemp("in-turn"), str(REPO / "jobs" / "configs" / "digits.yaml"),
+                         collected_runs())
+
+
+@pytest.fixture(scope="module")
+def in_turn(request, digits_in_turn):
+    """This module's ``IN_TURN`` runs' summaries, by name."""
+    from tests.support.runs_in_turn import runs_of
+
+    return runs_of(request.module.__name__, digits_in_turn)

@@ -667,25 +667,23 @@ def test_options_reject_empty_ladders_in_one_line():
 DENSE_ACCURACY = 0.930
 
 
-def test_digits_job_on_a_slow_link_starts_on_int4_tries_powersgd_and_keeps_accuracy(ray_cluster, tmp_path):
-    from jobs.train import prepare, run
-    from tests.conftest import REPO
+#: trained in the session's shared fit (tests/support/runs_in_turn.py)
+IN_TURN = {"slow-link": (
+    "compression.policy=adaptive",
+    # plan for a 20 Mbit/s link (loopback is fast: measured, dense would rightly win). Not
+    # 100 Mbit/s: the round overhead is measured on loopback, and in a suite run beside
+    # other work int8's rounds measured slower than dense at 12.5 MB/s (207 vs 149 ms);
+    # at 2.5 MB/s dense's 0.9 MB a step costs ~380 ms more than compute, out of reach.
+    # Rank 1 only (and a boost of one rung, so critical layers still land on int4):
+    # compute and round overhead are measured, so on a loaded machine the 10% slack may
+    # admit a higher rank, whose error may stay under max_error: all three matrices ended on
+    # PowerSGD once, in a 21-minute suite on a loaded machine
+    "compression.adaptive.bandwidth=2.5e6", "compression.adaptive.window_steps=20",
+    "compression.adaptive.ranks=[1]", "compression.adaptive.critical_boost=1")}
 
-    name = f"adaptive-{tmp_path.name}"
-    config, run_id, output = prepare([
-        "--config", str(REPO / "jobs" / "configs" / "digits.yaml"), "--output", str(tmp_path / "out"),
-        "--run-id", name, "compression.policy=adaptive",
-        # plan for a 20 Mbit/s link (loopback is fast: measured, dense would rightly win). Not
-        # 100 Mbit/s: the round overhead is measured on loopback, and in a suite run beside
-        # other work int8's rounds measured slower than dense at 12.5 MB/s (207 vs 149 ms);
-        # at 2.5 MB/s dense's 0.9 MB a step costs ~380 ms more than compute, out of reach.
-        # Rank 1 only (and a boost of one rung, so critical layers still land on int4):
-        # compute and round overhead are measured, so on a loaded machine the 10% slack may
-        # admit a higher rank, whose error may stay under max_error: all three matrices ended on
-        # PowerSGD once, in a 21-minute suite on a loaded machine
-        "compression.adaptive.bandwidth=2.5e6", "compression.adaptive.window_steps=20",
-        "compression.adaptive.ranks=[1]", "compression.adaptive.critical_boost=1"])
-    summary = run(config, run_id, output)
+
+def test_digits_job_on_a_slow_link_starts_on_int4_tries_powersgd_and_keeps_accuracy(in_turn):
+    summary = in_turn["slow-link"]
     assert summary["status"] == "succeeded", summary["error"]
     matrices = ("0.weight", "2.weight", "4.weight")
     details = summary["policy"]["policy_details"]

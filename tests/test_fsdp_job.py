@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train_job import latest_checkpoint, step_logs, train
+from tests.test_train_job import last_checkpoint, step_logs, train
 
 #: the digits MLP's fully_shard units (nn.Sequential children 0, 2, 4); "4" (5,130 elements)
 UNITS = {"0", "2", "4"}
@@ -24,9 +24,16 @@ def sharded_model(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
     return torch.load(target, weights_only=False)["model"]
 
 
-def test_fsdp_adaptive_run_compresses_each_unit_on_a_slow_link_and_keeps_accuracy(ray_cluster, tmp_path):
-    summary = train(tmp_path, "fsdp", "scaling.strategy=fsdp", "compression.policy=adaptive",
-                    "compression.adaptive.bandwidth=12.5e6")
+RESUME = ("scaling.strategy=fsdp", "compression.policy=static", "compression.warmup_steps=0",
+          "workload.epochs=3", "compression.static.compressor={name: sign}", "checkpoint.every_steps=5")
+#: trained in the session's shared fit (tests/support/runs_in_turn.py): the adaptive run and the
+#: resume test's uninterrupted reference
+IN_TURN = {"fsdp": ("scaling.strategy=fsdp", "compression.policy=adaptive", "compression.adaptive.bandwidth=12.5e6"),
+           "straight": RESUME}
+
+
+def test_fsdp_adaptive_run_compresses_each_unit_on_a_slow_link_and_keeps_accuracy(in_turn):
+    summary = in_turn["fsdp"]
     assert summary["status"] == "succeeded"
     logs = step_logs(Path(summary["output_dir"]))
     assert len(logs) == 2
@@ -43,20 +50,16 @@ def test_fsdp_adaptive_run_compresses_each_unit_on_a_slow_link_and_keeps_accurac
     assert summary["final_eval_accuracy"] >= 0.9  # dense DDP: 0.930 on this job
 
 
-RESUME = ("scaling.strategy=fsdp", "compression.policy=static", "compression.warmup_steps=0",
-          "workload.epochs=3", "compression.static.compressor={name: sign}", "checkpoint.every_steps=5")
-
-
-def test_fsdp_killed_worker_resumes_bit_for_bit_from_a_distributed_checkpoint(ray_cluster, tmp_path):
+def test_fsdp_killed_worker_resumes_bit_for_bit_from_a_distributed_checkpoint(in_turn, tmp_path):
     # sign keeps an error-feedback residual per unit: resume must restore it exactly too
-    reference = train(tmp_path, "straight", *RESUME)
+    reference = in_turn["straight"]
     crashed = train(tmp_path, "killed", *RESUME, "faults.kill_rank_at_step=27", "faults.kill_rank=1")
     assert crashed["status"] == reference["status"] == "succeeded"
     assert crashed["restored_from_step"] == 25
     assert crashed["steps"] == reference["steps"] == 66
     for records in step_logs(Path(crashed["output_dir"])):
         assert [r["step"] for r in records] == list(range(66))
-    ref_dir, crash_dir = (latest_checkpoint(Path(s["output_dir"])) for s in (reference, crashed))
+    ref_dir, crash_dir = (last_checkpoint(s) for s in (reference, crashed))
     a, b = sharded_model(ref_dir, tmp_path), sharded_model(crash_dir, tmp_path)
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, fit_with_controller
-from tests.test_train_job import latest_checkpoint, step_logs, train
+from tests.test_train_job import last_checkpoint, step_logs, train
 
 H = 4
 SPIKE_STEP = 29  # the loss reported at this step is multiplied by 1000 on every rank
@@ -124,15 +124,19 @@ RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.e
           "checkpoint.every_steps=5")
 
 
+#: the uninterrupted reference, trained in the session's shared fit (tests/support/runs_in_turn.py)
+IN_TURN = {"straight": RESUME}
+
+
 @pytest.fixture(scope="module")
-def local_reference(ray_cluster, tmp_path_factory):
-    return train(tmp_path_factory.mktemp("local-reference"), "straight", *RESUME)
+def local_reference(in_turn):
+    return in_turn["straight"]
 
 
 def assert_same_local_training(crashed: dict, reference: dict) -> None:
     """Every rank's own weights, the shared weights and the residuals bit for bit."""
     assert crashed["steps"] == reference["steps"] == 44
-    ref_dir, crash_dir = (latest_checkpoint(Path(s["output_dir"])) for s in (reference, crashed))
+    ref_dir, crash_dir = (last_checkpoint(s) for s in (reference, crashed))
     for rank in (0, 1):
         a, b = (torch.load(d / f"rank{rank}.pt", weights_only=False) for d in (ref_dir, crash_dir))
         assert a["compression"]["mode"] == {"sync_every": H, "fragments": 1}

@@ -38,11 +38,56 @@ def latest_checkpoint(output: Path) -> Path:
     return sorted(p for p in output.glob("checkpoint_*") if p.is_dir())[-1]
 
 
-def test_critical_policy_switches_plans_every_rank_uses_the_same_plan_and_lr_ramps(ray_cluster, tmp_path):
-    # one fit checks two things (each Ray Train fit costs ~16 s of start-up on 2 cores): the
-    # critical policy's plans on every rank, and the learning-rate ramp after compression starts
-    summary = train(tmp_path, "critical", "workload.lr_schedule=constant", "compression.lr_scaling.enabled=true",
-                    "compression.lr_scaling.warmup_steps=20", "compression.lr_scaling.start_factor=0.5")
+def last_checkpoint(summary: dict) -> Path:
+    """A run's last checkpoint: in its output directory, or, for a run trained in the shared
+    fit (tests/support/runs_in_turn.py), the one its summary names."""
+    return Path(summary["checkpoint"]) if "checkpoint" in summary else latest_checkpoint(Path(summary["output_dir"]))
+
+
+# The runs that need no fault of the worker group train in turn in the session's one shared
+# Ray Train fit (tests/support/runs_in_turn.py; a fit costs ~20 s of start-up on 2 cores);
+# each is its own run, with its own config, run id, output, controller registration and summary.
+NAN_STEP, SPIKE_STEP, STABLE = 30, 60, 10
+#: the resume tests' config (their uninterrupted reference is trained here, the faulted runs below)
+RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.epochs=3",
+          "compression.static.compressor={name: topk, ratio: 0.05}")
+IN_TURN = {
+    # the critical policy's plans on every rank, and the learning-rate ramp after compression starts
+    "critical": ("workload.lr_schedule=constant", "compression.lr_scaling.enabled=true",
+                 "compression.lr_scaling.warmup_steps=20", "compression.lr_scaling.start_factor=0.5"),
+    # the other policies end to end (the schedule policy runs in the guard's run)
+    **{policy: (f"compression.policy={policy}", "workload.epochs=2", "compression.error_budget.every_steps=10",
+                "compression.bandwidth.ratios=[1.0, 0.01]",
+                # loopback is fast: only a tiny overlap target makes compression worth it
+                "compression.bandwidth.target_overlap=0.001") for policy in ("error_budget", "bandwidth")},
+    # stopping at the target; evaluation and report time is not step time; AdamW without lossy rungs
+    "stop": ("workload.eval_every_steps=5", "workload.stop_at_target=0.85", "workload.stop_consecutive=2",
+             "compression.policy=adaptive", "faults.slow_eval_seconds=0.5", "faults.slow_report_seconds=0.5",
+             "workload.optimizer=adamw", "workload.lr=0.0005"),
+    # two guard triggers: NaN gradients on rank 1, then a loss spike x1000 on every rank; the
+    # schedule policy (Top-K, then int8 from step 25): the guard falls back from whatever plan
+    # is in force and returns to it
+    "nan": ("compression.policy=schedule", "compression.warmup_steps=0",
+            "compression.schedule.stages=[{start_step: 0, compressor: {name: topk, ratio: 0.1}},"
+            " {start_step: 25, compressor: {name: int8}}]",
+            f"faults.nan_at_step={NAN_STEP}", "faults.nan_rank=1",
+            f"faults.loss_scale_at_step={SPIKE_STEP}", "faults.loss_scale=1000",
+            f"compression.guard.stable_steps={STABLE}"),
+    "straight": RESUME,  # the resume tests' uninterrupted reference
+}
+
+
+def test_runs_in_one_training_function_each_start_fresh_from_step_0(in_turn):
+    # ray.train.get_checkpoint() returns the previous run's latest checkpoint: raycomp.train
+    # must not resume a new run from it
+    for name, summary in in_turn.items():
+        assert summary["status"] == "succeeded", name
+        assert summary["restored_from_step"] is None and summary["replayed_steps"] == 0, (name, summary)
+        assert all(log[0]["step"] == 0 for log in step_logs(Path(summary["output_dir"]))), name
+
+
+def test_critical_policy_switches_plans_every_rank_uses_the_same_plan_and_lr_ramps(in_turn):
+    summary = in_turn["critical"]
     assert summary["status"] == "succeeded"
     assert summary["plan_switches"] >= 3, summary["policy"]
     logs = step_logs(Path(summary["output_dir"]))
@@ -67,18 +112,9 @@ def test_critical_policy_switches_plans_every_rank_uses_the_same_plan_and_lr_ram
     assert all(r["lr"] == pytest.approx(0.05) for r in records[start + 20:])
 
 
-def test_nan_gradients_and_an_explosion_fall_back_to_dense_in_the_same_step_and_recover(ray_cluster, tmp_path):
-    # one fit, two guard triggers (each Ray Train fit costs ~16 s of start-up on 2 cores):
-    # NaN gradients on rank 1 at step 30, then a loss spike x1000 on every rank at step 60.
-    # It runs the schedule policy end to end as well (Top-K, then int8 from step 25): the
-    # guard falls back from whatever plan is in force and returns to it
-    nan_step, spike_step, stable = 30, 60, 10
-    summary = train(tmp_path, "nan", "compression.policy=schedule", "compression.warmup_steps=0",
-                    "compression.schedule.stages=[{start_step: 0, compressor: {name: topk, ratio: 0.1}},"
-                    " {start_step: 25, compressor: {name: int8}}]",
-                    f"faults.nan_at_step={nan_step}", "faults.nan_rank=1",
-                    f"faults.loss_scale_at_step={spike_step}", "faults.loss_scale=1000",
-                    f"compression.guard.stable_steps={stable}")
+def test_nan_gradients_and_an_explosion_fall_back_to_dense_in_the_same_step_and_recover(in_turn):
+    summary = in_turn["nan"]
+    nan_step, spike_step, stable = NAN_STEP, SPIKE_STEP, STABLE
     assert summary["status"] == "succeeded"
     events = summary["fallback_events"]
     assert events[0] == {"step": nan_step, "kind": "fallback", "reason": "nonfinite_gradient",
@@ -94,19 +130,15 @@ def test_nan_gradients_and_an_explosion_fall_back_to_dense_in_the_same_step_and_
             assert not by_step[bad - 1]["dense"]
             assert all(by_step[s]["dense"] for s in range(bad + 1, bad + stable + 1))
             assert any(not by_step[s]["dense"] for s in range(bad + stable + 1, bad + stable + 11))
-    shared = torch.load(latest_checkpoint(Path(summary["output_dir"])) / "shared.pt", weights_only=False)
+    shared = torch.load(Path(summary["checkpoint"]) / "shared.pt", weights_only=False)
     assert all(torch.isfinite(t).all() for t in shared["model"].values())
     assert summary["final_eval_accuracy"] > 0.5
     assert summary["plan_switches"] >= 1 and summary["final_plan"]["default"] == {"name": "int8"}
 
 
-# the schedule policy runs end to end in the guard's fit above
 @pytest.mark.parametrize("policy", ["error_budget", "bandwidth"])
-def test_other_policies_run_end_to_end(ray_cluster, tmp_path, policy):
-    summary = train(tmp_path, policy, f"compression.policy={policy}", "workload.epochs=2",
-                    "compression.error_budget.every_steps=10", "compression.bandwidth.ratios=[1.0, 0.01]",
-                    # loopback is fast: only a tiny overlap target makes compression worth it
-                    "compression.bandwidth.target_overlap=0.001")
+def test_other_policies_run_end_to_end(in_turn, policy):
+    summary = in_turn[policy]
     assert summary["status"] == "succeeded"
     assert summary["plan_switches"] >= 1
     assert summary["final_eval_accuracy"] > 0.5
@@ -115,18 +147,14 @@ def test_other_policies_run_end_to_end(ray_cluster, tmp_path, policy):
         assert details and summary["final_plan"]["layers"], details
 
 
-# Two faulted runs against one uninterrupted reference (each Ray Train fit costs ~16 s of
-# start-up on 2 cores): a crash while writing an epoch checkpoint resumes from the previous
-# end-of-epoch checkpoint, and a killed worker resumes from a mid-epoch step checkpoint.
-# A killed worker resuming from an epoch checkpoint is the union of the two (same restore
-# path as the first, same fault as the second), so it has no fit of its own.
-RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.epochs=3",
-          "compression.static.compressor={name: topk, ratio: 0.05}")
-
-
+# Two faulted runs against one uninterrupted reference (trained in the shared fit): a crash
+# while writing an epoch checkpoint resumes from the previous end-of-epoch checkpoint, and a
+# killed worker resumes from a mid-epoch step checkpoint. A killed worker resuming from an
+# epoch checkpoint is the union of the two (same restore path as the first, same fault as
+# the second), so it has no fit of its own.
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, tmp_path_factory):
-    return train(tmp_path_factory.mktemp("reference"), "straight", *RESUME)
+def uninterrupted(in_turn):
+    return in_turn["straight"]
 
 
 def assert_same_training(crashed: dict, reference: dict) -> None:
@@ -135,7 +163,7 @@ def assert_same_training(crashed: dict, reference: dict) -> None:
     assert crashed["steps"] == reference["steps"] == 66
     for records in step_logs(Path(crashed["output_dir"])):
         assert [r["step"] for r in records] == list(range(66))
-    ref_dir, crash_dir = (latest_checkpoint(Path(s["output_dir"])) for s in (reference, crashed))
+    ref_dir, crash_dir = (last_checkpoint(s) for s in (reference, crashed))
     a, b = (torch.load(d / "shared.pt", weights_only=False)["model"] for d in (ref_dir, crash_dir))
     assert all(torch.equal(a[k], b[k]) for k in a)
     for rank in (0, 1):
@@ -182,14 +210,11 @@ def test_fashion_mnist_adaptive_reaches_85_percent_at_20x(ray_cluster, tmp_path)
     assert summary["compression_ratio"] >= 20
 
 
-def test_stop_at_target_leaves_after_the_second_consecutive_evaluation_on_every_rank(ray_cluster, tmp_path):
-    # one fit, three checks: stopping at the target; that evaluation and report time is not
-    # step time (a 0.5 s evaluation every 5 steps would add 0.1 s to the compute of every step
-    # the adaptive policy's cost model sees; a digits step computes in milliseconds); and that
-    # an AdamW run registers without the lossy rungs (raycomp.train.lossy)
-    summary = train(tmp_path, "stop", "workload.eval_every_steps=5", "workload.stop_at_target=0.85",
-                    "workload.stop_consecutive=2", "compression.policy=adaptive", "faults.slow_eval_seconds=0.5",
-                    "faults.slow_report_seconds=0.5", "workload.optimizer=adamw", "workload.lr=0.0005")
+def test_stop_at_target_leaves_after_the_second_consecutive_evaluation_on_every_rank(in_turn):
+    # that evaluation and report time is not step time: a 0.5 s evaluation every 5 steps would
+    # add 0.1 s to the compute of every step the adaptive policy's cost model sees (a digits
+    # step computes in milliseconds); an AdamW run registers without the lossy rungs
+    summary = in_turn["stop"]
     details = summary["policy"]["policy_details"]
     assert details["compute_s"] is not None and details["compute_s"] < 0.04, details
     assert details["lossy"] is False, details

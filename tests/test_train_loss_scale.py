@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.train import Precision, prepare, run
-from tests.conftest import REPO, fit_with_controller
+from jobs.train import Precision
+from tests.conftest import fit_with_controller
 
 
 def _train_with_a_scaler(config: dict) -> dict:
@@ -103,12 +103,12 @@ def test_the_job_runs_the_forward_pass_in_its_precision(precision, dtype, scale)
     assert torch.equal(model.bias.grad, torch.full((4,), 0.25 * scale))  # fp16: the scaler's default scale
 
 
-def test_a_job_in_fp16_trains_with_a_scaler_in_its_checkpoints(ray_cluster, tmp_path):
-    config, run_id, output = prepare(["--config", str(REPO / "jobs" / "configs" / "digits.yaml"),
-                                      "--output", str(tmp_path / "fp16"), "--run-id", f"fp16-{tmp_path.name}",
-                                      "workload.epochs=1", "workload.precision=fp16"])
-    summary = run(config, run_id, output)
+#: trained in the session's shared fit (tests/support/runs_in_turn.py)
+IN_TURN = {"fp16": ("workload.epochs=1", "workload.precision=fp16")}
+
+
+def test_a_job_in_fp16_trains_with_a_scaler_in_its_checkpoints(in_turn):
+    summary = in_turn["fp16"]
     assert summary["status"] == "succeeded" and summary["final_eval_accuracy"] > 0.5  # fp32: 0.59 after 1 epoch
-    latest = sorted(p for p in output.glob("checkpoint_*") if p.is_dir())[-1]
-    own = torch.load(latest / "rank0.pt", weights_only=False)
+    own = torch.load(Path(summary["checkpoint"]) / "rank0.pt", weights_only=False)
     assert own["grad_scaler"]["scale"] == 2.0**16  # no overflow on digits: the default scale

@@ -50,6 +50,7 @@ from raycomp.train.gradient_sync import (
 from raycomp.train.loop import TrainLoop, refuse_scaler
 from raycomp.train.options import TrainOptions, resolve_options
 from raycomp.train.plan_sync import PlanMismatchError
+from raycomp.train.resume import forget_finished_run
 
 __all__ = ["ControllerCallback", "GradientState", "GradientSync", "GradientSyncFactory", "PlanMismatchError",
            "SyncSetup", "TrainLoop", "TrainOptions", "current", "finish", "finish_loop", "prepare_model",
@@ -164,6 +165,7 @@ def finish_loop(loop: TrainLoop) -> dict[str, Any]:
     global _loop
     totals = loop.totals()
     loop.close()
+    forget_finished_run()
     if _loop is loop:
         _loop = None
     if loop.rank == 0:

@@ -16,9 +16,14 @@ from raycomp.train import checkpoint
 if TYPE_CHECKING:
     from raycomp.train.loop import TrainLoop
 
-__all__ = ["load_own", "own_state", "restore", "save_state"]
+__all__ = ["forget_finished_run", "load_own", "own_state", "restore", "save_state"]
 
 log = logging.getLogger("raycomp.train")
+
+#: the checkpoints that runs finished in this worker process left: ``ray.train.get_checkpoint()``
+#: returns the latest one reported in the training function, so a second run started in the
+#: same function (a fine-tuning after a pre-training, say) would resume from the first's state
+_finished_runs: set[str] = set()
 
 
 def own_state(loop: TrainLoop) -> dict[str, Any]:
@@ -75,6 +80,9 @@ def restore(loop: TrainLoop) -> None:
     found = ray.train.get_checkpoint()
     if found is None:
         return
+    if found.path in _finished_runs:
+        log.info("the latest checkpoint is a finished run's of this training function: starting fresh")
+        return
     with found.as_directory() as directory:
         if not (Path(directory) / checkpoint.META).exists():
             log.warning("the checkpoint holds no raycomp state: starting fresh")
@@ -88,3 +96,13 @@ def restore(loop: TrainLoop) -> None:
             load_own(loop, own)
     loop.global_step = loop.restored_from = meta["global_step"]
     log.info("resumed from step %d", loop.global_step)
+
+
+def forget_finished_run() -> None:
+    """When a run finishes: the checkpoint it leaves is not for a later run of the same
+    training function to resume from (:func:`restore` starts that one fresh)."""
+    import ray.train
+
+    found = ray.train.get_checkpoint()
+    if found is not None:
+        _finished_runs.add(found.path)

@@ -12,6 +12,13 @@ MUTANTS = (
         "the Ray Train checkpoint (rank*.pt) drops the error-feedback residuals",
     ),
     mutant(
+        "resume-from-a-finished-runs-checkpoint", "restore",
+        "    if found.path in _finished_runs:\n",
+        "    if False:\n",
+        "tests/test_train_job.py -k each_start_fresh",
+        "a second run in the same training function resumes from the first run's last checkpoint",
+    ),
+    mutant(
         "guard-ignores-nonfinite", "Guard._trigger",
         '        if nonfinite or (loss is not None and (loss != loss or loss in (float("inf"), float("-inf")))):\n',
         "        if False:\n",
