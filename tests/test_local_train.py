@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, fit_with_controller
+from tests.conftest import REPO
 from tests.test_train_job import last_checkpoint, step_logs, train
 
 H = 4
@@ -43,7 +43,7 @@ def _train_local(config: dict) -> dict:
             guard=GuardSection(stable_steps=6, loss_spike_factor=3.0),
             local=LocalSection(mode="fixed", sync_every=H, compressor="int8")),
         controller=ControllerSection(name=config["controller"], interval_steps=2),
-        output_dir=config["output_dir"])
+        output_dir=config["output_dir"], run_id=config.get("run_id"))
     model = raycomp.train.prepare_model(model, optimizer, options=options)
     loop = raycomp.train.current()
     gen = torch.Generator().manual_seed(rank)
@@ -75,9 +75,8 @@ def _train_local(config: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def local_run(ray_cluster, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("local")
-    return fit_with_controller(_train_local, tmp, "local"), tmp
+def local_run(in_turn):
+    return in_turn["local"]["value"], in_turn["local"]["output_dir"]
 
 
 def test_inner_steps_send_nothing_and_syncs_leave_every_rank_with_the_same_weights(local_run):
@@ -98,7 +97,7 @@ def test_inner_steps_send_nothing_and_syncs_leave_every_rank_with_the_same_weigh
     assert dense_step > 35_000  # the 9.6k-parameter MLP's fp32 all-reduce
     assert max(r["sent"] for r in inner) < 0.02 * dense_step
     assert all(0.2 * dense_step < r["sent"] < 0.4 * dense_step for r in synced)
-    logs = step_logs(tmp / "out")
+    logs = step_logs(tmp)
     assert [r["plan_digest"] for r in logs[0]] == [r["plan_digest"] for r in logs[1]]
 
 
@@ -124,8 +123,9 @@ RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.e
           "checkpoint.every_steps=5")
 
 
-#: the uninterrupted reference, trained in the session's shared fit (tests/support/runs_in_turn.py)
-IN_TURN = {"straight": RESUME}
+#: trained in the session's shared fit (tests/support/runs_in_turn.py): the run of the first
+#: two tests and the resume test's uninterrupted reference
+IN_TURN = {"local": _train_local, "straight": RESUME}
 
 
 @pytest.fixture(scope="module")

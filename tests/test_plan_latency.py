@@ -6,11 +6,9 @@ workers)."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
-from tests.conftest import fit_with_controller
 from tests.test_train_job import step_logs
 
 K, WARMUP = 10, 4
@@ -31,7 +29,7 @@ def _train(config: dict) -> dict:
         compression=CompressionSection(policy="static", warmup_steps=WARMUP,
                                        static=StaticOptions(compressor=compressor("int8"))),
         controller=ControllerSection(name=config["controller"], interval_steps=K),
-        output_dir=config["output_dir"])
+        output_dir=config["output_dir"], run_id=config.get("run_id"))
     model = raycomp.train.prepare_model(model, optimizer, options=options)
     gen = torch.Generator().manual_seed(rank)
     for _ in raycomp.train.current().epochs(1, 3 * K):
@@ -44,10 +42,14 @@ def _train(config: dict) -> dict:
     return raycomp.train.finish()
 
 
-def test_a_plan_decided_at_a_boundary_is_in_force_within_a_few_steps_on_every_rank(ray_cluster, tmp_path):
-    totals = fit_with_controller(_train, tmp_path, "latency")
+#: trained in the session's shared fit (tests/support/runs_in_turn.py)
+IN_TURN = {"latency": _train}
+
+
+def test_a_plan_decided_at_a_boundary_is_in_force_within_a_few_steps_on_every_rank(in_turn):
+    totals = in_turn["latency"]["value"]
     assert totals["steps"] == 3 * K
-    logs = step_logs(Path(tmp_path / "out"))
+    logs = step_logs(in_turn["latency"]["output_dir"])
     first = [next(r["step"] for r in records if not r["dense"]) for records in logs]
     # the statistics of the boundary after the warm-up (step K - 1) make the controller decide;
     # the plan then reaches every rank at the same step, well before the next boundary (2K)
