@@ -13,7 +13,7 @@ import pytest
 pl = pytest.importorskip("lightning.pytorch")
 
 from tests.conftest import fit_with_controller  # noqa: E402
-from tests.support.framework_runs import replicas_equal  # noqa: E402
+from tests.gpu.support import same_on_every_rank  # noqa: E402
 from tests.test_lightning import Classifier, lightning_trainer, loaders, options, static  # noqa: E402
 
 H = 4
@@ -26,7 +26,7 @@ class Agreement(pl.Callback):
         self.equal: list[bool] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.equal.append(replicas_equal(pl_module.parameters()))
+        self.equal.append(same_on_every_rank(list(pl_module.parameters())))
 
 
 def _train_func(config: dict) -> None:

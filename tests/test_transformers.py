@@ -21,7 +21,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.support.framework_runs import assert_guard_run, fit_and_read, replicas_equal, step_logs  # noqa: E402
+from tests.gpu.support import same_on_every_rank  # noqa: E402
+from tests.support.framework_runs import assert_guard_run, fit_and_read, step_logs  # noqa: E402
 
 GRADIENT_DTYPES = ("Float", "Half", "BFloat16", "Double")  # the flight recorder's names
 
@@ -190,7 +191,7 @@ class Agreement(transformers.TrainerCallback):
         self.equal: list[bool] = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.equal.append(replicas_equal(model.parameters()))
+        self.equal.append(same_on_every_rank(list(model.parameters())))
 
 
 class KillOnce(transformers.TrainerCallback):

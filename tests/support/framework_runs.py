@@ -24,18 +24,6 @@ def fit_and_read(train_func: Callable[[dict], None], tmp: Path, prefix: str) -> 
                         "marker": (out / "rank1-was-killed").exists()}} for r in (0, 1)]
 
 
-def replicas_equal(parameters: Any) -> bool:
-    """Whether every rank holds exactly these parameters (an all-gather on the default group,
-    called by every rank at the same point)."""
-    import torch
-    import torch.distributed as dist
-
-    flat = torch.cat([p.detach().reshape(-1) for p in parameters])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    return all(torch.equal(gathered[0], g) for g in gathered[1:])
-
-
 def step_logs(output_dir: str) -> list[list[dict]]:
     return [[json.loads(line) for line in (Path(output_dir) / "steps" / f"rank{r}.jsonl").read_text().splitlines()]
             for r in (0, 1)]
