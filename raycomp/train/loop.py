@@ -341,10 +341,15 @@ class TrainLoop:
             "ddp_bucket_cap_mb": self.sync.bucket_cap_mb,
         }
 
-    def close(self) -> None:
-        """Send the last statistics (final byte totals) and release the thread and files."""
+    def send_final(self) -> None:
+        """Send the statistics since the last boundary (the final byte totals, the latest
+        evaluation) and wait for the controller to take them; a second call sends nothing."""
         self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active, final=True,
                            **self._report_counters())
+
+    def close(self) -> None:
+        """Send the last statistics (if :meth:`send_final` has not) and release the thread and files."""
+        self.send_final()
         self.log.close()
         self.state.close()
 

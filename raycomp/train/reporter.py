@@ -81,11 +81,12 @@ class StatsReporter:
         self.events, self.eval_metric = [], None
         try:
             ref = self.controller.ingest.remote(stats.to_dict())
-            self._pending.append(ref)
             if final:  # the process may exit next: make sure the last totals arrive
                 import ray
 
                 ray.get(ref, timeout=10)
+            else:
+                self._pending.append(ref)
         except Exception as error:  # noqa: BLE001 - the controller is optional at run time
             self.outages.add(error, state.plan.version)
 
