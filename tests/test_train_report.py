@@ -108,7 +108,6 @@ def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_doc
     assert steps == [10, 15, 20]
 
 
-
 def _inbox(fail: bool):
     import ray
 
@@ -151,14 +150,19 @@ def test_the_final_report_is_taken_before_send_returns_and_only_once(ray_cluster
     assert (taken["step"], taken["eval_metric"], taken["wire_bytes"]) == (19, 0.4, 10.0)
     reporter.send(_state(), 19, 3, False, final=True)  # close() after finish(): nothing new
     assert len(ray.get(inbox.taken.remote())) == 1 and reporter.outages.count == 0
+    ray.kill(inbox)
 
 
 def test_a_final_report_the_controller_refuses_is_one_outage(ray_cluster):
+    import ray
+
     from raycomp.train.reporter import Outages, StatsReporter
 
-    reporter = StatsReporter(_inbox(fail=True), "r", 0, Outages())
+    inbox = _inbox(fail=True)
+    reporter = StatsReporter(inbox, "r", 0, Outages())
     reporter.record(1.0, 0.1, 0.02, 8)
     reporter.send(_state(), 19, 3, False, final=True)
     assert reporter.outages.count == 1
     reporter.send(_state(), 19, 3, False, final=True)  # the second call must not count it again
     assert reporter.outages.count == 1
+    ray.kill(inbox)
