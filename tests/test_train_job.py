@@ -81,6 +81,7 @@ def test_runs_in_one_training_function_each_start_fresh_from_step_0(in_turn):
     # ray.train.get_checkpoint() returns the previous run's latest checkpoint: raycomp.train
     # must not resume a new run from it
     for name, result in in_turn.items():
+        assert result.get("status", "succeeded") == "succeeded", name  # a training function's has none
         totals = result.get("value", result)  # a training function's totals, or a jobs.train summary
         assert totals["restored_from_step"] is None and totals["replayed_steps"] == 0, (name, totals)
         assert all(log[0]["step"] == 0 for log in step_logs(Path(result["output_dir"]))), name

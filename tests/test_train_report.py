@@ -111,7 +111,7 @@ def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_doc
 def _inbox(fail: bool):
     import ray
 
-    @ray.remote(max_concurrency=2)  # threaded: `taken` may run while an ingest is still busy
+    @ray.remote(num_cpus=0, max_concurrency=2)  # threaded: `taken` may run while an ingest is busy
     class Inbox:
         def __init__(self) -> None:
             self.reports: list[dict] = []
