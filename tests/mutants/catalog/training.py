@@ -19,6 +19,23 @@ MUTANTS = (
         "a second run in the same training function resumes from the first run's last checkpoint",
     ),
     mutant(
+        "final-report-not-awaited", "StatsReporter.send",
+        "                ray.get(ref, timeout=10)\n",
+        "                pass\n",
+        "tests/test_train_report.py -k final",
+        "the last statistics are sent but not waited for: rank 0 may summarise the run before they arrive",
+    ),
+    mutant(
+        "final-report-outage-counted-twice", "StatsReporter.send",
+        "            ref = self.controller.ingest.remote(stats.to_dict())\n"
+        "            if final:",
+        "            ref = self.controller.ingest.remote(stats.to_dict())\n"
+        "            self._pending.append(ref)  # a final call stays pending too\n"
+        "            if final:",
+        "tests/test_train_report.py -k refuses",
+        "a final report the controller refused is read again by close() and counted as a second outage",
+    ),
+    mutant(
         "guard-ignores-nonfinite", "Guard._trigger",
         '        if nonfinite or (loss is not None and (loss != loss or loss in (float("inf"), float("-inf")))):\n',
         "        if False:\n",
