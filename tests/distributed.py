@@ -9,6 +9,10 @@ The processes are forked from a forkserver that has imported torch once (importi
 caller's environment as it is at the call. A run with ``env_per_rank`` starts fresh
 interpreters instead (``spawn``), for settings that must be in place before the
 interpreter or torch starts (``PYTHONHASHSEED``, torch's flight recorder).
+
+The ranks meet through a ``FileStore`` in a fresh directory, not a TCP port: a port found
+free and released before rank 0 binds it can be taken by another process in between
+(EADDRINUSE), which a suite that starts Ray clusters and servers does now and then.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import socket
+import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -44,15 +50,16 @@ def _context(fresh_interpreters: bool) -> mp.context.BaseContext:
     return ctx
 
 
-def _entry(fn, rank, world_size, port, args, queue, pg_timeout_s, environ=None):
+def _entry(fn, rank, world_size, store_path, args, queue, pg_timeout_s, environ=None):
     if environ is not None:  # a forked rank: the caller's environment now, not the server's
         os.environ.clear()
         os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
         )
         # plain pickle bytes: torch would otherwise share memory with a process about to exit
         queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
@@ -72,9 +79,10 @@ def run_distributed(
     ctx = _context(fresh_interpreters=env_per_rank is not None)
     environ = None if env_per_rank is not None else dict(os.environ)
     queue = ctx.Queue()
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="raycomp-store-")
+    store_path = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, pg_timeout_s, environ))
+        ctx.Process(target=_entry, args=(fn, r, world_size, store_path, args, queue, pg_timeout_s, environ))
         for r in range(world_size)
     ]
     for rank, p in enumerate(procs):
@@ -104,6 +112,7 @@ def run_distributed(
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
         raise AssertionError("distributed run failed on " + "\n".join(errors))
     return [results[r] for r in range(world_size)]

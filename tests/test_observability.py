@@ -67,15 +67,22 @@ def prometheus(tmp_path):
     config = dashboard.prometheus_config(str(sd_file), interval="1s")
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     (tmp_path / "alerts.yml").write_text(yaml.safe_dump(dashboard.alert_rules()))
-    port = free_port()
-    process = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
-    )
-    base = f"http://127.0.0.1:{port}"
+    for _attempt in range(3):  # a port found free can be taken before Prometheus binds it
+        port = free_port()
+        log = tmp_path / "prometheus.log"
+        process = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=log.open("w"),
+        )
+        base = f"http://127.0.0.1:{port}"
+        if wait_for(lambda: _ready(base) or process.poll() is not None, timeout=30) and process.poll() is None:
+            break
+        process.terminate()
+        process.wait(timeout=20)
+    else:
+        raise AssertionError(log.read_text()[-2000:])
     try:
-        assert wait_for(lambda: _ready(base), timeout=30), (tmp_path / "prometheus.log").read_text()[-2000:]
         yield base, sd_file
     finally:
         process.terminate()
@@ -89,6 +96,7 @@ def _ready(base: str) -> bool:
         return False
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometheus, tmp_path):
     base, sd_file = prometheus
     run_id = f"prom-{tmp_path.name}"
