@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The checks too long for the default suite (minutes each; results in docs/testing.md):
-# the shipped Fashion-MNIST job's accuracy and compression ratio on a real local Ray.
+# The checks too long for the default suite (results in docs/testing.md): the shipped
+# Fashion-MNIST job's accuracy, the fault and resume drills, the Lightning and Hugging Face
+# guard-and-resume runs, the Tune search, Ray Jobs and the real Prometheus. Run before a
+# release; about 25 minutes on 2 cores.
 # Extra arguments go to pytest (e.g. -x, -k fashion).
 set -euo pipefail
 cd "$(dirname "$0")/.."

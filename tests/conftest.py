@@ -89,13 +89,13 @@ def fit_with_controller(train_func, tmp_path: Path, prefix: str, max_failures: i
 
 
 @pytest.fixture(scope="session")
-def digits_in_turn(ray_cluster, tmp_path_factory):
-    """The ``IN_TURN`` runs of every collected test module, trained in turn in one Ray Train
-    fit (:mod:`tests.support.runs_in_turn`), keyed ``"<module>:<name>"``."""
+def digits_in_turn(request, ray_cluster, tmp_path_factory):
+    """The ``IN_TURN`` runs the selected tests read, trained in turn in one Ray Train fit
+    (:mod:`tests.support.runs_in_turn`), keyed ``"<module>:<name>"``."""
     from tests.support.runs_in_turn import collected_runs, train_in_turn
 
     return train_in_turn(tmp_path_factory.mktemp("in-turn"), str(REPO / "jobs" / "configs" / "digits.yaml"),
-                         collected_runs())
+                         collected_runs(request.session.items))
 
 
 @pytest.fixture(scope="module")

@@ -682,6 +682,7 @@ IN_TURN = {"slow-link": (
     "compression.adaptive.ranks=[1]", "compression.adaptive.critical_boost=1")}
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_digits_job_on_a_slow_link_starts_on_int4_tries_powersgd_and_keeps_accuracy(in_turn):
     summary = in_turn["slow-link"]
     assert summary["status"] == "succeeded", summary["error"]

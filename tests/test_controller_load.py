@@ -11,6 +11,7 @@ from jobs.bench.controller.summary import summarise
 WORKERS, RATE, DURATION, RUNS = 16, 10.0, 5.0, 4
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_controller_serves_quick_load_with_bounded_memory(ray_cluster):
     res = run_load(workers=WORKERS, rate=RATE, duration=DURATION, runs=RUNS, n_layers=20,
                    generators=2, log=lambda *a: None)

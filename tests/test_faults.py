@@ -1,6 +1,8 @@
 """Faults on a real local Ray: the controller dies (and comes back, or not), ranks
 disagree on the plan, a rank stops communicating. Training goes on or fails clearly and
-quickly — never hangs. (NaN and exploding gradients: tests/test_train_job.py.)"""
+quickly — never hangs. (NaN and exploding gradients: tests/test_train_job.py; the plan
+check at a control boundary on two gloo processes: tests/test_plan_sync.py.) All but the
+placement-group test are long checks (scripts/long-checks.sh)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import ray
 
 from tests.test_train_job import step_logs, train
@@ -34,6 +37,7 @@ def kill_controller_when(output: Path, step: int, name: str, restart: bool, name
     return thread, killed
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_controller_restart_workers_keep_training_and_it_resumes_steering(ray_cluster, tmp_path):
     name = f"ctl-restart-{tmp_path.name}"[:60]
     thread, killed = kill_controller_when(tmp_path / "run", 25, name, restart=True)
@@ -56,6 +60,7 @@ def test_controller_restart_workers_keep_training_and_it_resumes_steering(ray_cl
         assert mine["plan_version"] == theirs["plan_version"]
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_controller_down_for_good_training_finishes_with_a_warning(ray_cluster, tmp_path):
     name = f"ctl-dead-{tmp_path.name}"[:60]
     thread, killed = kill_controller_when(tmp_path / "run", 25, name, restart=False)
@@ -69,6 +74,7 @@ def test_controller_down_for_good_training_finishes_with_a_warning(ray_cluster, 
     assert summary["final_eval_accuracy"] > 0.5
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_forced_plan_disagreement_fails_clearly_within_the_interval(ray_cluster, tmp_path):
     started = time.monotonic()
     summary = train(tmp_path, "run", "faults.force_plan_mismatch_at_step=20", "checkpoint.max_failures=0")
@@ -79,6 +85,7 @@ def test_forced_plan_disagreement_fails_clearly_within_the_interval(ray_cluster,
         assert max(r["step"] for r in records) < 20 + 5  # stopped at the first boundary after
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_a_rank_that_stops_communicating_fails_by_the_timeout_not_a_hang(ray_cluster, tmp_path):
     started = time.monotonic()
     summary = train(tmp_path, "run", "faults.hang_rank_at_step=15", "faults.hang_rank=1",

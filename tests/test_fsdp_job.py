@@ -26,10 +26,10 @@ def sharded_model(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 RESUME = ("scaling.strategy=fsdp", "compression.policy=static", "compression.warmup_steps=0",
           "workload.epochs=3", "compression.static.compressor={name: sign}", "checkpoint.every_steps=5")
-#: trained in the session's shared fit (tests/support/runs_in_turn.py): the adaptive run and the
-#: resume test's uninterrupted reference
-IN_TURN = {"fsdp": ("scaling.strategy=fsdp", "compression.policy=adaptive", "compression.adaptive.bandwidth=12.5e6"),
-           "straight": RESUME}
+#: trained in the session's shared fit (tests/support/runs_in_turn.py): the adaptive run, and the
+#: resume test's uninterrupted reference (a long check)
+IN_TURN = {"fsdp": ("scaling.strategy=fsdp", "compression.policy=adaptive", "compression.adaptive.bandwidth=12.5e6")}
+LONG_IN_TURN = {"straight": RESUME}
 
 
 def test_fsdp_adaptive_run_compresses_each_unit_on_a_slow_link_and_keeps_accuracy(in_turn):
@@ -52,6 +52,7 @@ def test_fsdp_adaptive_run_compresses_each_unit_on_a_slow_link_and_keeps_accurac
     assert summary["final_eval_accuracy"] >= 0.9  # dense DDP: 0.930 on this job
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_fsdp_killed_worker_resumes_bit_for_bit_from_a_distributed_checkpoint(in_turn, tmp_path):
     # sign keeps an error-feedback residual per unit: resume must restore it exactly too
     reference = in_turn["straight"]

@@ -209,7 +209,7 @@ def fits(ray_cluster, tmp_path_factory):
     return fit_and_read(_train_func, tmp_path_factory.mktemp("lightning"), "lightning")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_plans_switch_and_the_guard_falls_back_and_recovers_on_every_rank(fits):
     guard = fits[0]["guard"]
     logs = assert_guard_run(guard, NAN_STEP, STABLE, min_switches=2)
@@ -219,7 +219,7 @@ def test_plans_switch_and_the_guard_falls_back_and_recovers_on_every_rank(fits):
     assert [(e["step"], e["val_loss"] > 0) for e in evals] == [(16, True), (32, True)]  # monitor="val_loss"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_every_gradient_byte_went_through_raycomps_hook(fits):
     for rank in fits:
         guard = rank["guard"]
@@ -231,14 +231,14 @@ def test_every_gradient_byte_went_through_raycomps_hook(fits):
     assert fits[0]["guard"]["wire_bytes_total"] < 0.6 * fits[0]["guard"]["dense_bytes_total"]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_framework_step_reaches_the_gradient_syncs_after_step_with_the_guards_verdict(fits):
     # one call per optimizer step, after that step's reduction: where local steps plug in
     calls = fits[0]["guard"]["after_optimizer_step"]
     assert calls == [[step + 1, step != NAN_STEP] for step in range(32)]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_bf16_with_gradient_accumulation_reduces_once_per_optimizer_step(fits):
     bf16 = fits[0]["bf16"]
     assert bf16["batches"] == 32 and bf16["global_step"] == bf16["steps"] == bf16["reductions"] == 16
@@ -248,7 +248,7 @@ def test_bf16_with_gradient_accumulation_reduces_once_per_optimizer_step(fits):
     assert 1.5 < first["loss"] < 4  # both micro-batches' halves: the step's mean loss
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_fp16_with_lightnings_scaler_skips_overflows_without_a_fallback(fits):
     fp16 = fits[0]["fp16"]
     assert fp16["scaler_is_the_loops"]
@@ -258,7 +258,7 @@ def test_fp16_with_lightnings_scaler_skips_overflows_without_a_fallback(fits):
     assert fp16["steps"] == 32 and fp16["val_loss"] < 1.5
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_final_loss_matches_lightnings_own_ddp_within_its_seeds(fits):
     metric = fits[0]["metric"]
     ddp, raycomp = metric["ddp"], metric["raycomp"]
@@ -323,7 +323,7 @@ def _killed_and_resumed(config: dict) -> None:
     (output / f"killed{rank}.json").write_text(json.dumps(result, default=str))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_killed_worker_resumes_from_lightnings_checkpoint_with_raycomps_state(fits):
     for rank in fits:
         killed = rank["killed"]

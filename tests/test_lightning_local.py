@@ -49,6 +49,7 @@ def _train_func(config: dict) -> None:
     Path(config["output_dir"], f"rank{rank}.json").write_text(json.dumps(out, default=str))
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_lightning_trains_with_local_steps_and_every_sync_leaves_the_ranks_equal(ray_cluster, tmp_path):
     fit_with_controller(_train_func, tmp_path, "lightning-local")
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -124,8 +124,9 @@ RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.e
 
 
 #: trained in the session's shared fit (tests/support/runs_in_turn.py): the run of the first
-#: two tests and the resume test's uninterrupted reference
-IN_TURN = {"local": _train_local, "straight": RESUME}
+#: two tests, and the resume test's uninterrupted reference (a long check)
+IN_TURN = {"local": _train_local}
+LONG_IN_TURN = {"straight": RESUME}
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,7 @@ def assert_same_local_training(crashed: dict, reference: dict) -> None:
     assert json.loads(evals[-1])["step"] == 44
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_a_worker_killed_mid_interval_resumes_bit_for_bit(local_reference, tmp_path):
     crashed = train(tmp_path, "killed", *RESUME, "faults.kill_rank_at_step=27", "faults.kill_rank=1")
     assert crashed["restored_from_step"] == 25

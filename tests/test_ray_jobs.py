@@ -169,6 +169,7 @@ def _runtime_env() -> dict:
     return runtime_env
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_training_job_succeeds_and_writes_its_summary(head_node, tmp_path):
     client = _client(head_node)
     output = tmp_path / "job-output"

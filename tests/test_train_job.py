@@ -73,8 +73,9 @@ IN_TURN = {
             f"faults.nan_at_step={NAN_STEP}", "faults.nan_rank=1",
             f"faults.loss_scale_at_step={SPIKE_STEP}", "faults.loss_scale=1000",
             f"compression.guard.stable_steps={STABLE}"),
-    "straight": RESUME,  # the resume tests' uninterrupted reference
 }
+#: the resume tests' uninterrupted reference (the resume tests are long checks)
+LONG_IN_TURN = {"straight": RESUME}
 
 
 def test_runs_in_one_training_function_each_start_fresh_from_step_0(in_turn):
@@ -176,6 +177,7 @@ def assert_same_training(crashed: dict, reference: dict) -> None:
     assert crashed["final_eval_accuracy"] == reference["final_eval_accuracy"]
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(uninterrupted, tmp_path):
     # rank 0 dies after writing rank0.pt of the epoch-1 checkpoint, before shared.pt and
     # before reporting: that half-written checkpoint is never registered or used
@@ -184,6 +186,7 @@ def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(uninterr
     assert_same_training(crashed, uninterrupted)
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_step_checkpoints_resume_mid_epoch_and_replay_fewer_than_n_steps(uninterrupted, tmp_path):
     every = 5
     crashed = train(tmp_path, "steps", *RESUME, f"checkpoint.every_steps={every}",

@@ -64,6 +64,7 @@ def _train_with_a_scaler(config: dict) -> dict:
             "max_judged_norm": max(norms)}
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 def test_a_grad_scaler_trains_compressed_and_resumes_where_the_checkpoint_left_it(ray_cluster, tmp_path):
     totals = fit_with_controller(_train_with_a_scaler, tmp_path, "fp16", max_failures=1)
     assert totals["restored_from_step"] == 10 and totals["steps"] == 20

@@ -252,7 +252,7 @@ def runs(ray_cluster, tmp_path_factory):
     return fit_and_read(_train_func, tmp_path_factory.mktemp("transformers"), "transformers")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_plans_switch_and_the_guard_falls_back_and_recovers_on_every_rank(runs):
     guard = runs[0]["guard"]
     logs = assert_guard_run(guard, NAN_STEP, STABLE, min_switches=1)
@@ -262,7 +262,7 @@ def test_plans_switch_and_the_guard_falls_back_and_recovers_on_every_rank(runs):
     assert [(e["step"], e["eval_loss"] > 0) for e in evals] == [(16, True), (32, True)]  # monitor="eval_loss"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_every_gradient_byte_went_through_raycomps_hook(runs):
     for rank in runs:
         guard = rank["guard"]
@@ -274,14 +274,14 @@ def test_every_gradient_byte_went_through_raycomps_hook(runs):
     assert runs[0]["guard"]["wire_bytes_total"] < 0.6 * runs[0]["guard"]["dense_bytes_total"]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_trainer_step_reaches_the_gradient_syncs_after_step_with_the_guards_verdict(runs):
     # one call per optimizer step, after that step's reduction: where local steps plug in
     calls = runs[0]["guard"]["after_optimizer_step"]
     assert calls == [[step + 1, step != NAN_STEP] for step in range(32)]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_bf16_with_gradient_accumulation_reduces_once_per_optimizer_step(runs):
     bf16 = runs[0]["bf16"]
     assert bf16["global_step"] == bf16["steps"] == bf16["reductions"] == 16  # 2 epochs of 16 batches, 2 a step
@@ -291,7 +291,7 @@ def test_bf16_with_gradient_accumulation_reduces_once_per_optimizer_step(runs):
     assert 3 < first["loss"] < 5  # both micro-batches' halves: the step's mean loss
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_fp16_on_cpu_trains_without_a_scaler_as_accelerate_runs_it(runs):
     fp16 = runs[0]["fp16"]
     assert not fp16["scaler"] and not fp16["loop_scaler"]  # accelerate makes a GradScaler on GPUs only
@@ -299,7 +299,7 @@ def test_fp16_on_cpu_trains_without_a_scaler_as_accelerate_runs_it(runs):
     assert fp16["eval_loss"] < 3.5
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_final_loss_matches_the_trainers_own_ddp_within_its_seeds(runs):
     metric = runs[0]["metric"]
     ddp, raycomp = metric["ddp"], metric["raycomp"]
@@ -308,7 +308,7 @@ def test_the_final_loss_matches_the_trainers_own_ddp_within_its_seeds(runs):
     assert min(metric["ratio"]) > 3  # int8 (~3.9x) from step 0: registering the run returns the plan
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_killed_worker_resumes_from_the_trainers_checkpoint_with_raycomps_state(runs):
     for rank in runs:
         killed = rank["killed"]
@@ -322,7 +322,7 @@ def test_a_killed_worker_resumes_from_the_trainers_checkpoint_with_raycomps_stat
         assert [r["step"] for r in records] == list(range(48))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_local_steps_under_the_trainer_leave_the_ranks_equal_after_every_sync_and_only_then(runs):
     local = runs[0]["local"]
     assert not local["per_step"] and local["global_step"] == local["steps"] == 16  # one epoch

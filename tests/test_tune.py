@@ -173,6 +173,7 @@ def test_a_stopped_trial_has_its_train_run_aborted_but_a_finishing_one_does_not(
         ray.kill(registry)
 
 
+@pytest.mark.long  # minutes of a real cluster: scripts/long-checks.sh, result in docs/testing.md
 @pytest.mark.timeout(600)
 def test_tiny_search_writes_table_best_config_and_plot_and_resumes(ray_cluster, tmp_path, capsys):
     argv = ["--config", TUNE_DIGITS, "--output", str(tmp_path), "--name", "tiny", *TINY]

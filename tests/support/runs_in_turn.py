@@ -8,9 +8,10 @@ fault of the worker group share one. Each test module lists its own in ``IN_TURN
 either the overrides of a ``python -m jobs.train`` run of ``jobs/configs/digits.yaml`` (its
 summary comes back, as ``summary.json`` holds it) or a training function of the module
 (``fn(config) -> value``, ``config`` as :func:`tests.conftest.fit_with_controller` gives it,
-plus ``"run_id"``; rank 0's value comes back with the run's output directory). The session's
-one fit trains the runs of every collected module (:func:`collected_runs`); the ``in_turn``
-fixture hands a module its own.
+plus ``"run_id"``; rank 0's value comes back with the run's output directory). Runs that only
+long checks read (``-m long``, left out of the default run) go in ``LONG_IN_TURN``. The
+session's one fit trains the runs the selected tests read (:func:`collected_runs`); the
+``in_turn`` fixture hands a module its own.
 
 Not for runs that kill a worker or crash: a restarted worker group would start the whole
 sequence over. Ray Train keeps the fit's checkpoints in one directory; each result names its
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -101,13 +102,21 @@ def train_in_turn(tmp_path: Path, config_file: str, runs: dict[str, Run]) -> dic
     return results
 
 
-def collected_runs() -> dict[str, Run]:
-    """``IN_TURN`` of every imported test module (pytest imports them all while collecting,
-    before any test runs), keyed ``"<module>:<name>"``."""
+def collected_runs(items: Iterable[Any]) -> dict[str, Run]:
+    """The runs the selected test ``items`` read, keyed ``"<module>:<name>"``: a module's
+    ``IN_TURN`` when one of its selected tests uses the ``in_turn`` fixture (directly or
+    through another fixture), and its ``LONG_IN_TURN`` too when such a test is a long check.
+    A module none of whose selected tests reads the shared fit adds nothing to it."""
+    kinds: dict[str, set[bool]] = {}
+    for item in items:
+        if "in_turn" in getattr(item, "fixturenames", ()):
+            kinds.setdefault(item.module.__name__, set()).add(item.get_closest_marker("long") is not None)
     runs = {}
-    for module_name, module in sorted(sys.modules.items()):
-        if module_name.startswith("tests.test_") and isinstance(getattr(module, "IN_TURN", None), dict):
-            runs.update({f"{module_name}:{name}": run for name, run in module.IN_TURN.items()})
+    for module_name, long_checks in sorted(kinds.items()):
+        module = sys.modules[module_name]
+        tables = [getattr(module, "IN_TURN", {})] + ([getattr(module, "LONG_IN_TURN", {})] if True in long_checks else [])
+        for table in tables:
+            runs.update({f"{module_name}:{name}": run for name, run in table.items()})
     return runs
 
 
