@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "controller": "jobs.bench.controller.cli",
     "tune": "jobs.bench.tune",
     "outage": "jobs.bench.outage",
+    "overhead": "jobs.bench.overhead",
 }
 
 

@@ -24,7 +24,10 @@ Methods (:mod:`jobs.bench.e2e.methods`). The default run: ``dense`` (torch ``all
 H in {4, 8, 16}), ``torchft_diloco`` (torchft's DiLoCo, H in {4, 8, 16}; when torchft is
 installed), ``raycomp_local`` (raycomp's local steps, ``compression.local.mode=fixed``, H in
 {4, 8, 16}) -- and ``raycomp_adaptive`` (the shipped default with ``compression.local.mode=auto``,
-nothing else tuned). A grid is reported under its name with its best H. ``--all-methods`` adds torch's
+nothing else tuned). A grid is reported under its name with its best H. ``raycomp_dense``
+(raycomp's hook and controller on a static dense plan) runs when named; what the path costs
+a step where it compresses nothing is measured more finely, in alternating blocks within
+one fit, by ``python -m jobs.bench overhead``. ``--all-methods`` adds torch's
 fp16 hook and PowerSGD r1/r2, and raycomp's static Top-K, DGC, PowerSGD, sign and int8: the
 per-step lossy ones never reach an AdamW target.
 

@@ -54,6 +54,9 @@ METHODS: dict[str, list[str]] = {
     "raycomp_sign": ["compression.policy=static", "compression.static.compressor={name: sign}"],
     "raycomp_int8": ["compression.policy=static", "compression.static.compressor={name: int8}"],
     "raycomp_int4": ["compression.policy=static", "compression.static.compressor={name: int4}"],
+    # the dense plan through raycomp's hook, controller and statistics, beside ``dense``
+    # (torch's allreduce_hook in the same loop)
+    "raycomp_dense": ["compression.policy=static", "compression.static.compressor={name: none}"],
     **{f"raycomp_local_h{h}": ["compression.local.mode=fixed", f"compression.local.sync_every={h}"]
        for h in RAYCOMP_LOCAL_SYNC_EVERY},
     "raycomp_adaptive": ADAPTIVE,

@@ -1,0 +1,229 @@
+"""``python -m jobs.bench overhead``: what the ``raycomp.train`` step costs where it compresses
+nothing, against plain DDP, on a model whose step is well under 100 ms.
+
+One Ray Train fit on this machine's local Ray (2 workers, one thread each, loopback: a fast
+link). Each worker holds two copies of the same small CNN (``jobs.models.fashion_cnn``,
+420k parameters, a batch of ``--batch`` Fashion-MNIST images per worker): one wrapped by
+``ray.train.torch.prepare_model`` and stepped as a user writes plain DDP (``backward``,
+``optimizer.step``, ``zero_grad``), one by ``raycomp.train.prepare_model`` on a static dense
+plan and stepped by ``raycomp.train.step`` (raycomp's hook, the guard, the controller link,
+statistics, plan agreement at every boundary, the step log). Both see the same batches. They
+train in alternating blocks of ``--block`` steps (ABBA, so neither always goes first), and
+the result is the median over block pairs of raycomp's block time over plain DDP's: the
+hour's drift, which moves whole runs by 10-40% on this machine, hits both sides of a pair
+alike. The first ``--warmup-pairs`` pairs are not counted.
+
+Goal (issue: "the raycomp.train path with a dense plan costs no more than plain DDP within
+noise"): median ratio <= 1.03. The report gives the spread of the ratios (its quartiles)
+beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HELP = "the raycomp.train step on a dense plan against plain DDP, a small CNN, blocks in turn"
+GOAL = 1.03
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pairs", type=int, default=40, help="block pairs counted (default 40)")
+    parser.add_argument("--warmup-pairs", type=int, default=3, help="block pairs not counted (default 3)")
+    parser.add_argument("--block", type=int, default=20, help="steps per block (default 20)")
+    parser.add_argument("--batch", type=int, default=32, help="images per worker and step (default 32)")
+    parser.add_argument("--bucket-cap-mb", default="auto",
+                        help="raycomp's compression.bucket_cap_mb (default auto; plain DDP keeps torch's 25)")
+    parser.add_argument("--output-dir", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--name", default="overhead-cnn-loopback", help="the report's file name")
+
+
+def check(args: argparse.Namespace) -> None:
+    """One line naming the option and what it allows, before Ray starts."""
+    for name, low in (("pairs", 1), ("warmup_pairs", 0), ("block", 1), ("batch", 1)):
+        if getattr(args, name) < low:
+            raise SystemExit(f"overhead: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+
+
+def train_func(config: dict[str, Any]) -> dict[str, Any]:
+    import ray.train
+    import ray.train.torch
+    import torch
+    from torch import nn
+
+    import raycomp.train
+    from jobs.data import fashion_mnist
+    from jobs.models import fashion_cnn
+    from raycomp.config import CompressionSection, ControllerSection
+
+    torch.set_num_threads(1)
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(0)
+    plain_model = fashion_cnn()
+    own_model = copy.deepcopy(plain_model)
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
+    own_opt = torch.optim.SGD(own_model.parameters(), lr=0.01, momentum=0.9)
+    plain = ray.train.torch.prepare_model(plain_model)
+    options = raycomp.train.TrainOptions(
+        compression=CompressionSection.model_validate(
+            {"policy": "static", "warmup_steps": 0, "static": {"compressor": {"name": "none"}},
+             "bucket_cap_mb": config["bucket_cap_mb"]}),
+        controller=ControllerSection(name=config["controller"], metrics_enabled=False),
+        output_dir=config["output_dir"], progress_every=0)
+    own = raycomp.train.prepare_model(own_model, own_opt, options=options)
+    loop = raycomp.train.current()
+
+    train, _ = fashion_mnist()
+    train_x, train_y = train.x, train.y
+    block, batch = config["block"], config["batch"]
+    pairs = config["pairs"] + config["warmup_pairs"]
+    per_step = batch * world
+
+    def batches(start: int):
+        for i in range(start, start + block):
+            lo = (i * per_step) % (len(train_y) - per_step)
+            yield train_x[lo + rank:lo + per_step:world], train_y[lo + rank:lo + per_step:world]
+
+    def plain_block(start: int) -> float:
+        began = time.perf_counter()
+        for x, y in batches(start):
+            nn.functional.cross_entropy(plain(x), y).backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+        return time.perf_counter() - began
+
+    def own_block(start: int) -> float:
+        began = time.perf_counter()
+        for x, y in batches(start):
+            loss = nn.functional.cross_entropy(own(x), y)
+            loss.backward()
+            raycomp.train.step(loss, samples=len(y))
+        return time.perf_counter() - began
+
+    rows = []
+    for _ in loop.epochs(1, pairs * block):
+        for pair in range(pairs):
+            start = pair * block
+            if pair % 2 == 0:
+                t_plain, t_own = plain_block(start), own_block(start)
+            else:
+                t_own, t_plain = own_block(start), plain_block(start)
+            rows.append({"pair": pair, "plain_s": t_plain, "raycomp_s": t_own,
+                         "counted": pair >= config["warmup_pairs"]})
+    totals = raycomp.train.finish()
+    return {"rows": rows, "plan": totals["final_plan"], "steps": totals["steps"],
+            "wire_bytes_total": totals["wire_bytes_total"], "dense_bytes_total": totals["dense_bytes_total"],
+            "controller_outages": totals["controller_outages"], "stats_dropped": totals["stats_dropped"]}
+
+
+def summarize(rows: list[dict[str, Any]], block: int) -> dict[str, Any]:
+    """The counted pairs' ratios (raycomp over plain DDP): median and quartiles; the median
+    step of each side in ms; PASS when the median ratio is at most :data:`GOAL`."""
+    counted = [r for r in rows if r["counted"]]
+    if not counted:
+        raise ValueError("overhead: no counted block pair (every pair was a warm-up pair)")
+    ratios = sorted(r["raycomp_s"] / r["plain_s"] for r in counted)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    median = statistics.median(ratios)
+    return {
+        "pairs": len(counted), "block_steps": block,
+        "ratio_median": median, "ratio_q1": quartiles[0], "ratio_q3": quartiles[2],
+        "plain_step_ms": 1e3 * statistics.median(r["plain_s"] for r in counted) / block,
+        "raycomp_step_ms": 1e3 * statistics.median(r["raycomp_s"] for r in counted) / block,
+        "goal": f"raycomp.train step with a dense plan <= {GOAL:g}x plain DDP's (median over block pairs)",
+        "ok": median <= GOAL,
+    }
+
+
+def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    json_path.write_text(json.dumps({**meta, **result}, indent=2) + "\n")
+    s, m = result["summary"], meta["machine"]
+    verdict = "PASS" if s["ok"] else "MISS"
+    md_path.write_text("\n".join([
+        "# The raycomp.train step on a dense plan against plain DDP",
+        "",
+        f"Generated by `jobs/bench/overhead.py`; every number in `{name}.json`.",
+        "",
+        "## Command",
+        "",
+        f"```\n{meta['command']}\n```",
+        "",
+        f"Took {meta['seconds']:.0f} s. Machine: {m.get('cpu_model')}, {m.get('logical_cores')} logical cores, "
+        f"torch {m.get('torch')}, {m.get('date_utc')}.",
+        "",
+        "## Set-up",
+        "",
+        "- One Ray Train fit, 2 workers on this machine's local Ray (loopback), one thread each.",
+        f"- `jobs.models.fashion_cnn` (420k parameters), {meta['batch']} Fashion-MNIST images per worker and "
+        "step, SGD with momentum; two copies of the same weights on each worker.",
+        "- Plain DDP: `ray.train.torch.prepare_model`, then `backward`, `optimizer.step`, `zero_grad`.",
+        "- raycomp: `raycomp.train.prepare_model` with `compression.policy=static`, compressor `none` "
+        "(the dense plan) and no warm-up, then `backward` and `raycomp.train.step` (hook, guard, "
+        "controller link, statistics, plan agreement at each boundary, step log).",
+        f"- Blocks of {s['block_steps']} steps in turn (ABBA), the same batches for both; "
+        f"{meta['warmup_pairs']} warm-up pairs left out, {s['pairs']} pairs counted.",
+        f"- raycomp's compression.bucket_cap_mb: {meta['bucket_cap_mb']}; plain DDP: torch's default (25).",
+        f"- Final plan: {result['plan'].get('reason')!r}; wire bytes {result['wire_bytes_total']:,.0f} of "
+        f"{result['dense_bytes_total']:,.0f} dense (the control values ride in the gradients' collectives); "
+        f"controller outages {result['controller_outages']}, statistics reports dropped {result['stats_dropped']}.",
+        "",
+        "## Result",
+        "",
+        "| plain DDP step ms | raycomp step ms | ratio (median over pairs) | quartiles |",
+        "| ---: | ---: | ---: | :--- |",
+        f"| {s['plain_step_ms']:.1f} | {s['raycomp_step_ms']:.1f} | {s['ratio_median']:.3f} | "
+        f"{s['ratio_q1']:.3f} - {s['ratio_q3']:.3f} |",
+        "",
+        "## Goal",
+        "",
+        f"- {s['goal']}: **{s['ratio_median']:.3f}** — **{verdict}**",
+        "",
+    ]))
+    return json_path, md_path
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    check(args)
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    import raycomp.train
+    from jobs.bench.report import machine_info
+    from raycomp.config import ControllerSection
+
+    started = time.time()
+    storage = Path(tempfile.mkdtemp(prefix="raycomp-overhead-"))
+    controller = f"overhead-{int(started)}"
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False)
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"controller": controller, "output_dir": str(storage / "run"), "block": args.block,
+                           "batch": args.batch, "pairs": args.pairs, "warmup_pairs": args.warmup_pairs,
+                           "bucket_cap_mb": args.bucket_cap_mb},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="overhead", storage_path=str(storage),
+                             callbacks=[raycomp.train.ControllerCallback(ControllerSection(
+                                 name=controller, metrics_enabled=False))]))
+    result = trainer.fit().return_value
+    result["summary"] = summarize(result["rows"], args.block)
+    meta = {"command": "python -m jobs.bench " + " ".join(argv), "machine": machine_info(1),
+            "seconds": time.time() - started, "batch": args.batch, "warmup_pairs": args.warmup_pairs,
+            "bucket_cap_mb": args.bucket_cap_mb}
+    json_path, md_path = write_report(result, meta, args.output_dir, args.name)
+    s = result["summary"]
+    print(f"overhead: wrote {json_path}, {md_path}")
+    print(f"overhead: {'PASS' if s['ok'] else 'MISS'} {s['goal']}: {s['ratio_median']:.3f} "
+          f"(quartiles {s['ratio_q1']:.3f}-{s['ratio_q3']:.3f}; steps {s['plain_step_ms']:.1f} / "
+          f"{s['raycomp_step_ms']:.1f} ms)")
+    return 0

@@ -1,0 +1,69 @@
+"""``python -m jobs.bench overhead``: its verdict from the block pairs, its option errors, and
+(under ``-m benchmark``) one short real run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from jobs.bench import overhead
+from jobs.bench.cli import build_parser
+
+
+def _rows(pairs, warmup=0):
+    return [{"pair": i, "plain_s": p, "raycomp_s": r, "counted": i >= warmup} for i, (p, r) in enumerate(pairs)]
+
+
+def test_the_verdict_is_the_median_of_the_paired_ratios_without_the_warm_up_pairs():
+    # the hour drifts 2x between pairs; each pair's ratio is what counts: 1.02, 1.01, 1.04
+    rows = _rows([(9.0, 1.0), (1.0, 1.02), (2.0, 2.02), (1.5, 1.56)], warmup=1)
+    s = overhead.summarize(rows, block=10)
+    assert s["pairs"] == 3 and s["ratio_median"] == pytest.approx(1.02) and s["ok"]
+    assert s["plain_step_ms"] == pytest.approx(150.0) and s["raycomp_step_ms"] == pytest.approx(156.0)
+    assert s["ratio_q1"] <= s["ratio_median"] <= s["ratio_q3"]
+    # 1.04 in the middle: a MISS; the warm-up pair's 0.11 would have pulled the median down
+    rows = _rows([(9.0, 1.0), (1.0, 1.04), (2.0, 2.1), (1.5, 1.5)], warmup=1)
+    assert overhead.summarize(rows, block=10)["ok"] is False
+    with pytest.raises(ValueError, match="no counted block pair"):
+        overhead.summarize(_rows([(1.0, 1.0)], warmup=1), block=10)
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--pairs=0", "overhead: --pairs must be >= 1, got 0"),
+    ("--block=0", "overhead: --block must be >= 1, got 0"),
+    ("--warmup-pairs=-1", "overhead: --warmup-pairs must be >= 0, got -1"),
+])
+def test_bad_options_stop_with_one_line_before_ray_starts(option, message):
+    args = build_parser().parse_args(["overhead", option])
+    with pytest.raises(SystemExit, match=message):
+        overhead.check(args)
+
+
+def test_the_report_states_the_set_up_and_the_verdict(tmp_path):
+    rows = _rows([(1.0, 1.01), (1.0, 1.02), (1.0, 1.03)])
+    result = {"rows": rows, "summary": overhead.summarize(rows, block=20), "plan": {"reason": "static: none"},
+              "steps": 60, "wire_bytes_total": 100, "dense_bytes_total": 100, "controller_outages": 0, "stats_dropped": 0}
+    meta = {"command": "python -m jobs.bench overhead", "machine": {"cpu_model": "x", "logical_cores": 2},
+            "seconds": 10.0, "batch": 32, "warmup_pairs": 0, "bucket_cap_mb": "auto"}
+    json_path, md_path = overhead.write_report(result, meta, tmp_path, "overhead-test")
+    assert json.loads(json_path.read_text())["summary"]["ratio_median"] == pytest.approx(1.02)
+    text = md_path.read_text()
+    assert "| 50.0 | 51.0 | 1.020 |" in text  # 1 s blocks of 20 steps and "**1.020** — **PASS**" in text
+
+
+@pytest.mark.benchmark
+def test_a_short_real_run_measures_both_sides_on_a_dense_plan(tmp_path):
+    args = build_parser().parse_args(["overhead", "--pairs", "2", "--warmup-pairs", "1", "--block", "5",
+                                      "--output-dir", str(tmp_path), "--name", "short"])
+    assert overhead.run(args, ["overhead", "--pairs", "2"]) == 0
+    report = json.loads((tmp_path / "short.json").read_text())
+    assert len(report["rows"]) == 3 and report["summary"]["pairs"] == 2
+    assert report["steps"] == 15 and report["wire_bytes_total"] >= report["dense_bytes_total"] > 0
+    assert report["controller_outages"] == 0
+    assert all(r["plain_s"] > 0 and r["raycomp_s"] > 0 for r in report["rows"])
+
+
+def test_the_benchmark_is_registered():
+    assert isinstance(build_parser().parse_args(["overhead"]), argparse.Namespace)
