@@ -13,9 +13,8 @@ the result is the median over block pairs of raycomp's block time over plain DDP
 hour's drift, which moves whole runs by 10-40% on this machine, hits both sides of a pair
 alike. The first ``--warmup-pairs`` pairs are not counted.
 
-Goal (issue: "the raycomp.train path with a dense plan costs no more than plain DDP within
-noise"): median ratio <= 1.03. The report gives the spread of the ratios (its quartiles)
-beside it.
+Goal: the raycomp.train path on a dense plan costs no more than plain DDP, within noise:
+median ratio <= 1.03. The report gives the spread of the ratios (their quartiles) beside it.
 """
 
 from __future__ import annotations
