@@ -76,7 +76,8 @@ def prometheus(tmp_path):
             stdout=subprocess.DEVNULL, stderr=log.open("w"),
         )
         base = f"http://127.0.0.1:{port}"
-        if wait_for(lambda: _ready(base) or process.poll() is not None, timeout=30) and process.poll() is None:
+        up = wait_for(lambda base=base, process=process: _ready(base) or process.poll() is not None, timeout=30)
+        if up and process.poll() is None:
             break
         process.terminate()
         process.wait(timeout=20)

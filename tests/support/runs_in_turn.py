@@ -107,15 +107,15 @@ def collected_runs(items: Iterable[Any]) -> dict[str, Run]:
     ``IN_TURN`` when one of its selected tests uses the ``in_turn`` fixture (directly or
     through another fixture), and its ``LONG_IN_TURN`` too when such a test is a long check.
     A module none of whose selected tests reads the shared fit adds nothing to it."""
-    kinds: dict[str, set[bool]] = {}
+    long_check: dict[str, bool] = {}  # module -> whether a long check of it reads the shared fit
     for item in items:
         if "in_turn" in getattr(item, "fixturenames", ()):
-            kinds.setdefault(item.module.__name__, set()).add(item.get_closest_marker("long") is not None)
+            name = item.module.__name__
+            long_check[name] = long_check.get(name, False) or item.get_closest_marker("long") is not None
     runs = {}
-    for module_name, long_checks in sorted(kinds.items()):
+    for module_name, any_long in sorted(long_check.items()):
         module = sys.modules[module_name]
-        tables = [getattr(module, "IN_TURN", {})] + ([getattr(module, "LONG_IN_TURN", {})] if True in long_checks else [])
-        for table in tables:
+        for table in (getattr(module, "IN_TURN", {}), getattr(module, "LONG_IN_TURN", {}) if any_long else {}):
             runs.update({f"{module_name}:{name}": run for name, run in table.items()})
     return runs
 
