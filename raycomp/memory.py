@@ -45,6 +45,11 @@ class Memory(Protocol):
 
     def reset(self) -> None: ...
 
+    def idle(self) -> bool:
+        """Whether :meth:`compensate` would return every gradient itself and a dense
+        :meth:`update` keep nothing (a dense step may then skip both)."""
+        ...
+
     def rescale(self, factor: torch.Tensor) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -68,6 +73,9 @@ class NoMemory:
 
     def reset(self) -> None:
         pass
+
+    def idle(self) -> bool:
+        return True
 
     def rescale(self, factor: torch.Tensor) -> None:
         pass
@@ -103,6 +111,9 @@ class ResidualMemory:
 
     def reset(self) -> None:
         self.residuals.clear()
+
+    def idle(self) -> bool:
+        return not self.residuals  # a dense step after compressed ones sends what is left first
 
     def rescale(self, factor: torch.Tensor) -> None:
         """The gradients' units changed by ``factor`` (a loss scaler's new scale)."""
@@ -175,6 +186,9 @@ class DGCMemory:
     def reset(self) -> None:
         self.velocity.clear()
         self.accumulated.clear()
+
+    def idle(self) -> bool:
+        return False  # momentum correction sends the velocity, on dense layers too
 
     def rescale(self, factor: torch.Tensor) -> None:
         rescale([*self.velocity.values(), *self.accumulated.values()], factor)

@@ -186,9 +186,14 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
     def digest(self) -> int:
-        """63-bit fingerprint of the plan's content and version (equal on agreeing ranks)."""
-        raw = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
-        return int.from_bytes(raw, "little") & ((1 << 63) - 1)
+        """63-bit fingerprint of the plan's content and version (equal on agreeing ranks);
+        computed once per plan (it is immutable), as the step log writes it every step."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            raw = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
+            cached = int.from_bytes(raw, "little") & ((1 << 63) - 1)
+            object.__setattr__(self, "_digest", cached)  # frozen: not a field, not compared
+        return cached
 
 
 # the worker -> controller message moved to raycomp.messages; importable from here too

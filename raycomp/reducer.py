@@ -87,6 +87,9 @@ class CompressedReducer:
         self._pending: Plan | None = None
         self._in_step = False
         self._compressors: dict[str, tuple[CompressorSpec, Compressor]] = {}
+        #: :meth:`_route`'s answers under ``_routes_plan`` (the compressors of ``_compressors``)
+        self._routes: dict[tuple[str, ...], tuple[list[Compressor], list[Transport]]] = {}
+        self._routes_plan: Plan | None = None
         self.stats: list[LayerStats] = []  # of the latest statistics step
         self.stats_step = -1  # the step those statistics were measured at
         self.local_nonfinite = False  # this rank's compressed gradients held NaN/Inf at the last step
@@ -190,6 +193,45 @@ class CompressedReducer:
 
         return Pending(sending.works, finish)
 
+    def flat_ready(self) -> bool:
+        """Whether this step may reduce its buckets with :meth:`start_flat`, given a plan
+        that sends every layer dense (the caller's to know: it depends on the layers):
+        nothing held in error feedback, no statistics measured, no unused layers to settle."""
+        idle = getattr(self.memory, "idle", None)  # a memory of the caller's own may lack it
+        return (not self.collecting_stats and not self.defer_unused and not self._unsettled
+                and idle is not None and idle())
+
+    def start_flat(self, names: Sequence[str], grads: Sequence[torch.Tensor], flat: torch.Tensor, *,
+                   closes_step: bool = False) -> torch.futures.Future:
+        """:meth:`start` for a step :meth:`flat_ready` allows, on ``flat``, which holds
+        ``grads`` back to back (a DDP bucket's buffer): the same division, all-reduce, control
+        values and ledger, without routing, error feedback or per-layer results. A future of
+        the mean: ``flat`` itself, reduced in place, or with the control values riding
+        along, the front of the buffer that carried them."""
+        self.begin_step()
+        group = self.group
+        flat.div_(group.size)
+        control = self.signals.take(flat.device) if closes_step else None
+        carrier = flat if control is None else torch.cat([flat, control])
+        if control is not None:
+            self.ledger.add(OVERHEAD, group.allreduce_bytes(control.numel() * control.element_size()))
+        for name, grad in zip(names, grads, strict=True):
+            dense = group.allreduce_bytes(grad.numel() * grad.element_size())
+            self.ledger.add(name, dense, dense)
+
+        def mean(reduced: torch.Tensor) -> torch.Tensor:
+            if control is None:
+                return reduced
+            control.copy_(reduced[flat.numel():])
+            return reduced[:flat.numel()]
+
+        works = group.start_all_reduce(carrier)
+        if not works:  # one process: nothing in flight
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(mean(carrier))
+            return done
+        return works[0].get_future().then(lambda future: mean(future.value()[0]))
+
     def compressor_for(self, layer: str) -> Compressor:
         spec = self._plan.spec_for(layer)
         cached = self._compressors.get(layer)
@@ -208,14 +250,23 @@ class CompressedReducer:
         return compressor.transport
 
     def _route(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> tuple[list[Compressor], list[Transport]]:
-        """Each layer's compressor, told this step's loss scale, and its transport."""
-        compressors, kinds = [], []
+        """Each layer's compressor, told this step's loss scale, and its transport; kept per
+        plan and list of layers (a DDP bucket's are the same every step), since routing
+        every layer of every bucket again cost ~60 us a bucket on the hot path."""
         for name, grad in zip(names, grads, strict=True):
             if not grad.is_floating_point():
                 raise ValueError(f"gradient {name!r}: dtype {grad.dtype} is not floating point")
-            kinds.append(self.transport_for(name, grad.shape))
-            compressors.append(self.compressor_for(name))
-            compressors[-1].loss_scale = self.loss_scale.scale  # None without a GradScaler
+        if self._routes_plan is not self._plan:
+            self._routes, self._routes_plan = {}, self._plan
+        key = tuple(names)
+        route = self._routes.get(key)
+        if route is None:
+            route = ([self.compressor_for(name) for name in names],
+                     [self.transport_for(name, grad.shape) for name, grad in zip(names, grads, strict=True)])
+            self._routes[key] = route
+        compressors, kinds = list(route[0]), list(route[1])
+        for compressor in compressors:
+            compressor.loss_scale = self.loss_scale.scale  # None without a GradScaler
         return compressors, kinds
 
     def _count_bytes(self, names: Sequence[str], grads: Sequence[torch.Tensor], reduced: Sequence[Reduced],

@@ -66,10 +66,10 @@ class StepSignals:
         number of values, every step it wants them; nothing staged, nothing carried.
         """
         n = 1 + len(values)
-        row = torch.zeros(self.group.size * n, dtype=torch.float32)
+        row = [0.0] * (self.group.size * n)
         start = self.group.rank * n
-        row[start + 1:start + n] = torch.tensor([float(v) for v in values], dtype=torch.float32)
-        self.staged = row
+        row[start + 1:start + n] = [float(v) for v in values]
+        self.staged = torch.tensor(row, dtype=torch.float32)  # one tensor op: this runs every step
 
     def take(self, device: torch.device) -> torch.Tensor | None:
         """The staged control row on ``device``, with this rank's non-finite flag filled in

@@ -8,7 +8,7 @@ returns a :class:`Pending` whose *last* collective may still be on the wire; who
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
@@ -52,14 +52,24 @@ class Group:
     """A process group with its size and this rank's index (``None`` = default group)."""
 
     handle: dist.ProcessGroup | None = None
+    #: (size, rank), read once the process group exists: a group never changes either, and
+    #: asking torch costs microseconds that the hook paid several times per layer and step
+    _shape: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def size(self) -> int:
-        return dist.get_world_size(self.handle) if dist.is_initialized() else 1
+        return self._read()[0]
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.handle) if dist.is_initialized() else 0
+        return self._read()[1]
+
+    def _read(self) -> tuple[int, int]:
+        if self._shape is None:
+            if not dist.is_initialized():
+                return 1, 0  # not cached: the group may be created later
+            self._shape = (dist.get_world_size(self.handle), dist.get_rank(self.handle))
+        return self._shape
 
     def allreduce_bytes(self, nbytes: int) -> float:
         w = self.size

@@ -33,8 +33,8 @@ MUTANTS = (
     ),
     mutant(
         "compressors-not-told-the-loss-scale", "CompressedReducer._route",
-        "            compressors[-1].loss_scale = self.loss_scale.scale  # None without a GradScaler\n",
-        "",
+        "            compressor.loss_scale = self.loss_scale.scale  # None without a GradScaler\n",
+        "            pass\n",
         "tests/test_loss_scale.py -k threshold",
         "the reducer never tells a compressor the loss scale: threshold compares with the scaled gradient",
     ),
@@ -137,7 +137,7 @@ MUTANTS = (
         "a report with a zero or negative loss scale is accepted and exported",
     ),
     mutant(
-        "loss-scale-not-reported", "TrainLoop._skips",
+        "loss-scale-not-reported", "TrainLoop._report_counters",
         "        scale = None if self.grad_scaler is None else self.grad_scaler.get_scale()\n",
         "        scale = None\n",
         "tests/test_observability.py -k real_run",
