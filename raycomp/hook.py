@@ -286,9 +286,10 @@ def compression_hook(
             return future
 
         def end_step(done: torch.futures.Future) -> torch.Tensor:
+            mean = done.value()  # a failed collective raises here, before the step ends
             state.end_step()
             state.comm_seconds += time.perf_counter() - handed_over
-            return done.value()
+            return mean
 
         return future.then(end_step)
 
