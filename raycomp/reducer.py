@@ -32,7 +32,16 @@ from raycomp.memory import Memory, make_memory
 from raycomp.plan import CompressorSpec, Plan
 from raycomp.signals import StepSignals
 from raycomp.stats import LayerStats, layer_stats
-from raycomp.transports import OVERHEAD, Batch, Group, Pending, Reduced, communicate, communicators
+from raycomp.transports import (
+    OVERHEAD,
+    Batch,
+    Group,
+    Pending,
+    Reduced,
+    communicate,
+    communicators,
+    dense_allreduce,
+)
 
 __all__ = ["CompressedReducer"]
 
@@ -205,32 +214,32 @@ class CompressedReducer:
                    closes_step: bool = False) -> torch.futures.Future:
         """:meth:`start` for a step :meth:`flat_ready` allows, on ``flat``, which holds
         ``grads`` back to back (a DDP bucket's buffer): the same division, all-reduce, control
-        values and ledger, without routing, error feedback or per-layer results. A future of
-        the mean: ``flat`` itself, reduced in place, or with the control values riding
-        along, the front of the buffer that carried them."""
+        values and ledger (:func:`~raycomp.transports.dense_allreduce`, the dense transport's
+        own), without routing, error feedback or per-layer results. A future of the mean:
+        ``flat`` itself, reduced in place, or with the control values riding along, the
+        front of the buffer that carried them."""
         self.begin_step()
-        group = self.group
-        flat.div_(group.size)
         control = self.signals.take(flat.device) if closes_step else None
-        carrier = flat if control is None else torch.cat([flat, control])
+        pending = dense_allreduce([flat], self.group, control=control, in_place=True)
         if control is not None:
-            self.ledger.add(OVERHEAD, group.allreduce_bytes(control.numel() * control.element_size()))
+            self.ledger.add(OVERHEAD, self.group.allreduce_bytes(control.numel() * control.element_size()))
         for name, grad in zip(names, grads, strict=True):
-            dense = group.allreduce_bytes(grad.numel() * grad.element_size())
+            dense = self.group.allreduce_bytes(grad.numel() * grad.element_size())
             self.ledger.add(name, dense, dense)
 
-        def mean(reduced: torch.Tensor) -> torch.Tensor:
-            if control is None:
-                return reduced
-            control.copy_(reduced[flat.numel():])
-            return reduced[:flat.numel()]
+        works = [work.get_future() for work in pending.works]
 
-        works = group.start_all_reduce(carrier)
+        def mean(_: torch.futures.Future | None = None) -> torch.Tensor:
+            for future in works:
+                future.value()  # a failed collective raises here
+            return pending.finish()[0].mean
+
         if not works:  # one process: nothing in flight
             done: torch.futures.Future = torch.futures.Future()
-            done.set_result(mean(carrier))
+            done.set_result(mean())
             return done
-        return works[0].get_future().then(lambda future: mean(future.value()[0]))
+        # the control values take a collective of their own when they cannot ride along
+        return (works[0] if len(works) == 1 else torch.futures.collect_all(works)).then(mean)
 
     def compressor_for(self, layer: str) -> Compressor:
         spec = self._plan.spec_for(layer)

@@ -74,39 +74,55 @@ def test_dense_plan_equals_plain_ddp_bit_for_bit(world_size):
 
 
 # --- a dense step with nothing held or measured reduces each bucket as it lies -------------------
-def _flat_against_general(rank: int, world_size: int):
-    import threading
-
-    flat_model, general_model = DDP(_model(), **DDP_KW), DDP(_model(), **DDP_KW)
+def _flat_against_general(rank: int, world_size: int, dtype: torch.dtype = torch.float32):
+    flat_model, general_model = DDP(_model(dtype), **DDP_KW), DDP(_model(dtype), **DDP_KW)
     flat = CompressionState(flat_model, Plan(), min_compress_numel=0)
     general = CompressionState(general_model, Plan(), min_compress_numel=0, stats_every=1)  # measures every step
     for model, state in ((flat_model, flat), (general_model, general)):
         model.register_comm_hook(state, compression_hook)
     plans = {3: Plan.uniform("int8"), 4: Plan()}  # compressed once: its residual is sent by the next step
+    sent: list[tuple[torch.dtype, int]] = []  # each all-reduce at torch.distributed: what it carried
+    original = dist.all_reduce
+
+    def recorded(tensor, *args, **kwargs):
+        sent.append((tensor.dtype, tensor.numel()))
+        return original(tensor, *args, **kwargs)
+
     out = []
-    for step in range(6):
-        if step in plans:
-            flat.set_plan(plans[step])
-            general.set_plan(plans[step])
-        row = []
-        for model, state in ((flat_model, flat), (general_model, general)):
-            state.stage_control([float(rank + 1), float(step)])
-            model.zero_grad()
-            receivers = {t.ident for t in threading.enumerate() if t.name.startswith("raycomp-receive")}
-            _backward(model, rank, step)
-            row.append({"flat": state._flat, "steps": state.step, "grads": _grads(model),
-                        "rows": state.control_rows.clone(), "wire": dict(state.ledger.wire_bytes),
-                        "dense": dict(state.ledger.dense_bytes), "memory": sorted(state.memory.residuals),
-                        "receiver_started": any(t.name.startswith("raycomp-receive") and t.ident not in receivers
-                                                for t in threading.enumerate())})
-        out.append(row)
+    dist.all_reduce = recorded
+    try:
+        for step in range(6):
+            if step in plans:
+                flat.set_plan(plans[step])
+                general.set_plan(plans[step])
+            out.append([_flat_or_general_step(model, state, rank, step, dtype, sent)
+                        for model, state in ((flat_model, flat), (general_model, general))])
+    finally:
+        dist.all_reduce = original
     flat.close()
     general.close()
     return out
 
 
-def test_a_dense_step_with_nothing_held_reduces_each_bucket_as_it_lies_with_the_general_paths_result():
-    for out in run_distributed(_flat_against_general, 2):
+def _flat_or_general_step(model, state, rank, step, dtype, sent) -> dict:
+    import threading
+
+    state.stage_control([float(rank + 1), float(step)])
+    model.zero_grad()
+    receivers = {t.ident for t in threading.enumerate() if t.name.startswith("raycomp-receive")}
+    sent.clear()
+    _backward(model, rank, step, dtype)
+    return {"flat": state._flat, "steps": state.step, "grads": _grads(model), "sent": sorted(sent, key=str),
+            "rows": state.control_rows.clone(), "wire": dict(state.ledger.wire_bytes),
+            "dense": dict(state.ledger.dense_bytes), "memory": sorted(state.memory.residuals),
+            "receiver_started": any(t.name.startswith("raycomp-receive") and t.ident not in receivers
+                                    for t in threading.enumerate())}
+
+
+# bf16: the control values (fp32) cannot ride in the bucket's all-reduce; they take their own
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_dense_step_with_nothing_held_reduces_each_bucket_as_it_lies_with_the_general_paths_result(dtype):
+    for out in run_distributed(_flat_against_general, 2, dtype):
         # steps 0-2 dense; 3 int8 (a residual is kept); 4 dense, sending it; 5 dense again
         assert [flat["flat"] for flat, _ in out] == [True, True, True, False, False, True]
         assert not any(general["flat"] for _, general in out)  # statistics steps read the gradients
@@ -114,10 +130,11 @@ def test_a_dense_step_with_nothing_held_reduces_each_bucket_as_it_lies_with_the_
         for step, (flat, general) in enumerate(out):
             assert flat["steps"] == general["steps"] == step + 1  # the last bucket ended the step
             for a, b in zip(flat["grads"], general["grads"], strict=True):
-                assert torch.equal(a, b), step
+                assert a.dtype == dtype and torch.equal(a, b), step
             assert torch.equal(flat["rows"], general["rows"]), step  # the control values rode along
             assert flat["rows"][:, 1].tolist() == [1.0, 2.0] and flat["rows"][:, 2].tolist() == [step, step]
             assert flat["wire"] == general["wire"] and flat["dense"] == general["dense"], step
+            assert flat["sent"] == general["sent"], step  # the same collectives, dtypes and sizes
             assert flat["memory"] == general["memory"], step
         assert out[3][0]["memory"] and not out[4][0]["memory"]
 
