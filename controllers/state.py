@@ -8,7 +8,7 @@ bounded deques, so a run of any length uses constant memory.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from raycomp.metrics import STEP_BUCKETS
@@ -120,6 +120,7 @@ class RunState:
         self.histograms = {name: Histogram() for name in TIMED}
         self._pending: dict[int, dict[int, GradStats]] = {}
         self._totals_step: dict[int, int] = {}  # rank -> step of its per_rank_bytes
+        self._step_evals: dict[int, float] = {}  # rank -> its evaluation at the latest merged step
 
     # --- ingest ---------------------------------------------------------------------
     def add(self, stats: GradStats) -> bool:
@@ -127,6 +128,9 @@ class RunState:
         if stats.rank >= self.world_size:
             raise ValueError(f"stats.rank: {stats.rank} >= world size {self.world_size}")
         self.reports += 1
+        # a rank's second report of a step: the run ended on a boundary and evaluated after it
+        # (the worker sends that interval again, with the evaluation)
+        repeat = stats.step == self._totals_step.get(stats.rank, -1)
         # byte counts are running totals: keep the latest step's, since the controller may
         # take a rank's reports out of order (Prometheus reads them as counters)
         if stats.step >= self._totals_step.get(stats.rank, -1):
@@ -137,8 +141,9 @@ class RunState:
         self.outer_steps = max(self.outer_steps, stats.outer_steps)
         if stats.loss_scale is not None and stats.step >= self._totals_step.get(stats.rank, -1):
             self.loss_scale = stats.loss_scale
-        for name in TIMED:
-            self.histograms[name].observe(getattr(stats, name))
+        if not repeat:  # the same interval again adds no timing sample
+            for name in TIMED:
+                self.histograms[name].observe(getattr(stats, name))
         for event in stats.events:
             if stats.rank == 0:  # the guard is identical on every rank: count it once
                 self.events.append({**event, "rank": stats.rank})
@@ -147,8 +152,15 @@ class RunState:
                     reason = str(event.get("reason", "unknown"))[:64]
                     self.fallback_by_reason[reason] = self.fallback_by_reason.get(reason, 0) + 1
         if stats.step <= self.step:
+            if stats.step == self.step and stats.eval_metric is not None:
+                # an evaluation sent after its step merged (the run ended on a boundary and
+                # evaluated after it): the mean over the ranks that sent one
+                self._step_evals[stats.rank] = stats.eval_metric
+                self.eval_metric = _mean(list(self._step_evals.values()))
             return False  # late report of an already merged step
         pending = self._pending.setdefault(stats.step, {})
+        if stats.rank in pending and stats.eval_metric is None:  # a repeat arrived first: keep its evaluation
+            stats = replace(stats, eval_metric=pending[stats.rank].eval_metric)
         pending[stats.rank] = stats
         if len(pending) < self.world_size:
             if len(self._pending) > PENDING_STEPS:  # a rank went quiet: merge what we have
@@ -167,9 +179,9 @@ class RunState:
         self.epoch = max(r.epoch for r in all_reports)
         self.losses.append((step, _mean([r.loss for r in all_reports])))
         self.fallback_active = any(r.fallback_active for r in all_reports)
-        metrics = [r.eval_metric for r in all_reports if r.eval_metric is not None]
-        if metrics:
-            self.eval_metric = _mean(metrics)
+        self._step_evals = {r.rank: r.eval_metric for r in all_reports if r.eval_metric is not None}
+        if self._step_evals:
+            self.eval_metric = _mean(list(self._step_evals.values()))
         wire = sum(w for w, _ in self.per_rank_bytes.values())
         dense = sum(d for _, d in self.per_rank_bytes.values())
         self.timings.append(Timing(

@@ -173,6 +173,28 @@ def test_reports_taken_out_of_order_keep_the_latest_running_totals():
     assert run.per_rank_outages[0] == 2
 
 
+@pytest.mark.parametrize("repeat_first", [False, True])
+def test_an_evaluation_sent_again_after_its_step_merged_is_taken_without_a_second_timing(repeat_first):
+    # a run that ends on a boundary evaluates after it: each rank sends that interval again,
+    # with the evaluation; it may even arrive before the boundary's own report
+    controller = Controller()
+    register(controller, "r1")
+    run = controller.runs["r1"]
+    first = [report("r1", 1, 9), report("r1", 0, 9), report("r1", 0, 9, eval_metric=0.75)]
+    if repeat_first:  # rank 0's repeat, then its boundary report, then rank 1's completes the step
+        first = first[::-1]
+    for r in first:
+        assert controller.ingest(r)
+    assert run.step == 9
+    assert controller.ingest(report("r1", 1, 9, eval_metric=0.85))
+    assert run.eval_metric == pytest.approx(0.8)  # both ranks' evaluations, averaged
+    assert run.histograms["step_seconds"].count == 2  # one sample per rank and step
+    assert controller.summary("r1")["eval_metric"] == pytest.approx(0.8)
+    for rank in (0, 1):  # the next merged step starts over
+        controller.ingest(report("r1", rank, 14, eval_metric=0.5 + rank / 10))
+    assert run.eval_metric == pytest.approx(0.55) and run.histograms["step_seconds"].count == 4
+
+
 def test_oversized_reports_are_counted_as_too_large():
     controller = Controller()
     register(controller, "r1")

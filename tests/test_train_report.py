@@ -69,7 +69,7 @@ def _reports(config: dict) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    options = TrainOptions(controller=ControllerSection(name=config["controller"], interval_steps=3),
+    options = TrainOptions(controller=ControllerSection(name=config["controller"], interval_steps=config["interval"]),
                            checkpoint=CheckpointSection(every_steps=10), output_dir=config["output_dir"])
     model = raycomp.train.prepare_model(model, optimizer, options=options)
     loop = raycomp.train.current()
@@ -89,16 +89,19 @@ def _reports(config: dict) -> dict:
     return raycomp.train.finish()
 
 
-def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_documented(ray_cluster, tmp_path):
-    fit_with_controller(_reports, tmp_path, "report")
+@pytest.mark.parametrize("interval", [3, 5])
+def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_documented(ray_cluster, tmp_path,
+                                                                                       interval):
+    fit_with_controller(lambda config: _reports({**config, "interval": interval}), tmp_path, "report")
     output = tmp_path / "out"
     evals = [json.loads(line) for line in (output / "evals.jsonl").read_text().splitlines()]
     assert [(e["step"], e["epoch"], e["accuracy"]) for e in evals] == [
         (5, 0, 0.1), (10, 1, 0.2), (15, 2, pytest.approx(0.3)), (20, 3, 0.4)]
     assert evals[1]["by"] == "record_eval" and "loss" not in evals[1]  # one line at step 10
     assert all("loss" in e for e in evals if e["step"] != 10)
-    # the controller got the latest evaluation: step 20 is no boundary (K=3), so it rode
-    # with the final statistics
+    # the controller got the latest evaluation: with K=3 step 20 is no boundary, so it rode
+    # with the final statistics; with K=5 it is the last boundary, and the evaluation after
+    # it went with that interval sent again
     summary = json.loads((output / "summary.json").read_text())
     assert (summary["policy"]["eval_metric"], summary["policy"]["eval_kind"]) == (pytest.approx(0.4), "accuracy")
     # checkpoints: step 10 (every_steps, at an epoch end), 15 (checkpoint=True), 20 (the last epoch)
@@ -150,6 +153,30 @@ def test_the_final_report_is_taken_before_send_returns_and_only_once(ray_cluster
     assert (taken["step"], taken["eval_metric"], taken["wire_bytes"]) == (19, 0.4, 10.0)
     reporter.send(_state(), 19, 3, False, final=True)  # close() after finish(): nothing new
     assert len(ray.get(inbox.taken.remote())) == 1 and reporter.outages.count == 0
+    ray.kill(inbox)
+
+
+def test_an_evaluation_after_a_final_boundary_goes_with_that_interval_sent_again(ray_cluster):
+    import ray
+
+    from raycomp.train.reporter import Outages, StatsReporter
+
+    inbox = _inbox(fail=False)
+    reporter = StatsReporter(inbox, "r", 0, Outages())
+    reporter.record(1.0, 0.1, 0.02, 8)
+    reporter.record(3.0, 0.3, 0.04, 8)
+    reporter.send(_state(), 19, 3, False)  # the last step was a boundary
+    reporter.eval_metric = 0.4  # then the run evaluated
+    reporter.send(_state(), 18, 3, False, final=True)  # not the step last sent: nothing to repeat
+    reporter.eval_metric = 0.4
+    reporter.send(_state(), 19, 3, False, final=True)
+    boundary, again = ray.get(inbox.taken.remote())
+    interval = ("step", "loss", "step_seconds", "comm_seconds", "samples_per_second")
+    assert [boundary[k] for k in interval] == [19, 2.0, pytest.approx(0.2), pytest.approx(0.03), pytest.approx(40.0)]
+    assert [again[k] for k in interval] == [boundary[k] for k in interval]
+    assert (boundary["eval_metric"], again["eval_metric"]) == (None, 0.4)
+    reporter.send(_state(), 19, 3, False, final=True)  # close() after finish(): nothing new
+    assert len(ray.get(inbox.taken.remote())) == 2 and reporter.outages.count == 0
     ray.kill(inbox)
 
 

@@ -39,6 +39,9 @@ class StatsReporter:
         self._losses: list[float] = []
         self._timings: list[tuple[float, float, int]] = []  # (step s, comm s, samples)
         self._pending: list[Any] = []
+        # the last interval sent: (step, loss, step s, comm s, samples/s); a final call with
+        # nothing new but an evaluation or events sends it again, carrying them
+        self._last: tuple[int, float, float, float, float] | None = None
 
     def record(self, loss: float, step_s: float, comm_s: float, samples: int) -> None:
         self._timings.append((step_s, comm_s, samples))
@@ -53,10 +56,19 @@ class StatsReporter:
         self._timings, self._losses = [], []
         if self.controller is None:
             return
-        if not timings:  # nothing new since the last boundary
-            if final:
+        if timings:
+            step_s = sum(t for t, _, _ in timings) / len(timings)
+            finite = [v for v in losses if math.isfinite(v)]
+            self._last = (step, math.fsum(finite) / len(finite) if finite else 0.0, step_s,
+                          sum(c for _, c, _ in timings) / len(timings),
+                          sum(n for _, _, n in timings) / max(1e-9, sum(t for t, _, _ in timings)))
+        elif not (final and (self.eval_metric is not None or self.events)
+                  and self._last is not None and self._last[0] == step):
+            if final:  # nothing new since the last boundary
                 self.reap(wait_s=10)
             return
+        # else: the run ended on a boundary and evaluated after it: the boundary's interval
+        # again, now with the evaluation (the controller adds no timing sample for a repeat)
         self.reap()
         if len(self._pending) >= MAX_REPORTS_IN_FLIGHT and not final:
             # backpressure: a controller that falls behind must not queue without bound
@@ -64,14 +76,11 @@ class StatsReporter:
             if self.dropped in (1, 10, 100):
                 log.warning("controller is behind: %d statistics reports dropped", self.dropped)
             return
-        step_s = sum(t for t, _, _ in timings) / len(timings)
-        comm_s = sum(c for _, c, _ in timings) / len(timings)
-        finite = [v for v in losses if math.isfinite(v)]
+        _, loss, step_s, comm_s, samples_per_second = self._last
         stats = GradStats(
             run_id=self.run_id, rank=self.rank, step=step, epoch=epoch, plan_version=state.plan.version,
-            loss=math.fsum(finite) / len(finite) if finite else 0.0,
-            step_seconds=step_s, compute_seconds=max(0.0, step_s - comm_s), comm_seconds=comm_s,
-            samples_per_second=sum(n for _, _, n in timings) / max(1e-9, sum(t for t, _, _ in timings)),
+            loss=loss, step_seconds=step_s, compute_seconds=max(0.0, step_s - comm_s), comm_seconds=comm_s,
+            samples_per_second=samples_per_second,
             wire_bytes=state.ledger.wire_total, dense_bytes=state.ledger.dense_total,
             fallback_active=fallback_active,
             layers=tuple(s.to_dict() for s in state.stats if _finite_stats(s)),

@@ -25,4 +25,26 @@ MUTANTS = (
         "the skipped-steps counter stays at 0 whatever the guard or the scaler skipped",
         timeout_s=300,
     ),
+    mutant(
+        "late-evaluation-ignored", "RunState.add",
+        "                self._step_evals[stats.rank] = stats.eval_metric\n"
+        "                self.eval_metric = _mean(list(self._step_evals.values()))\n",
+        "                pass\n",
+        "tests/test_controller.py -k sent_again",
+        "an evaluation after a run's last boundary reaches the controller but is dropped as a late report",
+    ),
+    mutant(
+        "repeated-interval-timed-twice", "RunState.add",
+        "        if not repeat:  # the same interval again adds no timing sample\n",
+        "        if True:\n",
+        "tests/test_controller.py -k sent_again",
+        "a rank's interval sent again with its evaluation adds a second sample to the step-time histograms",
+    ),
+    mutant(
+        "repeat-first-loses-evaluation", "RunState.add",
+        "        if stats.rank in pending and stats.eval_metric is None:",
+        "        if False:",
+        "tests/test_controller.py -k sent_again",
+        "a boundary report taken after its own repeat overwrites the evaluation the repeat carried",
+    ),
 )

@@ -26,6 +26,13 @@ MUTANTS = (
         "the last statistics are sent but not waited for: rank 0 may summarise the run before they arrive",
     ),
     mutant(
+        "evaluation-after-the-last-boundary-not-sent", "StatsReporter.send",
+        "        elif not (final and (self.eval_metric is not None or self.events)\n",
+        "        elif not (final and False\n",
+        "tests/test_train_report.py",
+        "a run that ends on a boundary never tells the controller the evaluation it made after it",
+    ),
+    mutant(
         "final-report-outage-counted-twice", "StatsReporter.send",
         "            ref = self.controller.ingest.remote(stats.to_dict())\n"
         "            if final:",
