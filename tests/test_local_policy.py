@@ -10,8 +10,10 @@ import pytest
 
 from controllers.service import Controller
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
+from raycomp.plan import Plan
 from tests.test_adaptive_policy import (
     FAST,
+    MEDIUM,
     SHAPES,
     SLOW,
     WARMUP,
@@ -27,9 +29,14 @@ from tests.test_adaptive_policy import (
 class LocalSim(Sim):
     """The adaptive policy's simulation, registered with ``compression.local``; ``fallback``
     is what the workers' reports say of the guard. ``min_gain`` is registered resolved, as a
-    worker does (:func:`raycomp.train.lossy.local_min_gain`): an SGD run's unless given."""
+    worker does (:func:`raycomp.train.lossy.local_min_gain`): an SGD run's unless given.
 
-    def __init__(self, local: dict, **options) -> None:
+    Under local steps the workers report inner steps and syncs: ``link.compute`` a step, and
+    per step 1/H of a sync, which costs ``sync_factor`` x what its bytes and round take on
+    the link (its codec, the outer step). ``overlap``: the compute that per-step intervals
+    report, as a multiple of the real one (backward shares the cores with the reduction)."""
+
+    def __init__(self, local: dict, sync_factor: float = 1.0, overlap: float = 1.0, **options) -> None:
         super().__init__(**options)
         self.controller = Controller()
         local = {"min_gain": LOCAL_MIN_GAIN["linear"], **local}
@@ -39,10 +46,26 @@ class LocalSim(Sim):
         self.fallback = False
         self.events: list[dict] = []
         self.loss = 1.0  # the training loss the workers report
+        self.sync_factor, self.overlap = sync_factor, overlap
+        self.link: Link | None = None
         ingest = self.controller.ingest
         self.controller.ingest = lambda report: ingest(
-            {**report, "fallback_active": self.fallback, "events": self.events if report["rank"] == 0 else [],
-             "loss": self.loss})
+            {**report, **self._timing(report), "fallback_active": self.fallback,
+             "events": self.events if report["rank"] == 0 else [], "loss": self.loss})
+
+    def run(self, intervals: int, link: Link, *args, **kwargs) -> Plan:
+        self.link = link
+        return super().run(intervals, link, *args, **kwargs)
+
+    def _timing(self, report: dict) -> dict:
+        mode = self.plan.local_steps
+        if mode is None:  # per step: the compute looks larger by the overlap, comm as measured
+            compute = report["compute_seconds"] * self.overlap
+            return {"compute_seconds": compute, "step_seconds": compute + report["comm_seconds"]}
+        sync = (sum(layer_bytes(n, "int4", {}) for n, s in SHAPES.items() if numel(s) >= 1024) / self.link.bandwidth
+                + self.link.overhead) * self.sync_factor
+        comm = sync / mode.sync_every
+        return {"compute_seconds": self.link.compute, "comm_seconds": comm, "step_seconds": self.link.compute + comm}
 
     def local_details(self) -> dict:
         return self.details()["local"]
@@ -68,6 +91,30 @@ def test_a_slow_link_gets_local_steps_with_the_smallest_interval_that_hides_the_
     # the ceiling is a ceiling
     capped = LocalSim({"mode": "auto", "max_sync_every": 8}).run(5, SLOW)
     assert capped.local is not None and capped.local.sync_every == 8
+
+
+def test_local_steps_measure_what_an_inner_step_and_a_sync_cost_and_choose_h_again():
+    # per step, backward overlaps the reduction: the compute looks 3x the real one; a sync
+    # costs 3x its bytes and round on the link (codec, outer step). Predicted: H=4; measured:
+    # compute 50 ms, a sync ~121 ms, so H=32 hides it within 10% of the compute
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64}, sync_factor=3.0, overlap=3.0, lossy="never")
+    link = MEDIUM
+    first = sim.run(5, link)  # the first decision at the 4th boundary, then one under H=4 (left out)
+    assert first.local is not None and first.local.sync_every == 4
+    assert "as measured" not in first.reason and sim.local_details()["sync_scale"] is None
+    seen = [sim.run(1, link) for _ in range(6)]
+    h = [p.local.sync_every for p in seen]
+    # two boundaries cover two syncs and measure: H=32 asked for, taken at the next that agrees
+    assert h == [4, 4, 32, 32, 32, 32], h
+    details = sim.local_details()
+    assert details["sync_scale"] == pytest.approx(3.0, rel=0.03)  # the byte model prices the round a little off
+    assert details["inner_compute_s"] == pytest.approx(link.compute)
+    assert "(compute 50 ms, a sync 121 ms as measured: inner steps, and syncs at 3x the byte model;" in seen[-1].reason
+    # the measurements survive a controller restart
+    policy = sim.controller.policies["run"]
+    fresh = LocalSim({"mode": "auto", "max_sync_every": 64}).controller.policies["run"]
+    fresh.load_state_dict(policy.state_dict())
+    assert fresh.state_dict() == policy.state_dict()
 
 
 def test_a_looser_overhead_target_gives_a_shorter_interval():
@@ -142,6 +189,34 @@ def test_a_guard_fallback_during_local_steps_halves_the_largest_interval():
     sim.fallback, sim.events = False, []
     plan = sim.run(1, SLOW)
     assert plan.local is not None and plan.local.sync_every == 16
+    assert sim.local_details()["largest_allowed"] == 16
+
+
+def test_a_lowered_largest_interval_doubles_again_after_calm_boundaries():
+    from controllers.policies.local import RECOVERY
+
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64}, lossy="never")  # per step: int4 throughout
+    assert sim.run(5, SLOW).local.sync_every == 32
+    sim.fallback = True
+    sim.events = [{"step": sim.step + 1, "kind": "fallback", "reason": "loss_spike", "detail": ""}]
+    sim.run(1, SLOW)
+    sim.fallback, sim.events = False, []
+    h = [(sim.run(1, SLOW).local.sync_every, sim.local_details()["largest_allowed"]) for _ in range(RECOVERY + 2)]
+    # RECOVERY calm boundaries at H=16: the largest back to 32 at the last, which asks for
+    # H=32; the next boundary agrees and takes it
+    assert h == [(16, 16)] * (RECOVERY - 1) + [(16, 32), (32, 32), (32, 32)], h
+    recover = [row for row in sim.local_details()["history"] if row[2] == "recover"]
+    assert recover == [[recover[0][0], 16, "recover", f"largest H back to 32 after {RECOVERY} boundaries without a "
+                                                      "step back"]]
+    # a fallback among the calm boundaries starts the count again
+    sim.fallback, sim.events = True, [{"step": sim.step + 1, "kind": "fallback", "reason": "loss_spike", "detail": ""}]
+    sim.run(1, SLOW)
+    sim.fallback, sim.events = False, []
+    sim.run(RECOVERY - 2, SLOW)
+    sim.fallback = True  # the guard falls back again (its event already counted): no step back, no calm
+    sim.run(1, SLOW)
+    sim.fallback = False
+    sim.run(2, SLOW)
     assert sim.local_details()["largest_allowed"] == 16
 
 

@@ -17,8 +17,11 @@
   (the first choice is taken at once), so that choices that would undo each other are
   damped.
 
-Two things step back, each halving the largest H this policy may choose from then on (below
-2: per step only):
+Two things step back, each halving the largest H this policy may choose (below 2: per step
+only); after ``RECOVERY`` boundaries in a row with neither, nor a loss behind, nor the guard's
+fallback, it doubles again, up to ``max_sync_every``. The training loss is a noisy judge (it
+bumps with the data order under any mode; a dense run's own curve trips the loss rule below
+now and then), so one step back must not cost local steps for the rest of the run:
 
 * a guard fallback while local steps are in force (the fallback itself runs dense per step
   until the workers recover, :class:`~controllers.policies.guarded.Guarded`);
@@ -29,9 +32,15 @@ Two things step back, each halving the largest H this policy may choose from the
   ``PATIENCE`` boundaries in a row, the H in force is halved at once.
 
 While local steps are in force the timings the workers report are those of inner steps
-and syncs, not of per-step reductions; the cost models (this one's and the inner
+and syncs, not of per-step reductions; the per-step cost models (this one's and the inner
 adaptive policy's) do not learn from them, so they keep the per-step figures they compare
-against.
+against. This policy learns from them instead what local steps really cost, which the byte
+model cannot know: an inner step's compute without any communication beside it (per step,
+backward overlaps the reduction and the two share the cores, so the compute measured there
+is inflated), and a sync's seconds (its codec, the outer step and an all-gather nothing
+overlaps) as a multiple of the byte model's prediction. Once the latest boundaries under
+one H cover two of its syncs, the next choices of H use the measured figures, so a first H
+chosen on predictions alone is corrected (damped like any other switch).
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ from raycomp.plan import CompressorSpec, LocalMode, Plan
 __all__ = ["PATIENCE", "LocalChoice"]
 
 PATIENCE = 2  # boundaries in a row that must agree before a change of mode or H
+MEASURED_BOUNDARIES = 16  # the latest boundaries under one H that a sync's cost is measured over
+RECOVERY = 10  # calm boundaries in a row after which a lowered largest H doubles again
 
 
 class LocalChoice(Policy):
@@ -66,9 +77,17 @@ class LocalChoice(Policy):
         self.wanted: int | None = None  # a different H asked for at the previous boundary
         self.strikes = 0
         self.fallbacks_seen = 0
+        self.calm = 0  # boundaries in a row without a step back since the largest H was lowered
         self.best_loss: float | None = None  # lowest smoothed loss since local steps began
         self.behind = 0  # boundaries in a row with the loss behind
         self.last: Plan | None = None  # the inner policy's latest per-step plan
+        # measured under local steps: an inner step's seconds, and a sync's seconds over what
+        # the byte model predicts for it (None until measured)
+        self.inner_compute: float | None = None
+        self.sync_scale: float | None = None
+        self.samples: list[list[float]] = []  # [steps, compute s, comm s] per boundary under sampled_h
+        self.sampled_h = 0  # the H the samples were taken under
+        self.sampled_step = -1  # the latest boundary taken
         #: per boundary: step, H in force (0: per step), H this boundary asked for, reason
         self.history: list[list[Any]] = []
 
@@ -81,6 +100,7 @@ class LocalChoice(Policy):
         plan = self.inner.decide(run)
         if plan is not None:
             self.last = plan
+        ceiling = self.ceiling
         if run.fallback_events > self.fallbacks_seen:
             if local_in_force and self.chosen:
                 self.ceiling = max(1, self.chosen // 2)
@@ -88,9 +108,11 @@ class LocalChoice(Policy):
             self.fallbacks_seen = run.fallback_events
         pseudo = CompressorSpec.of(self.local.compressor)
         if local_in_force and self.local.mode == "auto" and not run.fallback_active:
+            self._measure_local(run, pseudo)
             self._follow_loss(run)
         else:
             self.best_loss, self.behind = None, 0
+        self._recover(run, stepped_back=self.ceiling < ceiling)
         if self.local.mode == "fixed":
             return Plan(default=pseudo, local=LocalMode(self.local.sync_every, self.local.fragments),
                         reason=f"local steps: fixed, H={self.local.sync_every}, pseudo-gradients {pseudo}")
@@ -102,8 +124,8 @@ class LocalChoice(Policy):
             return base
         layers = compressible_layers(run, self.min_numel)
         per_step, _ = self.cost.predict(run, {n: base.spec_for(n) for n in layers})
-        compute = self.cost.compute or 0.0
-        sync = max(0.0, self.cost.predict(run, dict.fromkeys(layers, pseudo))[0] - compute)
+        compute = (self.cost.compute or 0.0) if self.inner_compute is None else self.inner_compute
+        sync = self._predicted_sync(run, pseudo) * (1.0 if self.sync_scale is None else self.sync_scale)
         h = self._interval(sync, compute)
         local_step = compute + sync / h if h else per_step
         min_gain = self._min_gain()
@@ -115,8 +137,10 @@ class LocalChoice(Policy):
             self.wanted = target
             if self.strikes >= PATIENCE:
                 self.chosen, self.wanted, self.strikes = target, None, 0
+        measured = "" if self.sync_scale is None else \
+            f" as measured: inner steps, and syncs at {self.sync_scale:.2g}x the byte model"
         figures = (f"per step {per_step * 1e3:.0f} ms predicted, local steps {local_step * 1e3:.0f} ms "
-                   f"(compute {compute * 1e3:.0f} ms, a sync {sync * 1e3:.0f} ms; local steps must be "
+                   f"(compute {compute * 1e3:.0f} ms, a sync {sync * 1e3:.0f} ms{measured}; local steps must be "
                    f"{min_gain:.0%} faster)")
         if not self.chosen:
             reason = f"per step: {base.reason}; {figures}"
@@ -126,6 +150,32 @@ class LocalChoice(Policy):
         reason = f"local steps: H={self.chosen}, pseudo-gradients {pseudo}; {figures}"
         self.history.append([run.step, self.chosen, target, reason])
         return Plan(default=pseudo, local=LocalMode(self.chosen, fragments), reason=reason)
+
+    def _predicted_sync(self, run: RunState, pseudo: CompressorSpec) -> float:
+        """What the byte model predicts a sync costs: every compressible layer sent once as
+        ``pseudo``, beyond the compute."""
+        sent = dict.fromkeys(compressible_layers(run, self.min_numel), pseudo)
+        return max(0.0, self.cost.predict(run, sent)[0] - (self.cost.compute or 0.0))
+
+    def _measure_local(self, run: RunState, pseudo: CompressorSpec) -> None:
+        """Take the latest boundary under local steps into the measured inner step and sync.
+        The first boundary under a new H is left out (it holds the switch and steps of the
+        plan before); over the rest, a sync costs the communication seconds per step x H."""
+        mode = run.plan.local_steps
+        latest = run.timings[-1] if run.timings else None
+        if mode is None or latest is None or latest.step <= self.sampled_step or not self.cost.ready:
+            return
+        steps, self.sampled_step = latest.step - self.sampled_step, latest.step
+        if mode.sync_every != self.sampled_h:
+            self.sampled_h, self.samples = mode.sync_every, []
+            return
+        self.samples = [*self.samples, [steps, latest.compute_seconds, latest.comm_seconds]][-MEASURED_BOUNDARIES:]
+        covered = sum(n for n, _, _ in self.samples)
+        predicted = self._predicted_sync(run, pseudo)
+        if covered < 2 * mode.sync_every or predicted <= 0:
+            return
+        self.inner_compute = sum(n * c for n, c, _ in self.samples) / covered
+        self.sync_scale = sum(n * c for n, _, c in self.samples) / covered * mode.sync_every / predicted
 
     def _min_gain(self) -> float:
         """``min_gain`` as the worker resolved it; "auto" unresolved (a run registered
@@ -155,6 +205,17 @@ class LocalChoice(Policy):
         self.chosen, self.wanted, self.strikes = halved, None, 0
         self.best_loss, self.behind = None, 0  # the next H starts its own record
 
+    def _recover(self, run: RunState, stepped_back: bool) -> None:
+        """Double a lowered largest H after ``RECOVERY`` calm boundaries in a row."""
+        if self.ceiling >= self.local.max_sync_every or stepped_back or self.behind or run.fallback_active:
+            self.calm = 0
+            return
+        self.calm += 1
+        if self.calm >= RECOVERY:
+            self.ceiling, self.calm = min(self.local.max_sync_every, 2 * self.ceiling), 0
+            self.history.append([run.step, self.chosen, "recover",
+                                 f"largest H back to {self.ceiling} after {RECOVERY} boundaries without a step back"])
+
     def _interval(self, sync: float, compute: float) -> int:
         """The smallest power-of-two H whose sync adds at most ``target_overhead`` of the
         compute per step, else the largest allowed; 0 when local steps are not allowed."""
@@ -176,14 +237,18 @@ class LocalChoice(Policy):
     def details(self) -> dict[str, Any]:
         return {**self.inner.details(), "local": {
             "mode": self.local.mode, "sync_every": self.chosen, "largest_allowed": self.ceiling,
+            "inner_compute_s": self.inner_compute, "sync_scale": self.sync_scale,
             "history": list(self.history)}}
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "cost": self.cost.state_dict(), "ceiling": self.ceiling,
                 "chosen": self.chosen, "wanted": self.wanted, "strikes": self.strikes,
-                "fallbacks_seen": self.fallbacks_seen, "history": list(self.history),
+                "fallbacks_seen": self.fallbacks_seen, "calm": self.calm, "history": list(self.history),
                 "best_loss": self.best_loss, "behind": self.behind,
-                "last": None if self.last is None else self.last.to_dict()}
+                "last": None if self.last is None else self.last.to_dict(),
+                "inner_compute": self.inner_compute, "sync_scale": self.sync_scale,
+                "samples": [list(x) for x in self.samples], "sampled_h": self.sampled_h,
+                "sampled_step": self.sampled_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -192,6 +257,10 @@ class LocalChoice(Policy):
         self.cost.load_state_dict(state["cost"], ())
         self.ceiling, self.chosen, self.wanted = state["ceiling"], state["chosen"], state["wanted"]
         self.strikes, self.fallbacks_seen = state["strikes"], state["fallbacks_seen"]
+        self.calm = state.get("calm", 0)
         self.history = [list(h) for h in state["history"]]
         self.best_loss, self.behind = state.get("best_loss"), state.get("behind", 0)
         self.last = None if state["last"] is None else Plan.from_dict(state["last"])
+        self.inner_compute, self.sync_scale = state.get("inner_compute"), state.get("sync_scale")
+        self.samples = [list(x) for x in state.get("samples", [])]
+        self.sampled_h, self.sampled_step = state.get("sampled_h", 0), state.get("sampled_step", -1)
