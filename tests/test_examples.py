@@ -36,12 +36,12 @@ def test_own_resnet_on_ray_train(ray_cluster, tmp_path):
     decided = [step for step, _, _ in policy["policy_details"]["history"]]
     assert len(decided) >= 3 and set(decided) <= {4, 9, 14, 19, 24, 29}, decided
     # report() recorded each epoch's accuracy without a record_eval call, and the
-    # controller received it: epoch 0's (step 30, the last, is also a boundary, so epoch
-    # 1's has no later statistics to ride with)
+    # controller received the last one: step 30 is also a boundary, so each rank sent that
+    # interval again with epoch 1's evaluation
     evals = [json.loads(line) for line in (output / "evals.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [15, 30]
     assert evals[-1]["accuracy"] == totals["accuracy"]
-    assert policy["eval_metric"] == pytest.approx(evals[0]["accuracy"], abs=0.01)
+    assert policy["eval_metric"] == pytest.approx(evals[-1]["accuracy"], abs=0.01)
     # one checkpoint, in the last epoch
     checkpoints = [p for p in output.glob("checkpoint_*") if p.is_dir()]
     assert [json.loads((p / "meta.json").read_text())["global_step"] for p in checkpoints] == [30]

@@ -33,8 +33,10 @@ class LocalSim(Sim):
 
     Under local steps the workers report inner steps and syncs: ``link.compute`` a step, and
     per step 1/H of a sync, which costs ``sync_factor`` x what its bytes and round take on
-    the link (its codec, the outer step). ``overlap``: the compute that per-step intervals
-    report, as a multiple of the real one (backward shares the cores with the reduction)."""
+    the link (its codec, the outer step); an interval that starts by leaving local steps or
+    changing H also holds the sync of every fragment that the switch runs. ``overlap``: the
+    compute that per-step intervals report, as a multiple of the real one (backward shares
+    the cores with the reduction)."""
 
     def __init__(self, local: dict, sync_factor: float = 1.0, overlap: float = 1.0, **options) -> None:
         super().__init__(**options)
@@ -48,24 +50,33 @@ class LocalSim(Sim):
         self.loss = 1.0  # the training loss the workers report
         self.sync_factor, self.overlap = sync_factor, overlap
         self.link: Link | None = None
+        self.previous_mode = None  # the local steps of the previous interval (None: per step)
         ingest = self.controller.ingest
-        self.controller.ingest = lambda report: ingest(
-            {**report, **self._timing(report), "fallback_active": self.fallback,
-             "events": self.events if report["rank"] == 0 else [], "loss": self.loss})
+
+        def with_workers_view(report: dict) -> bool:
+            mode = self.plan.local_steps
+            taken = ingest({**report, **self._timing(report, mode), "fallback_active": self.fallback,
+                            "events": self.events if report["rank"] == 0 else [], "loss": self.loss})
+            if report["rank"] == W - 1:
+                self.previous_mode = mode
+            return taken
+
+        self.controller.ingest = with_workers_view
 
     def run(self, intervals: int, link: Link, *args, **kwargs) -> Plan:
         self.link = link
         return super().run(intervals, link, *args, **kwargs)
 
-    def _timing(self, report: dict) -> dict:
-        mode = self.plan.local_steps
-        if mode is None:  # per step: the compute looks larger by the overlap, comm as measured
-            compute = report["compute_seconds"] * self.overlap
-            return {"compute_seconds": compute, "step_seconds": compute + report["comm_seconds"]}
+    def _timing(self, report: dict, mode) -> dict:
         sync = (sum(layer_bytes(n, "int4", {}) for n, s in SHAPES.items() if numel(s) >= 1024) / self.link.bandwidth
                 + self.link.overhead) * self.sync_factor
-        comm = sync / mode.sync_every
-        return {"compute_seconds": self.link.compute, "comm_seconds": comm, "step_seconds": self.link.compute + comm}
+        switch = sync / K if self.previous_mode is not None and mode != self.previous_mode else 0.0
+        if mode is None:  # per step: the compute looks larger by the overlap, comm as measured
+            compute = report["compute_seconds"] * self.overlap
+            comm = report["comm_seconds"] + switch
+        else:
+            compute, comm = self.link.compute, sync / mode.sync_every + switch
+        return {"compute_seconds": compute, "comm_seconds": comm, "step_seconds": compute + comm}
 
     def local_details(self) -> dict:
         return self.details()["local"]

@@ -65,10 +65,12 @@ class LocalSection(_Strict):
       their ``sync_every`` (a power of two up to ``max_sync_every``), from the measured
       link and compute: local steps when the best per-step plan's step is predicted more
       than ``min_gain`` slower than a local step, with the smallest ``sync_every`` whose
-      share of a sync per step is at most ``target_overhead`` of the compute. A guard
-      fallback during local steps halves the largest ``sync_every`` it may choose, and so
-      does a loss that falls behind: above ``loss_tolerance`` over the lowest it reached
-      since local steps began, at two boundaries in a row.
+      share of a sync per step is at most ``target_overhead`` of the compute. Once local
+      steps run, what an inner step and a sync really take is measured and ``sync_every``
+      chosen again from it. A guard fallback during local steps halves the largest
+      ``sync_every`` it may choose, and so does a loss that falls behind: above
+      ``loss_tolerance`` over the lowest it reached since local steps began, at two
+      boundaries in a row; after 10 boundaries without either, it doubles again.
 
     Outer optimizer: SGD with ``outer_lr``, ``outer_momentum`` and ``nesterov``. The default
     (lr 1.0, no momentum) is plain model averaging, as torch's ``PeriodicModelAverager``:
