@@ -128,6 +128,31 @@ def test_local_steps_measure_what_an_inner_step_and_a_sync_cost_and_choose_h_aga
     assert fresh.state_dict() == policy.state_dict()
 
 
+def test_a_return_to_the_same_interval_measures_it_afresh():
+    # H=2 measured on SLOW (syncs 1.5x the byte model); the loss falls behind: per step, and
+    # the link halves its speed meanwhile; after the calm boundaries H=2 again. The policy
+    # must price a sync from boundaries under H=2 on the slower link only: the first boundary
+    # back (the switch) left out, none of the samples before the per-step stretch kept
+    from controllers.policies.local import RECOVERY
+
+    sim = LocalSim({"mode": "auto", "max_sync_every": 2, "loss_tolerance": 0.05}, sync_factor=1.5, lossy="never")
+    sim.loss = 2.0
+    assert sim.run(8, SLOW).local.sync_every == 2
+    assert sim.local_details()["sync_scale"] == pytest.approx(1.5, rel=0.03)
+    for _ in range(3):
+        sim.loss *= 1.1
+        plan = sim.run(1, SLOW)
+    assert plan.local is None and sim.local_details()["largest_allowed"] == 1
+    slower = Link(bandwidth=SLOW.bandwidth / 2)
+    sim.run(RECOVERY + 1, slower)
+    assert sim.run(1, slower).local.sync_every == 2
+    sim.run(3, slower)
+    sync = sum(layer_bytes(n, "int4", {}) for n, s in SHAPES.items() if numel(s) >= 1024) / slower.bandwidth
+    sync = (sync + slower.overhead) * 1.5
+    history = sim.local_details()["history"]
+    assert history[-1][1] == 2 and f"(compute 50 ms, a sync {sync * 1e3:.0f} ms as measured" in history[-1][3], history[-1]
+
+
 def test_a_looser_overhead_target_gives_a_shorter_interval():
     plan = LocalSim({"mode": "auto", "max_sync_every": 64, "target_overhead": 0.5}).run(5, SLOW)
     assert plan.local is not None

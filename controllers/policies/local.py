@@ -110,8 +110,8 @@ class LocalChoice(Policy):
         if local_in_force and self.local.mode == "auto" and not run.fallback_active:
             self._measure_local(run, pseudo)
             self._follow_loss(run)
-        else:
-            self.best_loss, self.behind = None, 0
+        else:  # steps outside local steps: the next H takes its own samples, from its second boundary
+            self.best_loss, self.behind, self.sampled_h = None, 0, 0
         self._recover(run, stepped_back=self.ceiling < ceiling)
         if self.local.mode == "fixed":
             return Plan(default=pseudo, local=LocalMode(self.local.sync_every, self.local.fragments),
@@ -159,8 +159,9 @@ class LocalChoice(Policy):
 
     def _measure_local(self, run: RunState, pseudo: CompressorSpec) -> None:
         """Take the latest boundary under local steps into the measured inner step and sync.
-        The first boundary under a new H is left out (it holds the switch and steps of the
-        plan before); over the rest, a sync costs the communication seconds per step x H."""
+        The first boundary under a new H, or under the same H again after steps outside
+        local steps, is left out (it holds the switch and steps of the plan before); over the
+        rest, a sync costs the communication seconds per step x H."""
         mode = run.plan.local_steps
         latest = run.timings[-1] if run.timings else None
         if mode is None or latest is None or latest.step <= self.sampled_step or not self.cost.ready:

@@ -74,6 +74,13 @@ MUTANTS = (
         "auto keeps pricing a sync by its bytes alone: codec, outer step and unoverlapped transfer never seen, H too short",
     ),
     mutant(
+        "local-samples-kept-across-per-step", "LocalChoice.decide",
+        "            self.best_loss, self.behind, self.sampled_h = None, 0, 0\n",
+        "            self.best_loss, self.behind = None, 0\n",
+        "tests/test_local_policy.py -k afresh",
+        "a return to the same H after per-step steps prices its sync with samples from before and the switch's boundary",
+    ),
+    mutant(
         "local-inner-compute-ignored", "LocalChoice._auto",
         "        compute = (self.cost.compute or 0.0) if self.inner_compute is None else self.inner_compute\n",
         "        compute = self.cost.compute or 0.0\n",
