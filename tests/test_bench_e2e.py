@@ -100,8 +100,11 @@ def test_spread():
 
 # --- PASS / MISS -----------------------------------------------------------------------------
 def _row(name, t, final=2.0, nic=1e6, step=0.3, control=0.005, steps_to=None):
+    """One method's medians; its one seed's curve ends at step 320 with ``final``."""
+    runs = [{"seed": 0, "curve": [] if final is None else [{"step": 320, "value": final}]}]
     return {"name": name, "time_to_target_s": t, "final_metric": final, "nic_bytes_to_stop": nic,
-            "nic_bytes_per_step": None if nic is None else nic / 100, "step_s": step, "control_share": control, "steps_to_target": steps_to}
+            "nic_bytes_per_step": None if nic is None else nic / 100, "step_s": step, "control_share": control,
+            "steps_to_target": steps_to, "runs": runs}
 
 
 def _results(rows, workload="gpt", rate="100mbit", bound=67.2):
@@ -180,11 +183,38 @@ def test_other_workloads_judge_the_final_loss_against_dense_when_dense_ran():
             _row("raycomp_adaptive", 60.0, final=2.019)]
     goals = judge.judge(_results(rows, workload="lstm"))
     assert [g["ok"] for g in goals] == [True, True]
-    assert goals[1]["value"] == pytest.approx(0.0095) and "within 1% of dense" in goals[1]["goal"]
-    rows[-1]["final_metric"] = 2.0201
+    assert goals[1]["value"] == pytest.approx(0.0095) and "within 1% of dense's at the same step" in goals[1]["goal"]
+    rows[-1] = _row("raycomp_adaptive", 60.0, final=2.0201)
     assert _verdicts(_results(rows, workload="lstm")) == [True, False]
-    rows[-1]["final_metric"] = None  # no number: a MISS
+    rows[-1] = _row("raycomp_adaptive", 60.0, final=None)  # no number: a MISS
     assert _verdicts(_results(rows, workload="lstm")) == [True, False]
+
+
+def test_the_final_loss_is_compared_with_dense_at_the_same_step_per_seed():
+    # dense runs its whole budget (the auto target); adaptive stops once the target held:
+    # its last evaluation is compared with dense's at that step, on the same seed, not with
+    # dense's last (which is lower by dense's own progress after the target step)
+    def curve(values):
+        return [{"step": 16 * (i + 1), "value": v} for i, v in enumerate(values)]
+
+    dense = _row("dense", 120.0, final=1.80)
+    dense["runs"] = [{"seed": 0, "curve": curve([2.0, 1.90, 1.85, 1.80])},
+                     {"seed": 1, "curve": curve([2.0, 1.92, 1.86, 1.82])},
+                     {"seed": 2, "curve": curve([2.0, 1.91, 1.84, 1.79])}]
+    ada = _row("raycomp_adaptive", 60.0, final=1.88)
+    ada["runs"] = [{"seed": 0, "curve": curve([2.0, 1.93, 1.869])},  # stopped at step 48: +1.03%
+                   {"seed": 1, "curve": curve([2.0, 1.93])},  # stopped at step 32: +0.52%
+                   {"seed": 2, "curve": curve([2.1, 1.92, 1.85, 1.80])}]  # the whole budget: +0.56%
+    goal = judge.judge(_results([dense, ada], workload="lstm"))[1]
+    assert goal["value"] == pytest.approx((1.80 - 1.79) / 1.79) and goal["ok"]  # seed 2's, the median
+    assert goal["detail"] == "seed 0 at step 48: +1.03%; seed 1 at step 32: +0.52%; seed 2 at step 64: +0.56%"
+    # higher is better (accuracy): a lower accuracy is worse
+    results = _results([dense, ada], workload="cnn")
+    results["target"] = {"metric": "accuracy", "lower_is_better": False}
+    assert judge.judge(results)[1]["value"] == pytest.approx(-(1.80 - 1.79) / 1.79)
+    # no seed both ran: no number, a MISS
+    ada["runs"] = [{"seed": 5, "curve": curve([2.0])}]
+    assert judge.judge(_results([dense, ada], workload="lstm"))[1]["ok"] is False
 
 
 def test_the_goals_table_names_only_known_scopes_measures_and_comparisons():

@@ -45,7 +45,8 @@ SCOPES: tuple[tuple[str, dict[str, str]], ...] = (
 #: the local-step methods (a grid reported under its name: its best setting)
 LOCAL_METHODS = ("torch_postlocalsgd", "torchft_diloco", "raycomp_local")
 
-_FINAL = "adaptive final validation {metric} within {threshold:.0%} of dense (relative, > 0 = worse)"
+_FINAL = ("adaptive validation {metric} within {threshold:.0%} of dense's at the same step (each seed's last "
+          "evaluation both runs made; median, relative, > 0 = worse)")
 
 GOALS: tuple[Goal, ...] = (
     # FSDP (issue 14): dense FSDP's target, fewer bytes on the NIC

@@ -179,6 +179,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         *[f"- {g['goal']}: **{g.get('note') or show(g['value'], '{:.3f}')}** — **{'PASS' if g['ok'] else 'MISS'}**"
           + (f" (physical limit, at the compute-bound time: {g['limit']:.2f})" if g.get("limit") is not None else "")
+          + (f" ({g['detail']})" if g.get("detail") else "")
           for g in results["goals"]],
         "",
     ]
