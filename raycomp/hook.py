@@ -120,6 +120,7 @@ class CompressionState:
         self._threads = BucketThreads(async_comm)
         self._send_inline = not self._threads.enabled  # this step's: see begin_step
         self._flat = False  # this step's buckets go as they lie, without the threads (begin_step)
+        self.in_flight: list[torch.futures.Future] = []  # this flat step's bucket futures so far
         # DDP with find_unused_parameters drops the mean of a layer no rank used, after the
         # hook: such a layer's memory update waits until DDP's map of used parameters is in
         self._ddp_reducer = getattr(model, "reducer", None) if getattr(model, "find_unused_parameters", False) \
@@ -203,6 +204,7 @@ class CompressionState:
         if self.reducer.in_step:
             return
         self.reducer.begin_step()
+        self.in_flight = []
         dense = self._dense_everywhere()
         self._send_inline = not self._threads.enabled or dense
         self._flat = dense and self._threads.enabled and self.reducer.flat_ready()
@@ -282,16 +284,22 @@ def compression_hook(
         state.settle_after_backward()
     if state.flat_step(buffer.device):
         future = state.reducer.start_flat(names, grads, buffer, closes_step=last)
+        state.in_flight.append(future)
         if not last:
             return future
+        # gloo runs a group's collectives on several threads, so the last bucket (often the
+        # smallest) can be in before the buckets issued earlier: the step ends, and its
+        # wait is counted, once every bucket is in
+        step_futures, state.in_flight = state.in_flight, []
 
-        def end_step(done: torch.futures.Future) -> torch.Tensor:
-            mean = done.value()  # a failed collective raises here, before the step ends
+        def end_step(_: torch.futures.Future) -> torch.Tensor:
+            for done in step_futures:
+                done.value()  # a failed collective raises here, before the step ends
             state.end_step()
             state.comm_seconds += time.perf_counter() - handed_over
-            return mean
+            return future.value()
 
-        return future.then(end_step)
+        return torch.futures.collect_all(step_futures).then(end_step)
 
     def send() -> Pending[list[torch.Tensor]]:
         return state.start(names, grads, closes_step=last, overwrite=True)  # the result replaces them

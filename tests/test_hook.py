@@ -837,6 +837,48 @@ def test_comm_time_counts_what_the_step_waited_for_not_what_hid_behind_backward(
             assert torch.equal(a, b)
 
 
+def _flat_step_ends_after_every_bucket(rank: int, world_size: int) -> tuple[list[list[bool]], float, bool]:
+    # the output layer (16.8M weights) is the first bucket backward hands over, the two
+    # others (36,936 weights) the last: gloo reduces them on two threads, and the small last
+    # one is in well before the first
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4096), nn.Linear(4096, 4096))
+    ddp = DDP(model, bucket_cap_mb=1)
+    state = CompressionState(ddp, Plan(), min_compress_numel=0)
+    returned: list[torch.futures.Future] = []
+    seen: list[list[bool]] = []  # per step, when it ended: whether each earlier bucket was in
+    end_step = state.reducer.end_step
+
+    def ending() -> None:
+        seen.append([f.done() for f in returned[:-1]])
+        end_step()
+
+    state.reducer.end_step = ending
+
+    def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks real annotations, these would be strings
+        returned.append(compression_hook(state, bucket))
+        return returned[-1]
+
+    ddp.register_comm_hook(state, hook)
+    flat = True
+    for step in range(3):  # DDP holds every gradient in one bucket at the first step
+        returned.clear()
+        ddp.zero_grad()
+        ddp(torch.randn(2, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+        flat = flat and state.flat_step(torch.device("cpu"))
+    state.close()
+    return seen[1:], state.comm_seconds, flat
+
+
+def test_a_flat_dense_step_ends_once_every_bucket_is_in():
+    # the step's end (its statistics, its plan, its counted wait) waits for every bucket,
+    # not only the last one handed over, which gloo can finish first
+    for seen, comm, flat in run_distributed(_flat_step_ends_after_every_bucket, 2):
+        assert flat  # the dense plan's flat path, not the threads
+        assert [len(s) for s in seen] == [1, 1] and all(all(s) for s in seen), seen
+        assert comm > 0
+
+
 # --- the next bucket is encoded while this one is on the wire ------------------------------
 class Logged(MinMaxInt8):
     """int8 (one all-gather at two ranks) that logs each encode and decode; rank 1 takes
