@@ -68,8 +68,7 @@ class LocalSim(Sim):
         return super().run(intervals, link, *args, **kwargs)
 
     def _timing(self, report: dict, mode) -> dict:
-        sync = (sum(layer_bytes(n, "int4", {}) for n, s in SHAPES.items() if numel(s) >= 1024) / self.link.bandwidth
-                + self.link.overhead) * self.sync_factor
+        sync = int4_sync(self.link) * self.sync_factor
         switch = sync / K if self.previous_mode is not None and mode != self.previous_mode else 0.0
         if mode is None:  # per step: the compute looks larger by the overlap, comm as measured
             compute = report["compute_seconds"] * self.overlap
@@ -82,11 +81,17 @@ class LocalSim(Sim):
         return self.details()["local"]
 
 
+def int4_sync(link: Link) -> float:
+    """A sync's seconds on ``link`` by its bytes: int4 pseudo-gradients of every compressible
+    layer, and int4's one extra collective round at two ranks."""
+    return sum(layer_bytes(n, "int4", {}) for n, s in SHAPES.items() if numel(s) >= 1024) / link.bandwidth \
+        + link.overhead
+
+
 def expected_interval(link: Link, largest: int, target: float = 0.1) -> int:
     """What the policy should choose, from the link alone: the smallest power of two H with
     (int4 pseudo-gradients of every compressible layer) / H <= target x compute."""
-    sync = sum(layer_bytes(n, "int4", {}) for n, s in SHAPES.items() if numel(s) >= 1024) / link.bandwidth
-    sync += link.overhead  # int4 at two ranks: one extra collective round
+    sync = int4_sync(link)
     h = 2
     while h < largest and sync / h > target * link.compute:
         h *= 2
@@ -147,8 +152,7 @@ def test_a_return_to_the_same_interval_measures_it_afresh():
     sim.run(RECOVERY + 1, slower)
     assert sim.run(1, slower).local.sync_every == 2
     sim.run(3, slower)
-    sync = sum(layer_bytes(n, "int4", {}) for n, s in SHAPES.items() if numel(s) >= 1024) / slower.bandwidth
-    sync = (sync + slower.overhead) * 1.5
+    sync = int4_sync(slower) * 1.5
     history = sim.local_details()["history"]
     assert history[-1][1] == 2 and f"(compute 50 ms, a sync {sync * 1e3:.0f} ms as measured" in history[-1][3], history[-1]
 

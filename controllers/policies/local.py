@@ -38,9 +38,10 @@ against. This policy learns from them instead what local steps really cost, whic
 model cannot know: an inner step's compute without any communication beside it (per step,
 backward overlaps the reduction and the two share the cores, so the compute measured there
 is larger: 1.2-1.3x on the CNN at 100 Mbit/s), and a sync's seconds (its codec, the outer
-step and an all-gather nothing overlaps) as a multiple of the byte model's prediction. Once the latest boundaries under
-one H cover two of its syncs, the next choices of H use the measured figures, so a first H
-chosen on predictions alone is corrected (damped like any other switch).
+step and an all-gather nothing overlaps) as a multiple of the byte model's prediction. Once
+the latest boundaries under one H cover two of its syncs, the next choices of H use the
+measured figures, so a first H chosen on predictions alone is corrected (damped like any
+other switch).
 """
 
 from __future__ import annotations

@@ -100,12 +100,14 @@ def _final_metric_vs_dense(r: _Rows) -> Measure:
     dense's own progress after the target step (1.1% on the character LSTM), whatever the
     method."""
     lower = r.results["target"]["lower_is_better"]
-    dense = {run["seed"]: {e["step"]: e["value"] for e in run.get("curve") or []}
-             for run in r.dense.get("runs") or []}
+
+    def by_step(run: dict[str, Any]) -> dict[int, float]:
+        return {e["step"]: e["value"] for e in run.get("curve") or []}
+
+    dense = {run["seed"]: by_step(run) for run in r.dense.get("runs") or []}
     seen = []
     for run in r.ada.get("runs") or []:
-        own = {e["step"]: e["value"] for e in run.get("curve") or []}
-        other = dense.get(run["seed"], {})
+        own, other = by_step(run), dense.get(run["seed"], {})
         both = [s for s in own if s in other and own[s] is not None and other[s]]
         if both:
             step = max(both)
