@@ -145,6 +145,9 @@ class Controller:
             # the latest evaluation the ranks reported (their mean), and how to read it
             "eval_metric": run.eval_metric,
             "eval_kind": run.eval_kind,
+            # the optimizer's learning rate the ranks reported: the latest and the largest
+            "lr": run.lr,
+            "peak_lr": run.peak_lr,
         }
 
     def health(self) -> dict[str, Any]:

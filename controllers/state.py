@@ -115,6 +115,8 @@ class RunState:
         self.skipped_steps = 0  # the optimizer steps skipped (the same on every rank)
         self.outer_steps = 0  # outer steps of local steps applied (the same on every rank)
         self.loss_scale: float | None = None  # the latest GradScaler scale reported (fp16 runs)
+        self.lr: float | None = None  # the latest learning rate reported (None: not reported)
+        self.peak_lr: float | None = None  # the largest learning rate reported so far
         self.eval_kind = eval_kind
         self.fallback_by_reason: dict[str, int] = {}
         self.histograms = {name: Histogram() for name in TIMED}
@@ -141,6 +143,9 @@ class RunState:
         self.outer_steps = max(self.outer_steps, stats.outer_steps)
         if stats.loss_scale is not None and stats.step >= self._totals_step.get(stats.rank, -1):
             self.loss_scale = stats.loss_scale
+        if stats.lr is not None and stats.step >= self._totals_step.get(stats.rank, -1):
+            self.lr = stats.lr
+            self.peak_lr = stats.lr if self.peak_lr is None else max(self.peak_lr, stats.lr)
         if not repeat:  # the same interval again adds no timing sample
             for name in TIMED:
                 self.histograms[name].observe(getattr(stats, name))
@@ -255,6 +260,7 @@ class RunState:
             "per_rank_bytes": {str(k): list(v) for k, v in self.per_rank_bytes.items()},
             "per_rank_outages": {str(k): v for k, v in self.per_rank_outages.items()},
             "skipped_steps": self.skipped_steps, "loss_scale": self.loss_scale, "outer_steps": self.outer_steps,
+            "lr": self.lr, "peak_lr": self.peak_lr,
             "eval_kind": self.eval_kind, "fallback_by_reason": self.fallback_by_reason,
             "histograms": {k: vars(h) for k, h in self.histograms.items()},
         }
@@ -284,6 +290,7 @@ class RunState:
         run.per_rank_outages = {int(k): v for k, v in data["per_rank_outages"].items()}
         run.skipped_steps, run.loss_scale = data.get("skipped_steps", 0), data.get("loss_scale")
         run.outer_steps = data.get("outer_steps", 0)
+        run.lr, run.peak_lr = data.get("lr"), data.get("peak_lr")
         run.fallback_by_reason = dict(data["fallback_by_reason"])
         run.histograms = {k: Histogram(**h) for k, h in data["histograms"].items()}
         return run

@@ -54,6 +54,7 @@ class GradStats:
     skipped_steps: int = 0  # steps this rank's optimizer skipped so far (guard or loss-scale overflow)
     loss_scale: float | None = None  # the GradScaler's scale at the boundary (fp16; None without one)
     outer_steps: int = 0  # outer steps (syncs of local steps) this rank applied so far
+    lr: float | None = None  # the optimizer's learning rate at the boundary (its largest group's)
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -87,6 +88,10 @@ class GradStats:
             _finite(f"stats.{key}", data.get(key))
         if data.get("eval_metric") is not None:
             _finite("stats.eval_metric", data["eval_metric"])
+        if data.get("lr") is not None:
+            _finite("stats.lr", data["lr"])
+            if data["lr"] < 0:
+                raise ValueError(f"stats.lr: expected a number >= 0, got {data['lr']!r}")
         if data.get("loss_scale") is not None:
             _finite("stats.loss_scale", data["loss_scale"])
             if data["loss_scale"] <= 0:

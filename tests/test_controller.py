@@ -68,6 +68,8 @@ def test_malformed_reports_are_rejected_counted_and_harmless():
         {**report("r1", 0, 4), "outer_steps": 1.5},
         {**report("r1", 0, 4), "loss_scale": float("inf")},
         {**report("r1", 0, 4), "loss_scale": 0.0},
+        {**report("r1", 0, 4), "lr": -0.1},
+        {**report("r1", 0, 4), "lr": float("nan")},
     ]
     for item in bad:
         assert controller.ingest(item) is False
@@ -85,9 +87,10 @@ def test_snapshot_restores_runs_and_policy_state(tmp_path):
     options = CriticalOptions(window_steps=5).model_dump(mode="json")
     first = Controller(snapshot_dir=str(tmp_path))
     register(first, "run", "critical", options, warmup=0)
-    for step, norm in ((4, 1.0), (9, 5.0), (14, 5.0)):
+    for step, norm, lr in ((4, 1.0, 0.1), (9, 5.0, 0.2), (14, 5.0, 0.05)):
         for rank in (0, 1):
-            first.ingest(report("run", rank, step, norm=norm))
+            first.ingest(report("run", rank, step, norm=norm, lr=lr))
+    assert (first.summary("run")["lr"], first.summary("run")["peak_lr"]) == (0.05, 0.2)
     first.snapshot()
     saved = [json.loads(path.read_text()) for path in (tmp_path / "runs").glob("*.json")]
     assert [data["run_id"] for data in saved] == ["run"]
@@ -95,6 +98,7 @@ def test_snapshot_restores_runs_and_policy_state(tmp_path):
     assert second.health()["restored"]
     assert second.plan("run", -1) == first.plan("run", -1)
     assert second.summary("run")["policy_details"] == first.summary("run")["policy_details"]
+    assert (second.summary("run")["lr"], second.summary("run")["peak_lr"]) == (0.05, 0.2)
     for rank in (0, 1):  # and it keeps steering
         second.ingest(report("run", rank, 19, norm=5.0))
         first.ingest(report("run", rank, 19, norm=5.0))

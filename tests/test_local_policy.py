@@ -48,6 +48,7 @@ class LocalSim(Sim):
         self.fallback = False
         self.events: list[dict] = []
         self.loss = 1.0  # the training loss the workers report
+        self.lr: float | None = None  # the learning rate they report (None: not reported)
         self.sync_factor, self.overlap = sync_factor, overlap
         self.link: Link | None = None
         self.previous_mode = None  # the local steps of the previous interval (None: per step)
@@ -56,7 +57,8 @@ class LocalSim(Sim):
         def with_workers_view(report: dict) -> bool:
             mode = self.plan.local_steps
             taken = ingest({**report, **self._timing(report, mode), "fallback_active": self.fallback,
-                            "events": self.events if report["rank"] == 0 else [], "loss": self.loss})
+                            "events": self.events if report["rank"] == 0 else [], "loss": self.loss,
+                            "lr": self.lr})
             if report["rank"] == W - 1:
                 self.previous_mode = mode
             return taken
@@ -155,6 +157,59 @@ def test_a_return_to_the_same_interval_measures_it_afresh():
     sync = int4_sync(slower) * 1.5
     history = sim.local_details()["history"]
     assert history[-1][1] == 2 and f"(compute 50 ms, a sync {sync * 1e3:.0f} ms as measured" in history[-1][3], history[-1]
+
+
+def test_the_largest_interval_grows_with_the_square_of_the_learning_rates_decay():
+    # SLOW asks for H=32 by time; at the peak rate H is at most sync_every_at_peak_lr (4), at
+    # 0.7x the peak 4 / 0.49 = 8.2 (8), at 0.5x 16, at 0.35x 32.7 (the time rule's 32)
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64}, lossy="never")
+    sim.lr = 0.1
+    plan = sim.run(5, SLOW)
+    assert plan.local is not None and plan.local.sync_every == 4
+    assert plan.reason.endswith("; H=32 by time, at most 4 at a learning rate 1x its peak)"), plan.reason
+    seen = []
+    for lr in (0.1, 0.09, 0.07, 0.07, 0.05, 0.05, 0.035, 0.035, 0.035):
+        sim.lr = lr
+        seen.append(sim.run(1, SLOW).local.sync_every)
+    # a larger H is taken where two boundaries agree, as any other change of H
+    assert seen == [4, 4, 4, 8, 8, 16, 16, 32, 32], seen
+    assert "by time" not in sim.plan.reason  # the time rule binds again
+    # a rate that rises again (a warm restart) lowers the largest H at once
+    sim.lr = 0.1
+    plan = sim.run(1, SLOW)
+    assert plan.local.sync_every == 4 and "at most 4 at a learning rate 1x its peak" in plan.reason
+    # the peak is the largest rate reported so far: a warm-up that rises to it keeps H at 4
+    warm = LocalSim({"mode": "auto", "max_sync_every": 64}, lossy="never")
+    for lr in (0.01, 0.03, 0.06, 0.1, 0.1):
+        warm.lr = lr
+        plan = warm.run(1 if lr != 0.01 else 5, SLOW)
+        assert plan.local is None or plan.local.sync_every == 4, (lr, plan.reason)
+    assert plan.local is not None
+
+
+def test_the_learning_rate_rule_is_off_without_a_rate_or_at_max_sync_every():
+    for local, lr in (({"mode": "auto", "max_sync_every": 64}, None),
+                      ({"mode": "auto", "max_sync_every": 64, "sync_every_at_peak_lr": 64}, 0.1)):
+        sim = LocalSim(local, lossy="never")
+        sim.lr = lr
+        assert sim.run(5, SLOW).local.sync_every == 32 == expected_interval(SLOW, 64)
+        assert "by time" not in sim.plan.reason
+
+
+def test_where_the_rate_allows_only_an_interval_no_faster_than_per_step_it_stays_per_step():
+    # under Adam (local steps must be predicted twice as fast) on a 5 MB/s link: int4 per
+    # step 113 ms; local steps every 4 58 ms, not fast enough; the time rule's H=8 54 ms
+    # would be, but the peak rate allows 4
+    link = Link(bandwidth=5e6)
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64, "min_gain": LOCAL_MIN_GAIN["other"]}, lossy="never")
+    sim.lr = 0.1
+    plan = sim.run(6, link)
+    assert plan.local is None and plan.reason.startswith("per step: ")
+    assert "per step 113 ms predicted, local steps 58 ms" in plan.reason
+    assert plan.reason.endswith("; H=8 by time, at most 4 at a learning rate 1x its peak)"), plan.reason
+    sim.lr = 0.07  # 8 allowed, and taken once two boundaries agree
+    assert sim.run(1, link).local is None
+    assert sim.run(1, link).local.sync_every == 8
 
 
 def test_a_looser_overhead_target_gives_a_shorter_interval():

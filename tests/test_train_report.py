@@ -74,6 +74,8 @@ def _reports(config: dict) -> dict:
     model = raycomp.train.prepare_model(model, optimizer, options=options)
     loop = raycomp.train.current()
     for epoch in loop.epochs(EPOCHS, STEPS):
+        for group in optimizer.param_groups:  # a decaying rate: the controller keeps its peak
+            group["lr"] = 0.01 / (epoch + 1)
         for _ in range(loop.step_in_epoch, STEPS):
             loss = model(torch.randn(8, 32)).pow(2).mean()
             loss.backward()
@@ -104,6 +106,8 @@ def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_doc
     # it went with that interval sent again
     summary = json.loads((output / "summary.json").read_text())
     assert (summary["policy"]["eval_metric"], summary["policy"]["eval_kind"]) == (pytest.approx(0.4), "accuracy")
+    # and the optimizer's learning rate, the latest and the largest (local steps' H follows it)
+    assert (summary["policy"]["lr"], summary["policy"]["peak_lr"]) == (pytest.approx(0.0025), pytest.approx(0.01))
     # checkpoints: step 10 (every_steps, at an epoch end), 15 (checkpoint=True), 20 (the last epoch)
     run_dir = tmp_path / f"report-{tmp_path.name}"[:60]  # RunConfig(name=...) of fit_with_controller
     steps = sorted(json.loads((p / "meta.json").read_text())["global_step"]

@@ -248,9 +248,13 @@ class TrainLoop:
             self._install(new_plan)
 
     def _report_counters(self) -> dict[str, Any]:
-        """Skipped and outer steps so far and the loss scale, for the controller's report."""
+        """Skipped and outer steps so far, the loss scale and the learning rate (the largest
+        group's, as the schedule has it: local steps' H follows its decay), for the
+        controller's report."""
         scale = None if self.grad_scaler is None else self.grad_scaler.get_scale()
-        return {"skipped_steps": self.skipped_steps, "loss_scale": scale, "outer_steps": self.outer_steps}
+        lr = max(float(group["lr"]) for group in self.optimizer.param_groups)
+        return {"skipped_steps": self.skipped_steps, "loss_scale": scale, "outer_steps": self.outer_steps,
+                "lr": lr if math.isfinite(lr) and lr >= 0 else None}
 
     def sync_plan(self, offer: Plan | None) -> Plan | None:
         """Agreement check of plan and guard state; rank 0's ``offer`` on every rank."""

@@ -48,10 +48,11 @@ class StatsReporter:
         self._losses.append(loss)
 
     def send(self, state: Any, step: int, epoch: int, fallback_active: bool, final: bool = False,
-             skipped_steps: int = 0, loss_scale: float | None = None, outer_steps: int = 0) -> None:
+             skipped_steps: int = 0, loss_scale: float | None = None, outer_steps: int = 0,
+             lr: float | None = None) -> None:
         """Report the interval since the last call (``state``: the rank's CompressionState;
         ``skipped_steps`` and ``outer_steps``: this rank's totals so far; ``loss_scale``: the
-        GradScaler's, if any)."""
+        GradScaler's, if any; ``lr``: the optimizer's learning rate now)."""
         timings, losses = self._timings, self._losses
         self._timings, self._losses = [], []
         if self.controller is None:
@@ -85,7 +86,7 @@ class StatsReporter:
             fallback_active=fallback_active,
             layers=tuple(s.to_dict() for s in state.stats if _finite_stats(s)),
             events=tuple(self.events), eval_metric=self.eval_metric, outages=self.outages.count,
-            skipped_steps=skipped_steps, loss_scale=loss_scale, outer_steps=outer_steps,
+            skipped_steps=skipped_steps, loss_scale=loss_scale, outer_steps=outer_steps, lr=lr,
         )
         self.events, self.eval_metric = [], None
         try:
