@@ -348,6 +348,19 @@ def test_a_falling_loss_keeps_the_interval():
     assert sim.local_details()["largest_allowed"] == 64
 
 
+def test_the_default_tolerance_rides_out_a_bump_of_ten_percent():
+    # dense's own curve on the CNN rises ~10% for a few boundaries near step 150 (the data
+    # order); a default that halved H there would cost a harmless run its local steps
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64}, lossy="never")
+    sim.loss = 1.0
+    assert sim.run(5, SLOW).local.sync_every == 32
+    for loss in (0.5, 0.5, 0.555, 0.555, 0.555, 0.5):  # the lowest 0.5, then 11% above it
+        sim.loss = loss
+        assert sim.run(1, SLOW).local.sync_every == 32
+    sim.loss = 0.6  # 20% above: the two-boundary mean 0.5775, then 0.6, above 0.575 twice
+    assert [sim.run(1, SLOW).local.sync_every for _ in range(3)] == [32, 32, 16]
+
+
 def test_fixed_mode_is_local_steps_from_the_first_decision_with_the_configured_compressor():
     sim = LocalSim({"mode": "fixed", "sync_every": 8, "fragments": 2, "compressor": "int8"})
     sim.run(3, FAST)

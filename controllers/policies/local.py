@@ -16,8 +16,8 @@
   between ranks costs the loss most while the rate is high and little once it has decayed:
   on the character LSTM at its tuned rate, H=16 throughout ended 1.7% above dense's loss,
   H=4 0.45%, and H=4 then 16 from halfway through the cosine schedule 0.6%. A cap that
-  falls (a rate that rises again) is taken at once. Local steps are chosen when the per-step plan is predicted more than
-  ``min_gain`` slower (resolved by the worker from its optimizer: twice as slow under Adam,
+  falls (a rate that rises again) is taken at once. Local steps are chosen when the
+  per-step plan is predicted more than ``min_gain`` slower (resolved by the worker from its optimizer: twice as slow under Adam,
   :func:`raycomp.train.lossy.local_min_gain`); on a fast link that never happens, and the per-step plan (often
   dense) stays. A switch of mode or H waits until ``PATIENCE`` boundaries in a row agree
   (the first choice is taken at once), so that choices that would undo each other are

@@ -122,8 +122,11 @@ class LocalSection(_Strict):
     #: ``auto``: how far (a fraction) the training loss, averaged over two boundaries, may
     #: rise above the lowest it reached since local steps began before H is halved. Training
     #: that works does not lose ground; an H too large for the run does, slowly, below the
-    #: guard's spike factor. Raise it for a noisy loss (small batches)
-    loss_tolerance: Annotated[float, Field(gt=0, le=10)] = 0.05
+    #: guard's spike factor. The training loss bumps with the data order under any mode: on
+    #: the CNN at 0.05 and 0.10 the rule tripped on dense's own curve (one seed of three)
+    #: and on fixed H=16 (no worse than dense), at 0.15 on none of 18 dense and fixed-H runs
+    #: of the CNN and the LSTM. Raise it for a noisier loss (small batches)
+    loss_tolerance: Annotated[float, Field(gt=0, le=10)] = 0.15
 
     @field_validator("compressor")
     @classmethod
