@@ -137,6 +137,13 @@ MUTANTS = (
         "workers never tell the controller their learning rate: the quadratic rule never applies",
     ),
     mutant(
+        "local-loss-tolerance-trips-on-noise", "LocalSection",
+        "    loss_tolerance: Annotated[float, Field(gt=0, le=10)] = 0.15\n",
+        "    loss_tolerance: Annotated[float, Field(gt=0, le=10)] = 0.05\n",
+        "tests/test_local_policy.py -k bump",
+        "the default loss rule halves H on a bump of the training loss that dense's own curve has",
+    ),
+    mutant(
         "local-min-gain-ignores-the-optimizer", "local_min_gain",
         "    return LOCAL_MIN_GAIN[\"linear\" if lossy_suits(optimizer) else \"other\"]\n",
         "    return LOCAL_MIN_GAIN[\"linear\"]\n",
