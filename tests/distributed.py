@@ -12,7 +12,12 @@ interpreter or torch starts (``PYTHONHASHSEED``, torch's flight recorder).
 
 The ranks meet through a ``FileStore`` in a fresh directory, not a TCP port: a port found
 free and released before rank 0 binds it can be taken by another process in between
-(EADDRINUSE), which a suite that starts Ray clusters and servers does now and then.
+(EADDRINUSE), which a suite that starts Ray clusters and servers does now and then. Each
+rank hands back its result as a file in that directory, renamed into place when complete,
+not through a multiprocessing queue: a queue's pipe once left the parent waiting in the
+middle of a message while both ranks, their results sent, waited to exit (a suite-long
+hang no timeout caught, since the parent had started reading). A rank that exits without a
+result fails the caller at once.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import pickle
 import shutil
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -50,7 +56,7 @@ def _context(fresh_interpreters: bool) -> mp.context.BaseContext:
     return ctx
 
 
-def _entry(fn, rank, world_size, store_path, args, queue, pg_timeout_s, environ=None):
+def _entry(fn, rank, world_size, store_path, args, out_dir, pg_timeout_s, environ=None):
     if environ is not None:  # a forked rank: the caller's environment now, not the server's
         os.environ.clear()
         os.environ.update(environ)
@@ -62,12 +68,20 @@ def _entry(fn, rank, world_size, store_path, args, queue, pg_timeout_s, environ=
             timeout=timedelta(seconds=pg_timeout_s),
         )
         # plain pickle bytes: torch would otherwise share memory with a process about to exit
-        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+        _hand_back(out_dir, rank, ("ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        _hand_back(out_dir, rank, ("error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _hand_back(out_dir: str, rank: int, result: tuple[str, Any]) -> None:
+    """Write ``result`` where the parent looks for it, whole or not at all."""
+    part = os.path.join(out_dir, f"result-{rank}.part")
+    with open(part, "wb") as f:
+        pickle.dump(result, f)
+    os.replace(part, os.path.join(out_dir, f"result-{rank}.pkl"))
 
 
 def run_distributed(
@@ -78,11 +92,10 @@ def run_distributed(
     different ``PYTHONHASHSEED`` per rank, which must be set before the process starts)."""
     ctx = _context(fresh_interpreters=env_per_rank is not None)
     environ = None if env_per_rank is not None else dict(os.environ)
-    queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="raycomp-store-")
     store_path = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, store_path, args, queue, pg_timeout_s, environ))
+        ctx.Process(target=_entry, args=(fn, r, world_size, store_path, args, store_dir, pg_timeout_s, environ))
         for r in range(world_size)
     ]
     for rank, p in enumerate(procs):
@@ -98,15 +111,29 @@ def run_distributed(
                 else:
                     os.environ[k] = v
     results: dict[int, Any] = {}
-    errors = []
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = pickle.loads(value)
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break
+        while len(results) < world_size and not errors:
+            for rank, p in enumerate(procs):
+                path = os.path.join(store_dir, f"result-{rank}.pkl")
+                if rank in results:
+                    continue
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        status, value = pickle.load(f)
+                    if status != "ok":
+                        errors.append(f"rank {rank}:\n{value}")
+                        break
+                    results[rank] = pickle.loads(value)
+                elif p.exitcode is not None and not os.path.exists(path):  # gone without a result
+                    errors.append(f"rank {rank}: exited with code {p.exitcode} without a result")
+                    break
+            if len(results) < world_size and not errors:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    errors.append(f"ranks {missing}: no result within {timeout:.0f} s")
+                time.sleep(0.02)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)

@@ -201,3 +201,27 @@ def test_single_process_group_is_local_compression():
         assert r.wire_bytes == 0
         torch.testing.assert_close(r.mean, r.sent)
     assert overhead == 0
+
+
+def _fails_or_dies(rank: int, world_size: int, how: str) -> int:
+    if rank == 1 and how == "raise":
+        raise RuntimeError("rank 1 broke")
+    if rank == 1 and how == "die":
+        import os
+
+        os._exit(3)  # no result, no traceback: what a crashed rank leaves
+    return rank
+
+
+@pytest.mark.parametrize(("how", "message"), [
+    ("raise", r"(?s)rank 1:\n.*RuntimeError: rank 1 broke"),
+    ("die", r"rank 1: exited with code 3 without a result"),
+])
+def test_the_gloo_runner_fails_on_a_rank_that_raises_or_dies_without_waiting_out_its_timeout(how, message):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=message):
+        run_distributed(_fails_or_dies, 2, how, timeout=120)
+    assert time.monotonic() - started < 60
+    assert run_distributed(_fails_or_dies, 2, "none") == [0, 1]
