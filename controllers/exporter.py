@@ -109,6 +109,8 @@ class ControllerCollector:
         local = run.plan.local_steps
         f["raycomp_local_sync_every"].add_metric([rid], 0 if local is None else local.sync_every)
         f["raycomp_outer_steps_total"].add_metric([rid], run.outer_steps)
+        if run.lr is not None:
+            f["raycomp_learning_rate"].add_metric([rid], run.lr)
         f["raycomp_plan_switches_total"].add_metric([rid], run.plan_switches)
         f["raycomp_controller_reports_total"].add_metric([rid], run.reports)
         f["raycomp_controller_outages_total"].add_metric([rid], sum(run.per_rank_outages.values()))

@@ -99,6 +99,11 @@ CATALOGUE: tuple[Metric, ...] = (
            "Local steps in the plan: inner steps between syncs (H); 0 while gradients are reduced every step",
            ("run",),
            (Panel("Controller decisions", "Local steps: sync every H steps (0: per step)", f"raycomp_local_sync_every{_sel()}"),)),
+    Metric("raycomp_learning_rate", "gauge",
+           "The optimizer's learning rate the ranks reported (its largest group's); under local steps' auto "
+           "mode the largest H grows with the square of its decay from its peak",
+           ("run",),
+           (Panel("Controller decisions", "Learning rate (auto: largest H x (peak / lr)^2)", f"raycomp_learning_rate{_sel()}"),)),
     Metric("raycomp_outer_steps_total", "counter",
            "Outer steps of local steps: syncs that averaged the pseudo-gradients and moved the global weights",
            ("run",),

@@ -223,8 +223,10 @@ def test_the_plan_s_local_steps_are_exported_as_their_interval(tmp_path):
         controller.register_run("per-step", 2, {"fc1.weight": 4096}, "static", {}, 0, 5, 1024)
         controller.register_run("local", 2, {"fc1.weight": 4096}, "static", {"local": local}, 0, 5, 1024)
         for rank, outer in ((0, 3), (1, 2)):  # a rank's report may lag the other's
-            assert controller.ingest({**report("local", rank, 9), "layers": [], "outer_steps": outer})
+            assert controller.ingest({**report("local", rank, 9), "layers": [], "outer_steps": outer, "lr": 0.05})
         text = scrape(exporter.url)
+        assert 'raycomp_learning_rate{run="local"} 0.05' in text
+        assert 'raycomp_learning_rate{run="per-step"}' not in text  # no rate reported: no series
         assert 'raycomp_local_sync_every{run="local"} 8.0' in text
         assert 'raycomp_local_sync_every{run="per-step"} 0.0' in text
         assert 'raycomp_outer_steps_total{run="local"} 3.0' in text

@@ -157,4 +157,11 @@ MUTANTS = (
         "tests/test_local_train.py -k inner_steps_send_nothing",
         "raycomp_outer_steps_total stays at zero: the dashboard shows no sync of a run in local steps",
     ),
+    mutant(
+        "local-learning-rate-not-exported", "ControllerCollector._run",
+        "            f[\"raycomp_learning_rate\"].add_metric([rid], run.lr)\n",
+        "            pass\n",
+        "tests/test_observability.py -k local_steps_are_exported",
+        "the dashboard has no learning rate: nothing shows why local steps' H grows",
+    ),
 )
