@@ -194,6 +194,14 @@ def test_the_learning_rate_rule_is_off_without_a_rate_or_at_max_sync_every():
         sim.lr = lr
         assert sim.run(5, SLOW).local.sync_every == 32 == expected_interval(SLOW, 64)
         assert "by time" not in sim.plan.reason
+    # a rate decayed to (almost) nothing leaves the time rule alone, without overflowing
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64}, lossy="never")
+    sim.lr = 0.1
+    assert sim.run(5, SLOW).local.sync_every == 4
+    for lr in (1e-200, 0.0, 1e-200):
+        sim.lr = lr
+        sim.run(1, SLOW)
+    assert sim.plan.local.sync_every == 32 and "by time" not in sim.plan.reason
 
 
 def test_where_the_rate_allows_only_an_interval_no_faster_than_per_step_it_stays_per_step():

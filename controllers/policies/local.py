@@ -191,8 +191,9 @@ class LocalChoice(Policy):
 
     def _lr_allows(self, run: RunState) -> float | None:
         """The largest H the learning rate allows: ``sync_every_at_peak_lr x (peak / lr)^2``;
-        None when the workers report no rate (or it has decayed to zero: no limit)."""
-        if run.lr is None or not run.peak_lr or run.lr <= 0:
+        None (no limit) when the workers report no rate, or it has decayed past 1e-4 of its
+        peak (the cap would pass any H allowed, and its square could overflow)."""
+        if run.lr is None or not run.peak_lr or run.lr <= 0 or run.peak_lr / run.lr > 1e4:
             return None
         return self.local.sync_every_at_peak_lr * (run.peak_lr / run.lr) ** 2
 
