@@ -67,8 +67,7 @@ def _entry(fn, rank, world_size, store_path, args, out_dir, pg_timeout_s, enviro
             "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
-        # plain pickle bytes: torch would otherwise share memory with a process about to exit
-        _hand_back(out_dir, rank, ("ok", pickle.dumps(fn(rank, world_size, *args))))
+        _hand_back(out_dir, rank, ("ok", fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         _hand_back(out_dir, rank, ("error", traceback.format_exc()))
     finally:
@@ -77,7 +76,8 @@ def _entry(fn, rank, world_size, store_path, args, out_dir, pg_timeout_s, enviro
 
 
 def _hand_back(out_dir: str, rank: int, result: tuple[str, Any]) -> None:
-    """Write ``result`` where the parent looks for it, whole or not at all."""
+    """Write ``result`` where the parent looks for it, whole or not at all (plain pickle:
+    nothing of it lives in memory shared with a process about to exit)."""
     part = os.path.join(out_dir, f"result-{rank}.part")
     with open(part, "wb") as f:
         pickle.dump(result, f)
@@ -116,16 +116,16 @@ def run_distributed(
     try:
         while len(results) < world_size and not errors:
             for rank, p in enumerate(procs):
-                path = os.path.join(store_dir, f"result-{rank}.pkl")
                 if rank in results:
                     continue
+                path = os.path.join(store_dir, f"result-{rank}.pkl")
                 if os.path.exists(path):
                     with open(path, "rb") as f:
                         status, value = pickle.load(f)
                     if status != "ok":
                         errors.append(f"rank {rank}:\n{value}")
                         break
-                    results[rank] = pickle.loads(value)
+                    results[rank] = value
                 elif p.exitcode is not None and not os.path.exists(path):  # gone without a result
                     errors.append(f"rank {rank}: exited with code {p.exitcode} without a result")
                     break

@@ -17,9 +17,9 @@
   on the character LSTM at its tuned rate, H=16 throughout ended 1.7% above dense's loss,
   H=4 0.45%, and H=4 then 16 from halfway through the cosine schedule 0.6%. A cap that
   falls (a rate that rises again) is taken at once. Local steps are chosen when the
-  per-step plan is predicted more than ``min_gain`` slower (resolved by the worker from its optimizer: twice as slow under Adam,
-  :func:`raycomp.train.lossy.local_min_gain`); on a fast link that never happens, and the per-step plan (often
-  dense) stays. A switch of mode or H waits until ``PATIENCE`` boundaries in a row agree
+  per-step plan is predicted more than ``min_gain`` slower (resolved by the worker from its
+  optimizer: twice as slow under Adam, :func:`raycomp.train.lossy.local_min_gain`); on a
+  fast link that never happens, and the per-step plan (often dense) stays. A switch of mode or H waits until ``PATIENCE`` boundaries in a row agree
   (the first choice is taken at once), so that choices that would undo each other are
   damped.
 
@@ -135,7 +135,7 @@ class LocalChoice(Policy):
         sync = self._predicted_sync(run, pseudo) * (1.0 if self.sync_scale is None else self.sync_scale)
         allowed = self._lr_allows(run)
         by_time = self._interval(sync, compute)
-        h = min(by_time, _power_of_two_below(allowed)) if by_time and allowed is not None else by_time
+        h = by_time if allowed is None else self._interval(sync, compute, allowed)
         local_step = compute + sync / h if h else per_step
         min_gain = self._min_gain()
         target = h if h and per_step > (1 + min_gain) * local_step else 0
@@ -193,9 +193,10 @@ class LocalChoice(Policy):
         """The largest H the learning rate allows: ``sync_every_at_peak_lr x (peak / lr)^2``;
         None (no limit) when the workers report no rate, or it has decayed past 1e-4 of its
         peak (the cap would pass any H allowed, and its square could overflow)."""
-        if run.lr is None or not run.peak_lr or run.lr <= 0 or run.peak_lr / run.lr > 1e4:
+        if run.lr is None or not run.peak_lr or run.lr <= 0:
             return None
-        return self.local.sync_every_at_peak_lr * (run.peak_lr / run.lr) ** 2
+        decay = run.peak_lr / run.lr
+        return None if decay > 1e4 else self.local.sync_every_at_peak_lr * decay**2
 
     def _min_gain(self) -> float:
         """``min_gain`` as the worker resolved it; "auto" unresolved (a run registered
@@ -236,10 +237,12 @@ class LocalChoice(Policy):
             self.history.append([run.step, self.chosen, "recover",
                                  f"largest H back to {self.ceiling} after {RECOVERY} boundaries without a step back"])
 
-    def _interval(self, sync: float, compute: float) -> int:
+    def _interval(self, sync: float, compute: float, limit: float = float("inf")) -> int:
         """The smallest power-of-two H whose sync adds at most ``target_overhead`` of the
-        compute per step, else the largest allowed; 0 when local steps are not allowed."""
-        candidates = [h for h in (2 ** k for k in range(1, 18)) if h <= min(self.ceiling, self.local.max_sync_every)]
+        compute per step, else the largest allowed (by the ceiling, ``max_sync_every`` and
+        ``limit``); 0 when local steps are not allowed."""
+        largest = min(self.ceiling, self.local.max_sync_every, limit)
+        candidates = [h for h in (2 ** k for k in range(1, 18)) if h <= largest]
         if not candidates:
             return 0
         for h in candidates:
@@ -285,10 +288,3 @@ class LocalChoice(Policy):
         self.samples = [list(x) for x in state.get("samples", [])]
         self.sampled_h, self.sampled_step = state.get("sampled_h", 0), state.get("sampled_step", -1)
 
-
-def _power_of_two_below(limit: float) -> int:
-    """The largest power of two <= ``limit``, at least 2 (the smallest H of local steps)."""
-    h = 2
-    while 2 * h <= limit:
-        h *= 2
-    return h

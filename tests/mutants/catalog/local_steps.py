@@ -103,15 +103,15 @@ MUTANTS = (
     ),
     mutant(
         "local-lr-never-caps-h", "LocalChoice._auto",
-        "        h = min(by_time, _power_of_two_below(allowed)) if by_time and allowed is not None else by_time\n",
+        "        h = by_time if allowed is None else self._interval(sync, compute, allowed)\n",
         "        h = by_time\n",
         "tests/test_local_policy.py -k learning_rate",
         "auto chooses H by time alone: the largest H at the peak learning rate, where the drift costs the loss most",
     ),
     mutant(
         "local-lr-cap-linear-in-the-decay", "LocalChoice._lr_allows",
-        "        return self.local.sync_every_at_peak_lr * (run.peak_lr / run.lr) ** 2\n",
-        "        return self.local.sync_every_at_peak_lr * (run.peak_lr / run.lr)\n",
+        "        return None if decay > 1e4 else self.local.sync_every_at_peak_lr * decay**2\n",
+        "        return None if decay > 1e4 else self.local.sync_every_at_peak_lr * decay\n",
         "tests/test_local_policy.py -k learning_rate",
         "H grows with the decay of the learning rate, not its square: later and less than the quadratic rule",
     ),
