@@ -22,8 +22,8 @@ bucket is compressed while this one is on the wire, and the link is not idle whi
 thread encodes. A step whose plan
 sends every layer dense has nothing to encode: its all-reduces are issued from DDP's own
 thread, as torch's all-reduce hook does, and only the waiting is handed over; on the CPU,
-when nothing is held in error feedback or measured either, no thread is involved: each
-bucket is all-reduced in place and a callback of the collective ends the step
+when nothing is held in error feedback or profiled (Top-K errors) either, no thread is
+involved: each bucket is all-reduced in place and a callback of the collective ends the step
 (:meth:`CompressionState.flat_step`). The overlap
 needs several buckets: DDP's default gives a model under 25 MB two,
 :func:`raycomp.bucket_cap_mb` about eight (raycomp.buckets).
@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from raycomp.compressors import Transport
 from raycomp.ddp import hook_group, reducer_order, refuse_sparse_gradients
@@ -128,6 +129,9 @@ class CompressionState:
         self.reducer.defer_unused = self._ddp_reducer is not None
         self._map_index = {self._names[id(p)]: i for i, p in enumerate(reducer_order(model))} \
             if self.defer_unused else {}
+        #: what DDP's buckets hold, each layer once (name, gradient bytes): a flat step's count
+        self._bucketed = [(self._names[id(p)], p.numel() * p.element_size()) for p in reducer_order(model)] \
+            if isinstance(model, DistributedDataParallel) else []
         self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
 
     # --- the reducer's face: what the training loop reads and calls --------------------
@@ -220,12 +224,37 @@ class CompressionState:
         """Whether this step's buckets on ``device`` go as they lie, all-reduced in place
         with a callback for the little left to do, as torch's all-reduce hook does
         (:meth:`raycomp.reducer.CompressedReducer.start_flat`): every layer dense, nothing
-        held in error feedback, nothing measured. On the CPU only: on CUDA the threaded
-        path, which keeps the stream semantics the GPU tests check, stays. The threads and
-        the general path cost a dense step on a 50-ms CNN ~5% against a hook with the same
-        collectives; decided when the step begins, the same on every rank."""
+        held in error feedback, no Top-K error profile measured. On the CPU only: on CUDA
+        the threaded path, which keeps the stream semantics the GPU tests check, stays. The
+        threads and the general path cost a dense step on a 50-ms CNN ~5% against a hook
+        with the same collectives; decided when the step begins, the same on every rank."""
         self.begin_step()
         return self._flat and device.type != "cuda"
+
+    def flat_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
+        """A bucket of a :meth:`flat_step`: all-reduced where it lies (its gradients' norms
+        first, on a statistics step). The last one counts the step's bytes (every layer
+        DDP reduces, once) and ends the step once every bucket is in: gloo runs a group's
+        collectives on several threads, so the last bucket (often the smallest) can be in
+        before the buckets issued earlier."""
+        handed_over, last = time.perf_counter(), bucket.is_last()
+        if self.reducer.collecting_stats:
+            self.reducer.measure_dense([self.name_of(p) for p in bucket.parameters()], bucket.gradients())
+        future = self.reducer.start_flat(buffer, closes_step=last)
+        self.in_flight.append(future)
+        if not last:
+            return future
+        step_futures, self.in_flight = self.in_flight, []
+        self.reducer.count_dense(self._bucketed)
+
+        def end_step(_: torch.futures.Future) -> torch.Tensor:
+            for done in step_futures:
+                done.value()  # a failed collective raises here, before the step ends
+            self.end_step()
+            self.comm_seconds += time.perf_counter() - handed_over  # what backward waited for
+            return future.value()
+
+        return torch.futures.collect_all(step_futures).then(end_step)
 
     @property
     def overlaps(self) -> bool:
@@ -275,31 +304,15 @@ def compression_hook(
     state: CompressionState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's compressed mean, per parameter as the plan says."""
+    buffer = bucket.buffer()
+    if state.flat_step(buffer.device):
+        return state.flat_bucket(bucket, buffer)
     names = [state.name_of(p) for p in bucket.parameters()]
     grads = bucket.gradients()
-    buffer = bucket.buffer()
     last = bucket.is_last()
     handed_over = time.perf_counter()
     if last and state.defer_unused:
         state.settle_after_backward()
-    if state.flat_step(buffer.device):
-        future = state.reducer.start_flat(names, grads, buffer, closes_step=last)
-        state.in_flight.append(future)
-        if not last:
-            return future
-        # gloo runs a group's collectives on several threads, so the last bucket (often the
-        # smallest) can be in before the buckets issued earlier: the step ends, and its
-        # wait is counted, once every bucket is in
-        step_futures, state.in_flight = state.in_flight, []
-
-        def end_step(_: torch.futures.Future) -> torch.Tensor:
-            for done in step_futures:
-                done.value()  # a failed collective raises here, before the step ends
-            state.end_step()
-            state.comm_seconds += time.perf_counter() - handed_over
-            return future.value()
-
-        return torch.futures.collect_all(step_futures).then(end_step)
 
     def send() -> Pending[list[torch.Tensor]]:
         return state.start(names, grads, closes_step=last, overwrite=True)  # the result replaces them

@@ -40,7 +40,7 @@ from raycomp.transports import (
     Reduced,
     communicate,
     communicators,
-    dense_allreduce,
+    mean_in_place,
 )
 
 __all__ = ["CompressedReducer"]
@@ -205,41 +205,41 @@ class CompressedReducer:
     def flat_ready(self) -> bool:
         """Whether this step may reduce its buckets with :meth:`start_flat`, given a plan
         that sends every layer dense (the caller's to know: it depends on the layers):
-        nothing held in error feedback, no statistics measured, no unused layers to settle."""
+        nothing held in error feedback, no Top-K error profile measured (statistics without
+        one: :meth:`measure_dense`), no unused layers to settle."""
         idle = getattr(self.memory, "idle", None)  # a memory of the caller's own may lack it
-        return (not self.collecting_stats and not self.defer_unused and not self._unsettled
-                and idle is not None and idle())
+        return (not (self.collecting_stats and self.profile_ratios) and not self.defer_unused
+                and not self._unsettled and idle is not None and idle())
 
-    def start_flat(self, names: Sequence[str], grads: Sequence[torch.Tensor], flat: torch.Tensor, *,
-                   closes_step: bool = False) -> torch.futures.Future:
-        """:meth:`start` for a step :meth:`flat_ready` allows, on ``flat``, which holds
-        ``grads`` back to back (a DDP bucket's buffer): the same division, all-reduce, control
-        values and ledger (:func:`~raycomp.transports.dense_allreduce`, the dense transport's
-        own), without routing, error feedback or per-layer results. A future of the mean:
-        ``flat`` itself, reduced in place, or with the control values riding along, the
-        front of the buffer that carried them."""
+    def start_flat(self, flat: torch.Tensor, *, closes_step: bool = False) -> torch.futures.Future:
+        """:meth:`start` for a step :meth:`flat_ready` allows, on ``flat``, a DDP bucket's
+        buffer: the same division, all-reduce and control values
+        (:func:`~raycomp.transports.mean_in_place`), without routing, error feedback or
+        per-layer results. The layers' bytes are the caller's to count, once a step
+        (:meth:`count_dense`). A future of the mean."""
         self.begin_step()
         control = self.signals.take(flat.device) if closes_step else None
-        pending = dense_allreduce([flat], self.group, control=control, in_place=True)
         if control is not None:
             self.ledger.add(OVERHEAD, self.group.allreduce_bytes(control.numel() * control.element_size()))
-        for name, grad in zip(names, grads, strict=True):
+        return mean_in_place(flat, self.group, control)
+
+    def measure_dense(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
+        """A flat step's :class:`LayerStats` on a statistics step (:attr:`collecting_stats`),
+        from this rank's gradients before their reduction: what :meth:`start` measures of a
+        layer sent dense with nothing held (its norm; no compression error, no residual)."""
+        unscale = self.loss_scale.unscale()
+        norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).tolist() if grads else []
+        for name, grad, norm in zip(names, grads, norms, strict=True):
             dense = self.group.allreduce_bytes(grad.numel() * grad.element_size())
+            self.stats.append(LayerStats(layer=name, compressor="none", numel=grad.numel(), grad_norm=norm / unscale,
+                                         compression_error=0.0, residual_norm=0.0, wire_bytes=dense,
+                                         dense_bytes=dense))
+
+    def count_dense(self, layers: Sequence[tuple[str, int]]) -> None:
+        """Count a step that sent ``layers`` (name, bytes of its gradient) dense."""
+        for name, nbytes in layers:
+            dense = self.group.allreduce_bytes(nbytes)
             self.ledger.add(name, dense, dense)
-
-        works = [work.get_future() for work in pending.works]
-
-        def mean(_: torch.futures.Future | None = None) -> torch.Tensor:
-            for future in works:
-                future.value()  # a failed collective raises here
-            return pending.finish()[0].mean
-
-        if not works:  # one process: nothing in flight
-            done: torch.futures.Future = torch.futures.Future()
-            done.set_result(mean())
-            return done
-        # the control values take a collective of their own when they cannot ride along
-        return (works[0] if len(works) == 1 else torch.futures.collect_all(works)).then(mean)
 
     def compressor_for(self, layer: str) -> Compressor:
         spec = self._plan.spec_for(layer)

@@ -75,10 +75,13 @@ def test_dense_plan_equals_plain_ddp_bit_for_bit(world_size):
 
 # --- a dense step with nothing held or measured reduces each bucket as it lies -------------------
 def _flat_against_general(rank: int, world_size: int, dtype: torch.dtype = torch.float32):
-    flat_model, general_model = DDP(_model(dtype), **DDP_KW), DDP(_model(dtype), **DDP_KW)
+    flat_model, general_model, measured_model = (DDP(_model(dtype), **DDP_KW) for _ in range(3))
     flat = CompressionState(flat_model, Plan(), min_compress_numel=0)
-    general = CompressionState(general_model, Plan(), min_compress_numel=0, stats_every=1)  # measures every step
-    for model, state in ((flat_model, flat), (general_model, general)):
+    # measures every step, with a Top-K error profile, which only the general path takes
+    general = CompressionState(general_model, Plan(), min_compress_numel=0, stats_every=1, profile_ratios=(0.1,))
+    measured = CompressionState(measured_model, Plan(), min_compress_numel=0, stats_every=1)  # no profile
+    trio = ((flat_model, flat), (general_model, general), (measured_model, measured))
+    for model, state in trio:
         model.register_comm_hook(state, compression_hook)
     plans = {3: Plan.uniform("int8"), 4: Plan()}  # compressed once: its residual is sent by the next step
     sent: list[tuple[torch.dtype, int]] = []  # each all-reduce at torch.distributed: what it carried
@@ -93,14 +96,13 @@ def _flat_against_general(rank: int, world_size: int, dtype: torch.dtype = torch
     try:
         for step in range(6):
             if step in plans:
-                flat.set_plan(plans[step])
-                general.set_plan(plans[step])
-            out.append([_flat_or_general_step(model, state, rank, step, dtype, sent)
-                        for model, state in ((flat_model, flat), (general_model, general))])
+                for _, state in trio:
+                    state.set_plan(plans[step])
+            out.append([_flat_or_general_step(model, state, rank, step, dtype, sent) for model, state in trio])
     finally:
         dist.all_reduce = original
-    flat.close()
-    general.close()
+    for _, state in trio:
+        state.close()
     return out
 
 
@@ -115,6 +117,7 @@ def _flat_or_general_step(model, state, rank, step, dtype, sent) -> dict:
     return {"flat": state._flat, "steps": state.step, "grads": _grads(model), "sent": sorted(sent, key=str),
             "rows": state.control_rows.clone(), "wire": dict(state.ledger.wire_bytes),
             "dense": dict(state.ledger.dense_bytes), "memory": sorted(state.memory.residuals),
+            "stats": [{**s.to_dict(), "topk_errors": {}} for s in state.stats],
             "receiver_started": any(t.name.startswith("raycomp-receive") and t.ident not in receivers
                                     for t in threading.enumerate())}
 
@@ -124,10 +127,16 @@ def _flat_or_general_step(model, state, rank, step, dtype, sent) -> dict:
 def test_a_dense_step_with_nothing_held_reduces_each_bucket_as_it_lies_with_the_general_paths_result(dtype):
     for out in run_distributed(_flat_against_general, 2, dtype):
         # steps 0-2 dense; 3 int8 (a residual is kept); 4 dense, sending it; 5 dense again
-        assert [flat["flat"] for flat, _ in out] == [True, True, True, False, False, True]
-        assert not any(general["flat"] for _, general in out)  # statistics steps read the gradients
+        assert [flat["flat"] for flat, _, _ in out] == [True, True, True, False, False, True]
+        assert not any(general["flat"] for _, general, _ in out)  # a Top-K profile reads the gradients
         assert not out[0][0]["receiver_started"] and out[0][1]["receiver_started"]  # no thread for a flat step
-        for step, (flat, general) in enumerate(out):
+        for step, (flat, general, measured) in enumerate(out):
+            # statistics without a profile: measured on the flat path, as the general path measures them
+            assert measured["flat"] == flat["flat"] and torch.equal(measured["rows"], general["rows"]), step
+            assert measured["stats"] == general["stats"] and len(general["stats"]) == 6, step
+            assert measured["wire"] == general["wire"], step
+            for a, b in zip(measured["grads"], general["grads"], strict=True):
+                assert torch.equal(a, b), step
             assert flat["steps"] == general["steps"] == step + 1  # the last bucket ended the step
             for a, b in zip(flat["grads"], general["grads"], strict=True):
                 assert a.dtype == dtype and torch.equal(a, b), step

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from raycomp.compressors import Transport
 from raycomp.transports.base import OVERHEAD, Batch, Communicator, Delivered, Reduced
-from raycomp.transports.dense import DenseAllreduce, dense_allreduce
+from raycomp.transports.dense import DenseAllreduce, dense_allreduce, mean_in_place
 from raycomp.transports.dispatch import communicate
 from raycomp.transports.lowrank import LowRankAllreduce, lowrank_allreduce
 from raycomp.transports.packing import flat_view, to_device
@@ -69,6 +69,7 @@ __all__ = [
     "flat_view",
     "gathered_mean",
     "lowrank_allreduce",
+    "mean_in_place",
     "sparse_allgather",
     "summable_allreduce",
     "to_device",

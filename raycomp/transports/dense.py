@@ -12,7 +12,7 @@ from raycomp.transports.base import Batch, Communicator, Delivered, Reduced
 from raycomp.transports.packing import by_dtype, flat_view, split
 from raycomp.transports.work import Group, Pending
 
-__all__ = ["DenseAllreduce", "dense_allreduce"]
+__all__ = ["DenseAllreduce", "dense_allreduce", "mean_in_place"]
 
 
 def dense_allreduce(
@@ -54,6 +54,37 @@ def dense_allreduce(
         return out  # type: ignore[return-value]
 
     return Pending(works, finish)
+
+
+def mean_in_place(flat: torch.Tensor, group: Group, control: torch.Tensor | None = None) -> torch.futures.Future:
+    """:func:`dense_allreduce` of one 1-D buffer that may be overwritten (a DDP bucket's), as
+    a future of the mean: ``flat`` itself, or, where ``control`` rides along (same dtype and
+    device), the front of the buffer that carried it; ``control`` holds its sum once the
+    future is done. The same division, collectives and results; what it saves is Python on
+    the hot path: no per-tensor results, and a callback of a few lines on the collective's
+    thread, as torch's all-reduce hook has (the general path's cost a dense step of a
+    24-ms CNN about 0.3 ms)."""
+    flat.div_(group.size)
+    carried = control is not None and control.dtype == flat.dtype and control.device == flat.device
+    buffer = torch.cat([flat, control]) if carried else flat  # type: ignore[list-item]
+    works = group.start_all_reduce(buffer)
+    if control is not None and not carried:  # no tensor of its dtype: a collective of its own
+        works += group.start_all_reduce(control)
+    futures = [work.get_future() for work in works]
+
+    def mean(_: torch.futures.Future | None = None) -> torch.Tensor:
+        for future in futures:
+            future.value()  # a failed collective raises here
+        if carried:
+            control.copy_(buffer[flat.numel():])  # type: ignore[union-attr]
+            return buffer[:flat.numel()]
+        return flat
+
+    if not futures:  # one process: nothing in flight
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(mean())
+        return done
+    return (futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)).then(mean)
 
 
 class DenseAllreduce(Communicator):
