@@ -206,10 +206,14 @@ def test_single_process_group_is_local_compression():
 def _fails_or_dies(rank: int, world_size: int, how: str) -> int:
     if rank == 1 and how == "raise":
         raise RuntimeError("rank 1 broke")
-    if rank == 1 and how == "die":
-        import os
+    if how == "die":
+        import torch.distributed as dist
 
-        os._exit(3)  # no result, no traceback: what a crashed rank leaves
+        dist.barrier()  # both ranks past the handshake: dying inside it fails rank 0's first
+        if rank == 1:
+            import os
+
+            os._exit(3)  # no result, no traceback: what a crashed rank leaves
     return rank
 
 
