@@ -73,7 +73,7 @@ def test_dense_plan_equals_plain_ddp_bit_for_bit(world_size):
                 assert torch.equal(a, b)
 
 
-# --- a dense step with nothing held or measured reduces each bucket as it lies -------------------
+# --- a dense step with nothing held or profiled reduces each bucket as it lies -------------------
 def _flat_against_general(rank: int, world_size: int, dtype: torch.dtype = torch.float32):
     flat_model, general_model, measured_model = (DDP(_model(dtype), **DDP_KW) for _ in range(3))
     flat = CompressionState(flat_model, Plan(), min_compress_numel=0)

@@ -60,10 +60,9 @@ def mean_in_place(flat: torch.Tensor, group: Group, control: torch.Tensor | None
     """:func:`dense_allreduce` of one 1-D buffer that may be overwritten (a DDP bucket's), as
     a future of the mean: ``flat`` itself, or, where ``control`` rides along (same dtype and
     device), the front of the buffer that carried it; ``control`` holds its sum once the
-    future is done. The same division, collectives and results; what it saves is Python on
-    the hot path: no per-tensor results, and a callback of a few lines on the collective's
-    thread, as torch's all-reduce hook has (the general path's cost a dense step of a
-    24-ms CNN about 0.3 ms)."""
+    future is done. The same division, collectives and results, with less Python on the
+    hot path: no per-tensor results, and a callback of a few lines on the collective's
+    thread, as torch's all-reduce hook has."""
     flat.div_(group.size)
     carried = control is not None and control.dtype == flat.dtype and control.device == flat.device
     buffer = torch.cat([flat, control]) if carried else flat  # type: ignore[list-item]
