@@ -130,8 +130,9 @@ class CompressionState:
         self._map_index = {self._names[id(p)]: i for i, p in enumerate(reducer_order(model))} \
             if self.defer_unused else {}
         #: what DDP's buckets hold, each layer once (name, gradient bytes): a flat step's count
-        self._bucketed = [(self._names[id(p)], p.numel() * p.element_size()) for p in reducer_order(model)] \
-            if isinstance(model, DistributedDataParallel) else []
+        #: (a state built on the module inside the DDP: its trainable parameters)
+        bucketed = reducer_order(model) if isinstance(model, DistributedDataParallel) else self.parameters
+        self._bucketed = [(self._names[id(p)], p.numel() * p.element_size()) for p in bucketed]
         self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
 
     # --- the reducer's face: what the training loop reads and calls --------------------

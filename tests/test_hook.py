@@ -888,6 +888,28 @@ def test_a_flat_dense_step_ends_once_every_bucket_is_in():
         assert comm > 0
 
 
+def _flat_ledger_of_a_state_on_the_inner_module(rank: int, world_size: int) -> list[dict[str, float]]:
+    ledgers = []
+    for on_inner in (False, True):
+        ddp = DDP(_model(), **DDP_KW)
+        state = CompressionState(ddp.module if on_inner else ddp, Plan(), min_compress_numel=0)
+        ddp.register_comm_hook(state, compression_hook)
+        for step in range(2):
+            ddp.zero_grad()
+            _backward(ddp, rank, step)
+        assert state._flat
+        ledgers.append(dict(state.ledger.wire_bytes))
+        state.close()
+    return ledgers
+
+
+def test_a_flat_step_counts_every_layer_whether_the_state_holds_the_ddp_or_the_module_inside():
+    # CompressionState takes the DDP or the module it wraps; a flat step counts the bytes of
+    # every layer once, either way
+    for on_ddp, on_inner in run_distributed(_flat_ledger_of_a_state_on_the_inner_module, 2):
+        assert on_ddp == on_inner and len(on_ddp) == 6 and all(v > 0 for v in on_ddp.values()), (on_ddp, on_inner)
+
+
 # --- the next bucket is encoded while this one is on the wire ------------------------------
 class Logged(MinMaxInt8):
     """int8 (one all-gather at two ranks) that logs each encode and decode; rank 1 takes

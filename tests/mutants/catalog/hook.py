@@ -149,6 +149,13 @@ MUTANTS = (
         "the bytes of a flat dense step are not in the ledger: the wire looks idle",
     ),
     mutant(
+        "hook-flat-uncounted-on-inner-module", "CompressionState.__init__",
+        "if isinstance(model, DistributedDataParallel) else self.parameters\n",
+        "if isinstance(model, DistributedDataParallel) else []\n",
+        "tests/test_hook.py -k whether_the_state",
+        "a state built on the module inside the DDP counts no bytes on a flat step: the wire looks idle",
+    ),
+    mutant(
         "hook-flat-drops-control", "CompressedReducer.start_flat",
         "        control = self.signals.take(flat.device) if closes_step else None\n",
         "        control = None\n",
