@@ -134,6 +134,7 @@ class CompressionState:
         bucketed = reducer_order(model) if isinstance(model, DistributedDataParallel) else self.parameters
         self._bucketed = [(self._names[id(p)], p.numel() * p.element_size()) for p in bucketed]
         self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
+        self._buckets_checked = False  # a flat step has seen every bucket hold the state's parameters
 
     # --- the reducer's face: what the training loop reads and calls --------------------
     plan = property(lambda self: self.reducer.plan)
@@ -241,6 +242,10 @@ class CompressionState:
         handed_over, last = time.perf_counter(), bucket.is_last()
         if self.reducer.collecting_stats:
             self.reducer.measure_dense([self.name_of(p) for p in bucket.parameters()], bucket.gradients())
+        elif not self._buckets_checked:  # names are read on statistics steps only: a bucket of
+            for p in bucket.parameters():  # another model than the state's fails at the first step
+                self.name_of(p)
+        self._buckets_checked |= last
         future = self.reducer.start_flat(buffer, closes_step=last)
         self.in_flight.append(future)
         if not last:

@@ -910,6 +910,24 @@ def test_a_flat_step_counts_every_layer_whether_the_state_holds_the_ddp_or_the_m
         assert on_ddp == on_inner and len(on_ddp) == 6 and all(v > 0 for v in on_ddp.values()), (on_ddp, on_inner)
 
 
+def _state_of_another_model(rank: int, world_size: int) -> str:
+    ddp = DDP(_model(), **DDP_KW)
+    state = CompressionState(_model(), Plan(), min_compress_numel=0)  # not the model DDP wraps
+    ddp.register_comm_hook(state, compression_hook)
+    try:
+        _backward(ddp, rank)
+    except Exception as error:  # noqa: BLE001 - DDP re-raises the hook's error as its own
+        return str(error)
+    finally:
+        state.close()
+    return "no error"
+
+
+def test_a_state_of_another_model_than_ddps_fails_at_the_first_step():
+    for message in run_distributed(_state_of_another_model, 2):
+        assert "not in the model given to CompressionState" in message, message
+
+
 # --- the next bucket is encoded while this one is on the wire ------------------------------
 class Logged(MinMaxInt8):
     """int8 (one all-gather at two ranks) that logs each encode and decode; rank 1 takes

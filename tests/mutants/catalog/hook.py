@@ -156,6 +156,13 @@ MUTANTS = (
         "a state built on the module inside the DDP counts no bytes on a flat step: the wire looks idle",
     ),
     mutant(
+        "hook-flat-trusts-the-buckets", "CompressionState.flat_bucket",
+        "        elif not self._buckets_checked:",
+        "        elif False:",
+        "tests/test_hook.py -k another_model",
+        "a state built on another model than DDP's goes unnoticed on dense steps, counting the wrong layers",
+    ),
+    mutant(
         "hook-flat-drops-control", "CompressedReducer.start_flat",
         "        control = self.signals.take(flat.device) if closes_step else None\n",
         "        control = None\n",
