@@ -30,6 +30,21 @@ def test_the_verdict_is_the_median_of_the_paired_ratios_without_the_warm_up_pair
         overhead.summarize(_rows([(1.0, 1.0)], warmup=1), block=10)
 
 
+def test_the_hook_alone_is_reported_beside_the_verdict_when_measured(tmp_path):
+    rows = [{"pair": i, "plain_s": 1.0, "hook_s": h, "raycomp_s": r, "counted": True}
+            for i, (h, r) in enumerate([(1.01, 1.05), (1.02, 1.06), (1.00, 1.04)])]
+    s = overhead.summarize(rows, block=20)
+    assert s["hook_ratio_median"] == pytest.approx(1.01) and s["hook_step_ms"] == pytest.approx(50.5)
+    assert s["ratio_median"] == pytest.approx(1.05) and not s["ok"]  # the verdict stays raycomp.train's
+    assert "hook_ratio_median" not in overhead.summarize(_rows([(1.0, 1.0)]), block=20)  # an older report's rows
+    result = {"rows": rows, "summary": s, "plan": {"reason": "static: none"}, "steps": 60, "wire_bytes_total": 1,
+              "dense_bytes_total": 1, "controller_outages": 0, "stats_dropped": 0}
+    meta = {"command": "python -m jobs.bench overhead", "machine": {"cpu_model": "x", "logical_cores": 2},
+            "seconds": 10.0, "batch": 32, "warmup_pairs": 0, "bucket_cap_mb": "auto"}
+    _, md_path = overhead.write_report(result, meta, tmp_path, "overhead-hook")
+    assert "raycomp's hook alone (no `raycomp.train` loop): 50.5 ms a step, 1.010x plain DDP's" in md_path.read_text()
+
+
 @pytest.mark.parametrize("option, message", [
     ("--pairs=0", "overhead: --pairs must be >= 1, got 0"),
     ("--block=0", "overhead: --block must be >= 1, got 0"),
@@ -62,7 +77,8 @@ def test_a_short_real_run_measures_both_sides_on_a_dense_plan(tmp_path):
     assert len(report["rows"]) == 3 and report["summary"]["pairs"] == 2
     assert report["steps"] == 15 and report["wire_bytes_total"] >= report["dense_bytes_total"] > 0
     assert report["controller_outages"] == 0
-    assert all(r["plain_s"] > 0 and r["raycomp_s"] > 0 for r in report["rows"])
+    assert all(r["plain_s"] > 0 and r["hook_s"] > 0 and r["raycomp_s"] > 0 for r in report["rows"])
+    assert report["summary"]["hook_ratio_median"] > 0
 
 
 def test_the_benchmark_is_registered():

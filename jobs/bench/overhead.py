@@ -2,16 +2,19 @@
 nothing, against plain DDP, on a model whose step is well under 100 ms.
 
 One Ray Train fit on this machine's local Ray (2 workers, one thread each, loopback: a fast
-link). Each worker holds two copies of the same small CNN (``jobs.models.fashion_cnn``,
+link). Each worker holds copies of the same small CNN (``jobs.models.fashion_cnn``,
 420k parameters, a batch of ``--batch`` Fashion-MNIST images per worker): one wrapped by
 ``ray.train.torch.prepare_model`` and stepped as a user writes plain DDP (``backward``,
 ``optimizer.step``, ``zero_grad``), one by ``raycomp.train.prepare_model`` on a static dense
 plan and stepped by ``raycomp.train.step`` (raycomp's hook, the guard, the controller link,
-statistics, plan agreement at every boundary, the step log). Both see the same batches. They
-train in alternating blocks of ``--block`` steps (ABBA, so neither always goes first), and
-the result is the median over block pairs of raycomp's block time over plain DDP's: the
-hour's drift, which moves whole runs by 10-40% on this machine, hits both sides of a pair
-alike. The first ``--warmup-pairs`` pairs are not counted.
+statistics, plan agreement at every boundary, the step log). A third copy, for reference,
+carries raycomp's hook alone (``raycomp.CompressionState`` on a dense plan, raycomp's
+buckets, no training loop) and is stepped as plain DDP. All see the same batches. They train
+in blocks of ``--block`` steps, in turn (plain, hook, raycomp; then the reverse, so that no
+side always goes first); a pair is one block of each. The result is the median over pairs of
+raycomp's block time over plain DDP's: the hour's drift, which moves whole runs by 10-40% on
+this machine, hits every side of a pair alike. The first ``--warmup-pairs`` pairs are not
+counted.
 
 Goal: the raycomp.train path on a dense plan costs no more than plain DDP, within noise:
 median ratio <= 1.03. The report gives the spread of the ratios (their quartiles) beside it.
@@ -64,9 +67,11 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch import nn
 
+    import raycomp
     import raycomp.train
     from jobs.data import fashion_mnist
     from jobs.models import fashion_cnn
+    from raycomp.buckets import ddp_kwargs
     from raycomp.config import CompressionSection, ControllerSection
 
     torch.set_num_threads(1)
@@ -74,9 +79,10 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.manual_seed(0)
     plain_model = fashion_cnn()
-    own_model = copy.deepcopy(plain_model)
+    own_model, hook_model = copy.deepcopy(plain_model), copy.deepcopy(plain_model)
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
     own_opt = torch.optim.SGD(own_model.parameters(), lr=0.01, momentum=0.9)
+    hook_opt = torch.optim.SGD(hook_model.parameters(), lr=0.01, momentum=0.9)
     plain = ray.train.torch.prepare_model(plain_model)
     options = raycomp.train.TrainOptions(
         compression=CompressionSection.model_validate(
@@ -86,6 +92,11 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
         output_dir=config["output_dir"], progress_every=0)
     own = raycomp.train.prepare_model(own_model, own_opt, options=options)
     loop = raycomp.train.current()
+    # raycomp's hook alone, on raycomp's buckets: what the loop's control work comes on top of
+    hook = ray.train.torch.prepare_model(hook_model, parallel_strategy_kwargs=ddp_kwargs(options.compression,
+                                                                                          hook_model))
+    hook_state = raycomp.CompressionState(hook, raycomp.Plan())
+    hook.register_comm_hook(hook_state, raycomp.compression_hook)
 
     train, _ = fashion_mnist()
     train_x, train_y = train.x, train.y
@@ -98,12 +109,12 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
             lo = (i * per_step) % (len(train_y) - per_step)
             yield train_x[lo + rank:lo + per_step:world], train_y[lo + rank:lo + per_step:world]
 
-    def plain_block(start: int) -> float:
+    def ddp_block(model: nn.Module, optimizer: torch.optim.Optimizer, start: int) -> float:
         began = time.perf_counter()
         for x, y in batches(start):
-            nn.functional.cross_entropy(plain(x), y).backward()
-            plain_opt.step()
-            plain_opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
         return time.perf_counter() - began
 
     def own_block(start: int) -> float:
@@ -114,17 +125,16 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
             raycomp.train.step(loss, samples=len(y))
         return time.perf_counter() - began
 
+    sides = {"plain_s": lambda start: ddp_block(plain, plain_opt, start),
+             "hook_s": lambda start: ddp_block(hook, hook_opt, start), "raycomp_s": own_block}
     rows = []
     for _ in loop.epochs(1, pairs * block):
         for pair in range(pairs):
-            start = pair * block
-            if pair % 2 == 0:
-                t_plain, t_own = plain_block(start), own_block(start)
-            else:
-                t_own, t_plain = own_block(start), plain_block(start)
-            rows.append({"pair": pair, "plain_s": t_plain, "raycomp_s": t_own,
-                         "counted": pair >= config["warmup_pairs"]})
+            order = list(sides) if pair % 2 == 0 else list(reversed(sides))
+            times = {side: sides[side](pair * block) for side in order}
+            rows.append({"pair": pair, **times, "counted": pair >= config["warmup_pairs"]})
     totals = raycomp.train.finish()
+    hook_state.close()
     return {"rows": rows, "plan": totals["final_plan"], "steps": totals["steps"],
             "wire_bytes_total": totals["wire_bytes_total"], "dense_bytes_total": totals["dense_bytes_total"],
             "controller_outages": totals["controller_outages"], "stats_dropped": totals["stats_dropped"]}
@@ -139,7 +149,7 @@ def summarize(rows: list[dict[str, Any]], block: int) -> dict[str, Any]:
     ratios = sorted(r["raycomp_s"] / r["plain_s"] for r in counted)
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     median = statistics.median(ratios)
-    return {
+    out = {
         "pairs": len(counted), "block_steps": block,
         "ratio_median": median, "ratio_q1": quartiles[0], "ratio_q3": quartiles[2],
         "plain_step_ms": 1e3 * statistics.median(r["plain_s"] for r in counted) / block,
@@ -147,6 +157,10 @@ def summarize(rows: list[dict[str, Any]], block: int) -> dict[str, Any]:
         "goal": f"raycomp.train step with a dense plan <= {GOAL:g}x plain DDP's (median over block pairs)",
         "ok": median <= GOAL,
     }
+    if all("hook_s" in r for r in counted):  # the reference side (reports before it have none)
+        out["hook_ratio_median"] = statistics.median(r["hook_s"] / r["plain_s"] for r in counted)
+        out["hook_step_ms"] = 1e3 * statistics.median(r["hook_s"] for r in counted) / block
+    return out
 
 
 def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
@@ -158,6 +172,12 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         ["plain DDP step ms", "raycomp step ms", "ratio (median over pairs)", "quartiles"],
         [[f"{s['plain_step_ms']:.1f}", f"{s['raycomp_step_ms']:.1f}", f"{s['ratio_median']:.3f}",
           f"{s['ratio_q1']:.3f} - {s['ratio_q3']:.3f}"]], align="rrrl")
+    reference = [] if "hook_ratio_median" not in s else [
+        "",
+        f"For reference, raycomp's hook alone (no `raycomp.train` loop): {s['hook_step_ms']:.1f} ms a step, "
+        f"{s['hook_ratio_median']:.3f}x plain DDP's (median over pairs); the rest of the raycomp.train "
+        "step's cost is the loop's control work: the guard, statistics reports, boundaries, the step log.",
+    ]
     write_atomic(json_path, json.dumps({**meta, **result}, indent=2) + "\n")
     write_atomic(md_path, "\n".join([
         "# The raycomp.train step on a dense plan against plain DDP",
@@ -183,8 +203,10 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         "- raycomp: `raycomp.train.prepare_model` with `compression.policy=static`, compressor `none` "
         "(the dense plan) and no warm-up, then `backward` and `raycomp.train.step` (hook, guard, "
         "controller link, statistics, plan agreement at each boundary, step log).",
-        f"- Blocks of {s['block_steps']} steps in turn (ABBA), the same batches for both; "
-        f"{meta['warmup_pairs']} warm-up pairs left out, {s['pairs']} pairs counted.",
+        "- For reference, a third copy carries raycomp's hook alone: `raycomp.CompressionState` on a dense "
+        "plan, raycomp's buckets, stepped as plain DDP.",
+        f"- Blocks of {s['block_steps']} steps in turn (plain, hook, raycomp, then the reverse), the same batches "
+        f"for all; {meta['warmup_pairs']} warm-up pairs left out, {s['pairs']} pairs counted.",
         f"- raycomp's compression.bucket_cap_mb: {meta['bucket_cap_mb']}; plain DDP: torch's default (25).",
         f"- Final plan: {result['plan'].get('reason')!r}; wire bytes {result['wire_bytes_total']:,.0f} of "
         f"{result['dense_bytes_total']:,.0f} dense (the control values ride in the gradients' collectives); "
@@ -193,6 +215,7 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         "## Result",
         "",
         table,
+        *reference,
         "",
         "## Goal",
         "",
