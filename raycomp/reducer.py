@@ -228,12 +228,10 @@ class CompressedReducer:
         from this rank's gradients before their reduction: what :meth:`start` measures of a
         layer sent dense with nothing held (its norm; no compression error, no residual)."""
         unscale = self.loss_scale.unscale()
-        norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).tolist() if grads else []
-        for name, grad, norm in zip(names, grads, norms, strict=True):
+        for name, grad in zip(names, grads, strict=True):
             dense = self.group.allreduce_bytes(grad.numel() * grad.element_size())
-            self.stats.append(LayerStats(layer=name, compressor="none", numel=grad.numel(), grad_norm=norm / unscale,
-                                         compression_error=0.0, residual_norm=0.0, wire_bytes=dense,
-                                         dense_bytes=dense))
+            # sent as it is, nothing held back: compensated and sent are the gradient itself
+            self.stats.append(layer_stats(name, "none", grad, grad, grad, None, dense, dense, unscale=unscale))
 
     def count_dense(self, layers: Sequence[tuple[str, int]]) -> None:
         """Count a step that sent ``layers`` (name, bytes of its gradient) dense."""

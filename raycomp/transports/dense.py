@@ -34,12 +34,11 @@ def dense_allreduce(
         flat = flat_view([tensors[i] for i in members]) if in_place else None
         if flat is None:
             flat = torch.cat([tensors[i].reshape(-1) for i in members])
-        flat.div_(group.size)
-        if control is not None and flat.dtype == control.dtype and flat.device == control.device:
-            carried = (control, torch.cat([flat, control]))
-            flat, control = carried[1], None
-        works += group.start_all_reduce(flat)
-        flats.append((members, flat))
+        sent, started, rode = _divide_and_send(flat, group, control)
+        works += started
+        if rode:
+            carried, control = (control, sent), None  # type: ignore[assignment]
+        flats.append((members, sent))
     if control is not None:  # no tensor of its dtype: a collective of its own
         works += group.start_all_reduce(control)
 
@@ -56,6 +55,17 @@ def dense_allreduce(
     return Pending(works, finish)
 
 
+def _divide_and_send(flat: torch.Tensor, group: Group,
+                     control: torch.Tensor | None) -> tuple[torch.Tensor, list[dist.Work], bool]:
+    """Divide ``flat`` by the group's size (before the sum, as DDP does) and issue its sum
+    all-reduce, with ``control`` appended where it has ``flat``'s dtype and device: (the
+    buffer sent, its work, whether ``control`` rode in it)."""
+    flat.div_(group.size)
+    rides = control is not None and control.dtype == flat.dtype and control.device == flat.device
+    buffer = torch.cat([flat, control]) if rides else flat  # type: ignore[list-item]
+    return buffer, group.start_all_reduce(buffer), rides
+
+
 def mean_in_place(flat: torch.Tensor, group: Group, control: torch.Tensor | None = None) -> torch.futures.Future:
     """:func:`dense_allreduce` of one 1-D buffer that may be overwritten (a DDP bucket's), as
     a future of the mean: ``flat`` itself, or, where ``control`` rides along (same dtype and
@@ -63,10 +73,7 @@ def mean_in_place(flat: torch.Tensor, group: Group, control: torch.Tensor | None
     future is done. The same division, collectives and results, with less Python on the
     hot path: no per-tensor results, and a callback of a few lines on the collective's
     thread, as torch's all-reduce hook has."""
-    flat.div_(group.size)
-    carried = control is not None and control.dtype == flat.dtype and control.device == flat.device
-    buffer = torch.cat([flat, control]) if carried else flat  # type: ignore[list-item]
-    works = group.start_all_reduce(buffer)
+    buffer, works, carried = _divide_and_send(flat, group, control)
     if control is not None and not carried:  # no tensor of its dtype: a collective of its own
         works += group.start_all_reduce(control)
     futures = [work.get_future() for work in works]
