@@ -17,6 +17,7 @@ from jobs.bench import tune as bench_tune
 from jobs.bench.report import machine_info
 from jobs.config import ConfigError, load_config
 from jobs.train import prepare
+from jobs.tune import trials as tune_trials
 from tests.conftest import REPO
 
 TUNE_DIGITS = str(REPO / "jobs" / "configs" / "tune_digits.yaml")
@@ -148,7 +149,7 @@ def test_a_stopped_trial_has_its_train_run_aborted_but_a_finishing_one_does_not(
     registry_id = ("raycomp-tune-unit", "raycomp-tune")
     registry = ray.remote(tune.RunRegistry).options(name=registry_id[0], namespace=registry_id[1],
                                                     num_cpus=0).remote()
-    callback = tune._stop_train_runs_callback("unit", registry_id, epochs=2)
+    callback = tune_trials.stop_train_runs_callback("unit", registry_id, epochs=2)
     try:
         stopped, finishing = FakeTrainController.remote(), FakeTrainController.remote()
         ray.get([registry.add.remote("unit-a", stopped), registry.add.remote("unit-b", finishing)])
