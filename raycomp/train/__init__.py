@@ -40,13 +40,8 @@ from typing import Any
 import torch
 
 from raycomp.train.callback import ControllerCallback
-from raycomp.train.gradient_sync import (
-    GradientState,
-    GradientSync,
-    GradientSyncFactory,
-    SyncSetup,
-    raycomp_sync,
-)
+from raycomp.train.default_sync import raycomp_sync
+from raycomp.train.gradient_sync import GradientState, GradientSync, GradientSyncFactory, SyncSetup
 from raycomp.train.loop import TrainLoop, refuse_scaler
 from raycomp.train.options import TrainOptions, resolve_options
 from raycomp.train.plan_sync import PlanMismatchError

@@ -4,16 +4,8 @@ The loop never looks at how the gradients are reduced. It asks a factory
 (:data:`GradientSyncFactory`) for a :class:`GradientSync` once, at
 :func:`raycomp.train.prepare_model`, and from then on only uses the protocol: the model to
 train, the state that carries the plan and the guard's control rows, one call after each
-backward and one after each optimizer step. raycomp's own factory, :func:`raycomp_sync`, gives
-
-* ``strategy="ddp"``: DDP with raycomp's comm hook (compressed all-reduce per bucket,
-  :class:`raycomp.train.ddp_sync.DdpSync`);
-* ``compression.local.mode`` ``fixed`` or ``auto``: the same, or local steps while the plan
-  says so (:class:`raycomp.train.local_sync.LocalSync`);
-* ``strategy="fsdp"``: FSDP2 with a compressed reduce-scatter per ``fully_shard`` unit
-  (:class:`raycomp.train.sharding.FsdpSync`).
-
-Another factory (``prepare_model(..., gradient_sync=...)``) can put something else in its
+backward and one after each optimizer step. raycomp's own factory is
+:func:`raycomp.train.default_sync.raycomp_sync`. Another factory (``prepare_model(..., gradient_sync=...)``) can put something else in its
 place, e.g. torch's own DDP hooks for a side-by-side benchmark, as long as it keeps the
 protocol.
 """
@@ -31,7 +23,7 @@ from raycomp.plan import Plan
 from raycomp.stats import LayerStats
 from raycomp.train.options import TrainOptions
 
-__all__ = ["GradientState", "GradientSync", "GradientSyncFactory", "SyncSetup", "raycomp_sync"]
+__all__ = ["GradientState", "GradientSync", "GradientSyncFactory", "SyncSetup"]
 
 
 class GradientState(Protocol):
@@ -123,18 +115,3 @@ class SyncSetup:
 
 #: ``factory(model, optimizer, setup) -> GradientSync``
 GradientSyncFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, SyncSetup], GradientSync]
-
-
-def raycomp_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> GradientSync:
-    """raycomp's compressed communication for ``setup.options.strategy`` (the default factory)."""
-    if setup.options.strategy == "fsdp":
-        from raycomp.train.sharding import fsdp_sync
-
-        return fsdp_sync(model, optimizer, setup)
-    if setup.options.compression.local.mode != "off":
-        from raycomp.train.local_sync import local_sync
-
-        return local_sync(model, optimizer, setup)
-    from raycomp.train.ddp_sync import ddp_sync
-
-    return ddp_sync(model, optimizer, setup)

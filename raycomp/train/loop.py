@@ -35,7 +35,8 @@ from raycomp.guard import Guard
 from raycomp.loss_scale import check_scaler, unscale_once
 from raycomp.plan import Plan
 from raycomp.train import checkpoint
-from raycomp.train.gradient_sync import GradientSyncFactory, SyncSetup, raycomp_sync
+from raycomp.train.default_sync import raycomp_sync
+from raycomp.train.gradient_sync import GradientSyncFactory, SyncSetup
 from raycomp.train.guard_step import GuardStep
 from raycomp.train.lr_ramp import LrRamp
 from raycomp.train.options import TrainOptions
