@@ -107,7 +107,9 @@ class LocalSection(_Strict):
     #: linear in the gradient (SGD), 1.0 for the others (the Adam family: local steps must be
     #: predicted twice as fast). A local step moves the loss less than a synchronous one,
     #: and more so under Adam: on the AdamW transformer, averaging every 4 steps needed about
-    #: 1.5x dense's steps to reach the same loss, so a 1.2x faster step lost time to target
+    #: 1.5x dense's steps to reach the same loss, so a 1.2x faster step lost time to target.
+    #: A smaller H does not help there: averaging after every step lost as much, since the
+    #: cost comes from each rank's Adam normalising a gradient of its own, smaller batch
     min_gain: Annotated[float, Field(ge=0, le=10)] | Literal["auto"] = "auto"
     #: ``auto``: the share of the compute a sync may add per step
     target_overhead: Annotated[float, Field(gt=0, le=10)] = 0.1
