@@ -25,7 +25,7 @@ def _report_callback(objective: dict[str, Any], run_id: str, variant: str, regis
 
     It runs in the trial's Train controller actor; before the first report reaches Tune it
     hands that actor's handle to the search's run registry, so that a trial ASHA stops can
-    have its Train run aborted gracefully (see :class:`StopTrainRuns`).
+    have its Train run aborted gracefully (see :func:`stop_train_runs_callback`).
     """
     from ray.tune.integration.ray_train import TuneReportCallback
 
