@@ -5,9 +5,9 @@ The loop never looks at how the gradients are reduced. It asks a factory
 :func:`raycomp.train.prepare_model`, and from then on only uses the protocol: the model to
 train, the state that carries the plan and the guard's control rows, one call after each
 backward and one after each optimizer step. raycomp's own factory is
-:func:`raycomp.train.default_sync.raycomp_sync`. Another factory (``prepare_model(..., gradient_sync=...)``) can put something else in its
-place, e.g. torch's own DDP hooks for a side-by-side benchmark, as long as it keeps the
-protocol.
+:func:`raycomp.train.default_sync.raycomp_sync`. Another factory
+(``prepare_model(..., gradient_sync=...)``) can put something else in its place, e.g.
+torch's own DDP hooks for a side-by-side benchmark, as long as it keeps the protocol.
 """
 
 from __future__ import annotations
