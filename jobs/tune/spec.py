@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from jobs.config import (
     ConfigError,
@@ -23,6 +23,7 @@ from jobs.config import (
     read_yaml_mapping,
     validate,
 )
+from jobs.config.sections import Section
 from jobs.tune.space import domain_values, flatten_search, set_key
 
 __all__ = ["OBJECTIVE_MODES", "AshaSection", "BaseSection", "ObjectiveSection", "TunePlan", "TuneSpec",
@@ -32,16 +33,12 @@ OBJECTIVE_MODES = {"accuracy_at_budget": "max", "loss_at_budget": "min", "bytes_
                    "time_to_target": "min"}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class BaseSection(_Strict):
+class BaseSection(Section):
     config: str | None = None  # a job config YAML (default: built-in defaults)
     overrides: list[str] = []  # key=value, as on the jobs.train command line
 
 
-class ObjectiveSection(_Strict):
+class ObjectiveSection(Section):
     """What a trial is scored by, after every epoch (see docs/tune.md)."""
 
     kind: Literal["accuracy_at_budget", "loss_at_budget", "bytes_to_target", "time_to_target"] = \
@@ -85,13 +82,13 @@ class ObjectiveSection(_Strict):
         return {"kind": self.kind, "metric": self.metric, "byte_budget": self.byte_budget, "target": self.target}
 
 
-class AshaSection(_Strict):
+class AshaSection(Section):
     enabled: bool = True
     grace_period: Annotated[int, Field(ge=1)] = 1  # epochs every trial gets
     reduction_factor: Annotated[float, Field(gt=1)] = 2.0
 
 
-class TuneSpec(_Strict):
+class TuneSpec(Section):
     name: Annotated[str, Field(min_length=1, max_length=48, pattern=r"^[A-Za-z0-9_.-]+$")] = "tune"
     output_dir: str = "outputs/tune"
     base: BaseSection = BaseSection()
