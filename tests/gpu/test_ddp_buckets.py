@@ -135,7 +135,7 @@ from tests.gpu.models import kjv_transformer
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
 model = kjv_transformer(torch.device("cpu"))
 ddp = DDP(model)
-state = CompressionState(ddp, Plan.uniform("int4"), async_comm=True)
+state = CompressionState(ddp, Plan.uniform("%s"), async_comm=True)
 ddp.register_comm_hook(state, compression_hook)
 ddp(torch.randint(0, 63, (2, 128))).logsumexp(-1).mean().backward()
 state.close()
@@ -143,10 +143,12 @@ print("cuda initialised:", torch.cuda.is_initialized())
 """
 
 
-def test_a_cpu_run_of_the_hook_leaves_cuda_uninitialised() -> None:
+@pytest.mark.parametrize("plan", ["int4", "none"])
+def test_a_cpu_run_of_the_hook_leaves_cuda_uninitialised(plan: str) -> None:
     """On a machine with CUDA, the hook's threads in a CPU run must not initialise it (a
-    forked worker that did would fail; ``torch.cuda.stream`` does, even with ``None``)."""
-    out = subprocess.run([sys.executable, "-c", CPU_RUN % free_port()], capture_output=True, text=True,
+    forked worker that did would fail; ``torch.cuda.stream`` does, even with ``None``). The
+    dense plan takes the CPU's flat step (``CompressionState.flat_step``), int4 the threads."""
+    out = subprocess.run([sys.executable, "-c", CPU_RUN % (free_port(), plan)], capture_output=True, text=True,
                          timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-400:]
     assert "cuda initialised: False" in out.stdout, out.stdout[-200:]
