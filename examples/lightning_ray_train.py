@@ -27,8 +27,7 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 import raycomp.train  # raycomp
-from controllers.policies import CriticalOptions  # raycomp
-from raycomp.config import CompressionSection, ControllerSection  # raycomp
+from raycomp.config import CompressionSection, ControllerSection, CriticalOptions  # raycomp
 from raycomp.integrations.lightning import RaycompStrategy  # raycomp
 
 

@@ -27,8 +27,7 @@ from ray.train.torch import TorchTrainer
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import raycomp.train  # raycomp
-from controllers.policies import CriticalOptions  # raycomp
-from raycomp.config import CompressionSection, ControllerSection  # raycomp
+from raycomp.config import CompressionSection, ControllerSection, CriticalOptions  # raycomp
 from raycomp.integrations.transformers import prepare_trainer  # raycomp: was Ray's prepare_trainer
 
 VOCAB, LENGTH = 64, 32

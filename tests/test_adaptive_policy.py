@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import pytest
 
 from controllers.policies import make_policy
-from controllers.policies.adaptive import AdaptiveOptions
 from controllers.policies.cost_model import family_rounds
 from controllers.service import Controller
 from jobs import config as job_config
 from raycomp import compressors, config
+from raycomp.config.policy_options import AdaptiveOptions
 from raycomp.plan import Plan
 
 #: the digits MLP (hidden 512) plus a large 1-D parameter that PowerSGD cannot take

@@ -920,6 +920,9 @@ def _state_of_another_model(rank: int, world_size: int) -> str:
         return str(error)
     finally:
         state.close()
+        # the error comes before any collective of the hook's group: without this barrier
+        # a rank could tear its groups down while the other still connects to that group
+        dist.barrier()
     return "no error"
 
 

@@ -3,22 +3,28 @@ used in real gloo processes (compressor) and through the real controller actor (
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from controllers.policies import Policy, make_policy, register_policy, unregister_policy
+from controllers.policies import POLICIES, Policy, make_policy, register_policy, unregister_policy
 from controllers.policies.base import compressible_layers
 from controllers.state import RunState
 from jobs import config as job_config
 from raycomp import compressors, config
 from raycomp.compressors import Compressor, Transport, make_compressor
+from raycomp.config.policy_options import POLICY_OPTIONS
 from raycomp.payload import Payload
 from raycomp.plan import CompressorSpec, GradStats, Plan
 from tests.distributed import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class ScaledHalf(Compressor):
@@ -205,6 +211,28 @@ def test_policy_registration_errors(largest):
         make_policy("zz", {})
     with pytest.raises(ValueError, match=r"^compression\.custom_options\.count: Input should be greater"):
         make_policy("largest", {"count": 0})
+
+
+def test_every_built_in_policy_takes_the_options_model_the_job_config_validates():
+    # the config validates compression.<policy> with POLICY_OPTIONS, the controller with the
+    # policy's options_model: a policy built on another model would get options it refuses
+    assert {name: cls.options_model for name, cls in POLICIES.items()} == POLICY_OPTIONS
+    assert set(config.CompressionSection().model_dump()) >= set(POLICY_OPTIONS)  # a section each
+
+
+VALIDATE_WITHOUT_CONTROLLER = """
+import sys
+from raycomp.config import CompressionSection
+section = CompressionSection.model_validate({"policy": "static", "static": {"compressor": {"name": "int8"}}})
+print(section.policy_options(), "controllers" in {m.split(".")[0] for m in sys.modules})
+"""
+
+
+def test_the_job_config_validates_built_in_policies_without_the_controller():
+    out = subprocess.run([sys.executable, "-c", VALIDATE_WITHOUT_CONTROLLER], capture_output=True, text=True,
+                         timeout=120, cwd=REPO, check=True)
+    assert out.stdout.split()[-1] == "False", out.stdout  # controllers never imported
+    assert "'int8'" in out.stdout, out.stdout
 
 
 def _stats(run_id: str, rank: int, step: int) -> dict[str, Any]:

@@ -53,6 +53,15 @@ def test_bad_tune_config_exits_2_with_one_line(capsys):
         assert len(err.splitlines()) == 1, err
 
 
+def test_help_shows_how_to_use_the_search_not_the_module_map(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tune.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "python -m jobs.tune --config" in out and "Tuner.restore" in out, out
+    assert ":mod:" not in out and "The parts" not in out, out
+
+
 def test_the_transformer_search_covers_local_steps_and_a_trial_gets_them():
     plan = tune.load_tune_config(REPO / "jobs" / "configs" / "tune_gpt.yaml", output="/nonexistent/never-created")
     assert {"compression.local.mode", "compression.local.sync_every"} <= plan.search.keys()

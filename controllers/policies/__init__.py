@@ -10,7 +10,10 @@ an importable module, not ``__main__``).
 A policy's typed options are its ``options_model`` (a pydantic model, best a
 :class:`PolicyOptions`): a built-in policy's come from ``compression.<name>``, any other's
 from ``compression.custom_options``; :func:`make_policy` hands the policy the validated
-object. A new built-in policy is one module here plus its line in :data:`REGISTRY`.
+object. A built-in policy's options model lives with the job config, in
+:mod:`raycomp.config.policy_options` (re-exported here). A new built-in policy is one module
+here, its line in :data:`REGISTRY`, and its options model in
+:data:`raycomp.config.policy_options.POLICY_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -20,17 +23,27 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from controllers.policies.adaptive import AdaptiveOptions, AdaptivePolicy
-from controllers.policies.bandwidth import BandwidthOptions, BandwidthPolicy
-from controllers.policies.base import MIN_COMPRESS_NUMEL, Policy, PolicyOptions
-from controllers.policies.critical import CriticalOptions, CriticalPolicy
-from controllers.policies.error_budget import ErrorBudgetOptions, ErrorBudgetPolicy
+from controllers.policies.adaptive import AdaptivePolicy
+from controllers.policies.bandwidth import BandwidthPolicy
+from controllers.policies.base import MIN_COMPRESS_NUMEL, Policy
+from controllers.policies.critical import CriticalPolicy
+from controllers.policies.error_budget import ErrorBudgetPolicy
 from controllers.policies.guarded import Guarded
 from controllers.policies.local import LocalChoice
-from controllers.policies.schedule import ScheduleOptions, SchedulePolicy, ScheduleStage
-from controllers.policies.static import StaticOptions, StaticPolicy
-from raycomp.config import LocalSection
+from controllers.policies.schedule import SchedulePolicy
+from controllers.policies.static import StaticPolicy
+from raycomp.config import LocalSection, policy_sections
 from raycomp.config.base import one_line
+from raycomp.config.policy_options import (
+    AdaptiveOptions,
+    BandwidthOptions,
+    CriticalOptions,
+    ErrorBudgetOptions,
+    PolicyOptions,
+    ScheduleOptions,
+    ScheduleStage,
+    StaticOptions,
+)
 from raycomp.registry import Registry
 
 
@@ -58,6 +71,7 @@ REGISTRY: Registry[Policy] = Registry("policy", "compression.policy", [
 ], _check_class)
 #: the built-in policies by name
 POLICIES: dict[str, type[Policy]] = REGISTRY.builtins
+policy_sections.use_registry(REGISTRY)  # the job config looks registered policies up here
 
 
 def register_policy(name: str, policy: type[Policy] | str, *, replace: bool = False) -> None:

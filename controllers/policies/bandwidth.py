@@ -25,27 +25,15 @@ are not listed and stay dense.
 from __future__ import annotations
 
 from collections import deque
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import Field, field_validator
-
-from controllers.policies.base import Policy, PolicyOptions, compressible_layers
-from controllers.policies.error_budget import distinct_ratios
+from controllers.policies.base import Policy, compressible_layers
 from controllers.state import RunState
+from raycomp.config.policy_options import BandwidthOptions
 from raycomp.plan import CompressorSpec, Plan
 
 HISTORY = 32
 PATIENCE = 2  # consecutive differing choices before a switch
-
-
-class BandwidthOptions(PolicyOptions):
-    """``compression.bandwidth``: Top-K ratios, and how much communication to hide."""
-
-    not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
-    ratios: list[Annotated[float, Field(gt=0, le=1)]] = [1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001]
-    target_overlap: Annotated[float, Field(gt=0, le=10)] = 1.0  # comm time / compute time
-
-    _ratios = field_validator("ratios")(lambda cls, r: distinct_ratios(r, descending=True))
 
 
 class BandwidthPolicy(Policy):
@@ -128,4 +116,4 @@ class BandwidthPolicy(Policy):
         self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
 
 
-__all__ = ["BandwidthOptions", "BandwidthPolicy"]
+__all__ = ["BandwidthPolicy"]

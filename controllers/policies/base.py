@@ -9,36 +9,10 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from controllers.state import RunState
-from raycomp.config.base import CompressorConfig, Strict
+from raycomp.config.base import CompressorConfig
 from raycomp.plan import CompressorSpec, Plan
 
 MIN_COMPRESS_NUMEL = 1024  # the reducer's default
-
-
-class PolicyOptions(Strict):
-    """The options of a policy, ``compression.<policy>`` in a job config: strict (unknown
-    keys refused), frozen, one-line errors naming the key.
-
-    A sharded run (FSDP) reduce-scatters its gradients, and only some compressors can carry
-    a reduce-scatter row (``raycomp.compressors.fits_a_shard``): a policy that may run there
-    sets :attr:`not_shardable` to None and checks its options in :meth:`check_sharded`.
-    """
-
-    #: why the policy cannot steer a sharded run (the end of a one-line error), or None
-    not_shardable: ClassVar[str | None] = "may choose compressors that cannot compress a reduce-scatter shard"
-
-    def check_sharded(self, key: str) -> None:
-        """ValueError (one line, naming the option under ``key``, e.g. ``compression.static``)
-        unless every compressor these options may choose fits a reduce-scatter row."""
-
-    @staticmethod
-    def check_fits_a_shard(key: str, chosen: CompressorConfig) -> None:
-        """ValueError naming ``key`` unless ``chosen`` can compress a reduce-scatter row."""
-        from raycomp.compressors import fits_a_shard, shardable
-
-        if not fits_a_shard(chosen.name):
-            raise ValueError(f"{key}: {chosen.name!r} cannot compress a reduce-scatter shard; "
-                             f"allowed with scaling.strategy=fsdp: {', '.join(shardable())}")
 
 
 class Policy(ABC):
@@ -84,4 +58,4 @@ def compressible_layers(run: RunState, min_numel: int) -> list[str]:
     return [name for name, h in run.layers.items() if h.numel >= min_numel]
 
 
-__all__ = ["MIN_COMPRESS_NUMEL", "Policy", "PolicyOptions", "compressible_layers", "spec"]
+__all__ = ["MIN_COMPRESS_NUMEL", "Policy", "compressible_layers", "spec"]

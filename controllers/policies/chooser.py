@@ -13,7 +13,7 @@ from controllers.state import LayerHistory, RunState
 from raycomp.plan import CompressorSpec, Plan
 
 if TYPE_CHECKING:
-    from controllers.policies.adaptive import AdaptiveOptions
+    from raycomp.config.policy_options import AdaptiveOptions
 
 PATIENCE = 2  # consecutive boundaries outside the band before a link-driven switch
 #: Until a compressed interval has measured the round overhead, compression must save this

@@ -19,26 +19,14 @@ Training starts in a critical regime, so the first window compresses everything 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import Field
-
-from controllers.policies.base import Policy, PolicyOptions, compressible_layers, spec
+from controllers.policies.base import Policy, compressible_layers, spec
 from controllers.state import RunState
-from raycomp.config.base import CompressorConfig, compressor
+from raycomp.config.policy_options import CriticalOptions
 from raycomp.plan import Plan
 
 LOW, HIGH = "low", "high"
-
-
-class CriticalOptions(PolicyOptions):
-    """``compression.critical``: Accordion's two compressors and its regime detection."""
-
-    not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
-    low: CompressorConfig = compressor("topk", ratio=0.1)  # light compression (critical)
-    high: CompressorConfig = compressor("topk", ratio=0.01)  # heavy compression
-    threshold: Annotated[float, Field(gt=0)] = 0.5  # relative norm change
-    window_steps: Annotated[int, Field(ge=1)] = 50  # detection interval
 
 
 class CriticalPolicy(Policy):
@@ -110,4 +98,4 @@ class CriticalPolicy(Policy):
         self.counts = {k: {LOW: int(v[LOW]), HIGH: int(v[HIGH])} for k, v in state["counts"].items()}
 
 
-__all__ = ["CriticalOptions", "CriticalPolicy"]
+__all__ = ["CriticalPolicy"]

@@ -22,36 +22,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
-from pydantic import Field, field_validator
 
-from controllers.policies.base import Policy, PolicyOptions, compressible_layers
+from controllers.policies.base import Policy, compressible_layers
 from controllers.state import RunState
 from raycomp.compressors.sparse import sparse_k
+from raycomp.config.policy_options import ErrorBudgetOptions
 from raycomp.plan import CompressorSpec, Plan
 
 BINS = 400
-
-
-def distinct_ratios(ratios: list[float], descending: bool = False) -> list[float]:
-    """The ratios once each, sorted; ValueError if there are none."""
-    if not ratios:
-        raise ValueError("at least one ratio is required")
-    return sorted(set(ratios), reverse=descending)
-
-
-class ErrorBudgetOptions(PolicyOptions):
-    """``compression.error_budget``: L-GreCo's candidate Top-K ratios and its budget."""
-
-    not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
-    ratios: list[Annotated[float, Field(gt=0, le=1)]] = [0.001, 0.003, 0.01, 0.03, 0.1]
-    reference_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # budget = its total error
-    slack: Annotated[float, Field(ge=0, le=10)] = 0.0
-    every_steps: Annotated[int, Field(ge=1)] = 50
-
-    _ratios = field_validator("ratios")(lambda cls, r: distinct_ratios(r))
 
 
 def error_bins(errors: Sequence[Sequence[float]], budget: float, bins: int) -> list[list[int]]:
@@ -191,4 +172,4 @@ class ErrorBudgetPolicy(Policy):
         self.summary, self.solves = dict(state["summary"]), int(state["solves"])
 
 
-__all__ = ["ErrorBudgetOptions", "ErrorBudgetPolicy", "choose_ratios", "distinct_ratios", "error_bins"]
+__all__ = ["ErrorBudgetPolicy", "choose_ratios", "error_bins"]

@@ -4,61 +4,17 @@ compression to dense, and where a floor and a shift put a layer on its ladder.
 A ladder holds, heaviest first: the lossy rungs (PowerSGD ranks for a matrix they shrink,
 else Top-K ratios; none on a sharded run or with ``lossy: never``), the near-lossless rungs
 (any compressor whose :class:`raycomp.compressors.Cost` says near-lossless: int4, int8,
-bf16, or one registered by a user), then dense.
+bf16, or one registered by a user; :mod:`raycomp.compressors.near_lossless` says which),
+then dense.
 """
 
 from __future__ import annotations
 
 from controllers.policies.cost_model import matrix
 from controllers.state import LayerHistory
-from raycomp.compressors import REGISTRY, compressor_class
 from raycomp.plan import DENSE, CompressorSpec
 
 LOWRANK, ALLGATHER = "powersgd", "topk"  # the lossy rungs' compressors
-_REFERENCE_NUMEL = 1 << 20  # the tensor size bytes per element are compared at
-
-
-def near_lossless_names() -> list[str]:
-    """The compressors this process knows that can be near-lossless rungs (dense aside),
-    heaviest compression first."""
-    return heaviest_first([n for n in REGISTRY.names() if _problem(n) is None])
-
-
-def check_near_lossless(name: str) -> str:
-    """``name`` if it can be a near-lossless rung; else ValueError (one line) naming the
-    allowed ones."""
-    problem = _problem(name)
-    if problem is not None:
-        raise ValueError(f"{name!r} {problem}; allowed: {', '.join(near_lossless_names())}, "
-                         "or a compressor of yours that declares a near-lossless Cost")
-    return name
-
-
-def heaviest_first(names: list[str]) -> list[str]:
-    """``names`` once each, by declared bytes per element, fewest first (ties: as given)."""
-    unique = list(dict.fromkeys(names))
-    return sorted(unique, key=bytes_per_element)
-
-
-def bytes_per_element(name: str) -> float:
-    """The payload bytes per fp32 element of a parameterless compressor, on a large tensor."""
-    n = _REFERENCE_NUMEL
-    return compressor_class(name)().payload_bytes(n, (n,), 4.0) / n
-
-
-def _problem(name: str) -> str | None:
-    """Why ``name`` cannot be a near-lossless rung (None: it can)."""
-    try:
-        cost = compressor_class(name).cost
-    except ValueError:
-        return "is not a compressor"
-    if name == DENSE.name or cost is None or not cost.near_lossless:
-        return "is not a near-lossless compressor"
-    try:
-        bytes_per_element(name)
-    except (TypeError, ValueError, NotImplementedError):
-        return "cannot be a rung: it must build without parameters and declare payload_bytes"
-    return None
 
 
 class Ladders:
@@ -122,5 +78,4 @@ def label(spec: CompressorSpec) -> str:
     return spec.name
 
 
-__all__ = ["Ladders", "bytes_per_element", "check_near_lossless", "heaviest_first", "label",
-           "near_lossless_names"]
+__all__ = ["Ladders", "label"]

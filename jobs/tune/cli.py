@@ -24,7 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.tune", description=sys.modules[__package__].__doc__,
+    # the package docstring's user part: its last paragraph maps the modules, for readers of the code
+    usage = (sys.modules[__package__].__doc__ or "").partition("\nThe parts,")[0]
+    parser = argparse.ArgumentParser(prog="python -m jobs.tune", description=usage,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="tune config YAML, e.g. jobs/configs/tune_digits.yaml")
     parser.add_argument("--output", help="output root (default: output_dir of the tune config)")

@@ -3,9 +3,10 @@ options, the guard, the LR ramp, the controller link and checkpointing.
 
 Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` (or a
 ``ValueError`` from the section itself) with the dotted key that is wrong and what is
-allowed. A policy's own options are validated by the model registered beside the policy
-(``controllers.policies``). A training job's whole config (run, workload, cluster shape)
-nests these sections; it lives with the job (``jobs.config``).
+allowed. The built-in policies' options are here too (:mod:`raycomp.config.policy_options`);
+a registered policy's are validated by its class's model (``controllers.policies``). A
+training job's whole config (run, workload, cluster shape) nests these sections; it lives
+with the job (``jobs.config``).
 """
 
 from raycomp.config.base import (
@@ -13,6 +14,16 @@ from raycomp.config.base import (
     ConfigError,
     compressor,
     one_line,
+)
+from raycomp.config.policy_options import (
+    AdaptiveOptions,
+    BandwidthOptions,
+    CriticalOptions,
+    ErrorBudgetOptions,
+    PolicyOptions,
+    ScheduleOptions,
+    ScheduleStage,
+    StaticOptions,
 )
 from raycomp.config.sections import (
     LOCAL_MIN_GAIN,
@@ -26,6 +37,8 @@ from raycomp.config.sections import (
 )
 
 __all__ = [
+    "AdaptiveOptions", "BandwidthOptions", "CriticalOptions", "ErrorBudgetOptions", "PolicyOptions",
+    "ScheduleOptions", "ScheduleStage", "StaticOptions",
     "CheckpointSection", "CompressionSection", "CompressorConfig", "ConfigError", "ControllerSection",
     "GuardSection", "LOCAL_MIN_GAIN", "LocalSection", "LrScalingSection", "compressor", "host_literal", "one_line",
 ]

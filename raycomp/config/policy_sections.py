@@ -1,49 +1,56 @@
 """The policy part of ``compression``: which policy, and its typed options.
 
-The policies and their options models live with the controller, in
-``controllers.policies`` (one registry, :data:`controllers.policies.REGISTRY`); this
-module asks that registry, importing it on first use, so a built-in policy needs no line
-here. Each built-in policy with an options model has a section of its own,
-``compression.<policy>`` (e.g. ``compression.adaptive``), always present and validated
-whichever policy runs; any other policy takes its options from
-``compression.custom_options``.
+Each built-in policy has a section of its own, ``compression.<policy>`` (e.g.
+``compression.adaptive``), always present and validated whichever policy runs; its model
+is in :data:`raycomp.config.policy_options.POLICY_OPTIONS`. Any other policy takes its
+options from ``compression.custom_options``, validated by its class's ``options_model``
+when this process knows the class: a name registered with
+``controllers.policies.register_policy``. The policies themselves live with the
+controller; ``controllers.policies`` hands this module its registry when it is imported
+(:func:`use_registry`), so the job config never imports the controller, and a process that
+never imported it has no registered policies to know.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from raycomp.config.base import Strict, one_line
+from raycomp.config.policy_options import POLICY_OPTIONS
 from raycomp.registry import ANY_PATH, IMPORT_PATH
 
 if TYPE_CHECKING:
     from raycomp.registry import Registry
 
-_SECTIONS: dict[tuple[tuple[str, type[BaseModel]], ...], type[BaseModel]] = {}
+#: the policies registered in this process (``controllers.policies.REGISTRY``, once imported)
+_registry: Registry[Any] | None = None
 
 
-def policies() -> Registry[Any]:
-    """The policy registry (``controllers.policies`` is imported on first use)."""
-    from controllers.policies import REGISTRY
+def use_registry(registry: Registry[Any]) -> None:
+    """Where registered policies are looked up: ``controllers.policies`` calls this with its
+    registry when it is imported, the only place policies are registered."""
+    global _registry
+    _registry = registry
 
-    return REGISTRY
+
+def registered() -> dict[str, str]:
+    """The policies registered in this process: name -> ``module:Class``."""
+    return _registry.registered() if _registry is not None else {}
 
 
 def option_models() -> dict[str, type[BaseModel]]:
     """Built-in policy name -> its options model: the sections ``compression`` holds."""
-    return {n: cls.options_model for n, cls in policies().builtins.items() if cls.options_model is not None}
+    return dict(POLICY_OPTIONS)
 
 
+@functools.cache
 def sections_model() -> type[BaseModel]:
     """A strict model with one field per built-in policy section, each defaulted."""
-    models = option_models()
-    key = tuple(models.items())
-    if key not in _SECTIONS:
-        fields: dict[str, Any] = {n: (m, Field(default_factory=m)) for n, m in models.items()}
-        _SECTIONS[key] = create_model("PolicySections", __base__=Strict, **fields)
-    return _SECTIONS[key]
+    fields: dict[str, Any] = {n: (m, Field(default_factory=m)) for n, m in POLICY_OPTIONS.items()}
+    return create_model("PolicySections", __base__=Strict, **fields)
 
 
 def split_sections(data: dict[str, Any], own_fields: set[str]) -> dict[str, Any]:
@@ -57,14 +64,13 @@ def split_sections(data: dict[str, Any], own_fields: set[str]) -> dict[str, Any]
 def check_policy_name(name: str) -> str:
     """The name the controller gets: a built-in name, the import path of a registered one
     (so the controller's process imports it), or an import path as given."""
-    registry = policies()
-    if name in registry.builtins:
+    if name in POLICY_OPTIONS:
         return name
-    if name in registry.registered():
-        return registry.import_path(name) or name
+    if _registry is not None and name in _registry.registered():
+        return _registry.import_path(name) or name
     if IMPORT_PATH.match(name):
         return name
-    builtin = ", ".join(repr(p) for p in registry.builtins)
+    builtin = ", ".join(repr(p) for p in POLICY_OPTIONS)
     raise ValueError(f"must be one of {builtin}, a name registered with controllers.policies.register_policy, "
                      f"or {ANY_PATH}, got {name!r}")
 
@@ -72,16 +78,15 @@ def check_policy_name(name: str) -> str:
 def custom_model(policy: str) -> type[BaseModel] | None:
     """The options model of a policy that is not built in, if this process knows it
     without importing anything (a registered name, or the import path of one)."""
-    registry = policies()
-    for name, path in registry.registered().items():
-        if policy in (name, path, registry.import_path(name)):
-            return registry.get(name).options_model
+    for name, path in registered().items():
+        if policy in (name, path, _registry.import_path(name)):  # type: ignore[union-attr]
+            return _registry.get(name).options_model  # type: ignore[union-attr]
     return None
 
 
 def check_custom_options(policy: str, custom_options: dict[str, Any]) -> None:
     """ValueError (one line) if ``custom_options`` do not fit ``policy``."""
-    if policy in policies().builtins:
+    if policy in POLICY_OPTIONS:
         if custom_options:
             raise ValueError(f"custom_options: only for policies that are not built in; "
                              f"set compression.{policy}.<option> instead")
@@ -97,7 +102,7 @@ def check_custom_options(policy: str, custom_options: dict[str, Any]) -> None:
 def options_of(section: BaseModel) -> dict[str, Any]:
     """What the controller gets as the options of ``section.policy`` (JSON)."""
     policy = section.policy  # type: ignore[attr-defined]
-    if policy in policies().builtins:
+    if policy in POLICY_OPTIONS:
         chosen = getattr(section, policy, None)
         return chosen.model_dump(mode="json") if chosen is not None else {}
     model = custom_model(policy)
@@ -109,7 +114,7 @@ def check_sharded_policy(section: BaseModel) -> None:
     """ValueError (one line) unless ``section.policy`` can steer a sharded (FSDP) run at all;
     a policy that is not built in is the user's to vouch for."""
     policy = section.policy  # type: ignore[attr-defined]
-    if policy not in policies().builtins:
+    if policy not in POLICY_OPTIONS:
         return
     reason = getattr(type(getattr(section, policy, None)), "not_shardable", None)
     if reason:
@@ -122,7 +127,7 @@ def check_sharded_options(section: BaseModel) -> None:
     """ValueError (one line naming the option) unless every compressor the options of a
     built-in ``section.policy`` may choose fits a reduce-scatter row."""
     policy = section.policy  # type: ignore[attr-defined]
-    options = getattr(section, policy, None) if policy in policies().builtins else None
+    options = getattr(section, policy, None) if policy in POLICY_OPTIONS else None
     if options is not None and hasattr(options, "check_sharded"):
         options.check_sharded(f"compression.{policy}")
 
@@ -132,5 +137,5 @@ def check_sharded_options(section: BaseModel) -> None:
 SECTION_CONFIG = ConfigDict(extra="allow", frozen=True, validate_default=True)
 
 __all__ = ["SECTION_CONFIG", "check_custom_options", "check_policy_name", "check_sharded_options",
-           "check_sharded_policy",
-           "custom_model", "option_models", "options_of", "policies", "sections_model", "split_sections"]
+           "check_sharded_policy", "custom_model", "option_models", "options_of", "registered", "sections_model",
+           "split_sections", "use_registry"]

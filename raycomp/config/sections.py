@@ -155,8 +155,8 @@ class CompressionSection(_Strict):
     memory, the guard and the LR ramp.
 
     Besides its fields it holds one section per built-in policy, named after it
-    (``compression.adaptive``, ``compression.static``, ...: the policy's typed options, from
-    ``controllers.policies``; see :mod:`raycomp.config.policy_sections`).
+    (``compression.adaptive``, ``compression.static``, ...: the policy's typed options,
+    :mod:`raycomp.config.policy_options`; see :mod:`raycomp.config.policy_sections`).
     """
 
     model_config = policy_sections.SECTION_CONFIG

@@ -40,8 +40,8 @@ import torch
 
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 
-if TYPE_CHECKING:  # the options model lives beside its policy, in the controller's package
-    from controllers.policies import AdaptiveOptions
+if TYPE_CHECKING:
+    from raycomp.config.policy_options import AdaptiveOptions
 
 __all__ = ["LINEAR_IN_GRADIENT", "local_min_gain", "lossy_setting", "lossy_suits"]
 
