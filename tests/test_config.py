@@ -105,6 +105,16 @@ def test_cli_exits_2_with_one_line_before_touching_ray(argv, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
 
 
+def test_the_fault_drill_command_takes_the_faults_keys_and_exits_2_with_one_line():
+    # python -m jobs.faults is jobs.train's command with DrillConfig: faults.* is a known key
+    # there (its own check answers), and a bad one still fails before Ray is touched
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "jobs.faults", "--config", DIGITS, "faults.nan_rank=7"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "error: faults.nan_rank must be < scaling.num_workers (2)", done.stderr
+
+
 def test_port_in_use_by_another_program_is_rejected():
     import socket
 

@@ -28,7 +28,7 @@ from pydantic import Field, model_validator
 from jobs.config import JobConfig
 from jobs.config.sections import Section
 
-__all__ = ["DrillConfig", "FaultInjector", "FaultsSection", "main"]
+__all__ = ["DrillConfig", "FaultInjector", "FaultsSection"]
 
 log = logging.getLogger("jobs.faults")
 
@@ -163,16 +163,3 @@ class FaultInjector:
         loop.log.flush()
         log.warning("fault injection: rank %d crashes (%s)", self.rank, name)
         os._exit(17)  # a crash, not an exception: no cleanup, like a killed process
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m jobs.faults``: ``python -m jobs.train`` with the ``faults.*`` keys allowed."""
-    from jobs.train import main as train_main
-
-    return train_main(argv, schema=DrillConfig)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())
