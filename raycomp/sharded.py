@@ -139,8 +139,8 @@ class CompressedReduceScatter(ReduceScatter):
                 raise ValueError(f"reduce-scatter of {self.name!r}: the unit's gradient changed "
                                  f"size ({tuple(self.residual.shape)} -> {tuple(rows.shape)})")
             rows = rows + self.residual.to(rows.device)  # compensate (a CPU-loaded checkpoint's too)
-        payloads = [self.compressor.compress(row) for row in rows]  # compress, one per destination
-        sent = (torch.stack([self.compressor.decompress(p).float() for p in payloads])
+        payloads = self.compressor.compress_many(list(rows))  # compress, one per destination
+        sent = (torch.stack([d.float() for d in self.compressor.decompress_many(payloads)])
                 if self.error_feedback or watching else None)
         self.residual = rows - sent if self.error_feedback else None  # update memory
         send = torch.stack([pack([p]) for p in payloads])  # W rows of equal byte size
@@ -154,9 +154,9 @@ class CompressedReduceScatter(ReduceScatter):
             self.observer.received_control(received[:, payload_bytes:])
         template = payloads[0]
         total = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
-        for source in range(world):
-            (payload,) = unpack_like(received[source, :payload_bytes], [template])
-            total += self.compressor.decompress(payload).float()
+        from_sources = [unpack_like(received[source, :payload_bytes], [template])[0] for source in range(world)]
+        for decoded in self.compressor.decompress_many(from_sources):
+            total += decoded.float()
         if divisor != 1:
             total /= divisor
         output_tensor.copy_(total)

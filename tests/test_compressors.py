@@ -852,3 +852,68 @@ def test_unpack_like_rejects_wrong_size_buffer(delta: int) -> None:
         match=rf"payload buffer holds {size + delta} bytes but the layout describes {size}",
     ):
         unpack_like(wrong, local)
+
+
+# --- many layers at once (raycomp.compressors.batched) ---------------------------------------
+#: small and large layers, odd sizes (a half byte of int4 left over), one under a chunk,
+#: a constant one (a chunk without range), mixed dtypes
+TOGETHER_SHAPES = [(1,), (7,), (64, 33), (2048,), (2049,), (3, 5, 7), (300,), (301,), (128, 512), (33,)]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("chunk_size", [8, 64, 2048])
+def test_quantizing_layers_together_gives_each_layer_its_own_bytes_and_values(name, chunk_size):
+    c = make_compressor(name, chunk_size=chunk_size)
+    tensors = [randn(s, i, FLOAT_DTYPES[i % 4]) for i, s in enumerate(TOGETHER_SHAPES)]
+    tensors[-1] = torch.full((33,), 2.5)
+    together, alone = c._compress_together(tensors), [c.compress(t) for t in tensors]
+    for t, a, b in zip(tensors, together, alone, strict=True):
+        assert (a.shape, a.dtype, a.nbytes) == (b.shape, b.dtype, b.nbytes)
+        for key in b.tensors:  # the bytes on the wire, the unused half byte of an odd int4 layer too
+            assert torch.equal(a.tensors[key], b.tensors[key]), (t.shape, key)
+    for a, b in zip(c._decompress_together(alone), [c.decompress(p) for p in alone], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_int4_with_an_odd_chunk_is_compressed_one_layer_at_a_time():
+    c = make_compressor("int4", chunk_size=9)  # a chunk would start inside a byte of codes
+    tensors = [randn((30,), i) for i in range(3)]
+    with pytest.raises(ValueError, match=r"^int4: chunk_size 9 does not start every chunk on a whole byte"):
+        c._compress_together(tensors)
+    many = c.compress_many(tensors)
+    assert all(torch.equal(a.tensors["codes"], c.compress(t).tensors["codes"]) for a, t in zip(many, tensors, strict=True))
+
+
+class CountedInt4(make_compressor("int4").__class__):
+    """int4 that counts how many layers each call of compress_many/decompress_many gets."""
+
+    name = "counted_int4"
+    calls: list[tuple[str, int]] = []  # noqa: RUF012 - a test's record
+
+    def compress_many(self, tensors):
+        CountedInt4.calls.append(("compress", len(tensors)))
+        return super()._compress_together(tensors) if len(tensors) > 1 else super().compress_many(tensors)
+
+    def decompress_many(self, payloads):
+        CountedInt4.calls.append(("decompress", len(payloads)))
+        return super()._decompress_together(payloads) if len(payloads) > 1 else super().decompress_many(payloads)
+
+
+def test_compress_each_takes_layers_of_one_setting_together_and_keeps_the_order():
+    from raycomp.compressors.batched import compress_each, decompress_each
+
+    CountedInt4.calls.clear()
+    compressors = [CountedInt4(), make_compressor("topk", ratio=0.1), CountedInt4(), CountedInt4(chunk_size=64),
+                   make_compressor("fp16"), CountedInt4()]
+    tensors = [randn((200,), i) for i in range(len(compressors))]
+    payloads = compress_each(compressors, tensors)
+    assert CountedInt4.calls == [("compress", 3), ("compress", 1)]  # chunk 2048: layers 0, 2, 5; chunk 64: 3
+    for c, t, p in zip(compressors, tensors, payloads, strict=True):
+        alone = c.compress(t)
+        assert all(torch.equal(p.tensors[k], alone.tensors[k]) for k in alone.tensors), type(c).__name__
+    decoded = decompress_each(compressors, payloads)
+    assert CountedInt4.calls[2:] == [("decompress", 3), ("decompress", 1)]
+    for c, p, d in zip(compressors, payloads, decoded, strict=True):
+        assert torch.equal(d, c.decompress(p))
+    with pytest.raises(ValueError, match=r"^compressors: 2 for 1 tensors$"):
+        compress_each(compressors[:2], tensors[:1])

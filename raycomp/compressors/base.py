@@ -13,6 +13,7 @@ import enum
 import hashlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -79,6 +80,11 @@ class Compressor(ABC):
     loss_scale: torch.Tensor | None = None
     #: how the adaptive policy ranks it (None: never one of its candidates)
     cost: ClassVar[Cost | None] = None
+    #: One instance's :meth:`compress_many` and :meth:`decompress_many` serve every layer
+    #: whose compressor has this class and the same :meth:`params` (no per-layer state):
+    #: the transports then encode such layers together
+    #: (:func:`raycomp.compressors.batched.compress_each`).
+    batches_layers: ClassVar[bool] = False
 
     @property
     def error_feedback(self) -> bool:
@@ -103,6 +109,15 @@ class Compressor(ABC):
     @abstractmethod
     def decompress(self, payload: Payload) -> torch.Tensor:
         """Rebuild a tensor of ``payload.shape`` and ``payload.dtype``."""
+
+    def compress_many(self, tensors: Sequence[torch.Tensor]) -> list[Payload]:
+        """:meth:`compress` of each tensor (a compressor that :attr:`batches_layers` does
+        them together, with the same results)."""
+        return [self.compress(t) for t in tensors]
+
+    def decompress_many(self, payloads: Sequence[Payload]) -> list[torch.Tensor]:
+        """:meth:`decompress` of each payload (together where :attr:`batches_layers`)."""
+        return [self.decompress(p) for p in payloads]
 
     def accepts(self, shape: torch.Size) -> bool:
         """Whether compressing a tensor of this shape is meaningful (else it goes dense)."""

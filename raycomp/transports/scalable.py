@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from raycomp.compressors import Compressor, Transport
+from raycomp.compressors.batched import compress_each, decompress_each
 from raycomp.loss_scale import rescale
 from raycomp.payload import Payload, pack, unpack_like
 from raycomp.transports.base import Batch, Communicator, Delivered, Reduced
@@ -32,13 +33,14 @@ def gathered_mean(
     overhead bytes (none: fixed sizes need neither counts nor padding).
     """
     w, me = group.size, group.rank
-    payloads = [c.compress(t) for t, c in zip(tensors, compressors, strict=True)]
+    payloads = compress_each(compressors, tensors)
     gathering, overhead = gather_payloads(payloads, compressors, group)  # fixed sizes: no overhead
 
     def average(per_rank: list[list[Payload]]) -> Delivered:
+        by_rank = [decompress_each(compressors, rank_payloads) for rank_payloads in per_rank]
         results = []
-        for i, (c, t) in enumerate(zip(compressors, tensors, strict=True)):
-            decoded = [c.decompress(rank_payloads[i]) for rank_payloads in per_rank]
+        for i, t in enumerate(tensors):
+            decoded = [layers[i] for layers in by_rank]
             total = decoded[0].float()
             for d in decoded[1:]:  # rank order, the same on every rank
                 total = total + d.float()  # a new tensor: decoded[me] is this rank's `sent`
@@ -96,11 +98,12 @@ class ScalableAllreduce(Communicator):
             return gathered_mean(tensors, compressors, group)
         chunked = [chunks(t.reshape(-1), w) for t in tensors]
         # payloads[i][j]: layer i, chunk j, compressed here
-        payloads = [[c.compress(ch) for ch in layer] for c, layer in zip(compressors, chunked, strict=True)]
-        sent = [
-            torch.cat([c.decompress(p).reshape(-1) for p in row]).reshape(t.shape)
-            for row, c, t in zip(payloads, compressors, tensors, strict=True)
-        ]
+        per_chunk = [c for c in compressors for _ in range(w)]  # layer i's compressor, w times
+        flat = compress_each(per_chunk, [ch for layer in chunked for ch in layer])
+        payloads = [flat[i * w:(i + 1) * w] for i in range(len(tensors))]
+        decoded = decompress_each(per_chunk, flat)
+        sent = [torch.cat([d.reshape(-1) for d in decoded[i * w:(i + 1) * w]]).reshape(t.shape)
+                for i, t in enumerate(tensors)]
         to_rank = [pack([row[j] for row in payloads]) for j in range(w)]
         split_bytes = [b.numel() for b in to_rank]
         mine = [row[me] for row in payloads]
@@ -117,18 +120,21 @@ class ScalableAllreduce(Communicator):
             received = to_rank[0]
         from_ranks = [unpack_like(buf, mine) for buf in received.split(split_bytes[me])]
 
-        recompressed = []
+        received_chunks = [decompress_each(compressors, r) for r in from_ranks]
+        averages = []
         for i, (name, comp) in enumerate(zip(names, compressors, strict=True)):
-            average = sum(comp.decompress(r[i]).float() for r in from_ranks) / w
+            average = sum(layers[i].float() for layers in received_chunks) / w
             if self.error_feedback and comp.error_feedback:
                 residual = self.server_residuals.get(name)
                 if residual is not None and residual.shape == average.shape:
                     average = average + residual.to(average.device)
-                payload = comp.compress(average)
-                self.server_residuals[name] = average - comp.decompress(payload).float()
-            else:
-                payload = comp.compress(average)
-            recompressed.append(payload)
+            averages.append(average)
+        recompressed = compress_each(compressors, averages)
+        if self.error_feedback:
+            for name, comp, average, back in zip(names, compressors, averages,
+                                                 decompress_each(compressors, recompressed), strict=True):
+                if comp.error_feedback:
+                    self.server_residuals[name] = average - back.float()
 
         padded = max(split_bytes)
         buffer = torch.zeros(padded, dtype=torch.uint8, device=received.device)
@@ -142,9 +148,10 @@ class ScalableAllreduce(Communicator):
                 unpack_like(buf[: split_bytes[j]], [row[j] for row in payloads])
                 for j, buf in enumerate(gathered)
             ]
+            decoded = [decompress_each(compressors, layers) for layers in by_chunk]
             results = []
-            for i, (comp, t) in enumerate(zip(compressors, tensors, strict=True)):
-                mean = torch.cat([comp.decompress(by_chunk[j][i]).reshape(-1) for j in range(w)])
+            for i, t in enumerate(tensors):
+                mean = torch.cat([decoded[j][i].reshape(-1) for j in range(w)])
                 sent_to_others = sum(payloads[i][j].nbytes for j in range(w) if j != me)
                 wire = sent_to_others + (w - 1) * recompressed[i].nbytes
                 results.append(Reduced(mean.reshape(t.shape).to(t.dtype), sent[i], wire))

@@ -196,3 +196,54 @@ def test_compressor_host_syncs_and_speed(name: str, note: Callable[[str], None])
     note(f"syncs compress/decompress {syncs_c}/{syncs_d} [{sites(msgs + msgs2)}], copies {copies}; "
          f"16M: compress {mc * 1e3:.3f} ms ({x.numel() * 4 / mc / 1e9:.1f} GB/s), decompress {md * 1e3:.3f} ms")
     assert syncs_c + syncs_d <= SYNCS.get(name, 0), f"{syncs_c}+{syncs_d} host syncs [{sites(msgs + msgs2)}]"
+
+
+#: the KJV transformer's parameter shapes, roughly: many small layers and a few large ones
+MANY_SHAPES = [(63, 128), (128,), (128,), (384, 128), (384,), (128, 128), (128,), (128,), (128,),
+               (512, 128), (512,), (128, 512), (128,)] * 4 + [(63,), (7,), (2049,)]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_layers_quantized_together_on_cuda_equal_one_at_a_time(name: str, note: Callable[[str], None]) -> None:
+    """``compress_many`` / ``decompress_many`` on CUDA (all layers in one pass): the bytes
+    and values of one layer at a time, no host sync, and the kernels and time it saves."""
+    c = build(name)
+    tensors = [randn(shape, i, DTYPES[i % 3]).to(CUDA) for i, shape in enumerate(MANY_SHAPES)]
+    together, alone = c.compress_many(tensors), [c.compress(t) for t in tensors]
+    for i, (a, b) in enumerate(zip(together, alone, strict=True)):
+        for key in b.tensors:
+            assert torch.equal(a.tensors[key], b.tensors[key]), f"layer {i} {MANY_SHAPES[i]}: {key} differ"
+    for i, (a, b) in enumerate(zip(c.decompress_many(alone), [c.decompress(p) for p in alone], strict=True)):
+        assert a.device == CUDA and a.dtype == b.dtype and torch.equal(a, b), f"layer {i}: values differ"
+    syncs, msgs = count_syncs(lambda: c.decompress_many(c.compress_many(tensors)))
+    assert syncs == 0, f"{syncs} host syncs [{sites(msgs)}]"
+    kernels = {way: _kernels(fn) for way, fn in (
+        ("together", lambda: c.decompress_many(c.compress_many(tensors))),
+        ("alone", lambda: [c.decompress(c.compress(t)) for t in tensors]))}
+    times = {way: _median_ms(fn) for way, fn in (
+        ("together", lambda: c.decompress_many(c.compress_many(tensors))),
+        ("alone", lambda: [c.decompress(c.compress(t)) for t in tensors]))}
+    note(f"{len(tensors)} layers: kernels together {kernels['together']}, alone {kernels['alone']}; "
+         f"compress + decompress {times['together']:.2f} ms together, {times['alone']:.2f} ms alone")
+    assert kernels["together"] * 5 < kernels["alone"], kernels
+
+
+def _kernels(fn: Callable[[], Any]) -> int:
+    """CUDA kernels ``fn`` launched (the profiler's kernel events)."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _median_ms(fn: Callable[[], Any], runs: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3

@@ -35,8 +35,8 @@ MUTANTS = (
     ),
     mutant(
         "scalable-server-ef-removed", "ScalableAllreduce.__call__",
-        "                self.server_residuals[name] = average - comp.decompress(payload).float()\n",
-        "                pass\n",
+        "                    self.server_residuals[name] = average - back.float()\n",
+        "                    pass\n",
         "tests/test_error_feedback.py",
         "the scalable all-reduce (sign/int8/QSGD) keeps no server-side error feedback",
     ),
