@@ -21,6 +21,7 @@ from raycomp.compressors import (
     compressor_parameters,
     make_compressor,
 )
+from raycomp.compressors.minmax import MinMaxInt4
 from raycomp.payload import Payload, pack, unpack_like
 
 NAMES = sorted(COMPRESSORS)
@@ -884,7 +885,7 @@ def test_int4_with_an_odd_chunk_is_compressed_one_layer_at_a_time():
     assert all(torch.equal(a.tensors["codes"], c.compress(t).tensors["codes"]) for a, t in zip(many, tensors, strict=True))
 
 
-class CountedInt4(make_compressor("int4").__class__):
+class CountedInt4(MinMaxInt4):
     """int4 that counts how many layers each call of compress_many/decompress_many gets."""
 
     name = "counted_int4"
