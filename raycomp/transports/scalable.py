@@ -38,15 +38,15 @@ def gathered_mean(
 
     def average(per_rank: list[list[Payload]]) -> Delivered:
         by_rank = [decompress_each(compressors, rank_payloads) for rank_payloads in per_rank]
-        results = []
-        for i, t in enumerate(tensors):
-            decoded = [layers[i] for layers in by_rank]
-            total = decoded[0].float()
-            for d in decoded[1:]:  # rank order, the same on every rank
-                total = total + d.float()  # a new tensor: decoded[me] is this rank's `sent`
-            mean = (total.div_(w) if w > 1 else total).to(t.dtype).reshape(t.shape)
-            results.append(Reduced(mean, decoded[me], (w - 1) * payloads[i].nbytes))
-        return results, overhead
+        # every layer at once (one multi-tensor kernel on CUDA), in rank order, the same on
+        # every rank; the sums are new tensors: by_rank[me] is this rank's `sent`
+        totals = [d.float() for d in by_rank[0]]
+        for layers in by_rank[1:]:
+            totals = torch._foreach_add(totals, [d.float() for d in layers])
+        if w > 1:
+            torch._foreach_div_(totals, float(w))
+        return [Reduced(total.to(t.dtype).reshape(t.shape), by_rank[me][i], (w - 1) * payloads[i].nbytes)
+                for i, (total, t) in enumerate(zip(totals, tensors, strict=True))], overhead
 
     return gathering.then(average)
 
