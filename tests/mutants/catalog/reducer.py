@@ -32,8 +32,8 @@ MUTANTS = (
     ),
     mutant(
         "finite-flag-reads-max-only", "all_finite",
-        "    bounds = [torch.stack(torch.aminmax(t)).float() for t in tensors if t.numel()]\n",
-        "    bounds = [t.amax().float().reshape(1) for t in tensors if t.numel()]\n",
+        "        return torch.isfinite(torch.stack([torch.stack(torch.aminmax(t)).float() for t in present])).all()\n",
+        "        return torch.isfinite(torch.stack([t.amax().float() for t in present])).all()\n",
         "tests/test_hook.py",
         "the step's non-finite flag misses -inf (it reads only the maximum)",
     ),

@@ -49,8 +49,8 @@ MUTANTS = (
     ),
     mutant(
         "gathered-mean-drops-a-peer", "gathered_mean.average",
-        "            for d in decoded[1:]:  # rank order, the same on every rank\n",
-        "            for d in decoded[1:1]:  # rank order, the same on every rank\n",
+        "        for layers in by_rank[1:]:\n",
+        "        for layers in by_rank[1:1]:\n",
         "tests/test_collectives.py",
         "the two-rank all-gather averages only the first rank's payload",
     ),
