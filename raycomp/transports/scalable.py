@@ -130,11 +130,10 @@ class ScalableAllreduce(Communicator):
                     average = average + residual.to(average.device)
             averages.append(average)
         recompressed = compress_each(compressors, averages)
-        if self.error_feedback:
-            for name, comp, average, back in zip(names, compressors, averages,
-                                                 decompress_each(compressors, recompressed), strict=True):
-                if comp.error_feedback:
-                    self.server_residuals[name] = average - back.float()
+        kept = [i for i, comp in enumerate(compressors) if self.error_feedback and comp.error_feedback]
+        backs = decompress_each([compressors[i] for i in kept], [recompressed[i] for i in kept])
+        for name, average, back in zip([names[i] for i in kept], [averages[i] for i in kept], backs, strict=True):
+            self.server_residuals[name] = average - back.float()
 
         padded = max(split_bytes)
         buffer = torch.zeros(padded, dtype=torch.uint8, device=received.device)
