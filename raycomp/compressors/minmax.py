@@ -48,13 +48,17 @@ class MinMaxInt8(Compressor):
         return self.wire_bytes(numel)
 
     def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
-        x = flat.float()
-        n = x.numel()
-        pad = (-n) % self.chunk_size
-        if pad:  # pad with an in-range value so the last chunk's range is its own
-            x = torch.cat([x, x[-1:].expand(pad)])
-        packed, bounds = self._quantize(x.view(-1, self.chunk_size), n)
+        parts = self._whole_chunks(flat)
+        x = parts[0] if len(parts) == 1 else torch.cat(parts)
+        packed, bounds = self._quantize(x.view(-1, self.chunk_size), flat.numel())
         return Payload({"codes": packed, "bounds": bounds}, shape, dtype)
+
+    def _whole_chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` in fp32 and, if its last chunk is short, the padding that fills it: its
+        last value repeated, in range, so that the last chunk's range is its own."""
+        x = flat.float()
+        pad = (-x.numel()) % self.chunk_size
+        return [x, x[-1:].expand(pad)] if pad else [x]
 
     def _quantize(self, chunks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed codes of the first ``n`` elements of ``chunks`` (fp32, one row per
@@ -106,14 +110,14 @@ class MinMaxInt8(Compressor):
         (:meth:`_compress_together`). On the CPU one at a time: there a layer's ~30 small
         operations cost less than copying every layer into one buffer (the KJV
         transformer's int4 backward at two ranks took 3-10% longer together)."""
-        if len(tensors) < 2 or not self._aligned() or tensors[0].device.type == "cpu":
+        if not tensors or not self._together(len(tensors), tensors[0].device):
             return [self.compress(t) for t in tensors]
         return self._compress_together(tensors)
 
     def decompress_many(self, payloads: Sequence[Payload]) -> list[torch.Tensor]:
         """:meth:`decompress` of each payload, bit for bit; on a GPU all of them together
         (:meth:`_decompress_together`), on the CPU one at a time."""
-        if len(payloads) < 2 or not self._aligned() or payloads[0].tensors["codes"].device.type == "cpu":
+        if not payloads or not self._together(len(payloads), payloads[0].tensors["codes"].device):
             return [self.decompress(p) for p in payloads]
         return self._decompress_together(payloads)
 
@@ -127,10 +131,9 @@ class MinMaxInt8(Compressor):
             check_float_tensor(t)
         parts, offsets = [], [0]  # offsets: each tensor's first chunk
         for t in tensors:
-            x = t.detach().reshape(-1).float()
-            pad = (-x.numel()) % self.chunk_size
-            parts += [x, x[-1:].expand(pad)] if pad else [x]
-            offsets.append(offsets[-1] + (x.numel() + pad) // self.chunk_size)
+            whole = self._whole_chunks(t.detach().reshape(-1))
+            parts += whole
+            offsets.append(offsets[-1] + sum(part.numel() for part in whole) // self.chunk_size)
         chunks = torch.cat(parts).view(-1, self.chunk_size)
         packed, bounds = self._quantize(chunks, chunks.numel())
         per_byte = 8 // self.bits
@@ -161,6 +164,11 @@ class MinMaxInt8(Compressor):
             results.append(flat[first: first + p.numel].to(p.dtype).reshape(p.shape))
             first += b.shape[0] * size
         return results
+
+    def _together(self, count: int, device: torch.device) -> bool:
+        """Whether :meth:`compress_many` / :meth:`decompress_many` of ``count`` layers on
+        ``device`` take them together: several, aligned (:meth:`_aligned`), off the CPU."""
+        return count > 1 and self._aligned() and device.type != "cpu"
 
     def _aligned(self) -> bool:
         """Whether every chunk starts on a whole byte of codes (int4 needs an even chunk)."""

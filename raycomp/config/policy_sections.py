@@ -36,16 +36,6 @@ def use_registry(registry: Registry[Any]) -> None:
     _registry = registry
 
 
-def registered() -> dict[str, str]:
-    """The policies registered in this process: name -> ``module:Class``."""
-    return _registry.registered() if _registry is not None else {}
-
-
-def option_models() -> dict[str, type[BaseModel]]:
-    """Built-in policy name -> its options model: the sections ``compression`` holds."""
-    return dict(POLICY_OPTIONS)
-
-
 @functools.cache
 def sections_model() -> type[BaseModel]:
     """A strict model with one field per built-in policy section, each defaulted."""
@@ -58,7 +48,7 @@ def split_sections(data: dict[str, Any], own_fields: set[str]) -> dict[str, Any]
     section (unknown keys refused: ``<key>: unknown key``), each section present."""
     own = {k: v for k, v in data.items() if k in own_fields}
     sections = sections_model().model_validate({k: v for k, v in data.items() if k not in own_fields})
-    return {**own, **{name: getattr(sections, name) for name in option_models()}}
+    return {**own, **{name: getattr(sections, name) for name in POLICY_OPTIONS}}
 
 
 def check_policy_name(name: str) -> str:
@@ -78,9 +68,11 @@ def check_policy_name(name: str) -> str:
 def custom_model(policy: str) -> type[BaseModel] | None:
     """The options model of a policy that is not built in, if this process knows it
     without importing anything (a registered name, or the import path of one)."""
-    for name, path in registered().items():
-        if policy in (name, path, _registry.import_path(name)):  # type: ignore[union-attr]
-            return _registry.get(name).options_model  # type: ignore[union-attr]
+    if _registry is None:
+        return None
+    for name, path in _registry.registered().items():
+        if policy in (name, path, _registry.import_path(name)):
+            return _registry.get(name).options_model
     return None
 
 
@@ -118,7 +110,7 @@ def check_sharded_policy(section: BaseModel) -> None:
         return
     reason = getattr(type(getattr(section, policy, None)), "not_shardable", None)
     if reason:
-        fits = [n for n, m in option_models().items() if getattr(m, "not_shardable", None) is None]
+        fits = [n for n, m in POLICY_OPTIONS.items() if m.not_shardable is None]
         raise ValueError(f"compression.policy: {policy!r} {reason}; allowed with scaling.strategy=fsdp: "
                          f"{', '.join(fits)}")
 
@@ -137,5 +129,5 @@ def check_sharded_options(section: BaseModel) -> None:
 SECTION_CONFIG = ConfigDict(extra="allow", frozen=True, validate_default=True)
 
 __all__ = ["SECTION_CONFIG", "check_custom_options", "check_policy_name", "check_sharded_options",
-           "check_sharded_policy", "custom_model", "option_models", "options_of", "registered", "sections_model",
+           "check_sharded_policy", "custom_model", "options_of", "sections_model",
            "split_sections", "use_registry"]
