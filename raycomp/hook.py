@@ -63,6 +63,7 @@ from raycomp.overlap import BucketThreads
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
 from raycomp.transports import Pending, flat_view
+from raycomp.transports.packing import by_dtype, split
 
 __all__ = ["CompressionState", "compression_hook"]
 
@@ -133,6 +134,7 @@ class CompressionState:
         #: (a state built on the module inside the DDP: its trainable parameters)
         bucketed = reducer_order(model) if isinstance(model, DistributedDataParallel) else self.parameters
         self._bucketed = [(self._names[id(p)], p.numel() * p.element_size()) for p in bucketed]
+        self._bucketed_params = bucketed
         self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
         self._buckets_checked = False  # a flat step has seen every bucket hold the state's parameters
 
@@ -232,6 +234,52 @@ class CompressionState:
         with the same collectives; decided when the step begins, the same on every rank."""
         self.begin_step()
         return self._flat and device.type != "cuda"
+
+    def next_step_flat(self) -> bool:
+        """Whether the next step will be a flat step (:meth:`flat_step`), asked before it
+        begins, while no step is open (before the step's forward): from the plan in force,
+        the step's number and what error feedback holds, which every rank holds alike."""
+        return (not self.reducer.in_step and self._threads.enabled and self._dense_everywhere()
+                and self.reducer.flat_ready())
+
+    def reduce_flat(self) -> None:
+        """A flat step after backward, for a step whose reduction DDP left out
+        (``require_backward_grad_sync`` off: :class:`raycomp.train.ddp_sync.DdpSync`):
+        every gradient DDP's buckets hold, copied into one buffer per dtype and all-reduced
+        there (:meth:`raycomp.reducer.CompressedReducer.start_flat`: the same division, sum
+        and control values as a bucket of a flat step), then copied back. A parameter
+        without a gradient on some rank (DDP without ``find_unused_parameters`` needs one
+        on every rank) sends zeros and is counted in the buffer, so that every rank raises
+        the same error instead of one rank waiting for another."""
+        started = time.perf_counter()
+        self.reducer.begin_step()
+        params = self._bucketed_params
+        missing = [self._names[id(p)] for p in params if p.grad is None]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        if self.reducer.collecting_stats:
+            self.reducer.measure_dense([self._names[id(p)] for p in params], grads)
+        groups = by_dtype(grads)
+        sent = []
+        for i, members in enumerate(groups):
+            parts = [grads[j].reshape(-1) for j in members]
+            if i == 0:  # how many gradients this rank lacks, summed (after the division) over ranks
+                parts.append(torch.full((1,), float(len(missing)), dtype=parts[0].dtype, device=parts[0].device))
+            flat = torch.cat(parts)
+            sent.append((members, self.reducer.start_flat(flat, closes_step=i == len(groups) - 1)))
+        lacking = 0.0
+        for i, (members, future) in enumerate(sent):
+            mean = future.wait()
+            if i == 0:
+                lacking, mean = float(mean[-1]), mean[:-1]
+            torch._foreach_copy_([grads[j] for j in members], split(mean, [grads[j] for j in members]))
+        if lacking > 0:
+            where = f"{', '.join(missing[:3])} on this rank" if missing else "a parameter on another rank"
+            raise RuntimeError(f"no gradient this step for {where}: DDP reduces every parameter on every "
+                               "rank; a model that leaves parameters unused needs find_unused_parameters=True "
+                               "(TrainOptions.find_unused_parameters)")
+        self.reducer.count_dense(self._bucketed)
+        self.end_step()
+        self.comm_seconds += time.perf_counter() - started
 
     def flat_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
         """A bucket of a :meth:`flat_step`: all-reduced where it lies (its gradients' norms
