@@ -62,7 +62,7 @@ from raycomp.memory import Memory
 from raycomp.overlap import BucketThreads
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
-from raycomp.transports import Pending, flat_view
+from raycomp.transports import OVERHEAD, Pending, flat_view
 from raycomp.transports.packing import by_dtype, split
 
 __all__ = ["CompressionState", "compression_hook"]
@@ -264,6 +264,7 @@ class CompressionState:
             parts = [grads[j].reshape(-1) for j in members]
             if i == 0:  # how many gradients this rank lacks, summed (after the division) over ranks
                 parts.append(torch.full((1,), float(len(missing)), dtype=parts[0].dtype, device=parts[0].device))
+                self.ledger.add(OVERHEAD, self.reducer.group.allreduce_bytes(parts[-1].element_size()))
             flat = torch.cat(parts)
             sent.append((members, self.reducer.start_flat(flat, closes_step=i == len(groups) - 1)))
         lacking = 0.0

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
 from raycomp.train.ddp_sync import DdpSync, reduces_after_backward
+from raycomp.transports import OVERHEAD
 from tests.distributed import run_distributed
 
 CONTROL = 2  # control values each rank stages per step
@@ -110,6 +111,8 @@ def test_a_dense_step_of_a_small_model_is_reduced_after_backward_as_ddp_reduces_
         model = _model()
         for name, p in model.named_parameters():
             assert out["ledger"][name] == 3 * p.numel() * 4, (name, out["ledger"])
+        # and the rest of what went on the wire: the control rows and the missing count
+        assert out["ledger"][OVERHEAD] == 3 * (2 * (1 + CONTROL) + 1) * 4, out["ledger"]
 
 
 def test_a_compressed_step_goes_back_to_ddps_hook_and_a_dense_one_after_it_comes_back():

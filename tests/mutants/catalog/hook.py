@@ -233,4 +233,11 @@ MUTANTS = (
         "tests/test_ddp_sync.py -k only_a_small",
         "a model of many buckets is reduced after backward: the overlap of its buckets with backward is lost",
     ),
+    mutant(
+        "hook-reduce-flat-missing-count-uncounted", "CompressionState.reduce_flat",
+        "                self.ledger.add(OVERHEAD, self.reducer.group.allreduce_bytes(parts[-1].element_size()))\n",
+        "",
+        "tests/test_ddp_sync.py -k as_ddp_reduces_it",
+        "the element that counts missing gradients travels but is not in the ledger: the wire shows fewer bytes than it carries",
+    ),
 )
