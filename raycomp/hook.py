@@ -245,8 +245,8 @@ class CompressionState:
     def reduce_flat(self) -> None:
         """A flat step after backward, for a step whose reduction DDP left out
         (``require_backward_grad_sync`` off: :class:`raycomp.train.ddp_sync.DdpSync`):
-        every gradient DDP's buckets hold, copied into one buffer per dtype and all-reduced
-        there (:meth:`raycomp.reducer.CompressedReducer.start_flat`: the same division, sum
+        every gradient DDP's buckets hold, copied once into one buffer per dtype (with the
+        control values) and all-reduced there (:meth:`raycomp.reducer.CompressedReducer.start_flat`: the same division, sum
         and control values as a bucket of a flat step), then copied back. A parameter
         without a gradient on some rank (DDP without ``find_unused_parameters`` needs one
         on every rank) sends zeros and is counted in the buffer, so that every rank raises
@@ -265,8 +265,7 @@ class CompressionState:
             if i == 0:  # how many gradients this rank lacks, summed (after the division) over ranks
                 parts.append(torch.full((1,), float(len(missing)), dtype=parts[0].dtype, device=parts[0].device))
                 self.ledger.add(OVERHEAD, self.reducer.group.allreduce_bytes(parts[-1].element_size()))
-            flat = torch.cat(parts)
-            sent.append((members, self.reducer.start_flat(flat, closes_step=i == len(groups) - 1)))
+            sent.append((members, self.reducer.start_flat(parts, closes_step=i == len(groups) - 1)))
         lacking = 0.0
         for i, (members, future) in enumerate(sent):
             mean = future.wait()
@@ -295,7 +294,7 @@ class CompressionState:
             for p in bucket.parameters():  # another model than the state's fails at the first step
                 self.name_of(p)
         self._buckets_checked |= last
-        future = self.reducer.start_flat(buffer, closes_step=last)
+        future = self.reducer.start_flat([buffer], closes_step=last)
         self.in_flight.append(future)
         if not last:
             return future

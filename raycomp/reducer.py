@@ -211,17 +211,18 @@ class CompressedReducer:
         return (not (self.collecting_stats and self.profile_ratios) and not self.defer_unused
                 and not self._unsettled and idle is not None and idle())
 
-    def start_flat(self, flat: torch.Tensor, *, closes_step: bool = False) -> torch.futures.Future:
-        """:meth:`start` for a step :meth:`flat_ready` allows, on ``flat``, a DDP bucket's
-        buffer: the same division, all-reduce and control values
-        (:func:`~raycomp.transports.mean_in_place`), without routing, error feedback or
-        per-layer results. The layers' bytes are the caller's to count, once a step
-        (:meth:`count_dense`). A future of the mean."""
+    def start_flat(self, parts: Sequence[torch.Tensor], *, closes_step: bool = False) -> torch.futures.Future:
+        """:meth:`start` for a step :meth:`flat_ready` allows, on the 1-D ``parts`` back to
+        back (a DDP bucket's buffer, or a whole step's gradients of one dtype): the same
+        division, all-reduce and control values (:func:`~raycomp.transports.mean_in_place`),
+        without routing, error feedback or per-layer results. The layers' bytes are the
+        caller's to count, once a step (:meth:`count_dense`). A future of the mean, one
+        1-D tensor."""
         self.begin_step()
-        control = self.signals.take(flat.device) if closes_step else None
+        control = self.signals.take(parts[0].device) if closes_step else None
         if control is not None:
             self.ledger.add(OVERHEAD, self.group.allreduce_bytes(control.numel() * control.element_size()))
-        return mean_in_place(flat, self.group, control)
+        return mean_in_place(parts, self.group, control)
 
     def measure_dense(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
         """A flat step's :class:`LayerStats` on a statistics step (:attr:`collecting_stats`),

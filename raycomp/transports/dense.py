@@ -32,9 +32,8 @@ def dense_allreduce(
     carried: tuple[torch.Tensor, torch.Tensor] | None = None  # (control, the buffer it rides in)
     for members in by_dtype(tensors):
         flat = flat_view([tensors[i] for i in members]) if in_place else None
-        if flat is None:
-            flat = torch.cat([tensors[i].reshape(-1) for i in members])
-        sent, started, rode = _divide_and_send(flat, group, control)
+        parts = [flat] if flat is not None else [tensors[i].reshape(-1) for i in members]
+        sent, started, rode = _divide_and_send(parts, group, control, in_place=flat is not None)
         works += started
         if rode:
             carried, control = (control, sent), None  # type: ignore[assignment]
@@ -55,36 +54,44 @@ def dense_allreduce(
     return Pending(works, finish)
 
 
-def _divide_and_send(flat: torch.Tensor, group: Group,
-                     control: torch.Tensor | None) -> tuple[torch.Tensor, list[dist.Work], bool]:
-    """Divide ``flat`` by the group's size (before the sum, as DDP does) and issue its sum
-    all-reduce, with ``control`` appended where it has ``flat``'s dtype and device: (the
-    buffer sent, its work, whether ``control`` rode in it)."""
-    flat.div_(group.size)
-    rides = control is not None and control.dtype == flat.dtype and control.device == flat.device
-    buffer = torch.cat([flat, control]) if rides else flat  # type: ignore[list-item]
+def _divide_and_send(parts: Sequence[torch.Tensor], group: Group, control: torch.Tensor | None, *,
+                     in_place: bool) -> tuple[torch.Tensor, list[dist.Work], bool]:
+    """Issue the sum all-reduce of the 1-D ``parts`` back to back, divided by the group's
+    size (before the sum, as DDP does), with ``control`` appended where it has their dtype
+    and device: (the buffer sent, its work, whether ``control`` rode in it). One part that
+    may be overwritten (``in_place``) and carries nothing is divided and sent where it lies;
+    otherwise the parts and ``control`` are copied once, into one new buffer."""
+    first = parts[0]
+    rides = control is not None and control.dtype == first.dtype and control.device == first.device
+    if in_place and len(parts) == 1 and not rides:
+        buffer = first.div_(group.size)
+    else:
+        buffer = torch.cat([*parts, control] if rides else list(parts))  # type: ignore[list-item]
+        buffer[:sum(p.numel() for p in parts)].div_(group.size)
     return buffer, group.start_all_reduce(buffer), rides
 
 
-def mean_in_place(flat: torch.Tensor, group: Group, control: torch.Tensor | None = None) -> torch.futures.Future:
-    """:func:`dense_allreduce` of one 1-D buffer that may be overwritten (a DDP bucket's), as
-    a future of the mean: ``flat`` itself, or, where ``control`` rides along (same dtype and
-    device), the front of the buffer that carried it; ``control`` holds its sum once the
-    future is done. The same division, collectives and results, with less Python on the
-    hot path: no per-tensor results, and a callback of a few lines on the collective's
-    thread, as torch's all-reduce hook has."""
-    buffer, works, carried = _divide_and_send(flat, group, control)
+def mean_in_place(parts: Sequence[torch.Tensor], group: Group,
+                  control: torch.Tensor | None = None) -> torch.futures.Future:
+    """:func:`dense_allreduce` of 1-D ``parts`` back to back that may be overwritten (a DDP
+    bucket's buffer, or the gradients of a whole step), as a future of the mean: the one part
+    itself, reduced where it lies, or the front of the one buffer the parts (and ``control``,
+    where it rides along: same dtype and device) were copied into; ``control`` holds its sum
+    once the future is done. The same division, collectives and results, with less Python
+    on the hot path: no per-tensor results, and a callback of a few lines on the
+    collective's thread, as torch's all-reduce hook has."""
+    buffer, works, carried = _divide_and_send(parts, group, control, in_place=True)
     if control is not None and not carried:  # no tensor of its dtype: a collective of its own
         works += group.start_all_reduce(control)
     futures = [work.get_future() for work in works]
+    n = sum(p.numel() for p in parts)
 
     def mean(_: torch.futures.Future | None = None) -> torch.Tensor:
         for future in futures:
             future.value()  # a failed collective raises here
         if carried:
-            control.copy_(buffer[flat.numel():])  # type: ignore[union-attr]
-            return buffer[:flat.numel()]
-        return flat
+            control.copy_(buffer[n:])  # type: ignore[union-attr]
+        return buffer if buffer.numel() == n else buffer[:n]
 
     if not futures:  # one process: nothing in flight
         done: torch.futures.Future = torch.futures.Future()

@@ -164,7 +164,7 @@ MUTANTS = (
     ),
     mutant(
         "hook-flat-drops-control", "CompressedReducer.start_flat",
-        "        control = self.signals.take(flat.device) if closes_step else None\n",
+        "        control = self.signals.take(parts[0].device) if closes_step else None\n",
         "        control = None\n",
         "tests/test_hook.py -k as_it_lies",
         "the guard's control values do not ride with a flat dense step: the guard reads nothing",
