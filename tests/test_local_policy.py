@@ -10,6 +10,7 @@ import pytest
 
 from controllers.service import Controller
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
+from raycomp.local import resolve_delay
 from raycomp.plan import Plan
 from tests.test_adaptive_policy import (
     FAST,
@@ -33,15 +34,17 @@ class LocalSim(Sim):
 
     Under local steps the workers report inner steps and syncs: ``link.compute`` a step, and
     per step 1/H of a sync, which costs ``sync_factor`` x what its bytes and round take on
-    the link (its codec, the outer step); an interval that starts by leaving local steps or
-    changing H also holds the sync of every fragment that the switch runs. ``overlap``: the
-    compute that per-step intervals report, as a multiple of the real one (backward shares
-    the cores with the reduction)."""
+    the link (its codec, the outer step), less what the ``delay``'s inner steps hide (the
+    tests register ``delay: 0``, a sync waited for at once, unless they ask for another); an
+    interval that starts by leaving local steps or changing H also holds the sync of every
+    fragment that the switch runs. ``overlap``: the compute that per-step intervals report,
+    as a multiple of the real one (backward shares the cores with the reduction)."""
 
     def __init__(self, local: dict, sync_factor: float = 1.0, overlap: float = 1.0, **options) -> None:
         super().__init__(**options)
         self.controller = Controller()
-        local = {"min_gain": LOCAL_MIN_GAIN["linear"], **local}
+        local = {"min_gain": LOCAL_MIN_GAIN["linear"], "delay": 0, **local}
+        self.delay = local["delay"]
         self.controller.register_run("run", W, SHAPES, "adaptive",
                                      {**self.options, "local": LocalSection(**local).model_dump(mode="json")},
                                      WARMUP, K, 1024)
@@ -76,7 +79,8 @@ class LocalSim(Sim):
             compute = report["compute_seconds"] * self.overlap
             comm = report["comm_seconds"] + switch
         else:
-            compute, comm = self.link.compute, sync / mode.sync_every + switch
+            hidden = resolve_delay(self.delay, mode.sync_every, mode.fragments) * self.link.compute
+            compute, comm = self.link.compute, max(0.0, sync - hidden) / mode.sync_every + switch
         return {"compute_seconds": compute, "comm_seconds": comm, "step_seconds": compute + comm}
 
     def local_details(self) -> dict:
@@ -218,6 +222,36 @@ def test_where_the_rate_allows_only_an_interval_no_faster_than_per_step_it_stays
     sim.lr = 0.07  # 8 allowed, and taken once two boundaries agree
     assert sim.run(1, link).local is None
     assert sim.run(1, link).local.sync_every == 8
+
+
+def test_a_sync_overlapped_with_the_next_inner_step_counts_only_what_it_does_not_hide():
+    # SLOW: an int4 sync ~130 ms, compute 50 ms. Waited for at once it needs H=16 to stay
+    # within 25% of the compute; overlapped with one inner step (delay auto) it stalls ~80
+    # ms, and H=8 does
+    local = {"mode": "auto", "max_sync_every": 64, "target_overhead": 0.25}
+    assert LocalSim(local, lossy="never").run(5, SLOW).local.sync_every == 16
+    sim = LocalSim({**local, "delay": "auto"}, lossy="never")
+    plan = sim.run(5, SLOW)
+    assert plan.local is not None and plan.local.sync_every == 8
+    assert "(compute 50 ms, a sync 132 ms, 82 ms of it not behind the next inner step;" in plan.reason
+    # measured, a sync is what the workers waited for: the same H holds
+    later = [sim.run(1, SLOW) for _ in range(4)]
+    assert [p.local.sync_every for p in later] == [8] * 4
+    assert sim.local_details()["sync_scale"] == pytest.approx(80 / 130, rel=0.03)
+    # under Adam on a 5 MB/s link, local steps every 4 were predicted 58 ms, not twice as fast
+    # as int4 per step (113 ms); overlapped, the 32-ms sync hides behind a 50-ms inner step
+    # (the rate at its peak: H at most 4)
+    adam = {"mode": "auto", "max_sync_every": 64, "min_gain": LOCAL_MIN_GAIN["other"]}
+    link = Link(bandwidth=5e6)
+    plans = []
+    for delay in (0, "auto"):
+        adam_sim = LocalSim({**adam, "delay": delay}, lossy="never")
+        adam_sim.lr = 0.1
+        plans.append(adam_sim.run(6, link))
+    assert plans[0].local is None
+    plan = plans[1]
+    assert plan.local is not None and plan.local.sync_every == 2
+    assert "per step 113 ms predicted, local steps 50 ms (compute 50 ms, a sync 32 ms, 0 ms of it" in plan.reason
 
 
 def test_a_looser_overhead_target_gives_a_shorter_interval():
@@ -392,6 +426,8 @@ def test_the_policy_state_survives_a_controller_restart():
     ({"mode": "auto", "fragments": 3, "sync_every": 8}, "fragments: must divide sync_every"),
     ({"mode": "fixed", "sync_every": 8, "delay": 8}, "delay: must be below sync_every / fragments"),
     ({"mode": "fixed", "nesterov": True}, "nesterov: needs outer_momentum > 0"),
+    ({"mode": "fixed", "delay": "soon"}, "delay\n.*must be 'auto' or an integer >= 0, got 'soon'"),
+    ({"mode": "fixed", "delay": -1}, "delay\n.*must be 'auto' or an integer >= 0, got -1"),
 ])
 def test_bad_local_options_are_refused_naming_the_key(local, message):
     from raycomp.config import CompressionSection

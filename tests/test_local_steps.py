@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from raycomp import Plan
-from raycomp.local import FragmentSchedule, LocalSteps, split_fragments
+from raycomp.local import FragmentSchedule, LocalSteps, resolve_delay, split_fragments
 from tests.distributed import run_distributed
 from tests.support.wire import WireRecorder
 
@@ -72,6 +72,14 @@ def test_bad_schedules_are_refused_in_one_line(args, message):
     with pytest.raises(ValueError) as error:
         FragmentSchedule(*args)
     assert str(error.value) == message
+
+
+def test_the_delay_resolves_to_one_step_where_the_syncs_are_two_or_more_apart():
+    assert [resolve_delay("auto", h) for h in (1, 2, 4, 32)] == [0, 1, 1, 1]
+    assert resolve_delay("auto", 8, fragments=8) == 0 and resolve_delay("auto", 8, fragments=4) == 1
+    # a number is kept where the spacing allows it and capped below a smaller H's spacing
+    assert [resolve_delay(3, h) for h in (1, 2, 4, 8)] == [0, 1, 3, 3]
+    assert resolve_delay(0, 16) == 0
 
 
 # --- on gloo ------------------------------------------------------------------------------

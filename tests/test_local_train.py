@@ -41,7 +41,9 @@ def _train_local(config: dict) -> dict:
         compression=CompressionSection(
             policy="static", warmup_steps=4, static=StaticOptions(compressor=compressor("int8")),
             guard=GuardSection(stable_steps=6, loss_spike_factor=3.0),
-            local=LocalSection(mode="fixed", sync_every=H, compressor="int8")),
+            # each sync waited for at once (not the default's one step on the wire), so that
+            # every sync leaves the ranks with equal weights
+            local=LocalSection(mode="fixed", sync_every=H, compressor="int8", delay=0)),
         controller=ControllerSection(name=config["controller"], interval_steps=2),
         output_dir=config["output_dir"], run_id=config.get("run_id"))
     model = raycomp.train.prepare_model(model, optimizer, options=options)
@@ -212,3 +214,36 @@ def test_leaving_local_steps_between_syncs_merges_the_replicas_first():
     from tests.distributed import run_distributed
 
     assert run_distributed(_leave_mid_interval, 2) == [(True, True), (True, True)]
+
+
+def _default_delay(rank: int, world: int) -> list[tuple[int, bool]]:
+    """The run's LocalState with the section's defaults: per H installed, the schedule's
+    delay, and whether the sync started after H inner steps is still on the wire then."""
+    from raycomp.config import LocalSection
+    from raycomp.hook import CompressionState
+    from raycomp.local import LocalSteps
+    from raycomp.plan import LocalMode, Plan
+    from raycomp.train.local_sync import LocalState
+    from tests.test_local_steps import _inner_step, _model
+
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = LocalState(ddp, CompressionState(ddp), LocalSteps(model, sync_every=H), LocalSection(mode="auto"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for mode in (LocalMode(H), LocalMode(1), LocalMode(H, fragments=H)):
+        state.set_plan(Plan(local=mode))
+        for step in range(mode.sync_every // mode.fragments):
+            _inner_step(model, opt, rank, step)
+            state.steps.step()
+        seen.append((state.steps.schedule.delay, not state.steps.quiescent))
+    return seen
+
+
+def test_by_default_a_sync_stays_on_the_wire_for_one_inner_step_where_h_allows():
+    from tests.distributed import run_distributed
+
+    # H=4: the first sync is still in flight after its 4th inner step; H=1 and four
+    # fragments of H=4 (syncs one step apart) wait for theirs at once
+    expected = [(1, True), (0, False), (0, False)]
+    assert run_distributed(_default_delay, 2) == [expected, expected]

@@ -7,9 +7,10 @@
   pseudo-gradients compressed with ``compressor``.
 * ``auto``: from the cost model's measurements (link bytes/s, compute per step, round
   overhead), the predicted step of the inner policy's per-step plan is compared with local
-  steps' ``compute + sync / H``, where a sync sends every compressible layer's
-  pseudo-gradient with ``compressor``. H is the smallest power of two (2 ..
-  ``max_sync_every``) whose sync adds at most ``target_overhead`` of the compute per step,
+  steps' ``compute + stall / H``, where a sync sends every compressible layer's
+  pseudo-gradient with ``compressor`` and its stall is what the ``delay``'s inner steps do
+  not hide (``sync - delay x compute``, at least 0). H is the smallest power of two (2 ..
+  ``max_sync_every``) whose stall adds at most ``target_overhead`` of the compute per step,
   else the largest; and never above what the learning rate allows: ``sync_every_at_peak_lr``
   while the rate the workers report is at its peak, growing with the square of its decay
   (``x (peak / lr)^2``, the quadratic synchronization rule of Gu et al. 2024). The drift
@@ -59,6 +60,7 @@ from controllers.policies.base import Policy, compressible_layers
 from controllers.policies.cost_model import CostModel
 from controllers.state import RunState
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
+from raycomp.local import resolve_delay
 from raycomp.plan import CompressorSpec, LocalMode, Plan
 
 __all__ = ["PATIENCE", "LocalChoice"]
@@ -136,7 +138,7 @@ class LocalChoice(Policy):
         allowed = self._lr_allows(run)
         by_time = self._interval(sync, compute)
         h = by_time if allowed is None else self._interval(sync, compute, allowed)
-        local_step = compute + sync / h if h else per_step
+        local_step = compute + self._stall(sync, compute, h) / h if h else per_step
         min_gain = self._min_gain()
         target = h if h and per_step > (1 + min_gain) * local_step else 0
         if self.chosen is None or target == self.chosen or (allowed is not None and self.chosen > allowed):
@@ -146,7 +148,8 @@ class LocalChoice(Policy):
             self.wanted = target
             if self.strikes >= PATIENCE:
                 self.chosen, self.wanted, self.strikes = target, None, 0
-        measured = "" if self.sync_scale is None else \
+        measured = f", {self._stall(sync, compute, h) * 1e3:.0f} ms of it not behind the next inner step" \
+            if self.sync_scale is None and h else "" if self.sync_scale is None else \
             f" as measured: inner steps, and syncs at {self.sync_scale:.2g}x the byte model"
         capped = "" if h == by_time else \
             f"; H={by_time} by time, at most {h} at a learning rate {run.lr / run.peak_lr:.2g}x its peak"
@@ -157,10 +160,22 @@ class LocalChoice(Policy):
             reason = f"per step: {base.reason}; {figures}"
             self.history.append([run.step, 0, target, reason])
             return replace(base, reason=reason)
-        fragments = self.local.fragments if self.chosen % self.local.fragments == 0 else 1
         reason = f"local steps: H={self.chosen}, pseudo-gradients {pseudo}; {figures}"
         self.history.append([run.step, self.chosen, target, reason])
-        return Plan(default=pseudo, local=LocalMode(self.chosen, fragments), reason=reason)
+        return Plan(default=pseudo, local=LocalMode(self.chosen, self._fragments(self.chosen)), reason=reason)
+
+    def _fragments(self, h: int) -> int:
+        """The fragments local steps at ``h`` sync in: the configured ones if they divide it."""
+        return self.local.fragments if h % self.local.fragments == 0 else 1
+
+    def _stall(self, sync: float, compute: float, h: int) -> float:
+        """The seconds a sync of local steps at ``h`` holds training up. A measured sync
+        already is that (its wait, after the inner steps it overlapped); a predicted one
+        overlaps the delay's inner steps (:func:`raycomp.local.resolve_delay`), each
+        ``compute`` long, and holds up only what they do not cover."""
+        if self.sync_scale is not None:
+            return sync
+        return max(0.0, sync - resolve_delay(self.local.delay, h, self._fragments(h)) * compute)
 
     def _predicted_sync(self, run: RunState, pseudo: CompressorSpec) -> float:
         """What the byte model predicts a sync costs: every compressible layer sent once as
@@ -238,15 +253,15 @@ class LocalChoice(Policy):
                                  f"largest H back to {self.ceiling} after {RECOVERY} boundaries without a step back"])
 
     def _interval(self, sync: float, compute: float, limit: float = float("inf")) -> int:
-        """The smallest power-of-two H whose sync adds at most ``target_overhead`` of the
-        compute per step, else the largest allowed (by the ceiling, ``max_sync_every`` and
+        """The smallest power-of-two H whose sync's stall adds at most ``target_overhead`` of
+        the compute per step, else the largest allowed (by the ceiling, ``max_sync_every`` and
         ``limit``); 0 when local steps are not allowed."""
         largest = min(self.ceiling, self.local.max_sync_every, limit)
         candidates = [h for h in (2 ** k for k in range(1, 18)) if h <= largest]
         if not candidates:
             return 0
         for h in candidates:
-            if sync / h <= self.local.target_overhead * compute:
+            if self._stall(sync, compute, h) / h <= self.local.target_overhead * compute:
                 return h
         return candidates[-1]
 

@@ -90,8 +90,12 @@ class LocalSection(_Strict):
     #: DiLoCo): the wire is busy a little at a time instead of all at once
     fragments: Annotated[int, Field(ge=1, le=1024)] = 1
     #: inner steps a sync stays on the wire while training goes on (0: the sync is waited
-    #: for at once); at most ``sync_every / fragments - 1``
-    delay: Annotated[int, Field(ge=0)] = 0
+    #: for at once); at most ``sync_every / fragments - 1``. "auto" (default): one step
+    #: wherever the syncs are two or more steps apart (:func:`raycomp.local.resolve_delay`).
+    #: The ranks go on from the new synchronised weights plus what their inner steps moved
+    #: meanwhile (Streaming DiLoCo's overlap); ``mode: auto`` counts the hidden part when it
+    #: predicts a sync's cost
+    delay: int | Literal["auto"] = "auto"
     #: the pseudo-gradients' compressor (``mode: fixed``; ``auto`` uses the adaptive
     #: policy's heaviest near-lossless rung): int4 is Streaming DiLoCo's choice, int8
     #: INTELLECT-1's, ``none`` sends them dense
@@ -130,6 +134,13 @@ class LocalSection(_Strict):
     #: of the CNN and the LSTM. Raise it for a noisier loss (small batches)
     loss_tolerance: Annotated[float, Field(gt=0, le=10)] = 0.15
 
+    @field_validator("delay", mode="before")
+    @classmethod
+    def _delay(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError(f"must be 'auto' or an integer >= 0, got {value!r}")
+
     @field_validator("compressor")
     @classmethod
     def _compressor(cls, name: str) -> str:
@@ -142,7 +153,7 @@ class LocalSection(_Strict):
     def _schedule(self) -> LocalSection:
         if self.sync_every % self.fragments:
             raise ValueError(f"fragments: must divide sync_every ({self.sync_every}), got {self.fragments}")
-        if self.delay and self.delay >= self.sync_every // self.fragments:
+        if self.delay != "auto" and self.delay >= max(1, self.sync_every // self.fragments):
             raise ValueError(f"delay: must be below sync_every / fragments "
                              f"({self.sync_every // self.fragments}), got {self.delay}")
         if self.outer_momentum == 0 and self.nesterov:

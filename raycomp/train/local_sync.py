@@ -32,7 +32,7 @@ import torch
 from raycomp.config import LocalSection
 from raycomp.hook import CompressionState
 from raycomp.ledger import WireLedger
-from raycomp.local import LocalSteps
+from raycomp.local import LocalSteps, resolve_delay
 from raycomp.plan import LocalMode, Plan
 from raycomp.stats import LayerStats
 from raycomp.train.ddp_sync import compression_state, parameter_shapes, wrap_ddp
@@ -103,9 +103,9 @@ class LocalState:
         self.hook.set_plan(plan)  # the agreement check compares this plan's digest
 
     def _restart(self, mode: LocalMode) -> None:
-        """A fresh schedule for ``mode``; the configured delay, capped below its spacing."""
-        spacing = mode.sync_every // mode.fragments
-        self.steps.restart(mode.sync_every, mode.fragments, min(self.options.delay, spacing - 1))
+        """A fresh schedule for ``mode``, with the configured delay resolved for it."""
+        self.steps.restart(mode.sync_every, mode.fragments,
+                           resolve_delay(self.options.delay, mode.sync_every, mode.fragments))
 
     def _ddp_sync(self, on: bool) -> None:
         if self.ddp:  # what DDP's no_sync() sets, kept: no reduction, no buffer broadcast
@@ -206,6 +206,7 @@ def local_hook_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, se
     outer = partial(outer_sgd, lr=local.outer_lr, momentum=local.outer_momentum, nesterov=local.nesterov)
     steps = LocalSteps(getattr(model, "module", model), sync_every=local.sync_every, outer_optimizer=outer,
                        memory="none" if c.memory == "none" else "residual", fragments=local.fragments,
-                       delay=local.delay, buffers=local.buffers, process_group=setup.control_group,
-                       seed=options.seed, min_compress_numel=c.min_compress_numel)
+                       delay=resolve_delay(local.delay, local.sync_every, local.fragments),
+                       buffers=local.buffers, process_group=setup.control_group, seed=options.seed,
+                       min_compress_numel=c.min_compress_numel)
     return LocalSync(model, LocalState(model, hook, steps, local))
