@@ -37,7 +37,8 @@ def _train_func(config: dict) -> None:
 
     rank = ray.train.get_context().get_world_rank()
     strategy = RaycompStrategy(options(config, "local", **static("int8"),
-                                       local=LocalSection(mode="fixed", sync_every=H, compressor="int8")))
+                                       # each sync waited for at once, so the replicas agree right after it
+                                       local=LocalSection(mode="fixed", sync_every=H, compressor="int8", delay=0)))
     agreement = Agreement()
     train, val = loaders(seed=rank)
     trainer = lightning_trainer(strategy, epochs=1, callbacks=[agreement])

@@ -76,6 +76,57 @@ def _train_local(config: dict) -> dict:
     return {**totals, "records": records}
 
 
+def _train_local_delay(config: dict) -> dict:
+    """Local steps with the default delay (a sync kept on the wire for one inner step): at the
+    first step that ends with a sync in flight, rank 0's count of outer steps before and after
+    ``save_state``; the run then ends with another in flight."""
+    import tempfile
+
+    import ray.train
+
+    import raycomp.train
+    from controllers.policies import StaticOptions
+    from raycomp.config import CompressionSection, ControllerSection, LocalSection, compressor
+
+    rank = ray.train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = raycomp.train.TrainOptions(
+        compression=CompressionSection(
+            policy="static", warmup_steps=0, static=StaticOptions(compressor=compressor("int8")),
+            local=LocalSection(mode="fixed", sync_every=H, compressor="int8")),
+        controller=ControllerSection(name=config["controller"], interval_steps=2),
+        output_dir=config["output_dir"], run_id=config.get("run_id"))
+    model = raycomp.train.prepare_model(model, optimizer, options=options)
+    loop = raycomp.train.current()
+    steps = loop.sync.state.steps
+    gen = torch.Generator().manual_seed(rank)
+    saved, in_flight = None, 0
+    for _ in loop.epochs(1, 40):
+        for _ in range(40):
+            x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            raycomp.train.step(loss, samples=len(y))
+            if loop.sync.per_step or steps.quiescent:
+                continue
+            in_flight += 1
+            if saved is None:
+                before = (loop.outer_steps, steps.outer_steps)
+                with tempfile.TemporaryDirectory() as tmp:
+                    loop.save_state(Path(tmp))
+                saved = {"before": before, "after": (loop.outer_steps, steps.outer_steps),
+                         "quiescent": steps.quiescent}
+            elif in_flight >= 3:
+                break  # with a sync on the wire
+        break
+    at_end = not steps.quiescent
+    totals = raycomp.train.finish()
+    return {"saved": saved, "in_flight_at_end": at_end, "outer_steps": totals["outer_steps"],
+            "local_outer_steps": steps.outer_steps}
+
+
 @pytest.fixture(scope="module")
 def local_run(in_turn):
     return in_turn["local"]["value"], in_turn["local"]["output_dir"]
@@ -127,7 +178,7 @@ RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.e
 
 #: trained in the session's shared fit (tests/support/runs_in_turn.py): the run of the first
 #: two tests, and the resume test's uninterrupted reference (a long check)
-IN_TURN = {"local": _train_local}
+IN_TURN = {"local": _train_local, "local_delay": _train_local_delay}
 LONG_IN_TURN = {"straight": RESUME}
 
 
@@ -240,10 +291,55 @@ def _default_delay(rank: int, world: int) -> list[tuple[int, bool]]:
     return seen
 
 
-def test_by_default_a_sync_stays_on_the_wire_for_one_inner_step_where_h_allows():
+def test_by_default_the_delay_keeps_a_sync_on_the_wire_for_one_inner_step_where_h_allows():
     from tests.distributed import run_distributed
 
     # H=4: the first sync is still in flight after its 4th inner step; H=1 and four
     # fragments of H=4 (syncs one step apart) wait for theirs at once
     expected = [(1, True), (0, False), (0, False)]
     assert run_distributed(_default_delay, 2) == [expected, expected]
+
+
+def test_a_sync_on_the_wire_is_drained_counted_and_judged_before_a_checkpoint_and_the_totals(in_turn):
+    out = in_turn["local_delay"]["value"]
+    saved = out["saved"]
+    # save_state finished the sync on the wire, and the loop counted it (as the guard judged
+    # it) before writing: a run resumed from those files finds it done, as this run does
+    assert saved["quiescent"]
+    assert saved["before"][0] == saved["before"][1] and saved["after"][1] == saved["before"][1] + 1
+    assert saved["after"][0] == saved["after"][1]
+    # the run ended with a sync on the wire: the totals count it too
+    assert out["in_flight_at_end"] and out["outer_steps"] == out["local_outer_steps"]
+
+
+def _drained_rows(rank: int, world: int) -> list:
+    """LocalSync with the default delay, H=4, each rank's loss 1 + rank: what
+    ``after_optimizer_step`` and ``drain`` return, step by step."""
+    from raycomp.config import LocalSection
+    from raycomp.hook import CompressionState
+    from raycomp.local import LocalSteps
+    from raycomp.plan import LocalMode, Plan
+    from raycomp.train.local_sync import LocalState, LocalSync
+    from tests.test_local_steps import _inner_step, _model
+
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    sync = LocalSync(ddp, LocalState(ddp, CompressionState(ddp), LocalSteps(model, sync_every=H),
+                                     LocalSection(mode="fixed", sync_every=H)))
+    sync.state.set_plan(Plan(local=LocalMode(H)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for step in range(2 * H + 1):
+        _inner_step(model, opt, rank, step)
+        seen.append(sync.after_optimizer_step(True, 1.0 + rank))
+        if step == H - 1:  # the first sync is on the wire: drained (a checkpoint)
+            seen.append(("drain", sync.drain(), sync.state.steps.quiescent))
+    return seen
+
+
+def test_a_drained_sync_hands_its_rows_over_once_and_the_next_sync_its_own():
+    from tests.distributed import run_distributed
+
+    rows = [[0.0, 1.0, 1.0], [0.0, 2.0, 1.0]]  # [non-finite, mean loss since the last sync, has loss]
+    expected = [None] * H + [("drain", rows, True)] + [None] * H + [rows]
+    assert run_distributed(_drained_rows, 2) == [expected, expected]

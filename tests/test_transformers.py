@@ -174,7 +174,9 @@ def _several_runs(config: dict) -> None:
 
     trainer = prepare_trainer(hf_trainer(f"{work}/hf-local", epochs=1),
                               options(config, "local", **static("int8"),
-                                      local=LocalSection(mode="fixed", sync_every=LOCAL_H, compressor="int8")))
+                                      # each sync waited for at once: the replicas agree right after it
+                                      local=LocalSection(mode="fixed", sync_every=LOCAL_H, compressor="int8",
+                                                         delay=0)))
     agreement = Agreement()
     trainer.add_callback(agreement)  # after raycomp's callback, whose on_step_end syncs
     trainer.train()

@@ -90,6 +90,11 @@ class GradientSync(Protocol):
         ``[non-finite, mean loss, has loss]`` of a sync that finished (else None); a
         per-step sync has nothing to do."""
 
+    def drain(self) -> list[list[float]] | None:
+        """Before a checkpoint and at the end: finish what is still on the wire (local steps:
+        a sync kept there for ``delay`` steps) and return the rows of a sync that finished
+        since the last :meth:`after_optimizer_step`, as that returns them (else None)."""
+
     def agreement(self) -> tuple[float, ...]:
         """Numbers every rank must hold equal at a control boundary, beside the plan and the
         guard (local steps: the schedule's position); () if none."""

@@ -143,6 +143,8 @@ class LocalSync:
         self.model, self.state = model, state
         self.bucket_cap_mb = model.bucket_bytes_cap / 2**20 if state.ddp else None
         self._losses: list[float] = []  # this rank's losses since the last sync (local steps)
+        # syncs (finished, and of those skipped) whose rows the guard has been handed
+        self._handed, self._skipped_handed = 0, 0
 
     @property
     def per_step(self) -> bool:
@@ -166,6 +168,7 @@ class LocalSync:
         run it with this rank's mean loss since the previous one riding inside; returns the
         rows ``[non-finite, mean loss, has loss]`` of every rank when a sync finished."""
         if self.per_step:
+            self._handed_all()  # syncs that left local steps (merge_all) are not judged
             return None
         steps = self.state.steps
         if applied and math.isfinite(loss):
@@ -174,16 +177,34 @@ class LocalSync:
             mean = math.fsum(self._losses) / len(self._losses) if self._losses else 0.0
             steps.stage_control([mean, 1.0 if self._losses else 0.0])
             self._losses = []
-        finished, skipped = steps.outer_steps + steps.skipped_outer, steps.skipped_outer
         started = time.perf_counter()
         steps.step()
         self.state.local_seconds += time.perf_counter() - started
-        if steps.outer_steps + steps.skipped_outer == finished or steps.last_rows is None:
+        return self._finished_rows()
+
+    def drain(self) -> list[list[float]] | None:
+        """Finish a sync kept on the wire (``delay``) now, and hand over its rows."""
+        if self.per_step:
+            return None
+        self.state.steps.quiesce()
+        return self._finished_rows()
+
+    def _finished_rows(self) -> list[list[float]] | None:
+        """The rows of the sync that finished since the guard was last handed one (in a step,
+        or early: :meth:`drain`, a checkpoint's quiesce), once; None if none did."""
+        steps = self.state.steps
+        if steps.outer_steps + steps.skipped_outer == self._handed or steps.last_rows is None:
+            self._handed_all()  # a restored run: nothing finished since its checkpoint was taken
             return None
         rows = steps.last_rows.tolist()
-        if steps.skipped_outer > skipped:  # NaN/Inf reached the mean: every rank saw it
+        if steps.skipped_outer > self._skipped_handed:  # NaN/Inf reached the mean: every rank saw it
             rows = [[1.0, *row[1:]] for row in rows]
+        self._handed_all()
         return rows
+
+    def _handed_all(self) -> None:
+        steps = self.state.steps
+        self._handed, self._skipped_handed = steps.outer_steps + steps.skipped_outer, steps.skipped_outer
 
 
 def local_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> LocalSync:

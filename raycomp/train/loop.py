@@ -179,10 +179,7 @@ class TrainLoop:
             self.state.discard_step()
         elif not applied:
             self.local_skips += 1  # this rank's own: only its replica skipped the step
-        rows = self.sync.after_optimizer_step(applied, loss_value)
-        if rows is not None:  # a sync of local steps finished: the guard judges it
-            self.outer_steps += not any(row[0] for row in rows)  # a non-finite mean skips the outer step
-            self._verdict(self.guard.judge_sync(self.global_step, rows))
+        self._sync_finished(self.sync.after_optimizer_step(applied, loss_value), self.global_step)
         if self.owns_optimizer:  # else the framework did both after its optimizer step
             if self.grad_scaler is not None:
                 self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
@@ -190,6 +187,17 @@ class TrainLoop:
         if self.scheduler is not None:
             self.scheduler.step()
         self._finish_step(loss_value, samples, applied)
+
+    def _sync_finished(self, rows: list[list[float]] | None, step: int) -> None:
+        """A sync of local steps finished (``rows``, else None): count it, the guard judges it."""
+        if rows is not None:
+            self.outer_steps += not any(row[0] for row in rows)  # a non-finite mean skips the outer step
+            self._verdict(self.guard.judge_sync(step, rows))
+
+    def _drain(self) -> None:
+        """Before a checkpoint or the totals: a sync still on the wire finishes, counted and
+        judged like one that finishes in a step (after the step just taken)."""
+        self._sync_finished(self.sync.drain(), self.global_step - 1)
 
     def _verdict(self, verdict: Any) -> None:
         """Act on a guard verdict that changed the fallback state: log, report, install."""
@@ -315,7 +323,10 @@ class TrainLoop:
         self._restart_step_clock()  # the report (a barrier) and what came before it: not step time
 
     def save_state(self, directory: Path) -> None:
-        """Write raycomp's checkpoint files into ``directory`` (yours, before ``ray.train.report``)."""
+        """Write raycomp's checkpoint files into ``directory`` (yours, before ``ray.train.report``).
+        A sync of local steps still on the wire finishes first, counted and judged, so that a
+        run resumed from the files goes on as this one does."""
+        self._drain()
         save_state(self, directory)
 
     def save_shared(self, directory: Path) -> None:
@@ -326,6 +337,7 @@ class TrainLoop:
     # --- the end ------------------------------------------------------------------------------
     def totals(self) -> dict[str, Any]:
         """Run totals over all ranks (a collective: call on every rank)."""
+        self._drain()
         sums = torch.tensor([self.state.ledger.wire_total, self.state.ledger.dense_total,
                              float(self.outages.count)], dtype=torch.float64)
         if self.world_size > 1:
