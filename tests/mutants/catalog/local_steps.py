@@ -39,8 +39,8 @@ MUTANTS = (
         "during local steps DDP still all-reduces every step's gradients: nothing is saved on the wire",
     ),
     mutant(
-        "local-sync-not-judged-by-the-guard", "TrainLoop.after_optimizer_step",
-        "            self._verdict(self.guard.judge_sync(self.global_step, rows))\n",
+        "local-sync-not-judged-by-the-guard", "TrainLoop._sync_finished",
+        "            self._verdict(self.guard.judge_sync(step, rows))\n",
         "            pass\n",
         "tests/test_local_train.py -k guard_judges",
         "the losses that ride inside a sync are never judged: local steps never fall back",
@@ -151,7 +151,7 @@ MUTANTS = (
         "an AdamW run takes local steps for a 10% predicted gain, as SGD would",
     ),
     mutant(
-        "local-outer-steps-not-counted", "TrainLoop.after_optimizer_step",
+        "local-outer-steps-not-counted", "TrainLoop._sync_finished",
         "            self.outer_steps += not any(row[0] for row in rows)  # a non-finite mean skips the outer step\n",
         "            pass\n",
         "tests/test_local_train.py -k inner_steps_send_nothing",
