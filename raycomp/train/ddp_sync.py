@@ -69,9 +69,6 @@ class DdpSync:
     def after_optimizer_step(self, applied: bool, loss: float) -> None:
         return None  # per step: the gradients were reduced in backward
 
-    def drain(self) -> None:
-        return None  # nothing stays on the wire past a step
-
     def agreement(self) -> tuple[float, ...]:
         return ()
 

@@ -63,7 +63,14 @@ class GradientState(Protocol):
 
 
 class GradientSync(Protocol):
-    """One rank's gradient communication, as the loop uses it."""
+    """One rank's gradient communication, as the loop uses it.
+
+    A sync that keeps communication on the wire past a step (local steps' ``delay``) also
+    has ``drain() -> list[list[float]] | None``: before a checkpoint and at the end it
+    finishes that communication and returns the rows of a sync that finished since the last
+    :meth:`after_optimizer_step`, as that returns them (else None). Without it, the loop
+    takes nothing to be on the wire between steps.
+    """
 
     #: the model to train: wrapped (DDP), sharded (FSDP2) or as it was
     model: torch.nn.Module
@@ -89,11 +96,6 @@ class GradientSync(Protocol):
         local steps merge the ranks' weights here and return every rank's control row
         ``[non-finite, mean loss, has loss]`` of a sync that finished (else None); a
         per-step sync has nothing to do."""
-
-    def drain(self) -> list[list[float]] | None:
-        """Before a checkpoint and at the end: finish what is still on the wire (local steps:
-        a sync kept there for ``delay`` steps) and return the rows of a sync that finished
-        since the last :meth:`after_optimizer_step`, as that returns them (else None)."""
 
     def agreement(self) -> tuple[float, ...]:
         """Numbers every rank must hold equal at a control boundary, beside the plan and the

@@ -197,7 +197,9 @@ class TrainLoop:
     def _drain(self) -> None:
         """Before a checkpoint or the totals: a sync still on the wire finishes, counted and
         judged like one that finishes in a step (after the step just taken)."""
-        self._sync_finished(self.sync.drain(), self.global_step - 1)
+        drain = getattr(self.sync, "drain", None)  # optional: GradientSync's docstring
+        if drain is not None:
+            self._sync_finished(drain(), self.global_step - 1)
 
     def _verdict(self, verdict: Any) -> None:
         """Act on a guard verdict that changed the fallback state: log, report, install."""
