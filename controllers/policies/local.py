@@ -148,9 +148,12 @@ class LocalChoice(Policy):
             self.wanted = target
             if self.strikes >= PATIENCE:
                 self.chosen, self.wanted, self.strikes = target, None, 0
-        measured = f", {self._stall(sync, compute, h) * 1e3:.0f} ms of it not behind the next inner step" \
-            if self.sync_scale is None and h else "" if self.sync_scale is None else \
-            f" as measured: inner steps, and syncs at {self.sync_scale:.2g}x the byte model"
+        if self.sync_scale is not None:
+            measured = f" as measured: inner steps, and syncs at {self.sync_scale:.2g}x the byte model"
+        elif h:
+            measured = f", {self._stall(sync, compute, h) * 1e3:.0f} ms of it not behind the next inner step"
+        else:
+            measured = ""
         capped = "" if h == by_time else \
             f"; H={by_time} by time, at most {h} at a learning rate {run.lr / run.peak_lr:.2g}x its peak"
         figures = (f"per step {per_step * 1e3:.0f} ms predicted, local steps {local_step * 1e3:.0f} ms "

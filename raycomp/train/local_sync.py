@@ -193,8 +193,10 @@ class LocalSync:
         """The rows of the sync that finished since the guard was last handed one (in a step,
         or early: :meth:`drain`, a checkpoint's quiesce), once; None if none did."""
         steps = self.state.steps
-        if steps.outer_steps + steps.skipped_outer == self._handed or steps.last_rows is None:
-            self._handed_all()  # a restored run: nothing finished since its checkpoint was taken
+        if steps.last_rows is None:  # restored from a checkpoint: nothing finished since
+            self._handed_all()
+            return None
+        if steps.outer_steps + steps.skipped_outer == self._handed:
             return None
         rows = steps.last_rows.tolist()
         if steps.skipped_outer > self._skipped_handed:  # NaN/Inf reached the mean: every rank saw it
