@@ -18,35 +18,39 @@ H = 4
 SPIKE_STEP = 29  # the loss reported at this step is multiplied by 1000 on every rank
 
 
-def _train_local(config: dict) -> dict:
+def _prepared(config: dict, hidden: int, **compression) -> tuple[int, torch.nn.Module]:
+    """An MLP of ``hidden`` units through ``raycomp.train.prepare_model`` with local steps
+    every H steps, int8 pseudo-gradients, after ``compression``'s other settings (the
+    static int8 policy; a boundary every 2 steps); this rank's number and the model."""
     import ray.train
-    import torch.distributed as dist
 
     import raycomp.train
     from controllers.policies import StaticOptions
-    from raycomp.config import (
-        CompressionSection,
-        ControllerSection,
-        GuardSection,
-        LocalSection,
-        compressor,
-    )
-    from tests.support.wire import WireRecorder
+    from raycomp.config import CompressionSection, ControllerSection, compressor
 
-    rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     options = raycomp.train.TrainOptions(
-        compression=CompressionSection(
-            policy="static", warmup_steps=4, static=StaticOptions(compressor=compressor("int8")),
-            guard=GuardSection(stable_steps=6, loss_spike_factor=3.0),
-            # each sync waited for at once (not the default's one step on the wire), so that
-            # every sync leaves the ranks with equal weights
-            local=LocalSection(mode="fixed", sync_every=H, compressor="int8", delay=0)),
+        compression=CompressionSection(policy="static", static=StaticOptions(compressor=compressor("int8")),
+                                       **compression),
         controller=ControllerSection(name=config["controller"], interval_steps=2),
         output_dir=config["output_dir"], run_id=config.get("run_id"))
-    model = raycomp.train.prepare_model(model, optimizer, options=options)
+    return ray.train.get_context().get_world_rank(), raycomp.train.prepare_model(model, optimizer, options=options)
+
+
+def _train_local(config: dict) -> dict:
+    import torch.distributed as dist
+
+    import raycomp.train
+    from raycomp.config import GuardSection, LocalSection
+    from tests.support.wire import WireRecorder
+
+    rank, model = _prepared(
+        config, 128, warmup_steps=4, guard=GuardSection(stable_steps=6, loss_spike_factor=3.0),
+        # each sync waited for at once (not the default's one step on the wire), so that
+        # every sync leaves the ranks with equal weights
+        local=LocalSection(mode="fixed", sync_every=H, compressor="int8", delay=0))
     loop = raycomp.train.current()
     gen = torch.Generator().manual_seed(rank)
     records = []
@@ -82,23 +86,11 @@ def _train_local_delay(config: dict) -> dict:
     ``save_state``; the run then ends with another in flight."""
     import tempfile
 
-    import ray.train
-
     import raycomp.train
-    from controllers.policies import StaticOptions
-    from raycomp.config import CompressionSection, ControllerSection, LocalSection, compressor
+    from raycomp.config import LocalSection
 
-    rank = ray.train.get_context().get_world_rank()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    options = raycomp.train.TrainOptions(
-        compression=CompressionSection(
-            policy="static", warmup_steps=0, static=StaticOptions(compressor=compressor("int8")),
-            local=LocalSection(mode="fixed", sync_every=H, compressor="int8")),
-        controller=ControllerSection(name=config["controller"], interval_steps=2),
-        output_dir=config["output_dir"], run_id=config.get("run_id"))
-    model = raycomp.train.prepare_model(model, optimizer, options=options)
+    rank, model = _prepared(config, 32, warmup_steps=0, local=LocalSection(mode="fixed", sync_every=H,
+                                                                            compressor="int8"))
     loop = raycomp.train.current()
     steps = loop.sync.state.steps
     gen = torch.Generator().manual_seed(rank)
