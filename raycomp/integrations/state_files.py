@@ -32,7 +32,9 @@ log = logging.getLogger("raycomp.train")
 
 
 def save_state(loop: TrainLoop, directory: Path) -> None:
-    """This rank's raycomp state into ``directory`` (created); rank 0 also ``meta.json``."""
+    """This rank's raycomp state into ``directory`` (created); rank 0 also ``meta.json``.
+    A sync of local steps still on the wire finishes first (:meth:`TrainLoop.drain`)."""
+    loop.drain()
     directory.mkdir(parents=True, exist_ok=True)
     checkpoint.save_own(directory, loop.rank, own_state(loop))
     if loop.rank == 0:

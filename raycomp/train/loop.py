@@ -194,9 +194,10 @@ class TrainLoop:
             self.outer_steps += not any(row[0] for row in rows)  # a non-finite mean skips the outer step
             self._verdict(self.guard.judge_sync(step, rows))
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Before a checkpoint or the totals: a sync still on the wire finishes, counted and
-        judged like one that finishes in a step (after the step just taken)."""
+        judged like one that finishes in a step (after the step just taken). Whatever writes
+        this rank's state (``save_state``, the framework integrations) calls it first."""
         drain = getattr(self.sync, "drain", None)  # optional: GradientSync's docstring
         if drain is not None:
             self._sync_finished(drain(), self.global_step - 1)
@@ -328,7 +329,7 @@ class TrainLoop:
         """Write raycomp's checkpoint files into ``directory`` (yours, before ``ray.train.report``).
         A sync of local steps still on the wire finishes first, counted and judged, so that a
         run resumed from the files goes on as this one does."""
-        self._drain()
+        self.drain()
         save_state(self, directory)
 
     def save_shared(self, directory: Path) -> None:
@@ -339,7 +340,7 @@ class TrainLoop:
     # --- the end ------------------------------------------------------------------------------
     def totals(self) -> dict[str, Any]:
         """Run totals over all ranks (a collective: call on every rank)."""
-        self._drain()
+        self.drain()
         sums = torch.tensor([self.state.ledger.wire_total, self.state.ledger.dense_total,
                              float(self.outages.count)], dtype=torch.float64)
         if self.world_size > 1:

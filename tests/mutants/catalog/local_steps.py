@@ -194,14 +194,14 @@ MUTANTS = (
     ),
     mutant(
         "local-checkpoint-does-not-drain", "TrainLoop.save_state",
-        "        self._drain()\n        save_state(self, directory)\n",
+        "        self.drain()\n        save_state(self, directory)\n",
         "        save_state(self, directory)\n",
         "tests/test_local_train.py -k drained",
         "a checkpoint finishes the sync on the wire unjudged: the run counts one outer step fewer",
     ),
     mutant(
         "local-totals-miss-the-sync-on-the-wire", "TrainLoop.totals",
-        "        self._drain()\n        sums = torch.tensor(",
+        "        self.drain()\n        sums = torch.tensor(",
         "        sums = torch.tensor(",
         "tests/test_local_train.py -k drained",
         "the run's totals leave out the last sync, still on the wire when training ends",
