@@ -246,8 +246,9 @@ class CompressionState:
         """A flat step after backward, for a step whose reduction DDP left out
         (``require_backward_grad_sync`` off: :class:`raycomp.train.ddp_sync.DdpSync`):
         every gradient DDP's buckets hold, copied once into one buffer per dtype (with the
-        control values) and all-reduced there (:meth:`raycomp.reducer.CompressedReducer.start_flat`: the same division, sum
-        and control values as a bucket of a flat step), then copied back. A parameter
+        control values) and all-reduced there
+        (:meth:`raycomp.reducer.CompressedReducer.start_flat`: the same division, sum and
+        control values as a bucket of a flat step), then copied back. A parameter
         without a gradient on some rank (DDP without ``find_unused_parameters`` needs one
         on every rank) sends zeros and is counted in the buffer, so that every rank raises
         the same error instead of one rank waiting for another."""

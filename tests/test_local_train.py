@@ -228,20 +228,27 @@ def test_local_steps_are_refused_with_fsdp_before_anything_starts(tmp_path):
                  "scaling.strategy=fsdp", "compression.local.mode=fixed"], JobConfig)
 
 
-def _leave_mid_interval(rank: int, world: int) -> tuple[bool, bool]:
-    """Two inner steps of H=4 on each rank's own data, then a per-step plan is installed (the
-    controller or the guard leaving local steps between two syncs)."""
+def _local_state(**section) -> tuple[torch.nn.Module, object]:
+    """The test model in DDP and the :class:`~raycomp.train.local_sync.LocalState` of a run
+    with ``compression.local`` set to ``section`` (on every rank: the constructor broadcasts)."""
     from raycomp.config import LocalSection
     from raycomp.hook import CompressionState
     from raycomp.local import LocalSteps
-    from raycomp.plan import LocalMode, Plan
     from raycomp.train.local_sync import LocalState
-    from tests.test_local_steps import _flat, _gather, _inner_step, _model
+    from tests.test_local_steps import _model
 
     model = _model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = LocalState(ddp, CompressionState(ddp), LocalSteps(model, sync_every=H),
-                       LocalSection(mode="fixed", sync_every=H))
+    return model, LocalState(ddp, CompressionState(ddp), LocalSteps(model, sync_every=H), LocalSection(**section))
+
+
+def _leave_mid_interval(rank: int, world: int) -> tuple[bool, bool]:
+    """Two inner steps of H=4 on each rank's own data, then a per-step plan is installed (the
+    controller or the guard leaving local steps between two syncs)."""
+    from raycomp.plan import LocalMode, Plan
+    from tests.test_local_steps import _flat, _gather, _inner_step
+
+    model, state = _local_state(mode="fixed", sync_every=H)
     state.set_plan(Plan(local=LocalMode(H)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
@@ -262,16 +269,10 @@ def test_leaving_local_steps_between_syncs_merges_the_replicas_first():
 def _default_delay(rank: int, world: int) -> list[tuple[int, bool]]:
     """The run's LocalState with the section's defaults: per H installed, the schedule's
     delay, and whether the sync started after H inner steps is still on the wire then."""
-    from raycomp.config import LocalSection
-    from raycomp.hook import CompressionState
-    from raycomp.local import LocalSteps
     from raycomp.plan import LocalMode, Plan
-    from raycomp.train.local_sync import LocalState
-    from tests.test_local_steps import _inner_step, _model
+    from tests.test_local_steps import _inner_step
 
-    model = _model()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = LocalState(ddp, CompressionState(ddp), LocalSteps(model, sync_every=H), LocalSection(mode="auto"))
+    model, state = _local_state(mode="auto")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
     for mode in (LocalMode(H), LocalMode(1), LocalMode(H, fragments=H)):
@@ -307,17 +308,12 @@ def test_a_sync_on_the_wire_is_drained_counted_and_judged_before_a_checkpoint_an
 def _drained_rows(rank: int, world: int) -> list:
     """LocalSync with the default delay, H=4, each rank's loss 1 + rank: what
     ``after_optimizer_step`` and ``drain`` return, step by step."""
-    from raycomp.config import LocalSection
-    from raycomp.hook import CompressionState
-    from raycomp.local import LocalSteps
     from raycomp.plan import LocalMode, Plan
-    from raycomp.train.local_sync import LocalState, LocalSync
-    from tests.test_local_steps import _inner_step, _model
+    from raycomp.train.local_sync import LocalSync
+    from tests.test_local_steps import _inner_step
 
-    model = _model()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    sync = LocalSync(ddp, LocalState(ddp, CompressionState(ddp), LocalSteps(model, sync_every=H),
-                                     LocalSection(mode="fixed", sync_every=H)))
+    model, state = _local_state(mode="fixed", sync_every=H)
+    sync = LocalSync(state.model, state)
     sync.state.set_plan(Plan(local=LocalMode(H)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []

@@ -138,7 +138,8 @@ class LocalChoice(Policy):
         allowed = self._lr_allows(run)
         by_time = self._interval(sync, compute)
         h = by_time if allowed is None else self._interval(sync, compute, allowed)
-        local_step = compute + self._stall(sync, compute, h) / h if h else per_step
+        stall = self._stall(sync, compute, h) if h else 0.0
+        local_step = compute + stall / h if h else per_step
         min_gain = self._min_gain()
         target = h if h and per_step > (1 + min_gain) * local_step else 0
         if self.chosen is None or target == self.chosen or (allowed is not None and self.chosen > allowed):
@@ -151,7 +152,7 @@ class LocalChoice(Policy):
         if self.sync_scale is not None:
             measured = f" as measured: inner steps, and syncs at {self.sync_scale:.2g}x the byte model"
         elif h:
-            measured = f", {self._stall(sync, compute, h) * 1e3:.0f} ms of it not behind the next inner step"
+            measured = f", {stall * 1e3:.0f} ms of it not behind the next inner step"
         else:
             measured = ""
         capped = "" if h == by_time else \

@@ -153,7 +153,7 @@ class LocalSection(_Strict):
     def _schedule(self) -> LocalSection:
         if self.sync_every % self.fragments:
             raise ValueError(f"fragments: must divide sync_every ({self.sync_every}), got {self.fragments}")
-        if self.delay != "auto" and self.delay >= max(1, self.sync_every // self.fragments):
+        if self.delay != "auto" and self.delay >= self.sync_every // self.fragments:
             raise ValueError(f"delay: must be below sync_every / fragments "
                              f"({self.sync_every // self.fragments}), got {self.delay}")
         if self.outer_momentum == 0 and self.nesterov:
