@@ -1,6 +1,7 @@
 """Local steps (:class:`raycomp.local.LocalSteps`) on CUDA: the outer step on the averaged,
-compressed pseudo-gradient, the staggered fragments with a delay, BatchNorm buffers, a
-non-finite pseudo-gradient, and resuming from a checkpoint loaded on the CPU.
+compressed pseudo-gradient, the default schedule (one fragment, each sync on the wire for
+one inner step) drained and resumed, the staggered fragments with a delay, BatchNorm
+buffers, a non-finite pseudo-gradient, and resuming from a checkpoint loaded on the CPU.
 
 Every check also runs on CPU tensors in the default suite (``tests/test_local_steps.py``
 covers the algorithm); what these add is the device: the weights, the global copy, the
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raycomp.local import LocalSteps, nesterov_outer
+from raycomp.local import LocalSteps, nesterov_outer, resolve_delay
 from raycomp.plan import Plan
 from tests.gpu.ranks import Check, Nccl, TwoRanks
 from tests.gpu.support import count_syncs, cpu_copy, rel_err, same, same_on_every_rank, sites
@@ -120,6 +121,65 @@ def train(device: torch.device, rank: int, world: int, plan: str, dtype: str) ->
     return ", ".join(notes)
 
 
+def overlapped(device: torch.device, rank: int, world: int) -> str:
+    """The schedule ``compression.local.delay: auto`` gives one fragment (int4, H=4): each
+    sync stays on the wire for one inner step, after which every rank holds the new global
+    weights plus its own step taken meanwhile, bit for bit; the inner steps off the
+    schedule cost no host sync. A sync still on the wire is drained (``quiesce``, what a
+    checkpoint calls first), and the drained state, loaded on the CPU into a fresh model,
+    goes on bit for bit as the run that never stopped."""
+    delay = resolve_delay("auto", H)
+    assert delay == 1, f"auto gave delay {delay} for H={H} and one fragment"
+
+    def run(model, opt, local, steps) -> list[tuple[int, int]]:
+        counted, snapshot = [], []
+        for step in steps:
+            _inner(model, opt, rank, step, device)
+            if step % H == 1 and step > 1:  # the sync started after step - 1 is applied now
+                moved = [p.detach().float() - s.float() for p, s in zip(model.parameters(), snapshot, strict=True)]
+            k, _ = count_syncs(local.step)
+            counted.append((step, k))
+            if step % H == 0:
+                assert not local.quiescent, f"step {step}: the sync is not on the wire"
+                snapshot = [p.detach().clone() for p in model.parameters()]
+            elif step % H == 1 and step > 1:
+                assert local.quiescent and local.outer_steps == step // H, (
+                    f"step {step}: {local.outer_steps} outer steps, quiescent {local.quiescent}")
+                assert same_on_every_rank(local.global_params), f"step {step}: global weights differ"
+                merged = [g.detach() + m for g, m in zip(local.global_params, moved, strict=True)]
+                diff = same([p.detach().float() for p in model.parameters()], merged)
+                assert not diff, f"step {step}: not the global weights plus the step taken meanwhile: {diff}"
+                assert world == 1 or not same_on_every_rank(list(model.parameters())), (
+                    f"step {step}: the ranks' own steps during the sync were lost")
+        return counted
+
+    model = _model(device, seed=rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    local = LocalSteps(model, sync_every=H, delay=delay, plan=Plan.uniform("int4"))
+    counted = run(model, opt, local, range(1, 13))
+    off = [(s, k) for s, k in counted if s % H not in (0, 1) and k]
+    assert not off, f"inner steps off the schedule synced the host: {off}"
+    assert not local.quiescent
+    local.quiesce()
+    assert local.quiescent and local.outer_steps == 3, f"{local.outer_steps} outer steps after the drain"
+    saved = cpu_copy({"model": model.state_dict(), "opt": opt.state_dict(), "local": local.state_dict()})
+    again = _model(device, seed=123)
+    again_opt = torch.optim.AdamW(again.parameters(), lr=3e-3)
+    again_local = LocalSteps(again, sync_every=H, delay=delay, plan=Plan.uniform("int4"))
+    again.load_state_dict(saved["model"])
+    again_opt.load_state_dict(saved["opt"])
+    again_local.load_state_dict(saved["local"])
+    for step in range(13, 19):
+        for m, o, loc in ((model, opt, local), (again, again_opt, again_local)):
+            _inner(m, o, rank, step, device)
+            loc.step()
+    diff = same(list(model.parameters()), list(again.parameters()))
+    assert not diff, f"the run resumed from the drained state: weights {diff}"
+    assert local.outer_steps == again_local.outer_steps == 4
+    assert all(p.device == device for p in again_local.global_params), "resumed global weights off the device"
+    return f"host syncs at a sync's start and finish {[k for s, k in counted if s % H in (0, 1) and s > 1]}"
+
+
 def streaming(device: torch.device, rank: int, world: int) -> str:
     """Two fragments, delay 1, int4: a sync stays on the wire for one inner step, the outer
     steps are counted per fragment, and ``merge_all`` leaves the ranks bit-identical."""
@@ -211,8 +271,8 @@ def resume(device: torch.device, rank: int, world: int) -> str:
 
 TRAIN = {f"{plan}-{dtype}": Check(train, {"plan": plan, "dtype": dtype})
          for plan, dtype in [("none", "float32"), ("int8", "float32"), ("int4", "float32"), ("int8", "bfloat16")]}
-OTHERS = {"streaming": Check(streaming), "buffers": Check(buffers), "non-finite": Check(non_finite),
-          "resume": Check(resume)}
+OTHERS = {"overlapped": Check(overlapped), "streaming": Check(streaming), "buffers": Check(buffers),
+          "non-finite": Check(non_finite), "resume": Check(resume)}
 TWO_RANKS = [*TRAIN.values(), *OTHERS.values()]
 
 
