@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from controllers.policies.local import fit_steps
 from controllers.service import Controller
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from raycomp.local import resolve_delay
@@ -38,9 +39,12 @@ class LocalSim(Sim):
     tests register ``delay: 0``, a sync waited for at once, unless they ask for another); an
     interval that starts by leaving local steps or changing H also holds the sync of every
     fragment that the switch runs. ``overlap``: the compute that per-step intervals report,
-    as a multiple of the real one (backward shares the cores with the reduction)."""
+    as a multiple of the real one (backward shares the cores with the reduction).
+    ``slowdown``: the seconds a sync kept on the wire adds to the inner step it overlaps
+    (its codec on the same cores), which the workers time as compute."""
 
-    def __init__(self, local: dict, sync_factor: float = 1.0, overlap: float = 1.0, **options) -> None:
+    def __init__(self, local: dict, sync_factor: float = 1.0, overlap: float = 1.0, slowdown: float = 0.0,
+                 **options) -> None:
         super().__init__(**options)
         self.controller = Controller()
         local = {"min_gain": LOCAL_MIN_GAIN["linear"], "delay": 0, **local}
@@ -52,7 +56,7 @@ class LocalSim(Sim):
         self.events: list[dict] = []
         self.loss = 1.0  # the training loss the workers report
         self.lr: float | None = None  # the learning rate they report (None: not reported)
-        self.sync_factor, self.overlap = sync_factor, overlap
+        self.sync_factor, self.overlap, self.slowdown = sync_factor, overlap, slowdown
         self.link: Link | None = None
         self.previous_mode = None  # the local steps of the previous interval (None: per step)
         ingest = self.controller.ingest
@@ -79,8 +83,9 @@ class LocalSim(Sim):
             compute = report["compute_seconds"] * self.overlap
             comm = report["comm_seconds"] + switch
         else:
-            hidden = resolve_delay(self.delay, mode.sync_every, mode.fragments) * self.link.compute
-            compute, comm = self.link.compute, max(0.0, sync - hidden) / mode.sync_every + switch
+            delay = resolve_delay(self.delay, mode.sync_every, mode.fragments)
+            compute = self.link.compute + (self.slowdown / mode.sync_every if delay else 0.0)
+            comm = max(0.0, sync - delay * self.link.compute) / mode.sync_every + switch
         return {"compute_seconds": compute, "comm_seconds": comm, "step_seconds": compute + comm}
 
     def local_details(self) -> dict:
@@ -236,8 +241,16 @@ def test_a_sync_overlapped_with_the_next_inner_step_counts_only_what_it_does_not
     assert "(compute 50 ms, a sync 132 ms, 82 ms of it not behind the next inner step;" in plan.reason
     # measured, a sync is what the workers waited for: the same H holds
     later = [sim.run(1, SLOW) for _ in range(4)]
-    assert [p.local.sync_every for p in later] == [8] * 4
     assert sim.local_details()["sync_scale"] == pytest.approx(80 / 130, rel=0.03)
+    # and, once it is, H=16 too (the overlap could hide a slowdown of the inner step); nothing
+    # slows it here, so the fit finds the same sync and H=8 again
+    later = later[-1:] + [sim.run(1, SLOW) for _ in range(10)]
+    assert [p.local.sync_every for p in later] == [16] * 9 + [8] * 2
+    assert "; trying H=16: H=8 took 60 ms a step" in later[0].reason
+    assert "fitted to the steps measured at H=8, 16;" in later[-1].reason
+    details = sim.local_details()
+    assert details["inner_compute_s"] == pytest.approx(SLOW.compute, rel=0.01)
+    assert details["sync_scale"] == pytest.approx(80 / 130, rel=0.03)
     # under Adam on a 5 MB/s link, local steps every 4 were predicted 58 ms, not twice as fast
     # as int4 per step (113 ms); overlapped, the 32-ms sync hides behind a 50-ms inner step
     # (the rate at its peak: H at most 4)
@@ -249,9 +262,60 @@ def test_a_sync_overlapped_with_the_next_inner_step_counts_only_what_it_does_not
         adam_sim.lr = 0.1
         plans.append(adam_sim.run(6, link))
     assert plans[0].local is None
-    plan = plans[1]
-    assert plan.local is not None and plan.local.sync_every == 2
-    assert "per step 113 ms predicted, local steps 50 ms (compute 50 ms, a sync 32 ms, 0 ms of it" in plan.reason
+    first = next(row for row in adam_sim.local_details()["history"] if row[1])
+    assert first[1] == 2 and "per step 113 ms predicted, local steps 50 ms (compute 50 ms, a sync 32 ms, 0 ms of it" \
+        in first[3], first
+    # measured at once (the switch's own boundary aside), H=2 leaves no wait, and H=4 is tried
+    assert plans[1].local.sync_every == 4 and "; trying H=4: H=2 took" in plans[1].reason
+
+
+def test_an_overlapped_sync_that_slows_the_next_inner_step_is_priced_by_two_intervals():
+    # MEDIUM: an int4 sync ~40 ms hides behind a 50-ms inner step, but its codec adds 40 ms
+    # to that step. At H=2 the workers time no wait, only a 70-ms step, so one H says a sync
+    # is free; H=4 (60 ms a step) is measured too, and the fit step(H) = 50 ms + 40 ms / H
+    # asks for H=8 (5 ms a step, the 10% target)
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64, "delay": "auto"}, slowdown=0.04, lossy="never")
+    seen = [sim.run(5, MEDIUM)] + [sim.run(1, MEDIUM) for _ in range(6)]
+    assert [p.local.sync_every for p in seen] == [2, 4, 4, 4, 4, 8, 8], [p.reason for p in seen]
+    assert seen[1].reason.endswith("; trying H=4: H=2 took 70 ms a step, and a second H tells what a sync "
+                                   "slows the inner step it overlaps from the compute"), seen[1].reason
+    # held while H=4 is measured, although H=2's figures alone still ask for H=2
+    held = [row for row in sim.local_details()["history"] if row[3].endswith("; measuring H=4 before choosing again")]
+    assert [row[1:3] for row in held] == [[4, 2], [4, 2]], held
+    assert "(compute 50 ms, a sync 40 ms in all, its wait and the compute it slows, fitted to the steps " \
+           "measured at H=2, 4;" in seen[-1].reason
+    details = sim.local_details()
+    assert details["step_s_at"] == {"2": pytest.approx(0.07), "4": pytest.approx(0.06)}
+    assert details["inner_compute_s"] == pytest.approx(MEDIUM.compute)
+    # the fit and the probe survive a controller restart
+    policy = sim.controller.policies["run"]
+    fresh = LocalSim({"mode": "auto", "max_sync_every": 64, "delay": "auto"}).controller.policies["run"]
+    fresh.load_state_dict(policy.state_dict())
+    assert fresh.state_dict() == policy.state_dict()
+    # a sync waited for at once is all in the wait: one H measures it, nothing is probed
+    waited = LocalSim({"mode": "auto", "max_sync_every": 64}, lossy="never")
+    plans = [waited.run(5, MEDIUM)] + [waited.run(1, MEDIUM) for _ in range(8)]
+    assert not any("trying" in p.reason for p in plans)
+    assert len(waited.local_details()["step_s_at"]) == 1
+    # nor beyond what the learning rate allows: H=2 at its peak here, H=4 once it is 0.7x
+    capped = LocalSim({"mode": "auto", "max_sync_every": 64, "delay": "auto", "sync_every_at_peak_lr": 2},
+                      slowdown=0.04, lossy="never")
+    capped.lr = 0.1
+    plans = [capped.run(5, MEDIUM)] + [capped.run(1, MEDIUM) for _ in range(8)]
+    assert [p.local.sync_every for p in plans] == [2] * 9 and not any("trying" in p.reason for p in plans)
+    capped.lr = 0.07
+    plan = capped.run(1, MEDIUM)
+    assert plan.local.sync_every == 4 and "; trying H=4: H=2 took 70 ms a step" in plan.reason
+
+
+def test_the_fit_of_step_times_over_intervals():
+    assert fit_steps({4: 0.06}) is None
+    assert fit_steps({2: 0.07, 4: 0.06}) == (pytest.approx(0.05), pytest.approx(0.04))
+    assert fit_steps({2: 0.07, 4: 0.06, 8: 0.055}) == (pytest.approx(0.05), pytest.approx(0.04))
+    # steps that do not shrink with H: a sync costs nothing, the compute is their mean
+    assert fit_steps({2: 0.06, 4: 0.062}) == (pytest.approx(0.061), 0.0)
+    # a line that leaves no compute is no fit
+    assert fit_steps({2: 0.2, 4: 0.05}) is None
 
 
 def test_a_looser_overhead_target_gives_a_shorter_interval():

@@ -49,6 +49,15 @@ step and an all-gather nothing overlaps) as a multiple of the byte model's predi
 the latest boundaries under one H cover two of its syncs, the next choices of H use the
 measured figures, so a first H chosen on predictions alone is corrected (damped like any
 other switch).
+
+A sync kept on the wire (``delay``) is not all in the wait the workers time: its codec and
+outer step share the cores with the inner step it overlaps, which then takes longer (on the
+character LSTM at 100 Mbit/s a step at H=2 took 105 ms, at H=4 91 ms, while the waits left
+were 5-11 ms a step). One H cannot tell that slowdown from the compute, so where syncs
+overlap, the policy also measures the next larger H the rules allow (once: a *probe*, taken
+at once), and from the step times of two or more H fits ``step(H) = compute + sync / H``:
+the compute of an inner step without a sync beside it, and everything a sync costs (its
+wait and the compute it slows). The fit then prices every H, also those not measured.
 """
 
 from __future__ import annotations
@@ -97,6 +106,9 @@ class LocalChoice(Policy):
         self.samples: list[list[float]] = []  # [steps, compute s, comm s] per boundary under sampled_h
         self.sampled_h = 0  # the H the samples were taken under
         self.sampled_step = -1  # the latest boundary taken
+        #: H -> seconds a step measured under it (compute and sync wait), from its latest samples
+        self.step_at: dict[int, float] = {}
+        self.probing = 0  # an H taken to be measured (a probe), held until it is
         #: per boundary: step, H in force (0: per step), H this boundary asked for, reason
         self.history: list[list[Any]] = []
 
@@ -142,14 +154,24 @@ class LocalChoice(Policy):
         local_step = compute + stall / h if h else per_step
         min_gain = self._min_gain()
         target = h if h and per_step > (1 + min_gain) * local_step else 0
-        if self.chosen is None or target == self.chosen or (allowed is not None and self.chosen > allowed):
+        probe = self._probe(target, allowed)
+        held = not probe and self.probing > 0 and self.probing == self.chosen and self.chosen not in self.step_at \
+            and (allowed is None or self.chosen <= allowed)
+        if probe:
+            self.chosen, self.wanted, self.strikes, self.probing = probe, None, 0, probe
+        elif held:  # a probe stays until its step is measured
+            self.wanted, self.strikes = None, 0
+        elif self.chosen is None or target == self.chosen or (allowed is not None and self.chosen > allowed):
             self.chosen, self.wanted, self.strikes = target, None, 0
         else:
             self.strikes = self.strikes + 1 if target == self.wanted else 1
             self.wanted = target
             if self.strikes >= PATIENCE:
                 self.chosen, self.wanted, self.strikes = target, None, 0
-        if self.sync_scale is not None:
+        if self.sync_scale is not None and len(self.step_at) >= 2:
+            measured = (f" in all, its wait and the compute it slows, fitted to the steps measured at H="
+                        f"{', '.join(str(k) for k in sorted(self.step_at))}")
+        elif self.sync_scale is not None:
             measured = f" as measured: inner steps, and syncs at {self.sync_scale:.2g}x the byte model"
         elif h:
             measured = f", {stall * 1e3:.0f} ms of it not behind the next inner step"
@@ -164,13 +186,31 @@ class LocalChoice(Policy):
             reason = f"per step: {base.reason}; {figures}"
             self.history.append([run.step, 0, target, reason])
             return replace(base, reason=reason)
-        reason = f"local steps: H={self.chosen}, pseudo-gradients {pseudo}; {figures}"
+        if probe:
+            trying = (f"; trying H={probe}: H={probe // 2} took {self.step_at[probe // 2] * 1e3:.0f} ms a step, and "
+                      f"a second H tells what a sync slows the inner step it overlaps from the compute")
+        else:
+            trying = f"; measuring H={self.chosen} before choosing again" if held else ""
+        reason = f"local steps: H={self.chosen}, pseudo-gradients {pseudo}; {figures}{trying}"
         self.history.append([run.step, self.chosen, target, reason])
         return Plan(default=pseudo, local=LocalMode(self.chosen, self._fragments(self.chosen)), reason=reason)
 
     def _fragments(self, h: int) -> int:
         """The fragments local steps at ``h`` sync in: the configured ones if they divide it."""
         return self.local.fragments if h % self.local.fragments == 0 else 1
+
+    def _probe(self, target: int, allowed: float | None) -> int:
+        """The H to measure next, or 0: twice the H in force, where the choice would keep it,
+        its step is measured, its syncs overlap inner steps, no second H has been measured
+        (nothing to fit yet), and the ceiling, ``max_sync_every`` and the learning rate
+        allow it."""
+        h = self.chosen
+        if not h or target != h or h != self.sampled_h or h not in self.step_at or len(self.step_at) >= 2:
+            return 0
+        if not resolve_delay(self.local.delay, h, self._fragments(h)):
+            return 0  # a sync waited for at once is all in the wait: one H measures it
+        largest = min(self.ceiling, self.local.max_sync_every, float("inf") if allowed is None else allowed)
+        return 2 * h if 2 * h <= largest else 0
 
     def _stall(self, sync: float, compute: float, h: int) -> float:
         """The seconds a sync of local steps at ``h`` holds training up. A measured sync
@@ -205,8 +245,14 @@ class LocalChoice(Policy):
         predicted = self._predicted_sync(run, pseudo)
         if covered < 2 * mode.sync_every or predicted <= 0:
             return
-        self.inner_compute = sum(n * c for n, c, _ in self.samples) / covered
-        self.sync_scale = sum(n * c for n, _, c in self.samples) / covered * mode.sync_every / predicted
+        compute = sum(n * c for n, c, _ in self.samples) / covered
+        wait = sum(n * c for n, _, c in self.samples) / covered
+        self.step_at[mode.sync_every] = compute + wait
+        fitted = fit_steps(self.step_at)
+        if fitted is None:
+            self.inner_compute, self.sync_scale = compute, wait * mode.sync_every / predicted
+        else:
+            self.inner_compute, self.sync_scale = fitted[0], fitted[1] / predicted
 
     def _lr_allows(self, run: RunState) -> float | None:
         """The largest H the learning rate allows: ``sync_every_at_peak_lr x (peak / lr)^2``;
@@ -280,6 +326,7 @@ class LocalChoice(Policy):
         return {**self.inner.details(), "local": {
             "mode": self.local.mode, "sync_every": self.chosen, "largest_allowed": self.ceiling,
             "inner_compute_s": self.inner_compute, "sync_scale": self.sync_scale,
+            "step_s_at": {str(h): t for h, t in sorted(self.step_at.items())},
             "history": list(self.history)}}
 
     def state_dict(self) -> dict[str, Any]:
@@ -290,7 +337,8 @@ class LocalChoice(Policy):
                 "last": None if self.last is None else self.last.to_dict(),
                 "inner_compute": self.inner_compute, "sync_scale": self.sync_scale,
                 "samples": [list(x) for x in self.samples], "sampled_h": self.sampled_h,
-                "sampled_step": self.sampled_step}
+                "sampled_step": self.sampled_step, "step_at": {str(h): t for h, t in self.step_at.items()},
+                "probing": self.probing}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -306,4 +354,25 @@ class LocalChoice(Policy):
         self.inner_compute, self.sync_scale = state.get("inner_compute"), state.get("sync_scale")
         self.samples = [list(x) for x in state.get("samples", [])]
         self.sampled_h, self.sampled_step = state.get("sampled_h", 0), state.get("sampled_step", -1)
+        self.step_at = {int(h): float(t) for h, t in state.get("step_at", {}).items()}
+        self.probing = state.get("probing", 0)
 
+
+
+def fit_steps(step_at: dict[int, float]) -> tuple[float, float] | None:
+    """``(compute, sync)`` of ``step(H) = compute + sync / H``, least squares over the step
+    seconds measured at two or more H; None with fewer. A sync cannot cost less than
+    nothing: where the steps do not shrink with H (noise, or a sync fully hidden), the fit
+    is a flat line at their mean. None too where the line would leave an inner step no
+    compute (steps too noisy to fit)."""
+    if len(step_at) < 2:
+        return None
+    xs = [1.0 / h for h in step_at]
+    ys = list(step_at.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    sync = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread
+    if sync <= 0:
+        return my, 0.0
+    compute = my - sync * mx
+    return (compute, sync) if compute > 0 else None
