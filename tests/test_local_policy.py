@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from controllers.policies.local import fit_steps
 from controllers.service import Controller
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from raycomp.local import resolve_delay
@@ -243,11 +242,12 @@ def test_a_sync_overlapped_with_the_next_inner_step_counts_only_what_it_does_not
     later = [sim.run(1, SLOW) for _ in range(4)]
     assert sim.local_details()["sync_scale"] == pytest.approx(80 / 130, rel=0.03)
     # and, once it is, H=16 too (the overlap could hide a slowdown of the inner step); nothing
-    # slows it here, so the fit finds the same sync and H=8 again
+    # slows it here, so the sync costs its wait alone, and H=8 is taken again
     later = later[-1:] + [sim.run(1, SLOW) for _ in range(10)]
     assert [p.local.sync_every for p in later] == [16] * 9 + [8] * 2
     assert "; trying H=16: H=8 took 60 ms a step" in later[0].reason
-    assert "fitted to the steps measured at H=8, 16;" in later[-1].reason
+    assert "a sync 80 ms as measured, 0 ms of it what it adds to the inner steps it overlaps (from H=8 and 16);" \
+        in later[-1].reason
     details = sim.local_details()
     assert details["inner_compute_s"] == pytest.approx(SLOW.compute, rel=0.01)
     assert details["sync_scale"] == pytest.approx(80 / 130, rel=0.03)
@@ -272,8 +272,8 @@ def test_a_sync_overlapped_with_the_next_inner_step_counts_only_what_it_does_not
 def test_an_overlapped_sync_that_slows_the_next_inner_step_is_priced_by_two_intervals():
     # MEDIUM: an int4 sync ~40 ms hides behind a 50-ms inner step, but its codec adds 40 ms
     # to that step. At H=2 the workers time no wait, only a 70-ms step, so one H says a sync
-    # is free; H=4 (60 ms a step) is measured too, and the fit step(H) = 50 ms + 40 ms / H
-    # asks for H=8 (5 ms a step, the 10% target)
+    # is free; H=4 (60 ms a step) is measured too, and the compute's fall between the two,
+    # compute(H) = 50 ms + 40 ms / H, prices a sync at 40 ms: H=8 (5 ms a step, the 10% target)
     sim = LocalSim({"mode": "auto", "max_sync_every": 64, "delay": "auto"}, slowdown=0.04, lossy="never")
     seen = [sim.run(5, MEDIUM)] + [sim.run(1, MEDIUM) for _ in range(6)]
     assert [p.local.sync_every for p in seen] == [2, 4, 4, 4, 4, 8, 8], [p.reason for p in seen]
@@ -282,10 +282,10 @@ def test_an_overlapped_sync_that_slows_the_next_inner_step_is_priced_by_two_inte
     # held while H=4 is measured, although H=2's figures alone still ask for H=2
     held = [row for row in sim.local_details()["history"] if row[3].endswith("; measuring H=4 before choosing again")]
     assert [row[1:3] for row in held] == [[4, 2], [4, 2]], held
-    assert "(compute 50 ms, a sync 40 ms in all, its wait and the compute it slows, fitted to the steps " \
-           "measured at H=2, 4;" in seen[-1].reason
+    assert "(compute 50 ms, a sync 40 ms as measured, 40 ms of it what it adds to the inner steps it overlaps " \
+           "(from H=2 and 4);" in seen[-1].reason
     details = sim.local_details()
-    assert details["step_s_at"] == {"2": pytest.approx(0.07), "4": pytest.approx(0.06)}
+    assert details["slowdown_s"] == pytest.approx(0.04)
     assert details["inner_compute_s"] == pytest.approx(MEDIUM.compute)
     # the fit and the probe survive a controller restart
     policy = sim.controller.policies["run"]
@@ -296,7 +296,7 @@ def test_an_overlapped_sync_that_slows_the_next_inner_step_is_priced_by_two_inte
     waited = LocalSim({"mode": "auto", "max_sync_every": 64}, lossy="never")
     plans = [waited.run(5, MEDIUM)] + [waited.run(1, MEDIUM) for _ in range(8)]
     assert not any("trying" in p.reason for p in plans)
-    assert len(waited.local_details()["step_s_at"]) == 1
+    assert waited.local_details()["slowdown_s"] is None
     # nor beyond what the learning rate allows: H=2 at its peak here, H=4 once it is 0.7x
     capped = LocalSim({"mode": "auto", "max_sync_every": 64, "delay": "auto", "sync_every_at_peak_lr": 2},
                       slowdown=0.04, lossy="never")
@@ -308,14 +308,31 @@ def test_an_overlapped_sync_that_slows_the_next_inner_step_is_priced_by_two_inte
     assert plan.local.sync_every == 4 and "; trying H=4: H=2 took 70 ms a step" in plan.reason
 
 
-def test_the_fit_of_step_times_over_intervals():
-    assert fit_steps({4: 0.06}) is None
-    assert fit_steps({2: 0.07, 4: 0.06}) == (pytest.approx(0.05), pytest.approx(0.04))
-    assert fit_steps({2: 0.07, 4: 0.06, 8: 0.055}) == (pytest.approx(0.05), pytest.approx(0.04))
-    # steps that do not shrink with H: a sync costs nothing, the compute is their mean
-    assert fit_steps({2: 0.06, 4: 0.062}) == (pytest.approx(0.061), 0.0)
-    # a line that leaves no compute is no fit
-    assert fit_steps({2: 0.2, 4: 0.05}) is None
+def test_the_slowdown_is_measured_once_and_a_drifting_machine_moves_only_the_compute():
+    # after the pair (H=2, 4) the machine slows: every step's compute 60 ms instead of 50.
+    # Under H=8 the compute is measured afresh (65 ms a step, 60 of it the inner step's), the
+    # slowdown stays the pair's 40 ms: no slope is drawn between figures of different hours
+    local = {"mode": "auto", "max_sync_every": 64, "delay": "auto"}
+    sim = LocalSim(local, slowdown=0.04, lossy="never")
+    sim.run(11, MEDIUM)  # H=2, then 4 tried and measured: the slowdown, and H=8
+    assert sim.plan.local.sync_every == 8
+    slower = Link(bandwidth=MEDIUM.bandwidth, compute=0.06)
+    sim.run(8, slower)
+    details = sim.local_details()
+    assert details["slowdown_s"] == pytest.approx(0.04)
+    assert details["inner_compute_s"] == pytest.approx(0.06)
+    assert sum("trying" in row[3] for row in details["history"]) == 1
+    assert "(compute 60 ms, a sync 40 ms as measured, 40 ms of it what it adds to the inner steps it overlaps " \
+           "(from H=2 and 4);" in sim.local_details()["history"][-1][3]
+    # a compute that grew between the two H (the machine, not the sync) gives no slowdown,
+    # and nothing is probed again
+    drifting = LocalSim(local, lossy="never")
+    drifting.run(7, MEDIUM)  # H=2 measured, H=4 tried
+    assert drifting.plan.local.sync_every == 4 and "trying H=4" in drifting.plan.reason
+    drifting.run(8, Link(bandwidth=MEDIUM.bandwidth, compute=0.07))
+    details = drifting.local_details()
+    assert details["slowdown_s"] == 0.0 and details["sync_every"] == 2
+    assert sum("trying" in row[3] for row in details["history"]) == 1
 
 
 def test_a_looser_overhead_target_gives_a_shorter_interval():

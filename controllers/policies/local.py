@@ -54,10 +54,14 @@ A sync kept on the wire (``delay``) is not all in the wait the workers time: its
 outer step share the cores with the inner step it overlaps, which then takes longer (on the
 character LSTM at 100 Mbit/s a step at H=2 took 105 ms, at H=4 91 ms, while the waits left
 were 5-11 ms a step). One H cannot tell that slowdown from the compute, so where syncs
-overlap, the policy also measures the next larger H the rules allow (once: a *probe*, taken
-at once), and from the step times of two or more H fits ``step(H) = compute + sync / H``:
-the compute of an inner step without a sync beside it, and everything a sync costs (its
-wait and the compute it slows). The fit then prices every H, also those not measured.
+overlap, the policy also measures twice the H in force (once: a *probe*, taken at once and
+held until measured, where the ceiling and the learning rate allow it). The compute a step
+of two H measured one after the other, ``compute(H) = inner + slowdown / H``, gives the
+seconds a sync adds to the inner steps it overlaps; it is a property of the codec, the
+model and the cores, so it is measured once, from the first such pair (the smallest H, the
+largest difference), while the compute and the wait keep being measured under the H in
+force: a machine that drifts during the run moves those, not the slowdown. A sync then
+costs its wait plus the slowdown, and an inner step its compute less the slowdown's share.
 """
 
 from __future__ import annotations
@@ -106,8 +110,11 @@ class LocalChoice(Policy):
         self.samples: list[list[float]] = []  # [steps, compute s, comm s] per boundary under sampled_h
         self.sampled_h = 0  # the H the samples were taken under
         self.sampled_step = -1  # the latest boundary taken
-        #: H -> seconds a step measured under it (compute and sync wait), from its latest samples
-        self.step_at: dict[int, float] = {}
+        self.measured: list[float] | None = None  # [H, compute s, wait s] a step, the latest H measured
+        #: seconds a sync kept on the wire adds to the inner steps it overlaps, and the two H it
+        #: was measured from (None until a pair has been)
+        self.slowdown: float | None = None
+        self.slowdown_from: list[int] = []
         self.probing = 0  # an H taken to be measured (a probe), held until it is
         #: per boundary: step, H in force (0: per step), H this boundary asked for, reason
         self.history: list[list[Any]] = []
@@ -132,7 +139,7 @@ class LocalChoice(Policy):
             self._measure_local(run, pseudo)
             self._follow_loss(run)
         else:  # steps outside local steps: the next H takes its own samples, from its second boundary
-            self.best_loss, self.behind, self.sampled_h = None, 0, 0
+            self.best_loss, self.behind, self.sampled_h, self.measured = None, 0, 0, None
         self._recover(run, stepped_back=self.ceiling < ceiling)
         if self.local.mode == "fixed":
             return Plan(default=pseudo, local=LocalMode(self.local.sync_every, self.local.fragments),
@@ -155,7 +162,7 @@ class LocalChoice(Policy):
         min_gain = self._min_gain()
         target = h if h and per_step > (1 + min_gain) * local_step else 0
         probe = self._probe(target, allowed)
-        held = not probe and self.probing > 0 and self.probing == self.chosen and self.chosen not in self.step_at \
+        held = not probe and self.probing > 0 and self.probing == self.chosen and not self._measured(self.chosen) \
             and (allowed is None or self.chosen <= allowed)
         if probe:
             self.chosen, self.wanted, self.strikes, self.probing = probe, None, 0, probe
@@ -168,9 +175,10 @@ class LocalChoice(Policy):
             self.wanted = target
             if self.strikes >= PATIENCE:
                 self.chosen, self.wanted, self.strikes = target, None, 0
-        if self.sync_scale is not None and len(self.step_at) >= 2:
-            measured = (f" in all, its wait and the compute it slows, fitted to the steps measured at H="
-                        f"{', '.join(str(k) for k in sorted(self.step_at))}")
+        if self.sync_scale is not None and self.slowdown is not None:
+            a, b = self.slowdown_from
+            measured = (f" as measured, {self.slowdown * 1e3:.0f} ms of it what it adds to the inner steps it "
+                        f"overlaps (from H={a} and {b})")
         elif self.sync_scale is not None:
             measured = f" as measured: inner steps, and syncs at {self.sync_scale:.2g}x the byte model"
         elif h:
@@ -187,8 +195,9 @@ class LocalChoice(Policy):
             self.history.append([run.step, 0, target, reason])
             return replace(base, reason=reason)
         if probe:
-            trying = (f"; trying H={probe}: H={probe // 2} took {self.step_at[probe // 2] * 1e3:.0f} ms a step, and "
-                      f"a second H tells what a sync slows the inner step it overlaps from the compute")
+            taken = self.measured[1] + self.measured[2] if self.measured else 0.0
+            trying = (f"; trying H={probe}: H={probe // 2} took {taken * 1e3:.0f} ms a step, and a second H tells "
+                      f"what a sync slows the inner step it overlaps from the compute")
         else:
             trying = f"; measuring H={self.chosen} before choosing again" if held else ""
         reason = f"local steps: H={self.chosen}, pseudo-gradients {pseudo}; {figures}{trying}"
@@ -201,16 +210,19 @@ class LocalChoice(Policy):
 
     def _probe(self, target: int, allowed: float | None) -> int:
         """The H to measure next, or 0: twice the H in force, where the choice would keep it,
-        its step is measured, its syncs overlap inner steps, no second H has been measured
-        (nothing to fit yet), and the ceiling, ``max_sync_every`` and the learning rate
-        allow it."""
+        its step is measured, its syncs overlap inner steps, the slowdown they cause is not
+        measured yet, and the ceiling, ``max_sync_every`` and the learning rate allow it."""
         h = self.chosen
-        if not h or target != h or h != self.sampled_h or h not in self.step_at or len(self.step_at) >= 2:
+        if not h or target != h or self.slowdown is not None or not self._measured(h):
             return 0
         if not resolve_delay(self.local.delay, h, self._fragments(h)):
             return 0  # a sync waited for at once is all in the wait: one H measures it
         largest = min(self.ceiling, self.local.max_sync_every, float("inf") if allowed is None else allowed)
         return 2 * h if 2 * h <= largest else 0
+
+    def _measured(self, h: int) -> bool:
+        """Whether ``h`` is in force and its latest boundaries have measured it."""
+        return h == self.sampled_h and self.measured is not None and self.measured[0] == h
 
     def _stall(self, sync: float, compute: float, h: int) -> float:
         """The seconds a sync of local steps at ``h`` holds training up. A measured sync
@@ -245,14 +257,28 @@ class LocalChoice(Policy):
         predicted = self._predicted_sync(run, pseudo)
         if covered < 2 * mode.sync_every or predicted <= 0:
             return
+        h = mode.sync_every
         compute = sum(n * c for n, c, _ in self.samples) / covered
         wait = sum(n * c for n, _, c in self.samples) / covered
-        self.step_at[mode.sync_every] = compute + wait
-        fitted = fit_steps(self.step_at)
-        if fitted is None:
-            self.inner_compute, self.sync_scale = compute, wait * mode.sync_every / predicted
-        else:
-            self.inner_compute, self.sync_scale = fitted[0], fitted[1] / predicted
+        before, self.measured = self.measured, [h, compute, wait]
+        overlapped = bool(resolve_delay(self.local.delay, h, self._fragments(h)))
+        if self.slowdown is None and before is not None and before[0] != h and overlapped:
+            self._measure_slowdown(int(before[0]), before[1], h, compute)
+        slowdown = self.slowdown if overlapped and self.slowdown is not None else 0.0
+        self.inner_compute = compute - slowdown / h
+        self.sync_scale = (wait * h + slowdown) / predicted
+
+    def _measure_slowdown(self, a: int, compute_a: float, b: int, compute_b: float) -> None:
+        """The seconds a sync adds to the inner steps it overlaps, from the compute a step
+        under two H measured one after the other: ``compute(H) = inner + slowdown / H``. 0
+        where the compute did not shrink with H, or would leave an inner step none (noise
+        larger than the difference)."""
+        if not resolve_delay(self.local.delay, a, self._fragments(a)):
+            return  # the H before waited for its syncs: nothing overlapped to compare with
+        slowdown = (compute_a - compute_b) / (1 / a - 1 / b)
+        inner = compute_a - slowdown / a
+        self.slowdown = slowdown if slowdown > 0 and inner > 0 else 0.0
+        self.slowdown_from = sorted([a, b])
 
     def _lr_allows(self, run: RunState) -> float | None:
         """The largest H the learning rate allows: ``sync_every_at_peak_lr x (peak / lr)^2``;
@@ -326,7 +352,7 @@ class LocalChoice(Policy):
         return {**self.inner.details(), "local": {
             "mode": self.local.mode, "sync_every": self.chosen, "largest_allowed": self.ceiling,
             "inner_compute_s": self.inner_compute, "sync_scale": self.sync_scale,
-            "step_s_at": {str(h): t for h, t in sorted(self.step_at.items())},
+            "slowdown_s": self.slowdown,
             "history": list(self.history)}}
 
     def state_dict(self) -> dict[str, Any]:
@@ -337,8 +363,8 @@ class LocalChoice(Policy):
                 "last": None if self.last is None else self.last.to_dict(),
                 "inner_compute": self.inner_compute, "sync_scale": self.sync_scale,
                 "samples": [list(x) for x in self.samples], "sampled_h": self.sampled_h,
-                "sampled_step": self.sampled_step, "step_at": {str(h): t for h, t in self.step_at.items()},
-                "probing": self.probing}
+                "sampled_step": self.sampled_step, "measured": self.measured, "slowdown": self.slowdown,
+                "slowdown_from": list(self.slowdown_from), "probing": self.probing}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -354,25 +380,6 @@ class LocalChoice(Policy):
         self.inner_compute, self.sync_scale = state.get("inner_compute"), state.get("sync_scale")
         self.samples = [list(x) for x in state.get("samples", [])]
         self.sampled_h, self.sampled_step = state.get("sampled_h", 0), state.get("sampled_step", -1)
-        self.step_at = {int(h): float(t) for h, t in state.get("step_at", {}).items()}
+        self.measured, self.slowdown = state.get("measured"), state.get("slowdown")
+        self.slowdown_from = list(state.get("slowdown_from", []))
         self.probing = state.get("probing", 0)
-
-
-
-def fit_steps(step_at: dict[int, float]) -> tuple[float, float] | None:
-    """``(compute, sync)`` of ``step(H) = compute + sync / H``, least squares over the step
-    seconds measured at two or more H; None with fewer. A sync cannot cost less than
-    nothing: where the steps do not shrink with H (noise, or a sync fully hidden), the fit
-    is a flat line at their mean. None too where the line would leave an inner step no
-    compute (steps too noisy to fit)."""
-    if len(step_at) < 2:
-        return None
-    xs = [1.0 / h for h in step_at]
-    ys = list(step_at.values())
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread = sum((x - mx) ** 2 for x in xs)
-    sync = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread
-    if sync <= 0:
-        return my, 0.0
-    compute = my - sync * mx
-    return (compute, sync) if compute > 0 else None

@@ -68,8 +68,8 @@ MUTANTS = (
     ),
     mutant(
         "local-sync-cost-never-measured", "LocalChoice._measure_local",
-        "            self.inner_compute, self.sync_scale = compute, wait * mode.sync_every / predicted\n",
-        "            pass\n",
+        "        self.sync_scale = (wait * h + slowdown) / predicted\n",
+        "        pass\n",
         "tests/test_local_policy.py -k measure",
         "auto keeps pricing a sync by its bytes alone: codec, outer step and unoverlapped transfer never seen, H too short",
     ),
@@ -88,11 +88,26 @@ MUTANTS = (
         "a probed H is undone by the figures of the H before it, before its own step is measured",
     ),
     mutant(
-        "local-step-fit-ignored", "LocalChoice._measure_local",
-        "            self.inner_compute, self.sync_scale = fitted[0], fitted[1] / predicted\n",
-        "            self.inner_compute, self.sync_scale = compute, wait * mode.sync_every / predicted\n",
+        "local-slowdown-ignored", "LocalChoice._measure_local",
+        "        slowdown = self.slowdown if overlapped and self.slowdown is not None else 0.0\n",
+        "        slowdown = 0.0\n",
         "tests/test_local_policy.py -k slows_the_next",
-        "the steps measured at two H are never fitted: the probe measures and the choice ignores it",
+        "the slowdown measured from two H is never used: the probe measures and the choice ignores it",
+    ),
+    mutant(
+        "local-slowdown-measured-again", "LocalChoice._measure_local",
+        "        if self.slowdown is None and before is not None and before[0] != h and overlapped:\n",
+        "        if before is not None and before[0] != h and overlapped:\n",
+        "tests/test_local_policy.py -k drifting",
+        "each change of H measures the slowdown again, between figures of different hours: a drifting machine "
+        "draws it",
+    ),
+    mutant(
+        "local-slowdown-below-zero", "LocalChoice._measure_slowdown",
+        "        self.slowdown = slowdown if slowdown > 0 and inner > 0 else 0.0\n",
+        "        self.slowdown = slowdown\n",
+        "tests/test_local_policy.py -k drifting",
+        "a compute that grew between the two H (the machine, not the sync) makes a sync pay back time",
     ),
     mutant(
         "local-probe-past-the-learning-rate", "LocalChoice._probe",
@@ -110,8 +125,8 @@ MUTANTS = (
     ),
     mutant(
         "local-samples-kept-across-per-step", "LocalChoice.decide",
-        "            self.best_loss, self.behind, self.sampled_h = None, 0, 0\n",
-        "            self.best_loss, self.behind = None, 0\n",
+        "            self.best_loss, self.behind, self.sampled_h, self.measured = None, 0, 0, None\n",
+        "            self.best_loss, self.behind, self.measured = None, 0, None\n",
         "tests/test_local_policy.py -k afresh",
         "a return to the same H after per-step steps prices its sync with samples from before and the switch's boundary",
     ),
