@@ -19,8 +19,9 @@
   H=4 0.45%, and H=4 then 16 from halfway through the cosine schedule 0.6%. A cap that
   falls (a rate that rises again) is taken at once. Local steps are chosen when the
   per-step plan is predicted more than ``min_gain`` slower (resolved by the worker from its
-  optimizer: twice as slow under Adam, :func:`raycomp.train.lossy.local_min_gain`); on a
-  fast link that never happens, and the per-step plan (often dense) stays. A switch of mode
+  optimizer: twice as slow under Adam, :func:`raycomp.train.lossy.local_min_gain`), and kept
+  while it is predicted slower at all; on a fast link that never happens, and the per-step
+  plan (often dense) stays. A switch of mode
   or H waits until ``PATIENCE`` boundaries in a row agree (the first choice is taken at
   once), so that choices that would undo each other are damped.
 
@@ -160,7 +161,11 @@ class LocalChoice(Policy):
         stall = self._stall(sync, compute, h) if h else 0.0
         local_step = compute + stall / h if h else per_step
         min_gain = self._min_gain()
-        target = h if h and per_step > (1 + min_gain) * local_step else 0
+        # entering local steps takes min_gain; staying takes only being faster (a band, so that a
+        # ratio near 1 + min_gain does not switch back and forth, each switch a merge)
+        staying = bool(self.chosen)
+        gain = 0.0 if staying else min_gain
+        target = h if h and per_step > (1 + gain) * local_step else 0
         probe = self._probe(target, allowed)
         held = not probe and self.probing > 0 and self.probing == self.chosen and not self._measured(self.chosen) \
             and (allowed is None or self.chosen <= allowed)
@@ -187,9 +192,10 @@ class LocalChoice(Policy):
             measured = ""
         capped = "" if h == by_time else \
             f"; H={by_time} by time, at most {h} at a learning rate {run.lr / run.peak_lr:.2g}x its peak"
+        rule = "faster to stay" if staying else f"{min_gain:.0%} faster"
         figures = (f"per step {per_step * 1e3:.0f} ms predicted, local steps {local_step * 1e3:.0f} ms "
                    f"(compute {compute * 1e3:.0f} ms, a sync {sync * 1e3:.0f} ms{measured}; local steps must be "
-                   f"{min_gain:.0%} faster{capped})")
+                   f"{rule}{capped})")
         if not self.chosen:
             reason = f"per step: {base.reason}; {figures}"
             self.history.append([run.step, 0, target, reason])

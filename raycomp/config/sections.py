@@ -64,7 +64,8 @@ class LocalSection(_Strict):
     * ``mode: auto``: the controller chooses per-step compression or local steps, and
       their ``sync_every`` (a power of two up to ``max_sync_every``), from the measured
       link and compute: local steps when the best per-step plan's step is predicted more
-      than ``min_gain`` slower than a local step, with the smallest ``sync_every`` whose
+      than ``min_gain`` slower than a local step (and while it is slower at all, once they
+      run), with the smallest ``sync_every`` whose
       share of a sync per step is at most ``target_overhead`` of the compute, but no larger
       than the learning rate's decay allows (``sync_every_at_peak_lr``). Once local
       steps run, what an inner step and a sync really take is measured and ``sync_every``
@@ -107,7 +108,7 @@ class LocalSection(_Strict):
     #: the first fragment, or keep them "local" to each rank
     buffers: Literal["average", "local"] = "average"
     #: ``auto``: choose local steps only if they are predicted at least this fraction faster
-    #: than the best per-step plan. "auto" (default): 0.1 when the optimizer's update is
+    #: than the best per-step plan (once chosen, they stay while they are faster at all). "auto" (default): 0.1 when the optimizer's update is
     #: linear in the gradient (SGD), 1.0 for the others (the Adam family: local steps must be
     #: predicted twice as fast). A local step moves the loss less than a synchronous one,
     #: and more so under Adam: on the AdamW transformer, averaging every 4 steps needed about

@@ -74,6 +74,13 @@ MUTANTS = (
         "auto keeps pricing a sync by its bytes alone: codec, outer step and unoverlapped transfer never seen, H too short",
     ),
     mutant(
+        "local-leaves-on-the-entry-margin", "LocalChoice._auto",
+        "        gain = 0.0 if staying else min_gain\n",
+        "        gain = min_gain\n",
+        "tests/test_local_policy.py -k stay_while",
+        "local steps 5% faster than per step are left for it, and taken again: a merge at each switch",
+    ),
+    mutant(
         "local-overlapped-sync-never-probed", "LocalChoice._probe",
         "        return 2 * h if 2 * h <= largest else 0\n",
         "        return 0\n",
