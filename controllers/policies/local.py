@@ -21,9 +21,9 @@
   per-step plan is predicted more than ``min_gain`` slower (resolved by the worker from its
   optimizer: twice as slow under Adam, :func:`raycomp.train.lossy.local_min_gain`), and kept
   while it is predicted slower at all; on a fast link that never happens, and the per-step
-  plan (often dense) stays. A switch of mode
-  or H waits until ``PATIENCE`` boundaries in a row agree (the first choice is taken at
-  once), so that choices that would undo each other are damped.
+  plan (often dense) stays. A switch of mode or H waits until ``PATIENCE`` boundaries in a
+  row agree (the first choice is taken at once), so that choices that would undo each
+  other are damped.
 
 Two things step back, each halving the largest H this policy may choose (below 2: per step
 only); after ``RECOVERY`` boundaries in a row with neither, nor a loss behind, nor the guard's

@@ -65,9 +65,9 @@ class LocalSection(_Strict):
       their ``sync_every`` (a power of two up to ``max_sync_every``), from the measured
       link and compute: local steps when the best per-step plan's step is predicted more
       than ``min_gain`` slower than a local step (and while it is slower at all, once they
-      run), with the smallest ``sync_every`` whose
-      share of a sync per step is at most ``target_overhead`` of the compute, but no larger
-      than the learning rate's decay allows (``sync_every_at_peak_lr``). Once local
+      run), with the smallest ``sync_every`` whose share of a sync per step is at most
+      ``target_overhead`` of the compute, but no larger than the learning rate's decay
+      allows (``sync_every_at_peak_lr``). Once local
       steps run, what an inner step and a sync really take is measured and ``sync_every``
       chosen again from it. A guard fallback during local steps halves the largest
       ``sync_every`` it may choose, and so does a loss that falls behind: above
@@ -108,13 +108,14 @@ class LocalSection(_Strict):
     #: the first fragment, or keep them "local" to each rank
     buffers: Literal["average", "local"] = "average"
     #: ``auto``: choose local steps only if they are predicted at least this fraction faster
-    #: than the best per-step plan (once chosen, they stay while they are faster at all). "auto" (default): 0.1 when the optimizer's update is
-    #: linear in the gradient (SGD), 1.0 for the others (the Adam family: local steps must be
-    #: predicted twice as fast). A local step moves the loss less than a synchronous one,
-    #: and more so under Adam: on the AdamW transformer, averaging every 4 steps needed about
-    #: 1.5x dense's steps to reach the same loss, so a 1.2x faster step lost time to target.
-    #: A smaller H does not help there: averaging after every step lost as much, since the
-    #: cost comes from each rank's Adam normalising a gradient of its own, smaller batch
+    #: than the best per-step plan (once chosen, they stay while they are faster at all).
+    #: "auto" (default): 0.1 when the optimizer's update is linear in the gradient (SGD), 1.0
+    #: for the others (the Adam family: local steps must be predicted twice as fast). A
+    #: local step moves the loss less than a synchronous one, and more so under Adam: on
+    #: the AdamW transformer, averaging every 4 steps needed about 1.5x dense's steps to
+    #: reach the same loss, so a 1.2x faster step lost time to target. A smaller H does not
+    #: help there: averaging after every step lost as much, since the cost comes from each
+    #: rank's Adam normalising a gradient of its own, smaller batch
     min_gain: Annotated[float, Field(ge=0, le=10)] | Literal["auto"] = "auto"
     #: ``auto``: the share of the compute a sync may add per step
     target_overhead: Annotated[float, Field(gt=0, le=10)] = 0.1
