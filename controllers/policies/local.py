@@ -214,6 +214,11 @@ class LocalChoice(Policy):
         """The fragments local steps at ``h`` sync in: the configured ones if they divide it."""
         return self.local.fragments if h % self.local.fragments == 0 else 1
 
+    def _delay(self, h: int) -> int:
+        """The inner steps a sync of local steps at ``h`` overlaps
+        (:func:`raycomp.local.resolve_delay`, as every rank resolves it)."""
+        return resolve_delay(self.local.delay, h, self._fragments(h))
+
     def _probe(self, target: int, allowed: float | None) -> int:
         """The H to measure next, or 0: twice the H in force, where the choice would keep it,
         its step is measured, its syncs overlap inner steps, the slowdown they cause is not
@@ -221,7 +226,7 @@ class LocalChoice(Policy):
         h = self.chosen
         if not h or target != h or self.slowdown is not None or not self._measured(h):
             return 0
-        if not resolve_delay(self.local.delay, h, self._fragments(h)):
+        if not self._delay(h):
             return 0  # a sync waited for at once is all in the wait: one H measures it
         largest = min(self.ceiling, self.local.max_sync_every, float("inf") if allowed is None else allowed)
         return 2 * h if 2 * h <= largest else 0
@@ -237,7 +242,7 @@ class LocalChoice(Policy):
         ``compute`` long, and holds up only what they do not cover."""
         if self.sync_scale is not None:
             return sync
-        return max(0.0, sync - resolve_delay(self.local.delay, h, self._fragments(h)) * compute)
+        return max(0.0, sync - self._delay(h) * compute)
 
     def _predicted_sync(self, run: RunState, pseudo: CompressorSpec) -> float:
         """What the byte model predicts a sync costs: every compressible layer sent once as
@@ -267,7 +272,7 @@ class LocalChoice(Policy):
         compute = sum(n * c for n, c, _ in self.samples) / covered
         wait = sum(n * c for n, _, c in self.samples) / covered
         before, self.measured = self.measured, [h, compute, wait]
-        overlapped = bool(resolve_delay(self.local.delay, h, self._fragments(h)))
+        overlapped = bool(self._delay(h))
         if self.slowdown is None and before is not None and before[0] != h and overlapped:
             self._measure_slowdown(int(before[0]), before[1], h, compute)
         slowdown = self.slowdown if overlapped and self.slowdown is not None else 0.0
@@ -279,7 +284,7 @@ class LocalChoice(Policy):
         under two H measured one after the other: ``compute(H) = inner + slowdown / H``. 0
         where the compute did not shrink with H, or would leave an inner step none (noise
         larger than the difference)."""
-        if not resolve_delay(self.local.delay, a, self._fragments(a)):
+        if not self._delay(a):
             return  # the H before waited for its syncs: nothing overlapped to compare with
         slowdown = (compute_a - compute_b) / (1 / a - 1 / b)
         inner = compute_a - slowdown / a

@@ -125,7 +125,7 @@ MUTANTS = (
     ),
     mutant(
         "local-waited-sync-probed", "LocalChoice._probe",
-        "        if not resolve_delay(self.local.delay, h, self._fragments(h)):\n",
+        "        if not self._delay(h):\n",
         "        if False:\n",
         "tests/test_local_policy.py -k slows_the_next",
         "a sync waited for at once, all in its wait, is probed anyway: a larger H tried for nothing",
@@ -237,7 +237,7 @@ MUTANTS = (
     ),
     mutant(
         "local-policy-ignores-the-overlap", "LocalChoice._stall",
-        "        return max(0.0, sync - resolve_delay(self.local.delay, h, self._fragments(h)) * compute)\n",
+        "        return max(0.0, sync - self._delay(h) * compute)\n",
         "        return sync\n",
         "tests/test_local_policy.py -k overlapped",
         "auto prices an overlapped sync as if it stalled training: local steps chosen late, at a larger H",
