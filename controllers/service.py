@@ -25,7 +25,7 @@ from controllers.policies import make_policy
 from controllers.policies.base import Policy
 from controllers.snapshots import SnapshotStore
 from controllers.state import RunState
-from raycomp.plan import GradStats, Plan, ReportTooLarge
+from raycomp.plan import GradStats, ReportTooLarge
 
 log = logging.getLogger("raycomp.controller")
 
@@ -105,10 +105,7 @@ class Controller:
 
     def _decide(self, run: RunState) -> None:
         policy = self.policies[run.run_id]
-        if run.step + 1 < run.warmup_steps:
-            plan: Plan | None = Plan(reason="warm-up: dense")
-        else:
-            plan = policy.decide(run)
+        plan = policy.warmup(run) if run.step + 1 < run.warmup_steps else policy.decide(run)
         if plan is not None:
             before = run.plan.version
             run.install(plan)

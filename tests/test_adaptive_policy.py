@@ -37,6 +37,9 @@ TO_NEAR_LOSSLESS = 4
 #: ... and no margin for the lossy rungs: the mechanism tests compare plans on time alone. The
 #: default margin has its own test
 ON_TIME_ALONE = 0.0
+#: ... and a dense warm-up: their boundaries count from the first decision. The default
+#: warm-up (near-lossless once the link is timed) has its own tests
+DENSE_WARMUP = "dense"
 
 
 @dataclass
@@ -76,7 +79,7 @@ class Sim:
     def __init__(self, errors: dict[str, float] | None = None, **options) -> None:
         self.options = AdaptiveOptions(**{"window_steps": WINDOW, "near_lossless": TWO_RUNGS,
                                                 "critical_boost": TO_NEAR_LOSSLESS, "lossy_margin": ON_TIME_ALONE,
-                                                **options}).model_dump(mode="json")
+                                                "warmup": DENSE_WARMUP, **options}).model_dump(mode="json")
         self.controller = Controller()
         self.controller.register_run("run", W, SHAPES, "adaptive", self.options, WARMUP, K, 1024)
         self.step = -1
@@ -233,6 +236,55 @@ def test_warm_up_is_dense_then_critical_start_then_heavy_on_a_slow_link():
     assert ranks(heavy) == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1, "norm.weight": 0.01}
     assert heavy.reason.startswith("slow link 1.2 MB/s, comm 20x compute → powersgd r=1 on 3; topk 0.01 on 1;")
     assert "critical" not in heavy.reason
+
+
+EVERY_LAYER = (*MATRICES, "norm.weight")
+
+
+def test_the_default_warm_up_sends_near_lossless_rungs_once_a_dense_interval_has_timed_the_link():
+    assert AdaptiveOptions().warmup == "near_lossless"
+    # regime detection off (boost 0): a calm slow link takes PowerSGD as soon as it may
+    options = {"near_lossless": AdaptiveOptions().near_lossless, "critical_boost": 0}
+    sim = Sim(**options, warmup="near_lossless")
+    sim.run(1, SLOW)  # steps 0-4: dense, which times the link
+    assert sim.wire == sim.dense
+    assert ranks(sim.plan) == dict.fromkeys(EVERY_LAYER, "int4")
+    assert sim.plan.reason.startswith("warm-up: slow link 1.2 MB/s, comm 20x compute → int4 on 4 "
+                                      "(4 critical, lossy rungs off); 182 ms vs dense 1.07e+03 ms")
+    sim.run(2, SLOW)  # boundaries 9 and 14: still the warm-up, so no lossy rung
+    assert [ranks(p) for p in sim.plans] == [dict.fromkeys(EVERY_LAYER, "int4")] * 3
+    assert [h[0] for h in sim.details()["warmup_history"]] == [4, 9, 14]
+    assert sim.details()["history"] == []  # the policy's own choice starts after the warm-up
+    sim.run(1, SLOW)  # step 19: the warm-up is over
+    assert ranks(sim.plan) == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1, "norm.weight": 0.01}
+    # a third of a dense warm-up's bytes over the same 20 steps
+    dense = Sim(**options, warmup="dense")
+    dense.run(4, SLOW)
+    assert dense.wire == dense.dense and [p.layers for p in dense.plans[:3]] == [()] * 3
+    assert 0.3 < sim.wire / sim.dense < 0.4
+    # a fast link: the warm-up's choice is dense too
+    fast = Sim(warmup="near_lossless")
+    fast.run(4, FAST)
+    assert fast.wire == fast.dense and all(not p.layers for p in fast.plans)
+
+
+def test_the_warm_up_state_survives_a_controller_restart():
+    sim = Sim(warmup="near_lossless")
+    sim.run(2, SLOW)
+    policy = sim.controller.policies["run"]
+    state = policy.state_dict()
+    assert state["inner"]["warm"]["shift"] == 0 and len(state["inner"]["warm"]["history"]) == 2
+    again = make_policy("adaptive", {**sim.options, "min_compress_numel": 1024})
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    run = sim.controller.runs["run"]
+    assert again.warmup(run) == policy.warmup(run)
+    # a snapshot from before the warm-up had a choice of its own loads, the warm-up fresh
+    older = {**state["inner"]}
+    del older["warm"]
+    fresh = make_policy("adaptive", {**sim.options, "min_compress_numel": 1024})
+    fresh.inner.load_state_dict(older)
+    assert fresh.inner.warm.shift is None and fresh.inner.choice.state_dict() == policy.inner.choice.state_dict()
 
 
 def test_a_sharded_run_gets_int8_on_a_slow_link_and_dense_on_a_fast_one():

@@ -39,6 +39,10 @@ def test_fsdp_adaptive_run_compresses_each_unit_on_a_slow_link_and_keeps_accurac
     assert len(logs) == 2
     for mine, theirs in zip(*logs, strict=True):
         assert (mine["plan_version"], mine["plan_digest"]) == (theirs["plan_version"], theirs["plan_digest"])
+    # the warm-up (10 steps) times the link on its first interval (steps 0-4), then sends the
+    # near-lossless rungs: compressed before it ends, from the same step on both ranks
+    first = [next(r["step"] for r in records if not r["dense"]) for records in logs]
+    assert first[0] == first[1] and 5 <= first[0] < 10, first
     layers = {name: spec["name"] for name, spec in summary["final_plan"]["layers"].items()}
     assert layers and set(layers) <= UNITS, layers  # the plan names units, not parameters
     assert set(layers.values()) <= {"int4", "int8", "bf16"}, layers  # what a reduce-scatter row carries

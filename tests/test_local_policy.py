@@ -119,6 +119,24 @@ def test_a_slow_link_gets_local_steps_with_the_smallest_interval_that_hides_the_
     assert capped.local is not None and capped.local.sync_every == 8
 
 
+def test_local_steps_wait_for_the_warm_up_which_sends_per_step_near_lossless_and_the_guard_keeps_it_dense():
+    sim = LocalSim({"mode": "auto", "max_sync_every": 64}, warmup="near_lossless")
+    sim.run(3, SLOW)  # boundaries 4, 9, 14: the warm-up, per step (int8: the mechanism tests' ladder)
+    assert [(p.local, p.default.name, {spec.name for _, spec in p.layers}) for p in sim.plans] == \
+        [(None, "none", {"int8"})] * 3
+    assert sim.plan.reason.startswith("warm-up: slow link")
+    # the first decision after it: local steps, from the figures the warm-up measured
+    assert sim.run(1, SLOW).local.sync_every == 32
+    # the workers in fallback during the warm-up: dense, until they recover
+    guarded = LocalSim({"mode": "auto", "max_sync_every": 64}, warmup="near_lossless")
+    guarded.run(1, SLOW)
+    guarded.fallback = True
+    plan = guarded.run(1, SLOW)
+    assert plan.dense and plan.reason == "guard: workers in fallback"
+    guarded.fallback = False
+    assert guarded.run(1, SLOW).reason.startswith("warm-up: slow link")
+
+
 def test_local_steps_measure_what_an_inner_step_and_a_sync_cost_and_choose_h_again():
     # per step, backward overlaps the reduction: the compute looks 3x the real one; a sync
     # costs 3x its bytes and round on the link (codec, outer step). Predicted: H=4; measured:

@@ -17,12 +17,16 @@ At every control boundary it:
    ``PATIENCE`` boundaries outside it.
 
 Dense is a candidate, so "don't compress" is an outcome whenever compression saves less
-than ``slack``; until a dense interval has timed the link the plan stays dense. Options:
+than ``slack``; until a dense interval has timed the link the plan stays dense. During
+``compression.warmup_steps`` (``warmup: near_lossless``, the default) the same steps choose
+among the near-lossless rungs and dense only, so a slow link is not paid in full fp32 while
+the lossy rungs and local steps wait for the warm-up's end. Options:
 :class:`AdaptiveOptions`; the derivation and its measured grounds: ``docs/cost-model.md``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from controllers.policies.base import Policy
@@ -45,10 +49,20 @@ class AdaptivePolicy(Policy):
         super().__init__(options, min_compress_numel)
         self.cost = CostModel(options.round_seconds, options.bandwidth, options.sharded)
         self.choice = Chooser(options, self.cost, self.min_numel)
+        # the warm-up's own choice: the same measurements, the near-lossless rungs and dense
+        near = options.warmup == "near_lossless" and bool(options.near_lossless)
+        self.warm = Chooser(options.model_copy(update={"lossy": "never"}), self.cost, self.min_numel) if near else None
 
     def decide(self, run: RunState) -> Plan | None:
         self.cost.measure(run)
         return self.choice.decide(run)
+
+    def warmup(self, run: RunState) -> Plan | None:
+        if self.warm is None:
+            return super().warmup(run)
+        self.cost.measure(run)
+        plan = self.warm.decide(run)
+        return replace(plan, reason=f"warm-up: {plan.reason}")
 
     def details(self) -> dict[str, Any]:
         cost, choice = self.cost, self.choice
@@ -60,16 +74,20 @@ class AdaptivePolicy(Policy):
             "lossy": choice.lossy, "critical_layers": sorted(n for n, c in choice.critical.items() if c),
             "error_floor": dict(choice.error_floor), "last_detection_step": choice.last_detect,
             "history": list(choice.history),
+            "warmup_history": [] if self.warm is None else list(self.warm.history),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.cost.state_dict(), **self.choice.state_dict()}
+        warm = None if self.warm is None else self.warm.state_dict()
+        return {**self.cost.state_dict(), **self.choice.state_dict(), "warm": warm}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return  # nothing saved yet: start fresh
         self.cost.load_state_dict(state, LEGACY_FAMILIES)
         self.choice.load_state_dict(state, LEGACY_FAMILIES)
+        if self.warm is not None and state.get("warm"):  # older snapshots have none
+            self.warm.load_state_dict(state["warm"], LEGACY_FAMILIES)
 
 
 __all__ = ["AdaptivePolicy"]

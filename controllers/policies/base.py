@@ -18,7 +18,8 @@ MIN_COMPRESS_NUMEL = 1024  # the reducer's default
 class Policy(ABC):
     """Decides a plan from a :class:`RunState`; holds only its own small state.
 
-    ``decide`` is called after every merged boundary step once warm-up is over, and
+    ``decide`` is called after every merged boundary step once warm-up is over (``warmup``
+    before), and
     returns a plan without a version (the service numbers plans and drops repeats), or
     ``None`` to keep the current plan. ``options`` is an instance of :attr:`options_model`
     (validated by :func:`controllers.policies.make_policy`), or the options as given for a
@@ -37,6 +38,12 @@ class Policy(ABC):
 
     @abstractmethod
     def decide(self, run: RunState) -> Plan | None: ...
+
+    def warmup(self, run: RunState) -> Plan | None:
+        """The plan at a boundary inside ``compression.warmup_steps``: dense. A policy may
+        measure here and choose what it trusts that early (the adaptive one: near-lossless
+        rungs where they save time)."""
+        return Plan(reason="warm-up: dense")
 
     def details(self) -> dict[str, Any]:
         """Per-policy facts for summary.json (what it decided and why)."""

@@ -14,7 +14,8 @@ and switches to dense in the same step, without asking the controller. The worke
     return plan if plan is not None else the inner policy's latest plan
 
 so that a plan published during fallback is dense, and compression resumes with the
-inner policy's plan at the first boundary after the workers recover.
+inner policy's plan at the first boundary after the workers recover. The warm-up's plans
+(``warmup``) pass the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class Guarded(Policy):
             self.suppressed += 1
             return Plan(dense=True, reason="guard: workers in fallback")
         return self.last
+
+    def warmup(self, run: RunState) -> Plan | None:
+        plan = self.inner.warmup(run)
+        if run.fallback_active:
+            self.suppressed += 1
+            return Plan(dense=True, reason="guard: workers in fallback")
+        return plan
 
     def details(self) -> dict[str, Any]:
         return {**self.inner.details(), "guard_suppressed_decisions": self.suppressed}

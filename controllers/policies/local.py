@@ -147,6 +147,10 @@ class LocalChoice(Policy):
                         reason=f"local steps: fixed, H={self.local.sync_every}, pseudo-gradients {pseudo}")
         return self._auto(run, pseudo)
 
+    def warmup(self, run: RunState) -> Plan | None:
+        """Per step during the warm-up, as the inner policy says: local steps wait for its end."""
+        return self.inner.warmup(run)
+
     def _auto(self, run: RunState, pseudo: CompressorSpec) -> Plan | None:
         base = self.last
         if base is None or not self.cost.ready:

@@ -143,6 +143,15 @@ class AdaptiveOptions(PolicyOptions):
     #: decide from the optimizer (yes for SGD and ASGD, no for Adam and the like); "always"
     #: and "never" force it ("never" needs a near-lossless rung)
     lossy: Literal["auto", "always", "never"] = "auto"
+    #: what the policy sends during ``compression.warmup_steps``. "near_lossless": once a
+    #: dense interval has timed the link, the plan of the near-lossless rungs and dense
+    #: (chosen as with ``lossy: never``) where it saves time; the lossy rungs and local steps
+    #: wait for the warm-up's end. A warm-up protects the fast-changing first steps from
+    #: compression error and from ranks drifting apart (PowerSGD's and DGC's warm-ups,
+    #: post-local SGD's dense start); int4/int8/bf16 with error feedback keep the loss
+    #: from the first step, so dense fp32 there only costs time: on the CNN at 100 Mbit/s a
+    #: dense step takes 1 s against 0.15 s of compute. "dense": every warm-up step dense
+    warmup: Literal["near_lossless", "dense"] = "near_lossless"
     #: the run reduce-scatters its gradients (FSDP; raycomp sets it): near-lossless rungs
     #: and dense only, bytes at (W-1)/W per element, no extra rounds
     sharded: bool = False

@@ -201,4 +201,32 @@ MUTANTS = (
         "tests/test_adaptive_policy.py",
         "a sharded run's bytes are priced as an all-reduce's: its fp32 gradient looks like bf16",
     ),
+    mutant(
+        "adaptive-warm-up-allows-lossy", "AdaptivePolicy.__init__",
+        'options.model_copy(update={"lossy": "never"})',
+        "options",
+        "tests/test_adaptive_policy.py",
+        "the warm-up's choice offers PowerSGD and Top-K before the warm-up has ended",
+    ),
+    mutant(
+        "adaptive-warm-up-dense-on-a-slow-link", "AdaptivePolicy.warmup",
+        "        if self.warm is None:\n",
+        "        if True:\n",
+        "tests/test_adaptive_policy.py",
+        "the default warm-up sends dense fp32 on a slow link, as if warmup: dense",
+    ),
+    mutant(
+        "guard-lets-a-warm-up-plan-through-fallback", "Guarded.warmup",
+        "        if run.fallback_active:\n",
+        "        if False:\n",
+        "tests/test_local_policy.py",
+        "the controller publishes a compressed warm-up plan while the workers are in fallback",
+    ),
+    mutant(
+        "local-steps-dense-warm-up", "LocalChoice.warmup",
+        "        return self.inner.warmup(run)\n",
+        "        return Plan(reason=\"warm-up: dense\")\n",
+        "tests/test_local_policy.py",
+        "with local steps on, the warm-up ignores the inner policy's near-lossless plan",
+    ),
 )
