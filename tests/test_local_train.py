@@ -82,19 +82,30 @@ def _train_local(config: dict) -> dict:
 
 def _train_local_delay(config: dict) -> dict:
     """Local steps with the default delay (a sync kept on the wire for one inner step): at the
-    first step that ends with a sync in flight, rank 0's count of outer steps before and after
-    ``save_state``; the run then ends with another in flight."""
+    first step that ends with a sync in flight, the counts of outer steps (the loop's, local
+    steps') before and after ``TrainLoop.save_state``; at the second, the same around the
+    frameworks' :func:`raycomp.integrations.state_files.save_state` (Lightning, the Hugging
+    Face Trainer); the run then ends with another in flight."""
     import tempfile
 
     import raycomp.train
     from raycomp.config import LocalSection
+    from raycomp.integrations import state_files
 
     rank, model = _prepared(config, 32, warmup_steps=0, local=LocalSection(mode="fixed", sync_every=H,
                                                                             compressor="int8"))
     loop = raycomp.train.current()
     steps = loop.sync.state.steps
     gen = torch.Generator().manual_seed(rank)
-    saved, in_flight = None, 0
+    saved = framework = None
+    in_flight = 0
+
+    def around(save) -> dict:
+        before = (loop.outer_steps, steps.outer_steps)
+        with tempfile.TemporaryDirectory() as tmp:
+            save(Path(tmp))
+        return {"before": before, "after": (loop.outer_steps, steps.outer_steps), "quiescent": steps.quiescent}
+
     for _ in loop.epochs(1, 40):
         for _ in range(40):
             x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
@@ -105,17 +116,15 @@ def _train_local_delay(config: dict) -> dict:
                 continue
             in_flight += 1
             if saved is None:
-                before = (loop.outer_steps, steps.outer_steps)
-                with tempfile.TemporaryDirectory() as tmp:
-                    loop.save_state(Path(tmp))
-                saved = {"before": before, "after": (loop.outer_steps, steps.outer_steps),
-                         "quiescent": steps.quiescent}
+                saved = around(loop.save_state)
+            elif framework is None:
+                framework = around(lambda directory: state_files.save_state(loop, directory))
             elif in_flight >= 3:
                 break  # with a sync on the wire
         break
     at_end = not steps.quiescent
     totals = raycomp.train.finish()
-    return {"saved": saved, "in_flight_at_end": at_end, "outer_steps": totals["outer_steps"],
+    return {"saved": saved, "framework": framework, "in_flight_at_end": at_end, "outer_steps": totals["outer_steps"],
             "local_outer_steps": steps.outer_steps}
 
 
@@ -295,12 +304,14 @@ def test_by_default_the_delay_keeps_a_sync_on_the_wire_for_one_inner_step_where_
 
 def test_a_sync_on_the_wire_is_drained_counted_and_judged_before_a_checkpoint_and_the_totals(in_turn):
     out = in_turn["local_delay"]["value"]
-    saved = out["saved"]
     # save_state finished the sync on the wire, and the loop counted it (as the guard judged
-    # it) before writing: a run resumed from those files finds it done, as this run does
-    assert saved["quiescent"]
-    assert saved["before"][0] == saved["before"][1] and saved["after"][1] == saved["before"][1] + 1
-    assert saved["after"][0] == saved["after"][1]
+    # it) before writing: a run resumed from those files finds it done, as this run does. The
+    # frameworks' checkpoint hook (Lightning, the Hugging Face Trainer) does the same
+    for saved in (out["saved"], out["framework"]):
+        assert saved["quiescent"]
+        assert saved["before"][0] == saved["before"][1] and saved["after"][1] == saved["before"][1] + 1
+        assert saved["after"][0] == saved["after"][1]
+    assert out["framework"]["before"][1] == out["saved"]["after"][1] + 1  # the next sync
     # the run ended with a sync on the wire: the totals count it too
     assert out["in_flight_at_end"] and out["outer_steps"] == out["local_outer_steps"]
 

@@ -59,7 +59,7 @@ class LocalSection(_Strict):
 
     * ``mode: off`` (default): every step's gradients are reduced, compressed as the
       policy says.
-    * ``mode: fixed``: after the dense warm-up, local steps every ``sync_every`` steps, the
+    * ``mode: fixed``: after the warm-up, local steps every ``sync_every`` steps, the
       pseudo-gradients compressed with ``compressor``.
     * ``mode: auto``: the controller chooses per-step compression or local steps, and
       their ``sync_every`` (a power of two up to ``max_sync_every``), from the measured
@@ -164,7 +164,7 @@ class LocalSection(_Strict):
 
 
 class CompressionSection(_Strict):
-    """``compression``: the policy and its options, the dense warm-up, the error-feedback
+    """``compression``: the policy and its options, the warm-up, the error-feedback
     memory, the guard and the LR ramp.
 
     Besides its fields it holds one section per built-in policy, named after it
@@ -180,7 +180,9 @@ class CompressionSection(_Strict):
     #: options of a policy that is not built in, validated by its options model (built-in
     #: policies take theirs from their own section, e.g. ``compression.adaptive``)
     custom_options: dict[str, Any] = {}
-    warmup_steps: Annotated[int, Field(ge=0)] = 20  # dense first (all policies)
+    #: steps before the policy's own choice: dense, or under the adaptive policy near-lossless
+    #: once its first control interval has timed the link (``compression.adaptive.warmup``)
+    warmup_steps: Annotated[int, Field(ge=0)] = 20
     memory: Literal["residual", "dgc", "none"] = "residual"
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
     guard: GuardSection = GuardSection()

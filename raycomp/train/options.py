@@ -21,7 +21,7 @@ class TrainOptions:
     Args:
         compression: the policy the controller runs (``policy``: ``adaptive``, the default,
             or ``static``, ``schedule``, ``critical``, ``error_budget``, ``bandwidth``; each
-            with its own section, e.g. ``compression.adaptive``), the dense warm-up
+            with its own section, e.g. ``compression.adaptive``), the warm-up
             (``warmup_steps``, default 20), the error-feedback memory, the guard's
             thresholds and the LR ramp — see :class:`raycomp.config.CompressionSection`.
         controller: ``interval_steps`` (K, default 10: statistics, plan sync and agreement

@@ -257,6 +257,13 @@ MUTANTS = (
         "a checkpoint finishes the sync on the wire unjudged: the run counts one outer step fewer",
     ),
     mutant(
+        "local-framework-checkpoint-does-not-drain", "raycomp/integrations/state_files.py:save_state",
+        "    loop.drain()\n",
+        "",
+        "tests/test_local_train.py -k drained",
+        "Lightning's and the Trainer's checkpoints finish the sync on the wire unjudged: one outer step uncounted",
+    ),
+    mutant(
         "local-totals-miss-the-sync-on-the-wire", "TrainLoop.totals",
         "        self.drain()\n        sums = torch.tensor(",
         "        sums = torch.tensor(",
