@@ -311,7 +311,7 @@ def test_a_sync_on_the_wire_is_drained_counted_and_judged_before_a_checkpoint_an
         assert saved["quiescent"]
         assert saved["before"][0] == saved["before"][1] and saved["after"][1] == saved["before"][1] + 1
         assert saved["after"][0] == saved["after"][1]
-    assert out["framework"]["before"][1] == out["saved"]["after"][1] + 1  # the next sync
+    assert out["framework"]["after"][1] == out["saved"]["after"][1] + 1  # the next sync
     # the run ended with a sync on the wire: the totals count it too
     assert out["in_flight_at_end"] and out["outer_steps"] == out["local_outer_steps"]
 
