@@ -18,12 +18,11 @@ MIN_COMPRESS_NUMEL = 1024  # the reducer's default
 class Policy(ABC):
     """Decides a plan from a :class:`RunState`; holds only its own small state.
 
-    ``decide`` is called after every merged boundary step once warm-up is over (``warmup``
-    before), and
-    returns a plan without a version (the service numbers plans and drops repeats), or
-    ``None`` to keep the current plan. ``options`` is an instance of :attr:`options_model`
-    (validated by :func:`controllers.policies.make_policy`), or the options as given for a
-    policy without one.
+    ``decide`` is called after every merged boundary step once the warm-up is over
+    (``warmup`` during it), and returns a plan without a version (the service numbers plans
+    and drops repeats), or ``None`` to keep the current plan. ``options`` is an instance of
+    :attr:`options_model` (validated by :func:`controllers.policies.make_policy`), or the
+    options as given for a policy without one.
     """
 
     name: ClassVar[str]
