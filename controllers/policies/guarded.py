@@ -39,13 +39,13 @@ class Guarded(Policy):
         plan = self.inner.decide(run)
         if plan is not None:
             self.last = plan
-        if run.fallback_active:
-            self.suppressed += 1
-            return Plan(dense=True, reason="guard: workers in fallback")
-        return self.last
+        return self._unless_fallback(run, self.last)
 
     def warmup(self, run: RunState) -> Plan | None:
-        plan = self.inner.warmup(run)
+        return self._unless_fallback(run, self.inner.warmup(run))
+
+    def _unless_fallback(self, run: RunState, plan: Plan | None) -> Plan | None:
+        """``plan``, or dense while the workers are in fallback (a suppressed decision)."""
         if run.fallback_active:
             self.suppressed += 1
             return Plan(dense=True, reason="guard: workers in fallback")

@@ -47,7 +47,7 @@ MUTANTS = (
         "the first near-lossless rung is no longer the heaviest",
     ),
     mutant(
-        "fallback-gate-removed", "Guarded.decide",
+        "fallback-gate-removed", "Guarded._unless_fallback",
         "        if run.fallback_active:\n",
         "        if False:\n",
         "tests/test_policies.py",
@@ -217,8 +217,8 @@ MUTANTS = (
     ),
     mutant(
         "guard-lets-a-warm-up-plan-through-fallback", "Guarded.warmup",
-        "        if run.fallback_active:\n",
-        "        if False:\n",
+        "        return self._unless_fallback(run, self.inner.warmup(run))\n",
+        "        return self.inner.warmup(run)\n",
         "tests/test_local_policy.py",
         "the controller publishes a compressed warm-up plan while the workers are in fallback",
     ),
