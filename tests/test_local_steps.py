@@ -169,6 +169,57 @@ def test_an_overlapped_sync_keeps_the_inner_steps_that_ran_meanwhile():
     assert run_distributed(_delay_run, 2) == [True, True]
 
 
+def _merge_run(rank, world):
+    """Nesterov outer steps (momentum 0.9), H=4 with a sync kept on the wire: H + 2 inner
+    steps, then ``merge_all`` twice, then once more after a checkpoint round trip."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = LocalSteps(model, sync_every=H, delay=1)  # nesterov_outer: lr 0.7, momentum 0.9
+    for step in range(1, H + 3):
+        _inner_step(model, opt, rank, step)
+        local.step()
+    before = _flat(model).clone()
+    apart = not torch.equal(*_gather(before))
+    # the sync on the wire lands (its outer step), then every fragment syncs once more
+    first = local.merge_all()
+    merged, wire = _flat(model).clone(), local.reducer.ledger.wire_total
+    again = local.merge_all()  # nothing ran since: no sync, no outer step on its momentum
+    unchanged = torch.equal(_flat(model), merged) and local.reducer.ledger.wire_total == wire
+    saved = copy.deepcopy(local.state_dict())
+    restored = LocalSteps(model, sync_every=H, delay=1)
+    restored.load_state_dict(saved)
+    after_resume = restored.merge_all()
+    return (apart, first, local.outer_steps, torch.equal(*_gather(merged)), again, unchanged, after_resume,
+            torch.equal(_flat(model), merged))
+
+
+def _merge_after_sync_run(rank, world, fragments):
+    """``merge_all`` right after the schedule's sync at step H (waited for at once), then
+    after one more inner step: the outer steps applied, and whether bytes were sent."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = LocalSteps(model, sync_every=H, fragments=fragments)  # nesterov_outer
+    seen = []
+    for step in range(1, H + 2):
+        _inner_step(model, opt, rank, step)
+        local.step()
+        if step >= H:
+            wire = local.reducer.ledger.wire_total
+            seen.append((local.merge_all(), local.reducer.ledger.wire_total > wire))
+    return seen
+
+
+def test_merging_at_the_end_leaves_every_rank_with_the_same_weights_once():
+    # the sync on the wire (1 outer step) and the merge's own (1): the ranks equal after it;
+    # a second merge, and one after a resume from a checkpoint taken then, does nothing
+    expected = (True, 1, 2, True, 0, True, 0, True)
+    assert run_distributed(_merge_run, 2) == [expected, expected]
+    # right after a sync of the whole model nothing is sent; after one more inner step, or
+    # where the last sync covered one fragment of two, every fragment is synced
+    assert run_distributed(_merge_after_sync_run, 2, 1) == [[(0, False), (1, True)]] * 2
+    assert run_distributed(_merge_after_sync_run, 2, 2) == [[(2, True), (2, True)]] * 2
+
+
 def _buffers_run(rank, world, mode):
     model = _model(batchnorm=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

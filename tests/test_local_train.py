@@ -62,12 +62,14 @@ def _train_local(config: dict) -> dict:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 loss.backward()
                 outer_before, local_before = loop.sync.state.steps.outer_steps, not loop.sync.per_step
+                scheduled = local_before and loop.sync.state.steps.starts_next()  # a sync of the schedule
                 # the loss the guard is told of jumps at one step (the gradient does not)
                 raycomp.train.step(loss * (1000.0 if step == SPIKE_STEP else 1.0), samples=len(y))
                 sent = sum(c.transmitted for c in wire.since(mark))
                 # a step in local steps from start to end (not one that entered or left them)
                 local = local_before and not loop.sync.per_step
                 records.append({"step": step, "local": local, "after": not loop.sync.per_step, "sent": sent,
+                                "scheduled": scheduled,
                                 "synced": loop.sync.state.steps.outer_steps > outer_before,
                                 "weights": [p.detach().clone() for p in model.parameters()]})
     # the test's own check, after training: which steps left the ranks with equal weights
@@ -122,10 +124,15 @@ def _train_local_delay(config: dict) -> dict:
             elif in_flight >= 3:
                 break  # with a sync on the wire
         break
-    at_end = not steps.quiescent
+    at_end, outer_at_end = not steps.quiescent, steps.outer_steps
     totals = raycomp.train.finish()
+    # after finish (the test's own check): whether the ranks hold the same weights
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    torch.distributed.all_gather(gathered, flat)
     return {"saved": saved, "framework": framework, "in_flight_at_end": at_end, "outer_steps": totals["outer_steps"],
-            "local_outer_steps": steps.outer_steps}
+            "local_outer_steps": steps.outer_steps, "local_outer_at_end": outer_at_end,
+            "equal_after_finish": torch.equal(gathered[0], gathered[1]), "quiescent_after_finish": steps.quiescent}
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +160,11 @@ def test_inner_steps_send_nothing_and_syncs_leave_every_rank_with_the_same_weigh
     assert all(0.2 * dense_step < r["sent"] < 0.4 * dense_step for r in synced)
     logs = step_logs(tmp)
     assert [r["plan_digest"] for r in logs[0]] == [r["plan_digest"] for r in logs[1]]
+    # the last step of loop.epochs is an inner step of the schedule, yet it ends with the
+    # ranks' weights merged (one sync more): the evaluation and checkpoint after it see one model
+    last = records[-1]
+    assert last["local"] and not last["scheduled"]
+    assert last["synced"] and last["equal"]
 
 
 def test_the_guard_judges_a_sync_falls_back_to_dense_per_step_and_returns_to_local_steps(local_run):
@@ -312,8 +324,11 @@ def test_a_sync_on_the_wire_is_drained_counted_and_judged_before_a_checkpoint_an
         assert saved["before"][0] == saved["before"][1] and saved["after"][1] == saved["before"][1] + 1
         assert saved["after"][0] == saved["after"][1]
     assert out["framework"]["after"][1] == out["saved"]["after"][1] + 1  # the next sync
-    # the run ended with a sync on the wire: the totals count it too
+    # the run ended mid-epoch with a sync on the wire: finish lands it and merges the ranks'
+    # weights with one more sync (the model every rank ends with is one); the totals count both
     assert out["in_flight_at_end"] and out["outer_steps"] == out["local_outer_steps"]
+    assert out["local_outer_steps"] == out["local_outer_at_end"] + 2
+    assert out["equal_after_finish"] and out["quiescent_after_finish"]
 
 
 def _drained_rows(rank: int, world: int) -> list:

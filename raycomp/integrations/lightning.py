@@ -41,6 +41,7 @@ Only the DDP strategy: FSDP and DeepSpeed wrap the model otherwise. One optimize
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,11 @@ class _StepCallback(pl.Callback):
 
     def __init__(self, strategy: RaycompStrategy) -> None:
         self.strategy = strategy
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.strategy.loop is not None:  # optimizer steps in all (inf: no budget known)
+            budget = trainer.estimated_stepping_batches
+            self.strategy.loop.last_step = int(budget) if math.isfinite(budget) else None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.strategy.loop is not None:

@@ -183,6 +183,7 @@ class RaycompCallback(TrainerCallback):
             raise ValueError("gradient_sync: under the Trainer the factory must return the DDP model it was "
                              "given as its model (the Trainer keeps training that one)")
         self.steps = FrameworkStep(self.loop)
+        self.loop.last_step = state.max_steps if state.max_steps > 0 else None  # optimizer steps in all
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.loop is not None:

@@ -112,6 +112,9 @@ class LocalSteps:
         self.schedule = FragmentSchedule(sync_every, fragments, delay)
         self.fragment_members = split_fragments([p.numel() for p in self.params], fragments)
         self.origin = self.inner_steps  # the schedule counts inner steps from here
+        #: per fragment, the inner step after which every rank last held the same weights for it
+        #: (this restart, a sync without inner steps kept, a merge): see :attr:`merged`
+        self.equal_at: list[int | None] = [self.inner_steps] * fragments
         self.global_params = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
         self.outer = self._outer_factory(self.global_params)
         self.reducer.memory.reset()
@@ -155,13 +158,28 @@ class LocalSteps:
         if self._in_flight is not None:
             self._finish()
 
-    def merge_all(self) -> None:
+    @property
+    def merged(self) -> bool:
+        """Every rank holds the same weights now: no inner step ran since each fragment was
+        last left equal (a sync waited for at once, a merge, :meth:`restart`)."""
+        return self._in_flight is None and all(at == self.inner_steps for at in self.equal_at)
+
+    def merge_all(self) -> int:
         """Sync every fragment now (after finishing one on the wire): the ranks then hold
-        the same weights, as they must to leave local steps."""
+        the same weights, as they must to leave local steps and at the end of a run (DiLoCo's
+        model is the one after the last outer step). A no-op where they hold them already
+        (:attr:`merged`): an outer step on a zero pseudo-gradient would send a sync for
+        nothing and still move the weights by the outer momentum. Returns the outer steps
+        applied."""
         self.quiesce()
+        if self.merged:
+            return 0
+        applied = 0
         for fragment in range(self.schedule.fragments):
             self._start(fragment)
-            self._finish()
+            applied += self._finish()
+        self.equal_at = [self.inner_steps] * self.schedule.fragments
+        return applied
 
     def _start(self, fragment: int) -> None:
         members = self.fragment_members[fragment]
@@ -188,6 +206,7 @@ class LocalSteps:
             with torch.no_grad():
                 for i in members:
                     self.params[i].copy_(self.global_params[i].detach())
+            self.equal_at[flight.fragment] = self.inner_steps
             return False
         for i, mean in zip(members, means, strict=True):
             self.global_params[i].grad = mean.to(self.global_params[i].dtype)
@@ -201,6 +220,8 @@ class LocalSteps:
                 self.params[i].copy_(merged)
         if flight.fragment == 0 and self.buffers == "average":
             self._average_buffers()
+        if flight.snapshot is None:  # no inner step's progress kept on top: equal on every rank
+            self.equal_at[flight.fragment] = self.inner_steps
         self.outer_steps += 1
         return True
 
@@ -238,6 +259,7 @@ class LocalSteps:
             "outer_steps": self.outer_steps,
             "skipped_outer": self.skipped_outer,
             "origin": self.origin,
+            "equal_at": list(self.equal_at),
             "schedule": dataclasses.asdict(self.schedule),
             "global": [p.detach().clone() for p in self.global_params],
             "outer": self.outer.state_dict(),
@@ -260,3 +282,5 @@ class LocalSteps:
         self.outer_steps = int(state["outer_steps"])
         self.skipped_outer = int(state["skipped_outer"])
         self.origin = int(state["origin"])
+        # absent from older checkpoints: taken as not equal (a merge then syncs once more)
+        self.equal_at = list(state.get("equal_at", [None] * self.schedule.fragments))

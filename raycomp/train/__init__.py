@@ -151,7 +151,9 @@ def save_state(directory: str | Path) -> None:
 
 def finish() -> dict[str, Any]:
     """Run totals over all ranks (a collective), then close this worker's loop; rank 0 also
-    tells the controller the run is done and writes ``<output_dir>/summary.json``."""
+    tells the controller the run is done and writes ``<output_dir>/summary.json``. A run in
+    local steps first merges the ranks' weights (one last sync of every fragment), so that
+    every rank ends with the same model."""
     return finish_loop(current())
 
 

@@ -69,7 +69,10 @@ class GradientSync(Protocol):
     has ``drain() -> list[list[float]] | None``: before a checkpoint and at the end it
     finishes that communication and returns the rows of a sync that finished since the last
     :meth:`after_optimizer_step`, as that returns them (else None). Without it, the loop
-    takes nothing to be on the wire between steps.
+    takes nothing to be on the wire between steps. One whose ranks' weights may differ
+    between steps (local steps) also has ``merge() -> int``: at the end of a run, after
+    ``drain``, it makes them equal and returns the outer steps that took; without it, the
+    ranks' weights are taken to be equal after every step.
     """
 
     #: the model to train: wrapped (DDP), sharded (FSDP2) or as it was

@@ -11,7 +11,8 @@ and the outer optimizer steps the synchronised weights.
 The switch happens where the loop installs a plan, which is the same step on every rank.
 Leaving local steps first syncs every fragment, so that the ranks hold the same weights
 again before DDP resumes; entering them starts a fresh schedule from the current (equal)
-weights.
+weights. A run that ends in local steps syncs every fragment once more (:meth:`LocalSync.merge`),
+so that the model every rank holds at the end is the merged one, not its own replica.
 
 The guard cannot judge each inner step as it does per step (the gradients differ per rank
 and nothing is exchanged); instead each rank skips its own non-finite inner steps, and the
@@ -188,6 +189,17 @@ class LocalSync:
             return None
         self.state.steps.quiesce()
         return self._finished_rows()
+
+    def merge(self) -> int:
+        """At the end of a run (after :meth:`drain`): sync every fragment, so that every rank
+        holds the same weights; the outer steps applied (0 per step, or where no inner step
+        ran since the ranks last held the same weights). The merge is not judged: nothing
+        trains after it."""
+        if self.per_step:
+            return 0
+        applied = self.state.steps.merge_all()
+        self._handed_all()
+        return applied
 
     def _finished_rows(self) -> list[list[float]] | None:
         """The rows of the sync that finished since the guard was last handed one (in a step,

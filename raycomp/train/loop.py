@@ -107,6 +107,10 @@ class TrainLoop:
         self.outer_steps = 0  # syncs of local steps whose outer step was applied (every rank alike)
         self.steps_per_epoch: int | None = None
         self.epochs_total: int | None = None
+        #: the step count at which training ends, where known (:meth:`epochs` sets it; the
+        #: framework integrations from the trainer's budget): that last step merges local
+        #: steps' replicas (:meth:`merge_replicas`), before what evaluates and saves the model
+        self.last_step: int | None = None
         self.restored_from: int | None = None
         self.control_seconds = self.step_seconds = 0.0  # the controller's share of a rank's time
         self.boundary_seconds = 0.0  # the part of control_seconds spent at boundaries
@@ -121,8 +125,11 @@ class TrainLoop:
 
     # --- the loop ---------------------------------------------------------------------------
     def epochs(self, epochs: int, steps_per_epoch: int) -> Iterator[int]:
-        """Epoch numbers still to train (a resumed run starts mid-way; see :attr:`step_in_epoch`)."""
+        """Epoch numbers still to train (a resumed run starts mid-way; see :attr:`step_in_epoch`).
+        With local steps, the last epoch's last step ends with the ranks' weights merged
+        (:meth:`merge_replicas`), so that its evaluation, report and checkpoint see one model."""
         self.epochs_total, self.steps_per_epoch = epochs, steps_per_epoch
+        self.last_step = epochs * steps_per_epoch
         for epoch in range(self.global_step // steps_per_epoch, epochs):
             self.epoch = epoch
             yield epoch
@@ -202,6 +209,16 @@ class TrainLoop:
         if drain is not None:
             self._sync_finished(drain(), self.global_step - 1)
 
+    def merge_replicas(self) -> None:
+        """Local steps: finish a sync on the wire (:meth:`drain`), then sync every fragment,
+        so that every rank holds the same weights (DiLoCo's last outer step), counted with
+        the outer steps. At :attr:`last_step` and in :meth:`totals`; a no-op
+        per step or where the ranks hold the same weights already."""
+        self.drain()
+        merge = getattr(self.sync, "merge", None)  # optional: GradientSync's docstring
+        if merge is not None:
+            self.outer_steps += merge()
+
     def _verdict(self, verdict: Any) -> None:
         """Act on a guard verdict that changed the fallback state: log, report, install."""
         if verdict.changed:
@@ -222,6 +239,8 @@ class TrainLoop:
         }, samples)
         self.global_step += 1
         self.step_seconds += seconds
+        if self.global_step == self.last_step:
+            self.merge_replicas()  # the run's last step: what is evaluated and saved next is merged
         if self.sync.per_step and self.guard.announced > self.controller_plan.version:
             # rank 0 announced a new plan in this step's rows, the same on every rank: hand
             # it out now, in force from the next step (not from the next boundary)
@@ -339,8 +358,9 @@ class TrainLoop:
 
     # --- the end ------------------------------------------------------------------------------
     def totals(self) -> dict[str, Any]:
-        """Run totals over all ranks (a collective: call on every rank)."""
-        self.drain()
+        """Run totals over all ranks (a collective: call on every rank), after the ranks'
+        weights are merged (:meth:`merge_replicas`)."""
+        self.merge_replicas()
         sums = torch.tensor([self.state.ledger.wire_total, self.state.ledger.dense_total,
                              float(self.outages.count)], dtype=torch.float64)
         if self.world_size > 1:

@@ -51,4 +51,20 @@ MUTANTS = (
         "under gradient accumulation the guard and the step log see the last micro-batch's share of the loss",
         timeout_s=600,
     ),
+    mutant(
+        "lightning-last-step-unknown", "_StepCallback.on_train_start",
+        "            self.strategy.loop.last_step = int(budget) if math.isfinite(budget) else None\n",
+        "            pass\n",
+        "tests/test_lightning_local.py",
+        "Lightning's last optimizer step leaves each rank its own replica: the last checkpoint holds rank 0's",
+        timeout_s=600,
+    ),
+    mutant(
+        "trainer-last-step-unknown", "RaycompCallback.on_train_begin",
+        "        self.loop.last_step = state.max_steps if state.max_steps > 0 else None  # optimizer steps in all\n",
+        "",
+        "tests/test_transformers.py -k local_steps_under_the_trainer",
+        "the Trainer's last optimizer step leaves each rank its own replica: its last evaluation and save see rank 0's",
+        timeout_s=600,
+    ),
 )
