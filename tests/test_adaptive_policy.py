@@ -95,10 +95,13 @@ class Sim:
     def plan(self) -> Plan:
         return self.controller.runs["run"].plan
 
-    def run(self, intervals: int, link: Link, norm: Callable[[int, str], float] = lambda s, n: 1.0) -> Plan:
+    def run(self, intervals: int, link: Link, norm: Callable[[int, str], float] = lambda s, n: 1.0,
+            steps: int = K, stats: bool = True) -> Plan:
+        """``intervals`` boundaries ``steps`` apart; ``stats=False``: reports without layer
+        statistics (the workers measure them every K steps, so an early boundary has none)."""
         for _ in range(intervals):
             plan = self.plan  # workers run the latest published plan for the whole interval
-            self.step += K
+            self.step += steps
             layers, wire, kinds = [], 0.0, set()
             for name, shape in SHAPES.items():
                 spec = plan.spec_for(name)
@@ -120,14 +123,14 @@ class Sim:
             jitter = lambda: 1 + self.rng.uniform(-link.noise, link.noise)  # noqa: E731
             comm = (wire / link.bandwidth + sum(r * per_round[f] for f, r in rounds.items())) * jitter()
             compute = link.compute * jitter()
-            self.wire += wire * K
-            self.dense += dense * K
+            self.wire += wire * steps
+            self.dense += dense * steps
             for rank in range(W):
                 assert self.controller.ingest({
                     "run_id": "run", "rank": rank, "step": self.step, "epoch": 0, "plan_version": plan.version,
                     "loss": 1.0, "step_seconds": compute + comm, "compute_seconds": compute,
                     "comm_seconds": comm, "samples_per_second": 1000.0, "wire_bytes": self.wire,
-                    "dense_bytes": self.dense, "layers": layers})
+                    "dense_bytes": self.dense, "layers": layers if stats else []})
             self.plans.append(self.plan)
         return self.plan
 
@@ -266,6 +269,21 @@ def test_the_default_warm_up_sends_near_lossless_rungs_once_a_dense_interval_has
     fast = Sim(warmup="near_lossless")
     fast.run(4, FAST)
     assert fast.wire == fast.dense and all(not p.layers for p in fast.plans)
+
+
+def test_an_early_first_boundary_without_layer_statistics_starts_the_warm_up_and_defers_detection():
+    # the loop's first boundary comes after 3 steps (controller.first_interval_steps), before
+    # the workers' first layer statistics: the link is timed, the warm-up sends int4, and the
+    # regimes are detected at the next boundary, which has statistics
+    sim = Sim(near_lossless=AdaptiveOptions().near_lossless, warmup="near_lossless")
+    warm = sim.controller.policies["run"].inner.warm
+    sim.run(1, SLOW, steps=3, stats=False)  # steps 0-2, dense
+    assert sim.wire == sim.dense
+    assert ranks(sim.plan) == dict.fromkeys(EVERY_LAYER, "int4")
+    assert sim.plan.reason.startswith("warm-up: slow link 1.2 MB/s")
+    assert warm.last_detect is None and not any(warm.critical.values())
+    sim.run(1, SLOW, steps=2)  # step 4: the first layer statistics
+    assert warm.last_detect == 4 and all(warm.critical[n] for n in EVERY_LAYER)
 
 
 def test_the_warm_up_state_survives_a_controller_restart():

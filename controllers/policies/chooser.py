@@ -139,17 +139,20 @@ class Chooser:
     def _detect(self, run: RunState, layers: dict[str, LayerHistory]) -> None:
         """Accordion's regime per layer, over the window that ended."""
         step, w = run.step, self.window
+        measured = False
         for name, h in layers.items():
             cur = mean([v for s, v in h.grad_norm if step - w < s <= step])
             prev = mean([v for s, v in h.grad_norm if step - 2 * w < s <= step - w])
             if cur is not None:
+                measured = True
                 if prev is None:
                     self.critical[name] = True  # training starts in a critical regime
                 elif prev > 0:
                     self.critical[name] = abs(prev - cur) / prev >= self.threshold
                 else:
                     self.critical[name] = cur > 0
-        self.last_detect = step
+        if measured:  # a boundary before the first layer statistics detects again at the next
+            self.last_detect = step
 
     def _judge_errors(self, run: RunState, layers: dict[str, LayerHistory]) -> None:
         """At every boundary: a layer whose error, averaged over the samples of the last

@@ -181,7 +181,7 @@ class CompressionSection(_Strict):
     #: policies take theirs from their own section, e.g. ``compression.adaptive``)
     custom_options: dict[str, Any] = {}
     #: steps before the policy's own choice: dense, or under the adaptive policy near-lossless
-    #: once its first control interval has timed the link (``compression.adaptive.warmup``)
+    #: once its first (early) control boundary has timed the link (``compression.adaptive.warmup``)
     warmup_steps: Annotated[int, Field(ge=0)] = 20
     memory: Literal["residual", "dgc", "none"] = "residual"
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
@@ -272,6 +272,12 @@ def host_literal(value: str) -> str:
 
 class ControllerSection(_Strict):
     interval_steps: Annotated[int, Field(ge=1, le=100_000)] = 10  # K: stats + plan boundary
+    #: one boundary more, after the run's first this many steps (when fewer than K): a
+    #: policy whose warm-up chooses from the link's measured speed (the adaptive default)
+    #: then has it after 3 dense steps, not K. On a 100 Mbit/s link a dense step of a
+    #: 10 MB model takes about a second; the statistics of so short an interval hold no
+    #: layer statistics yet (those come every K steps)
+    first_interval_steps: Annotated[int, Field(ge=1, le=100_000)] = 3
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "raycomp-controller"
     namespace: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "raycomp"
     snapshot_dir: str | None = None  # default: <storage_path>/controller

@@ -9,7 +9,8 @@ one broadcast at a step where rank 0 has announced a new plan in those rows. Dur
 steps (:mod:`raycomp.train.local_sync`) nothing is reduced: each rank judges its own inner
 step, and every H steps a sync averages the pseudo-gradients and the guard judges it.
 
-Every ``interval_steps`` (a control boundary): statistics go to the controller
+Every ``interval_steps``, and once after the run's first ``first_interval_steps`` (a control
+boundary): statistics go to the controller
 (:mod:`raycomp.train.reporter`), the ranks prove they hold the same plan and guard state,
 and rank 0's newest plan is broadcast and installed for the next step
 (:mod:`raycomp.train.plan_sync`). Every ``checkpoint.every_steps`` steps, and at epoch
@@ -85,6 +86,9 @@ class TrainLoop:
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.options, self.interval = options, options.controller.interval_steps
+        #: the early first boundary (``controller.first_interval_steps``), if before the first K
+        self.first_boundary = options.controller.first_interval_steps \
+            if options.controller.first_interval_steps < self.interval else None
         self.run_id = options.run_id or context.get_experiment_name()
         self.output_dir = Path(options.output_dir or Path(tempfile.gettempdir()) / "raycomp" / self.run_id)
         # control messages always travel on gloo (CPU), whatever carries the gradients
@@ -245,7 +249,7 @@ class TrainLoop:
             # rank 0 announced a new plan in this step's rows, the same on every rank: hand
             # it out now, in force from the next step (not from the next boundary)
             self._adopt(self.plans.broadcast(self.plans.take()))
-        if self.global_step % self.interval == 0:
+        if self.global_step % self.interval == 0 or self.global_step == self.first_boundary:
             started = time.perf_counter()
             self._boundary()
             self.boundary_seconds += time.perf_counter() - started

@@ -229,4 +229,14 @@ MUTANTS = (
         "tests/test_local_policy.py",
         "with local steps on, the warm-up ignores the inner policy's near-lossless plan",
     ),
+    mutant(
+        "adaptive-detects-without-statistics", "Chooser._detect",
+        "        if measured:  # a boundary before the first layer statistics detects again at the next\n"
+        "            self.last_detect = step\n",
+        "        self.last_detect = step\n",
+        "tests/test_adaptive_policy.py -k early_first_boundary",
+        "the early first boundary, before any layer statistics, counts as a detection: no layer is "
+        "critical for a whole window",
+    ),
 )
+

@@ -154,4 +154,12 @@ MUTANTS = (
         "tests/test_train_report.py -k last_epoch",
         "by default a run never checkpoints: its trained model and compression state are lost",
     ),
+    mutant(
+        "loop-no-early-first-boundary", "TrainLoop._finish_step",
+        "        if self.global_step % self.interval == 0 or self.global_step == self.first_boundary:\n",
+        "        if self.global_step % self.interval == 0:\n",
+        "tests/test_fsdp_job.py -k slow_link",
+        "the first boundary waits for K steps: the warm-up sends dense until the link has been timed by all of them",
+    ),
 )
+
