@@ -62,14 +62,12 @@ def _train_local(config: dict) -> dict:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 loss.backward()
                 outer_before, local_before = loop.sync.state.steps.outer_steps, not loop.sync.per_step
-                scheduled = local_before and loop.sync.state.steps.starts_next()  # a sync of the schedule
                 # the loss the guard is told of jumps at one step (the gradient does not)
                 raycomp.train.step(loss * (1000.0 if step == SPIKE_STEP else 1.0), samples=len(y))
                 sent = sum(c.transmitted for c in wire.since(mark))
                 # a step in local steps from start to end (not one that entered or left them)
                 local = local_before and not loop.sync.per_step
                 records.append({"step": step, "local": local, "after": not loop.sync.per_step, "sent": sent,
-                                "scheduled": scheduled,
                                 "synced": loop.sync.state.steps.outer_steps > outer_before,
                                 "weights": [p.detach().clone() for p in model.parameters()]})
     # the test's own check, after training: which steps left the ranks with equal weights
@@ -135,6 +133,43 @@ def _train_local_delay(config: dict) -> dict:
             "equal_after_finish": torch.equal(gathered[0], gathered[1]), "quiescent_after_finish": steps.quiescent}
 
 
+def _train_local_to_the_end(config: dict) -> dict:
+    """Local steps with the default delay to the end of ``loop.epochs``: after the loop (where a
+    job evaluates, reports and checkpoints) and before ``finish``, whether the ranks hold the
+    same weights, then the outer steps before and after ``finish``."""
+    import torch.distributed as dist
+
+    import raycomp.train
+    from raycomp.config import LocalSection
+
+    rank, model = _prepared(config, 32, warmup_steps=0, local=LocalSection(mode="fixed", sync_every=H,
+                                                                            compressor="int8"))
+    loop = raycomp.train.current()
+    steps = loop.sync.state.steps
+    gen = torch.Generator().manual_seed(rank)
+    apart = 0  # steps in local steps after which the ranks' weights differed
+    for _ in loop.epochs(1, 24):
+        for _ in range(24):
+            x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            raycomp.train.step(loss, samples=len(y))
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(2)]
+            dist.all_gather(gathered, flat)
+            apart += not loop.sync.per_step and not torch.equal(gathered[0], gathered[1])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    equal_at_end = torch.equal(gathered[0], gathered[1])
+    before, wire = (loop.outer_steps, steps.outer_steps), loop.state.ledger.wire_total
+    totals = raycomp.train.finish()
+    return {"apart": apart, "local_at_end": not loop.sync.per_step, "equal_at_end": equal_at_end,
+            "quiescent_at_end": steps.quiescent, "before_finish": before,
+            "after_finish": (totals["outer_steps"], steps.outer_steps),
+            "finish_sent": loop.state.ledger.wire_total - wire}
+
+
 @pytest.fixture(scope="module")
 def local_run(in_turn):
     return in_turn["local"]["value"], in_turn["local"]["output_dir"]
@@ -160,11 +195,6 @@ def test_inner_steps_send_nothing_and_syncs_leave_every_rank_with_the_same_weigh
     assert all(0.2 * dense_step < r["sent"] < 0.4 * dense_step for r in synced)
     logs = step_logs(tmp)
     assert [r["plan_digest"] for r in logs[0]] == [r["plan_digest"] for r in logs[1]]
-    # the last step of loop.epochs is an inner step of the schedule, yet it ends with the
-    # ranks' weights merged (one sync more): the evaluation and checkpoint after it see one model
-    last = records[-1]
-    assert last["local"] and not last["scheduled"]
-    assert last["synced"] and last["equal"]
 
 
 def test_the_guard_judges_a_sync_falls_back_to_dense_per_step_and_returns_to_local_steps(local_run):
@@ -191,7 +221,7 @@ RESUME = ("compression.policy=static", "compression.warmup_steps=0", "workload.e
 
 #: trained in the session's shared fit (tests/support/runs_in_turn.py): the run of the first
 #: two tests, and the resume test's uninterrupted reference (a long check)
-IN_TURN = {"local": _train_local, "local_delay": _train_local_delay}
+IN_TURN = {"local": _train_local, "local_delay": _train_local_delay, "local_to_the_end": _train_local_to_the_end}
 LONG_IN_TURN = {"straight": RESUME}
 
 
@@ -329,6 +359,19 @@ def test_a_sync_on_the_wire_is_drained_counted_and_judged_before_a_checkpoint_an
     assert out["in_flight_at_end"] and out["outer_steps"] == out["local_outer_steps"]
     assert out["local_outer_steps"] == out["local_outer_at_end"] + 2
     assert out["equal_after_finish"] and out["quiescent_after_finish"]
+
+
+def test_the_last_step_of_the_epochs_merges_the_replicas_and_finish_sends_nothing_more(in_turn):
+    out = in_turn["local_to_the_end"]["value"]
+    # with a sync kept on the wire, the ranks' weights differ after every step of local steps
+    # (each keeps its own inner step on top of a merge), except after the last one: it drains
+    # the sync on the wire and merges every fragment, so what the job then evaluates, reports
+    # and saves is one model on every rank
+    assert out["local_at_end"] and out["apart"] >= 15
+    assert out["equal_at_end"] and out["quiescent_at_end"]
+    assert out["before_finish"][0] == out["before_finish"][1]  # the merge is counted
+    # finish finds the ranks merged: no sync, no outer step on the outer momentum
+    assert out["after_finish"] == out["before_finish"] and out["finish_sent"] == 0
 
 
 def _drained_rows(rank: int, world: int) -> list:

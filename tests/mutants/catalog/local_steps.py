@@ -274,7 +274,7 @@ MUTANTS = (
         "local-last-step-not-merged", "TrainLoop._finish_step",
         "            self.merge_replicas()  # the run's last step: what is evaluated and saved next is merged\n",
         "            pass\n",
-        "tests/test_local_train.py -k inner_steps_send_nothing",
+        "tests/test_local_train.py -k last_step_of_the_epochs",
         "the last step of loop.epochs leaves each rank its own replica: the final evaluation and checkpoint see rank 0's",
     ),
     mutant(
