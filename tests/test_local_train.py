@@ -18,6 +18,26 @@ H = 4
 SPIKE_STEP = 29  # the loss reported at this step is multiplied by 1000 on every rank
 
 
+def _same_on_both_ranks(tensors) -> bool:
+    """Whether the two ranks hold bit-identical ``tensors`` (the test's own all-gather)."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    return torch.equal(gathered[0], gathered[1])
+
+
+def _train_step(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """One step of this rank's own batch of 16 through ``raycomp.train.step``."""
+    import raycomp.train
+
+    x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    raycomp.train.step(loss, samples=len(y))
+
+
 def _prepared(config: dict, hidden: int, **compression) -> tuple[int, torch.nn.Module]:
     """An MLP of ``hidden`` units through ``raycomp.train.prepare_model`` with local steps
     every H steps, int8 pseudo-gradients, after ``compression``'s other settings (the
@@ -40,8 +60,6 @@ def _prepared(config: dict, hidden: int, **compression) -> tuple[int, torch.nn.M
 
 
 def _train_local(config: dict) -> dict:
-    import torch.distributed as dist
-
     import raycomp.train
     from raycomp.config import GuardSection, LocalSection
     from tests.support.wire import WireRecorder
@@ -72,10 +90,7 @@ def _train_local(config: dict) -> dict:
                                 "weights": [p.detach().clone() for p in model.parameters()]})
     # the test's own check, after training: which steps left the ranks with equal weights
     for r in records:
-        flat = torch.cat([w.reshape(-1) for w in r.pop("weights")])
-        gathered = [torch.empty_like(flat) for _ in range(2)]
-        dist.all_gather(gathered, flat)
-        r["equal"] = torch.equal(gathered[0], gathered[1])
+        r["equal"] = _same_on_both_ranks(r.pop("weights"))
     totals = raycomp.train.finish()
     return {**totals, "records": records}
 
@@ -108,10 +123,7 @@ def _train_local_delay(config: dict) -> dict:
 
     for _ in loop.epochs(1, 40):
         for _ in range(40):
-            x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            raycomp.train.step(loss, samples=len(y))
+            _train_step(model, gen)
             if loop.sync.per_step or steps.quiescent:
                 continue
             in_flight += 1
@@ -125,19 +137,16 @@ def _train_local_delay(config: dict) -> dict:
     at_end, outer_at_end = not steps.quiescent, steps.outer_steps
     totals = raycomp.train.finish()
     # after finish (the test's own check): whether the ranks hold the same weights
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(2)]
-    torch.distributed.all_gather(gathered, flat)
+    equal = _same_on_both_ranks(model.parameters())
     return {"saved": saved, "framework": framework, "in_flight_at_end": at_end, "outer_steps": totals["outer_steps"],
             "local_outer_steps": steps.outer_steps, "local_outer_at_end": outer_at_end,
-            "equal_after_finish": torch.equal(gathered[0], gathered[1]), "quiescent_after_finish": steps.quiescent}
+            "equal_after_finish": equal, "quiescent_after_finish": steps.quiescent}
 
 
 def _train_local_to_the_end(config: dict) -> dict:
     """Local steps with the default delay to the end of ``loop.epochs``: after the loop (where a
     job evaluates, reports and checkpoints) and before ``finish``, whether the ranks hold the
     same weights, then the outer steps before and after ``finish``."""
-    import torch.distributed as dist
 
     import raycomp.train
     from raycomp.config import LocalSection
@@ -150,18 +159,9 @@ def _train_local_to_the_end(config: dict) -> dict:
     apart = 0  # steps in local steps after which the ranks' weights differed
     for _ in loop.epochs(1, 24):
         for _ in range(24):
-            x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            raycomp.train.step(loss, samples=len(y))
-            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            gathered = [torch.empty_like(flat) for _ in range(2)]
-            dist.all_gather(gathered, flat)
-            apart += not loop.sync.per_step and not torch.equal(gathered[0], gathered[1])
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(2)]
-    dist.all_gather(gathered, flat)
-    equal_at_end = torch.equal(gathered[0], gathered[1])
+            _train_step(model, gen)
+            apart += not loop.sync.per_step and not _same_on_both_ranks(model.parameters())
+    equal_at_end = _same_on_both_ranks(model.parameters())
     before, wire = (loop.outer_steps, steps.outer_steps), loop.state.ledger.wire_total
     totals = raycomp.train.finish()
     return {"apart": apart, "local_at_end": not loop.sync.per_step, "equal_at_end": equal_at_end,
