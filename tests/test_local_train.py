@@ -12,20 +12,11 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.gpu.support import same_on_every_rank
 from tests.test_train_job import last_checkpoint, step_logs, train
 
 H = 4
 SPIKE_STEP = 29  # the loss reported at this step is multiplied by 1000 on every rank
-
-
-def _same_on_both_ranks(tensors) -> bool:
-    """Whether the two ranks hold bit-identical ``tensors`` (the test's own all-gather)."""
-    import torch.distributed as dist
-
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    gathered = [torch.empty_like(flat) for _ in range(2)]
-    dist.all_gather(gathered, flat)
-    return torch.equal(gathered[0], gathered[1])
 
 
 def _train_step(model: torch.nn.Module, gen: torch.Generator) -> None:
@@ -90,7 +81,7 @@ def _train_local(config: dict) -> dict:
                                 "weights": [p.detach().clone() for p in model.parameters()]})
     # the test's own check, after training: which steps left the ranks with equal weights
     for r in records:
-        r["equal"] = _same_on_both_ranks(r.pop("weights"))
+        r["equal"] = same_on_every_rank(r.pop("weights"))
     totals = raycomp.train.finish()
     return {**totals, "records": records}
 
@@ -137,7 +128,7 @@ def _train_local_delay(config: dict) -> dict:
     at_end, outer_at_end = not steps.quiescent, steps.outer_steps
     totals = raycomp.train.finish()
     # after finish (the test's own check): whether the ranks hold the same weights
-    equal = _same_on_both_ranks(model.parameters())
+    equal = same_on_every_rank(list(model.parameters()))
     return {"saved": saved, "framework": framework, "in_flight_at_end": at_end, "outer_steps": totals["outer_steps"],
             "local_outer_steps": steps.outer_steps, "local_outer_at_end": outer_at_end,
             "equal_after_finish": equal, "quiescent_after_finish": steps.quiescent}
@@ -160,8 +151,8 @@ def _train_local_to_the_end(config: dict) -> dict:
     for _ in loop.epochs(1, 24):
         for _ in range(24):
             _train_step(model, gen)
-            apart += not loop.sync.per_step and not _same_on_both_ranks(model.parameters())
-    equal_at_end = _same_on_both_ranks(model.parameters())
+            apart += not loop.sync.per_step and not same_on_every_rank(list(model.parameters()))
+    equal_at_end = same_on_every_rank(list(model.parameters()))
     before, wire = (loop.outer_steps, steps.outer_steps), loop.state.ledger.wire_total
     totals = raycomp.train.finish()
     return {"apart": apart, "local_at_end": not loop.sync.per_step, "equal_at_end": equal_at_end,
