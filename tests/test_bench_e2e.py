@@ -464,10 +464,19 @@ def test_the_default_run_holds_the_methods_that_matter():
     names = methods.parse_methods(None, quick=False, workload="gpt")
     assert names[:4] == ["dense", "torch_bf16", "torch_powersgd_r4", "raycomp_int4"]
     assert names[-1] == "raycomp_adaptive"
-    assert [n for n in names if methods.family(n) == "torch_postlocalsgd"] == methods.GRIDS["torch_postlocalsgd"]
-    # torchft's DiLoCo and raycomp's local steps where this checkout can run them
-    assert ("torchft_diloco_h8" in names) == (methods.available("torchft_diloco_h8") is None)
-    assert [n for n in names if methods.family(n) == "raycomp_local"] == methods.GRIDS["raycomp_local"]
+    # each local-step grid at the transformer's best H; torchft's DiLoCo where this checkout runs it
+    assert [n for n in names if methods.family(n) != n] == [
+        "torch_postlocalsgd_h4", *(["torchft_diloco_h16"] if methods.available("torchft_diloco_h16") is None else []),
+        "raycomp_local_h4"]
+    # a workload without a best H for a grid runs the whole grid; a grid's name runs every H
+    cnn = methods.parse_methods(None, quick=False, workload="cnn")
+    assert [n for n in cnn if methods.family(n) == "torch_postlocalsgd"] == ["torch_postlocalsgd_h16"]
+    assert [n for n in cnn if methods.family(n) == "raycomp_local"] == ["raycomp_local_h8"]
+    assert [n for n in cnn if methods.family(n) == "torchft_diloco"] == \
+        ([] if methods.available("torchft_diloco_h4") else methods.GRIDS["torchft_diloco"])
+    assert methods.parse_methods("raycomp_local", quick=False, workload="gpt") == methods.GRIDS["raycomp_local"]
+    for spec in methods.WORKLOADS.values():  # a best H is one of its grid's
+        assert all(f"{grid}_h{h}" in methods.GRIDS[grid] for grid, h in spec.get("best_h", {}).items())
     assert not {"raycomp_topk", "raycomp_dgc", "torch_fp16", "torch_powersgd_r1"} & set(names)
     every = methods.parse_methods(None, quick=False, all_methods=True)
     assert {"raycomp_topk", "raycomp_dgc", "torch_fp16", "torch_powersgd_r1"} <= set(every)
@@ -486,17 +495,17 @@ def test_the_command_line_refuses_an_evaluation_cadence_that_splits_a_local_step
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     settings = cli.settings_from(parser.parse_args(["--methods", "dense,torch_postlocalsgd"]))
-    assert (settings["steps"], settings["eval_every"], settings["target"], settings["localsgd_start"]) == (400, 16, None, None)
+    assert (settings["steps"], settings["eval_every"], settings["target"], settings["localsgd_start"]) == (320, 16, None, None)
     with pytest.raises(SystemExit, match=r"--eval-every 20 must be a multiple of every local-step H run \(4, 8, 16\)"):
         cli.settings_from(parser.parse_args(["--methods", "torch_postlocalsgd", "--eval-every", "20", "--steps", "400"]))
     with pytest.raises(SystemExit, match=r"--localsgd-start 40: W \+ 1 must be a multiple of every post-local SGD "
                                          r"period run \(4, 8, 16\)"):
-        cli.settings_from(parser.parse_args(["--localsgd-start", "40"]))
+        cli.settings_from(parser.parse_args(["--methods", "torch_postlocalsgd", "--localsgd-start", "40"]))
     assert cli.settings_from(parser.parse_args(["--localsgd-start", "31"]))["localsgd_start"] == 31
     with pytest.raises(SystemExit, match=r"--steps 390 must be a multiple of --eval-every 16"):
         cli.settings_from(parser.parse_args(["--steps", "390"]))
-    with pytest.raises(SystemExit, match=r"--target-step must be in 1..400"):
-        cli.settings_from(parser.parse_args(["--target-step", "401"]))
+    with pytest.raises(SystemExit, match=r"--target-step must be in 1..320"):
+        cli.settings_from(parser.parse_args(["--target-step", "321"]))
     assert cli.settings_from(parser.parse_args(["--quick"]))["steps"] == 64
 
 

@@ -20,11 +20,13 @@ One invocation = one workload x one link x ``--seeds``:
 
 Methods (:mod:`jobs.bench.e2e.methods`). The default run: ``dense`` (torch ``allreduce_hook``),
 ``torch_bf16``, torch's PowerSGD at the workload's best rank (``torch_powersgd_r4``),
-``raycomp_int4``, the local-step family -- ``torch_postlocalsgd`` (torch's post-local SGD,
-H in {4, 8, 16}), ``torchft_diloco`` (torchft's DiLoCo, H in {4, 8, 16}; when torchft is
-installed), ``raycomp_local`` (raycomp's local steps, ``compression.local.mode=fixed``, H in
-{4, 8, 16}) -- and ``raycomp_adaptive`` (the shipped default with ``compression.local.mode=auto``,
-nothing else tuned). A grid is reported under its name with its best H. ``raycomp_dense``
+``raycomp_int4``, the local-step family -- ``torch_postlocalsgd`` (torch's post-local SGD),
+``torchft_diloco`` (torchft's DiLoCo; when torchft is installed), ``raycomp_local`` (raycomp's
+local steps, ``compression.local.mode=fixed``), each a grid over H in {4, 8, 16} run at the
+workload's best H where an earlier run of the whole grid found it (``WORKLOADS[...]["best_h"]``,
+as the PowerSGD rank), else at every H -- and ``raycomp_adaptive`` (the shipped default with
+``compression.local.mode=auto``, nothing else tuned). A grid's name in ``--methods`` runs
+every H; a grid is reported under its name with its best H. ``raycomp_dense``
 (raycomp's hook and controller on a static dense plan) runs when named; what the path costs
 a step where it compresses nothing is measured more finely, in alternating blocks within
 one fit, by ``python -m jobs.bench overhead``. ``--all-methods`` adds torch's
@@ -32,10 +34,10 @@ fp16 hook and PowerSGD r1/r2, and raycomp's static Top-K, DGC, PowerSGD, sign an
 per-step lossy ones never reach an AdamW target.
 
 Rules: every method runs the same config file, seed, data order, LR schedule (over the same
-``--steps`` budget, default 400), evaluation cadence and validation set. No shared warm-up:
+``--steps`` budget, default 320), evaluation cadence and validation set. No shared warm-up:
 each method warms up as its authors recommend, and the warm-up counts in its time (torch
 PowerSGD's ``start_powerSGD_iter``: 10% of the budget; post-local SGD's ``start_localSGD_iter``:
-about as much, aligned so that evaluations see averaged weights (47 of 400); torch's casts and torchft's DiLoCo: none; raycomp: its own config). torch's
+about as much, aligned so that evaluations see averaged weights (31 of 320); torch's casts and torchft's DiLoCo: none; raycomp: its own config). torch's
 ``powerSGD_hook`` gets one DDP bucket (``bucket_cap_mb`` above the model's fp32 size), which
 it needs on gloo; every other DDP method gets the buckets raycomp's hook gets
 (``compression.bucket_cap_mb``, "auto": about 8 buckets).
@@ -115,13 +117,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of the budget)")
     parser.add_argument("--localsgd-start", type=int, default=None,
                         help="torch post-local SGD's warm-up W, the DDP steps before local SGD (default: "
-                             "about 10%% of the budget, W + 1 a multiple of 16: 47 of 400)")
+                             "about 10%% of the budget, W + 1 a multiple of 16: 31 of 320)")
     parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
                         help="ddp (default) or fsdp (FSDP2: FSDP's own reduce-scatter fp32/bf16 against "
                              "raycomp's compressed one; reports fsdp-<workload>-<link>.*)")
     parser.add_argument("--methods", default=None,
                         help="comma-separated subset (a grid's name, e.g. torch_postlocalsgd, runs all its "
-                             "settings), or 'all' (default: the methods that matter; quick: "
+                             "settings), or 'all' (default: the methods that matter, each local-step grid at the "
+                             "workload's best H; quick: "
                              f"{','.join(QUICK_METHODS)})")
     parser.add_argument("--all-methods", action="store_true",
                         help="every method, the per-step lossy ones that never reach an AdamW target included")

@@ -140,8 +140,10 @@ def render_markdown(results: dict[str, Any]) -> str:
             + (f"the same DDP buckets, `bucket_cap_mb={wl['ddp_bucket_cap_mb']}` (`compression.bucket_cap_mb`), so "
                "they overlap communication with backward alike." if wl.get("ddp_bucket_cap_mb") is not None
                else "DDP's default buckets."),
-            "- A grid (torch post-local SGD, torchft DiLoCo: H in 4, 8, 16) is reported under its name with its best "
-            "H: the shortest median time to target, else the best final metric, compared on the seeds every H ran.",
+            "- A grid (torch post-local SGD, torchft DiLoCo, raycomp's local steps: H in 4, 8, 16) is reported under "
+            "its name with its best H: the shortest median time to target, else the best final metric, compared on "
+            "the seeds every H ran. The default run holds only the H an earlier run of the whole grid chose on this "
+            "workload, where there was one (`best_h` in `jobs/bench/e2e/methods.py`); the H run are listed below.",
             *grids]),
         f"- `raycomp_adaptive` = the shipped default policy (`{wl['adaptive_policy']}`), untuned.",
         f"- Target: validation {metric} {'<=' if target['lower_is_better'] else '>='} "
