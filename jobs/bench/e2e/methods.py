@@ -119,7 +119,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "gpt": {"config": "jobs/configs/gpt_kjv.yaml", "eval_every": 16, "quick": {"steps": 64, "eval_every": 16},
             "powersgd_rank": 4, "best_h": {"torch_postlocalsgd": 4, "torchft_diloco": 16, "raycomp_local": 4}},
     "cnn": {"config": "jobs/configs/cnn_fashion.yaml", "eval_every": 16, "quick": {"steps": 64, "eval_every": 16},
-            "powersgd_rank": 4, "best_h": {"torch_postlocalsgd": 16, "raycomp_local": 8}},
+            "powersgd_rank": 4, "best_h": {"torch_postlocalsgd": 16, "torchft_diloco": 16, "raycomp_local": 8}},
     "lstm": {"config": "jobs/configs/lstm_kjv.yaml", "eval_every": 16, "quick": {"steps": 64, "eval_every": 16},
              "powersgd_rank": 4, "best_h": {"torch_postlocalsgd": 8, "torchft_diloco": 16, "raycomp_local": 4}},
     "mlp": {"config": "jobs/configs/digits.yaml",
