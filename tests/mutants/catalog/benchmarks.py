@@ -18,6 +18,13 @@ MUTANTS = (
         "every seed's step is divided by the first seed's no-communication step, not its own group's",
     ),
     mutant(
+        "bench-default-runs-every-h", "default_methods",
+        "        local += [f\"{grid}_h{best[grid]}\"] if grid in best else GRIDS[grid]\n",
+        "        local += GRIDS[grid]\n",
+        "tests/test_bench_e2e.py -k default_run",
+        "the default run ignores the workloads' best H and runs every H of every grid: about 2 h, not 81 min",
+    ),
+    mutant(
         "gpu-tests-miss-a-compressor", "tests/gpu/support.py:PARAMS",
         "    \"int4\": {\"chunk_size\": 2048},\n",
         "",
