@@ -161,8 +161,8 @@ def default_methods(workload: str) -> list[str]:
     run are left out."""
     spec = WORKLOADS[workload]
     best, local = spec.get("best_h", {}), []
-    for grid in ("torch_postlocalsgd", "torchft_diloco", "raycomp_local"):
-        local += [f"{grid}_h{best[grid]}"] if grid in best else GRIDS[grid]
+    for grid, variants in GRIDS.items():
+        local += [f"{grid}_h{best[grid]}"] if grid in best else variants
     names = ["dense", "torch_bf16", f"torch_powersgd_r{spec['powersgd_rank']}", "raycomp_int4", *local,
              "raycomp_adaptive"]
     return [n for n in names if available(n) is None]

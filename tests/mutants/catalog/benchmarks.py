@@ -19,8 +19,8 @@ MUTANTS = (
     ),
     mutant(
         "bench-default-runs-every-h", "default_methods",
-        "        local += [f\"{grid}_h{best[grid]}\"] if grid in best else GRIDS[grid]\n",
-        "        local += GRIDS[grid]\n",
+        "        local += [f\"{grid}_h{best[grid]}\"] if grid in best else variants\n",
+        "        local += variants\n",
         "tests/test_bench_e2e.py -k default_run",
         "the default run ignores the workloads' best H and runs every H of every grid: about 2 h, not 81 min",
     ),
