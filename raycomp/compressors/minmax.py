@@ -100,16 +100,15 @@ class MinMaxInt8(Compressor):
         """The values of ``codes`` (fp32, one row per chunk), in place, from each chunk's
         (min, max) in ``bounds``."""
         low = bounds[:, 0:1]
-        # in place, not addcmul: 0.6 against 2.4 ms for 3.2M elements here (addcmul's
-        # broadcast of the per-chunk columns is slow on CPU)
+        # in place, not addcmul: addcmul's broadcast of the per-chunk columns is slow on
+        # CPU (4x slower here)
         codes.mul_((bounds[:, 1:2] - low) / (2**self.bits - 1)).add_(low)
 
     # --- many layers at once ------------------------------------------------------------
     def compress_many(self, tensors: Sequence[torch.Tensor]) -> list[Payload]:
         """:meth:`compress` of each tensor, bit for bit; on a GPU all of them together
         (:meth:`_compress_together`). On the CPU one at a time: there a layer's ~30 small
-        operations cost less than copying every layer into one buffer (the KJV
-        transformer's int4 backward at two ranks took 3-10% longer together)."""
+        operations cost less than copying every layer into one buffer."""
         if not tensors or not self._together(len(tensors), tensors[0].device):
             return [self.compress(t) for t in tensors]
         return self._compress_together(tensors)
@@ -188,10 +187,8 @@ class MinMaxInt4(MinMaxInt8):
 
     A step is 1/15 of the chunk's range instead of 1/255: relative error about 0.13 on a
     Gaussian chunk of 2,048 against int8's 0.008, which error feedback carries into the
-    next steps. Measured at 100 Mbit/s, 3 seeds each, beside int8 in the same hour: on the KJV
-    transformer it reached the loss target at the same steps as int8, in 94.4 s against
-    119.6 s (steps 550 vs 776 ms, final loss 0.07% higher); on the BatchNorm CNN in 58.5 s
-    against 74.1 s, with a higher final accuracy (0.8895 vs 0.8885).
+    next steps. On a slow link half the bytes outweigh it: beside int8 it reaches the same
+    loss target in the same steps and less time (``docs/benchmarks/history.md``, ``int4``).
 
     Wire: ``ceil(N / 2)`` bytes + two fp32 (min, max) per chunk.
     """
