@@ -13,10 +13,9 @@ collective round and one more pass through the reducer, so it does not go below 
 first-bucket size. At DDP's default cap or above (a model of 200 MB or more) it leaves DDP's
 default alone, 1 MB first bucket included.
 
-Measured on the KJV transformer (3.2M parameters, 12.9 MB fp32), 2 workers over
-100 Mbit/s, static int4, 80 steps, one seed:
-the steady step fell from 528 ms with DDP's default to 436 / 447 / 444 ms with 1 / 2 / 4 MB
-caps. The losses were the same: buckets change when a layer travels, not what it carries.
+Buckets change when a layer travels, not what it carries: smaller ones shorten a step on a
+slow link and leave the loss as it was (``docs/benchmarks/history.md``, "The DDP bucket
+cap").
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ import torch
 
 __all__ = ["BUCKETS", "MAX_CAP_MB", "MIN_CAP_MB", "bucket_cap_mb", "ddp_kwargs", "gradient_mb"]
 
-#: buckets a model is cut into; 1, 2 and 4 MB caps (about 13, 7 and 4 buckets) gave the same
-#: step on the transformer above
+#: buckets a model is cut into; the step is flat around it (4 to 13 gave the same step)
 BUCKETS = 8
 #: the bounds, MB: DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``) and its default cap
 MIN_CAP_MB, MAX_CAP_MB = 1.0, 25.0

@@ -149,8 +149,8 @@ class AdaptiveOptions(PolicyOptions):
     #: wait for the warm-up's end. A warm-up protects the fast-changing first steps from
     #: compression error and from ranks drifting apart (PowerSGD's and DGC's warm-ups,
     #: post-local SGD's dense start); int4/int8/bf16 with error feedback keep the loss
-    #: from the first step, so dense fp32 there only costs time: on the CNN at 100 Mbit/s a
-    #: dense step takes 1 s against 0.15 s of compute. "dense": every warm-up step dense
+    #: from the first step, so dense fp32 there only costs time, which on a slow link is
+    #: most of a dense step. "dense": every warm-up step dense
     warmup: Literal["near_lossless", "dense"] = "near_lossless"
     #: the run reduce-scatters its gradients (FSDP; raycomp sets it): near-lossless rungs
     #: and dense only, bytes at (W-1)/W per element, no extra rounds

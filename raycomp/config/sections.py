@@ -111,29 +111,26 @@ class LocalSection(_Strict):
     #: than the best per-step plan (once chosen, they stay while they are faster at all).
     #: "auto" (default): 0.1 when the optimizer's update is linear in the gradient (SGD), 1.0
     #: for the others (the Adam family: local steps must be predicted twice as fast). A
-    #: local step moves the loss less than a synchronous one, and more so under Adam: on
-    #: the AdamW transformer, averaging every 4 steps needed about 1.5x dense's steps to
-    #: reach the same loss, so a 1.2x faster step lost time to target. A smaller H does not
-    #: help there: averaging after every step lost as much, since the cost comes from each
-    #: rank's Adam normalising a gradient of its own, smaller batch
+    #: local step moves the loss less than a synchronous one, and much more so under Adam,
+    #: where each rank's Adam normalises a gradient of its own, smaller batch: a smaller H
+    #: does not help, and a step only a little faster loses time to target
+    #: (:mod:`raycomp.train.lossy`)
     min_gain: Annotated[float, Field(ge=0, le=10)] | Literal["auto"] = "auto"
     #: ``auto``: the share of the compute a sync may add per step
     target_overhead: Annotated[float, Field(gt=0, le=10)] = 0.1
     #: ``auto``: the largest H while the learning rate is at its peak; as the rate decays
     #: the largest H grows with the square of the decay, ``sync_every_at_peak_lr x (peak lr
     #: / lr)^2`` (the quadratic synchronization rule, Gu et al. 2024): the drift of local
-    #: steps costs a run most at a high rate and little once it has decayed (H=4 throughout
-    #: kept the character LSTM within 0.5% of dense's loss where H=16 cost 1.7%; H=4 then 16
-    #: from halfway through the cosine schedule, 0.6%). Set it to ``max_sync_every`` to
-    #: choose H by time alone; under a constant rate it is the largest H
+    #: steps costs a run most at a high rate and little once it has decayed, so a large H
+    #: waits for the decay. Set it to ``max_sync_every`` to choose H by time alone; under a
+    #: constant rate it is the largest H
     sync_every_at_peak_lr: Annotated[int, Field(ge=2, le=100_000)] = 4
     #: ``auto``: how far (a fraction) the training loss, averaged over two boundaries, may
     #: rise above the lowest it reached since local steps began before H is halved. Training
     #: that works does not lose ground; an H too large for the run does, slowly, below the
-    #: guard's spike factor. The training loss bumps with the data order under any mode: on
-    #: the CNN at 0.05 and 0.10 the rule tripped on dense's own curve (one seed of three)
-    #: and on fixed H=16 (no worse than dense), at 0.15 on none of 18 dense and fixed-H runs
-    #: of the CNN and the LSTM. Raise it for a noisier loss (small batches)
+    #: guard's spike factor. The training loss bumps with the data order under any mode,
+    #: so the default sits above the bumps of the benchmarks' dense runs and of fixed-H
+    #: runs that end no worse than dense. Raise it for a noisier loss (small batches)
     loss_tolerance: Annotated[float, Field(gt=0, le=10)] = 0.15
 
     @field_validator("delay", mode="before")
@@ -193,8 +190,7 @@ class CompressionSection(_Strict):
     #: compresses and sends each bucket on a background thread while backward computes the
     #: next, so smaller buckets hide more of the wire behind backward; each costs a round.
     #: "auto": about 8 buckets, between DDP's 1 MB first bucket and its 25 MB default
-    #: (raycomp.bucket_cap_mb; a model of 200 MB+ keeps DDP's 25 MB). On the KJV transformer
-    #: at 100 Mbit/s, int4: step 528 ms with DDP's default, 436-447 ms with 1-4 MB. FSDP
+    #: (raycomp.bucket_cap_mb; a model of 200 MB+ keeps DDP's 25 MB). FSDP
     #: (scaling.strategy=fsdp) has no DDP buckets and ignores it
     bucket_cap_mb: float | Literal["auto"] = "auto"
 

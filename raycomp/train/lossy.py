@@ -8,28 +8,25 @@ that only delays part of the update, and low-rank or sparse compression keeps de
 accuracy (the PowerSGD and DGC papers train with momentum SGD). For an optimizer that
 divides by a per-coordinate second moment (Adam and its kin) it does not: Tang et al.,
 "1-bit Adam", ICML 2021, found error-compensated compression fails with Adam's non-linear
-variance term. Measured here: the KJV transformer (AdamW) lost validation loss on every
-plan that held PowerSGD or Top-K for long; the Fashion-MNIST CNN (SGD) reached its target
-fastest on torch's PowerSGD. The near-lossless rungs (int4, int8, bf16) stay on the menu
-either way.
+variance term. The benchmarks agree: the AdamW transformer lost validation loss on every
+plan that held PowerSGD or Top-K for long, while the SGD CNN reached its target fastest on
+torch's PowerSGD. The near-lossless rungs (int4, int8, bf16) stay on the menu either way.
 
-On that transformer the variance term is not what costs the loss, though: with 1-bit Adam's
-remedy (the second moment frozen from step 20, so that the update is linear in the gradient)
-static PowerSGD rank 4 ended 160 steps at 2.3203 against 2.3195 without it, while dense
-ended at 2.2988 frozen and 2.2992 not (seed 0). The rank is: rank 16 ended at 2.3058, rank
-32 at 2.3020. Against the benchmark's target (2.3058), dense and rank 32 reached it at step
-140, rank 16 at 160; int4 reaches it at dense's steps on every seed. Rank 16 sends about
-0.6x int4's bytes on these matrices, rank 32 about 1.2x. So the rule stands for this model for a second reason:
-a rank that sends fewer bytes than int4 costs steps.
+On that transformer the variance term is not all of it: with 1-bit Adam's remedy (the
+second moment frozen, so that the update is linear in the gradient) static PowerSGD ended
+no better than without it. What costs the loss is the factors' rank: only a rank that
+sends more bytes than int4 kept dense's steps to target. So the rule stands for such a
+model for a second reason: a lossy rung that sends fewer bytes than int4 costs steps.
 
 Local steps (``compression.local``): ranks that step apart between averages move the loss
 less per step than synchronous ones. For momentum SGD, Lin et al. ("Don't Use Large
-Mini-Batches, Use Local SGD", ICLR 2020) keep accuracy with small H after a warm-up. For
-AdamW, measured here on the KJV transformer (2 ranks, 100 Mbit/s, seed 0): averaging every
-4 steps, raycomp's local steps and torch's post-local SGD alike, reached at step 320 the
-loss dense had near step 210, so local steps predicted 1.2x faster than int4 per step lost
-time to target. So ``min_gain: auto`` asks SGD for 10% and the others for 100% (local steps
-twice as fast as the per-step plan).
+Mini-Batches, Use Local SGD", ICLR 2020) keep accuracy with small H after a warm-up. Under
+AdamW they fall much further behind (on the transformer, about 1.5x dense's steps to the
+same loss), so local steps predicted only somewhat faster than per-step int4 lose time to
+target. So ``min_gain: auto`` asks SGD for 10% and the others for 100% (local steps twice
+as fast as the per-step plan).
+
+The figures: ``docs/benchmarks/history.md``, "Measurements behind the code's choices".
 """
 
 from __future__ import annotations
