@@ -238,10 +238,10 @@ class ControllerService:
     :data:`POLL_THREADS` (a waiting poll never holds up a report) and the rest share the
     default group; one lock guards the controller's state, which the snapshot and metrics
     exporter threads also read. Threaded rather than async because Ray spends less CPU per
-    call on a threaded actor (0.74 against 1.13 ms, measured here with no-op actors) and
-    ``ingest`` is called by every rank of every run; two ingest threads because Ray's
-    hand-off of calls to a single thread capped a no-op actor near 1,150 calls/s here, two
-    reached ~1,480. With two, one rank's reports may be applied out of order:
+    call on a threaded actor (about a third less) and ``ingest`` is called by every rank of
+    every run; two ingest threads because Ray's hand-off of calls to a single thread caps
+    the calls an actor answers per second, and a second thread raises the cap. With two,
+    one rank's reports may be applied out of order:
     :class:`~controllers.state.RunState` accepts that (a step completed later is merged
     later; running byte totals keep the latest step's).
 

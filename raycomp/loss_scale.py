@@ -5,9 +5,9 @@ changes as training goes: x2 after ``growth_interval`` clean steps, x0.5 after a
 overflowed (whose update it skips). Error-feedback memory holds what compression left out
 in the units of the step that left it. After ``S -> S'`` that residual must be multiplied
 by ``S'/S`` before it joins the next gradient; kept as it is, it counts twice after a
-backoff and half after a growth. Measured on two gloo ranks with Top-K 1%: a scaler whose
-scale changed every 5-10 steps moved the parameters by up to 0.04 from the run without one;
-followed, powers of two make it the same run, bit for bit (``tests/test_loss_scale.py``).
+backoff and half after a growth, and a scale that changes every few steps moves the run
+away from the one without a scaler. Followed, powers of two make it the same run, bit for
+bit (``tests/test_loss_scale.py``).
 
 The scale is read as the scaler's own tensor (``GradScaler._scale``): its public
 ``get_scale()`` copies it to the host, a sync per step on CUDA. Following it costs one
