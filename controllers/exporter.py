@@ -111,7 +111,14 @@ class ControllerCollector:
         f["raycomp_outer_steps_total"].add_metric([rid], run.outer_steps)
         if run.lr is not None:
             f["raycomp_learning_rate"].add_metric([rid], run.lr)
-        f["raycomp_plan_switches_total"].add_metric([rid], run.plan_switches)
+        # switches without a recorded rule (a run restored from an older snapshot), and a
+        # series from the start at 0, so the first switch is an increase
+        by_rule = dict(run.switches_by_rule)
+        unattributed = run.plan_switches - sum(by_rule.values())
+        if unattributed > 0 or not by_rule:
+            by_rule["unattributed"] = max(0, unattributed)
+        for rule, count in sorted(by_rule.items()):
+            f["raycomp_plan_switches_total"].add_metric([rid, rule], count)
         f["raycomp_controller_reports_total"].add_metric([rid], run.reports)
         f["raycomp_controller_outages_total"].add_metric([rid], sum(run.per_rank_outages.values()))
         f["raycomp_run_active"].add_metric([rid], float(run.status == "running"))

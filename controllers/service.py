@@ -23,6 +23,7 @@ import ray
 
 from controllers.policies import make_policy
 from controllers.policies.base import Policy
+from controllers.policies.decision import checked
 from controllers.snapshots import SnapshotStore
 from controllers.state import RunState
 from raycomp.plan import GradStats, ReportTooLarge
@@ -105,12 +106,12 @@ class Controller:
 
     def _decide(self, run: RunState) -> None:
         policy = self.policies[run.run_id]
-        plan = policy.warmup(run) if run.step + 1 < run.warmup_steps else policy.decide(run)
-        if plan is not None:
+        decision = checked(policy.warmup(run) if run.step + 1 < run.warmup_steps else policy.decide(run), run.policy)
+        if decision is not None:
             before = run.plan.version
-            run.install(plan)
+            run.install(decision.plan, decision.facts())
             if run.plan.version != before:
-                log.info("run %s: plan %d (%s)", run.run_id, run.plan.version, run.plan.reason)
+                log.info("run %s: plan %d by %s (%s)", run.run_id, run.plan.version, decision.rule, run.plan.reason)
                 self._unsaved[run.run_id] = True
 
     def plan(self, run_id: str, known_version: int = -1) -> dict[str, Any] | None:

@@ -105,6 +105,7 @@ class RunState:
         self.fallback_active = False
         self.plan = Plan(reason="warm-up: dense")
         self.plan_switches = 0
+        self.switches_by_rule: dict[str, int] = {}  # plan switches by the rule that decided them
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self.fallback_events = 0
         self.reports = 0
@@ -224,16 +225,22 @@ class RunState:
     def dense_bytes(self) -> float:
         return sum(d for _, d in self.per_rank_bytes.values())
 
-    def install(self, plan: Plan) -> Plan:
-        """Publish ``plan`` (next version) if it differs from the current one."""
+    def install(self, plan: Plan, why: dict[str, Any] | None = None) -> Plan:
+        """Publish ``plan`` (next version) if it differs from the current one; ``why``: the
+        decision's facts (:meth:`controllers.policies.decision.Decision.facts`), kept with the
+        plan event and counted by their rule."""
         same = (plan.default, plan.layers, plan.dense, plan.local) == \
             (self.plan.default, self.plan.layers, self.plan.dense, self.plan.local)
         if same:
             return self.plan
         self.plan = plan.with_version(self.plan.version + 1)
         self.plan_switches += 1
-        self.events.append({"step": self.step, "kind": "plan", "reason": plan.reason,
-                            "detail": f"version {self.plan.version}"})
+        event = {"step": self.step, "kind": "plan", "reason": plan.reason, "detail": f"version {self.plan.version}"}
+        if why is not None:
+            rule = str(why.get("rule", "unknown"))
+            self.switches_by_rule[rule] = self.switches_by_rule.get(rule, 0) + 1
+            event["why"] = why
+        self.events.append(event)
         return self.plan
 
     # --- snapshots ------------------------------------------------------------------------
@@ -262,6 +269,7 @@ class RunState:
             "skipped_steps": self.skipped_steps, "loss_scale": self.loss_scale, "outer_steps": self.outer_steps,
             "lr": self.lr, "peak_lr": self.peak_lr,
             "eval_kind": self.eval_kind, "fallback_by_reason": self.fallback_by_reason,
+            "switches_by_rule": self.switches_by_rule,
             "histograms": {k: vars(h) for k, h in self.histograms.items()},
         }
 
@@ -284,6 +292,7 @@ class RunState:
         run.eval_metric, run.fallback_active = data["eval_metric"], data["fallback_active"]
         run.plan = Plan.from_dict(data["plan"])
         run.plan_switches, run.fallback_events = data["plan_switches"], data["fallback_events"]
+        run.switches_by_rule = dict(data.get("switches_by_rule", {}))
         run.events.extend(data["events"])
         run.reports, run.status = data["reports"], data["status"]
         run.per_rank_bytes = {int(k): (v[0], v[1]) for k, v in data["per_rank_bytes"].items()}

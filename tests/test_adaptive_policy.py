@@ -6,6 +6,7 @@ per-layer gradient norms, compression errors and bytes)."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Callable
@@ -281,28 +282,29 @@ def test_an_early_first_boundary_without_layer_statistics_starts_the_warm_up_and
     assert sim.wire == sim.dense
     assert ranks(sim.plan) == dict.fromkeys(EVERY_LAYER, "int4")
     assert sim.plan.reason.startswith("warm-up: slow link 1.2 MB/s")
-    assert warm.last_detect is None and not any(warm.critical.values())
+    assert warm.state.last_detect is None and not any(warm.state.critical.values())
     sim.run(1, SLOW, steps=2)  # step 4: the first layer statistics
-    assert warm.last_detect == 4 and all(warm.critical[n] for n in EVERY_LAYER)
+    assert warm.state.last_detect == 4 and all(warm.state.critical[n] for n in EVERY_LAYER)
 
 
 def test_the_warm_up_state_survives_a_controller_restart():
     sim = Sim(warmup="near_lossless")
     sim.run(2, SLOW)
     policy = sim.controller.policies["run"]
-    state = policy.state_dict()
-    assert state["inner"]["warm"]["shift"] == 0 and len(state["inner"]["warm"]["history"]) == 2
+    state = json.loads(json.dumps(policy.state_dict()))
+    warm = state["inner"]["state"]["fields"]["warm"]
+    assert warm["shift"] == 0 and len(warm["history"]) == 2
     again = make_policy("adaptive", {**sim.options, "min_compress_numel": 1024})
     again.load_state_dict(state)
     assert again.state_dict() == state
     run = sim.controller.runs["run"]
     assert again.warmup(run) == policy.warmup(run)
-    # a snapshot from before the warm-up had a choice of its own loads, the warm-up fresh
-    older = {**state["inner"]}
-    del older["warm"]
+    # a snapshot written before the warm-up had a choice of its own: the field's default, a fresh one
+    del state["inner"]["state"]["fields"]["warm"]
     fresh = make_policy("adaptive", {**sim.options, "min_compress_numel": 1024})
-    fresh.inner.load_state_dict(older)
-    assert fresh.inner.warm.shift is None and fresh.inner.choice.state_dict() == policy.inner.choice.state_dict()
+    fresh.load_state_dict(state)
+    assert fresh.inner.warm.state.shift is None and fresh.inner.warm.state is fresh.inner.state.warm
+    assert fresh.inner.choice.state == policy.inner.choice.state
 
 
 def test_a_sharded_run_gets_int8_on_a_slow_link_and_dense_on_a_fast_one():
@@ -449,7 +451,7 @@ def test_a_raised_floor_does_not_move_the_others_heavier_before_patience():
 
     sim = Sim()
     sim.run(10, MEDIUM, burst)  # to step 49: shift 1
-    sim.controller.policies["run"].inner.choice.shift = 3  # as a link-driven switch would leave it
+    sim.controller.policies["run"].inner.choice.state.shift = 3  # as a link-driven switch would leave it
     assert ranks(sim.run(1, MEDIUM, burst))["fc1.weight"] == 8  # 54: outside the band, one strike
     raised = sim.run(1, MEDIUM, burst)  # 59: out.weight critical
     assert ranks(raised) == {"fc1.weight": 8, "fc2.weight": 8, "out.weight": "int8", "norm.weight": "int8"}
@@ -533,7 +535,7 @@ def test_a_powersgd_rank_change_does_not_restart_the_error_count():
     sim = Sim(errors={"powersgd r=1": 0.97, "powersgd r=2": 0.97, "topk": 0.6, "int8": 0.004})
     sim.run(8, SLOW)  # step 39: rank 1 from here
     sim.run(1, SLOW)  # 44: PowerSGD's round overhead measured, the choice re-decided: rank 1
-    sim.controller.policies["run"].inner.choice.shift = 1  # as a link-driven switch would leave it
+    sim.controller.policies["run"].inner.choice.state.shift = 1  # as a link-driven switch would leave it
     sim.run(1, SLOW)  # 49: rank 2 (outside the band: one strike)
     assert ranks(sim.plan)["fc1.weight"] == 2
     sim.run(1, SLOW)  # 54: the second strike, back to rank 1
@@ -624,7 +626,7 @@ def test_each_collective_family_is_priced_by_its_own_measured_rounds():
     assert policy.overhead["powersgd"] == pytest.approx((0.005 + 0.01) / 2, rel=0.05)
     # a family first run beside measured ones gets its share of the interval at the measured
     # families' mean round, not what they leave unexplained (here nothing: it was priced free)
-    policy.overhead = {"powersgd": 0.005}
+    policy.state.overhead = {"powersgd": 0.005}
     policy.measure_rounds({"powersgd": 2, "bf16": 1}, 0.009)  # 10 ms expected of PowerSGD alone
     assert policy.overhead["bf16"] == pytest.approx(0.009 / 3)  # 1 of 3 expected rounds' worth
     assert policy.overhead["powersgd"] == pytest.approx((0.005 + 0.009 / 3) / 2)
@@ -660,7 +662,7 @@ def test_on_the_assumed_round_overhead_compression_must_save_twice_the_slack():
     sim = Sim()
     link = Link(bandwidth=101e6, overhead=0.011)
     sim.run(8, link)  # boundaries at steps 19-39, a regime window ends at 39
-    history = list(sim.controller.policies["run"].inner.choice.history)
+    history = sim.details()["history"]
     assert [h[1] for h in history] == ["dense"] * 5
     assert history[0][2].endswith("→ dense: compressed 54.1 ms vs dense 62.1 ms "
                                   "(within 20% on the assumed round overhead)")
@@ -676,7 +678,7 @@ def test_no_warm_up_starts_dense_to_measure_the_link():
     options = AdaptiveOptions().model_dump(mode="json")
     plan = controller.register_run("r", W, SHAPES, "adaptive", options, 0, K, 1024)
     assert plan["layers"] == {} and not plan["dense"]
-    assert controller.policies["r"].last.reason == "adaptive: dense until a dense interval has timed the link"
+    assert controller.policies["r"].state.last.reason == "adaptive: dense until a dense interval has timed the link"
 
 
 def test_assumed_bandwidth_overrides_the_measurement():
@@ -694,21 +696,6 @@ def test_state_round_trips_through_a_controller_restart(tmp_path):
     again.load_state_dict(policy.state_dict())
     assert again.state_dict() == policy.state_dict()
     assert again.decide(sim.controller.runs["run"]) == policy.decide(sim.controller.runs["run"])
-
-
-def test_a_checkpoint_with_one_round_overhead_for_every_family_still_loads():
-    # written before the round overhead was kept per family: one figure, measured or not
-    sim = Sim()
-    sim.run(8, SLOW)
-    old = {**sim.controller.policies["run"].inner.state_dict(), "overhead": 0.03, "overhead_measured": True,
-           "on_prior": True}
-    del old["prior_families"]
-    again = make_policy("adaptive", {**sim.options, "min_compress_numel": 1024}).inner
-    again.load_state_dict(old)
-    assert again.cost.overhead == dict.fromkeys(("powersgd", "topk", "quantized", "bf16", "fp16"), 0.03)
-    assert again.choice.prior_families == {"powersgd", "topk", "quantized", "bf16", "fp16"}  # re-decided next
-    again.load_state_dict({**old, "overhead_measured": False, "on_prior": False})
-    assert again.cost.overhead == {} and again.choice.prior_families == set()
 
 
 def test_shapes_size_powersgd_and_counts_assume_a_square():

@@ -232,3 +232,22 @@ def test_a_failed_snapshot_write_leaves_the_run_due(tmp_path):
     runs_dir.unlink()
     assert controller.flush_one() and "r1" not in controller._unsaved
     assert Controller(snapshot_dir=str(tmp_path / "snap")).runs["r1"].reports == 2
+
+
+def test_a_policy_that_returns_a_bare_plan_is_refused_in_one_line():
+    from controllers.policies import Policy, register_policy, unregister_policy
+    from raycomp.plan import Plan
+
+    class Bare(Policy):
+        name = "bare"
+
+        def decide(self, run):
+            return Plan(reason="bare")
+
+    register_policy("bare", Bare)
+    try:
+        controller = Controller()
+        with pytest.raises(TypeError, match=r"^policy 'bare': decide/warmup must return a Decision .* got Plan$"):
+            controller.register_run("r", 2, {"w": [64, 64]}, "bare", {}, 0, 5, 1024)
+    finally:
+        unregister_policy("bare")

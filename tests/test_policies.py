@@ -65,7 +65,7 @@ def ratio_of(plan: Plan, layer: str) -> float | None:
 def test_static_plan() -> None:
     run = new_run({"a": BIG})
     feed(run, 0)
-    plan = make_policy("static", options("static")).decide(run)
+    plan = make_policy("static", options("static")).decide(run).plan
     assert plan.default == CompressorSpec.of("topk", ratio=0.01) and not plan.dense
 
 
@@ -75,7 +75,7 @@ def test_schedule_stage_applies_from_the_step_after_the_boundary() -> None:
     expected = {0: 0.25, 48: 0.25, 49: 0.06, 50: 0.06, 98: 0.06, 99: 0.015, 149: 0.004, 500: 0.004}
     for step, ratio in expected.items():
         feed(run, step)
-        assert ratio_of(policy.decide(run), "a") == ratio, step
+        assert ratio_of(policy.decide(run).plan, "a") == ratio, step
 
 
 # --- critical (Accordion) ----------------------------------------------------------------
@@ -88,7 +88,7 @@ def test_critical_switches_on_norm_change_between_windows() -> None:
     seen = {}
     for step in range(2, 20, 2):
         feed(run, step, {"a": 1.0 if step <= 10 else 3.0, "b": 1.0 if step <= 10 else 1.4})
-        plan = policy.decide(run)
+        plan = policy.decide(run).plan
         assert plan.spec_for("tiny") == DENSE
         seen[step] = (plan.spec_for("a"), plan.spec_for("b"))
     assert seen[2] == seen[4] == (low, low)  # first window: everything critical
@@ -108,8 +108,8 @@ def test_critical_keeps_regime_of_layers_without_statistics() -> None:
     feed(run, 0)
     policy.decide(run)
     run.step = 5  # a merged step without layer statistics in the window
-    assert policy.decide(run).spec_for("a") == policy.options.low.spec()
-    assert policy.prev_norms == {"a": 1.0}
+    assert policy.decide(run).plan.spec_for("a") == policy.options.low.spec()
+    assert policy.state.prev_norms == {"a": 1.0}
 
 
 # --- error budget (L-GreCo) -----------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_error_budget_compresses_flat_profiles_harder_within_budget() -> None:
     profiles = {"flat": {0.001: 0.46, 0.01: 0.45, 0.1: 0.30},
                 "steep": {0.001: 0.95, 0.01: 0.50, 0.1: 0.10}}
     feed(run, 0, profiles=profiles)
-    plan = policy.decide(run)
+    plan = policy.decide(run).plan
     assert ratio_of(plan, "flat") == 0.001
     assert ratio_of(plan, "steep") == 0.01
     assert ratio_of(plan, "unmeasured") == 0.01 and plan.spec_for("tiny") == DENSE
@@ -161,9 +161,9 @@ def test_error_budget_compresses_flat_profiles_harder_within_budget() -> None:
     assert d["budget"] == pytest.approx(1.1 * (0.45**2 + 0.5**2))
     # not due again before every_steps, even if the profiles change
     feed(run, 3, profiles={"flat": profiles["steep"], "steep": profiles["flat"]})
-    assert policy.decide(run) == plan
+    assert policy.decide(run).plan == plan
     feed(run, 5, profiles={"flat": profiles["steep"], "steep": profiles["flat"]})
-    plan = policy.decide(run)
+    plan = policy.decide(run).plan
     assert (ratio_of(plan, "flat"), ratio_of(plan, "steep")) == (0.01, 0.001)
 
 
@@ -179,7 +179,7 @@ def test_error_budget_never_exceeds_budget(seed: int) -> None:
         profiles[name] = dict(zip(ratios, errs, strict=True))
     feed(run, 0, {n: rng.uniform(0.1, 10) for n in names}, profiles=profiles)
     policy = ErrorBudgetPolicy(typed("error_budget", slack=rng.choice([0.0, 0.2])))
-    plan = policy.decide(run)
+    plan = policy.decide(run).plan
     d = policy.details()
     assert d["measured_layers"] == 6
     achieved = sum((profiles[n][ratio_of(plan, n)] * run.layers[n].grad_norm[-1][1]) ** 2 for n in names)
@@ -191,9 +191,9 @@ def test_error_budget_without_measurements_keeps_reference() -> None:
     policy = ErrorBudgetPolicy(typed("error_budget"))
     run = new_run({"a": BIG})
     feed(run, 0)
-    assert ratio_of(policy.decide(run), "a") == 0.01
+    assert ratio_of(policy.decide(run).plan, "a") == 0.01
     feed(run, 1, profiles={"a": {r: 0.0 for r in policy.ratios}})  # solves again at once
-    assert ratio_of(policy.decide(run), "a") == 0.001
+    assert ratio_of(policy.decide(run).plan, "a") == 0.001
 
 
 def test_error_budget_partial_profiles() -> None:
@@ -201,12 +201,12 @@ def test_error_budget_partial_profiles() -> None:
     run = new_run({"a": BIG, "b": BIG})
     # a lacks the reference ratio: kept at it; b chooses among what was measured
     feed(run, 0, profiles={"a": {0.001: 0.0, 0.1: 0.0}, "b": {0.01: 0.5, 0.03: 0.5, 0.1: 0.1}})
-    plan = policy.decide(run)
+    plan = policy.decide(run).plan
     assert (ratio_of(plan, "a"), ratio_of(plan, "b")) == (0.01, 0.01)
     assert policy.details()["measured_layers"] == 1
     run.layers["b"].topk_errors = {"0.01": float("nan"), "x": 0.1, "0.1": 0.2}  # junk is skipped
     run.step = 1
-    assert ratio_of(policy.decide(run), "b") == 0.01 and policy.details()["measured_layers"] == 0
+    assert ratio_of(policy.decide(run).plan, "b") == 0.01 and policy.details()["measured_layers"] == 0
 
 
 # --- bandwidth -------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def test_bandwidth_dense_when_cheap_strong_when_comm_dominates() -> None:
     feed_timing(run, 10, comm=0.001, compute=0.1)
     assert policy.decide(run) is None  # one timing: no estimate yet
     feed_timing(run, 20, comm=0.001, compute=0.1)  # 1 GB/s: 1 ms dense < 100 ms compute
-    plan = policy.decide(run)
+    plan = policy.decide(run).plan
     assert plan.default == DENSE and not plan.layers
     assert policy.details()["bandwidth"] == pytest.approx(1e9)
 
@@ -233,12 +233,12 @@ def test_bandwidth_dense_when_cheap_strong_when_comm_dominates() -> None:
     run = new_run({"a": BIG, "tiny": SMALL}, interval_steps=10)
     feed_timing(run, 10, comm=1.0, compute=0.01)
     feed_timing(run, 20, comm=1.0, compute=0.01)  # 1 MB/s: t(r) = 2 r s <= 10 ms -> r <= 0.005
-    plan = policy.decide(run)
+    plan = policy.decide(run).plan
     assert ratio_of(plan, "a") == 0.003 and plan.spec_for("tiny") == DENSE
     feed_timing(run, 30, comm=100.0, compute=0.01)  # nothing fits: the smallest ratio
     policy.decide(run)
     feed_timing(run, 40, comm=100.0, compute=0.01)
-    assert ratio_of(policy.decide(run), "a") == 0.001
+    assert ratio_of(policy.decide(run).plan, "a") == 0.001
 
 
 def test_bandwidth_world_size_scales_topk_cost() -> None:
@@ -246,7 +246,7 @@ def test_bandwidth_world_size_scales_topk_cost() -> None:
     run = new_run({"a": BIG}, world_size=4, interval_steps=10)
     feed_timing(run, 10, comm=1.0, compute=0.01)
     feed_timing(run, 20, comm=1.0, compute=0.01)  # t(r) = 4 r s <= 10 ms -> r <= 0.0025
-    assert ratio_of(policy.decide(run), "a") == 0.001
+    assert ratio_of(policy.decide(run).plan, "a") == 0.001
 
 
 def test_bandwidth_hysteresis() -> None:
@@ -257,7 +257,7 @@ def test_bandwidth_hysteresis() -> None:
     ratios = []
     for step, (comm, compute) in zip(range(20, 90, 10), [cheap, costly, cheap, costly, costly, costly, cheap], strict=True):
         feed_timing(run, step, comm, compute)
-        ratios.append(ratio_of(policy.decide(run), "a"))
+        ratios.append(ratio_of(policy.decide(run).plan, "a"))
     # a single costly interval does not switch; two in a row do; one cheap one does not go back
     assert ratios == [None, None, None, None, 0.003, 0.003, 0.003]
     assert policy.details()["switches"] == 1
@@ -269,7 +269,7 @@ def test_bandwidth_single_worker_has_nothing_to_save() -> None:
     run = new_run({"a": BIG}, world_size=1, interval_steps=10)
     feed(run, 10, comm=0.0)
     feed(run, 20, comm=0.0)
-    assert policy.decide(run) == Plan(reason="bandwidth: ratio 1")
+    assert policy.decide(run).plan == Plan(reason="bandwidth: ratio 1")
 
 
 # --- guard -----------------------------------------------------------------------------------
@@ -278,12 +278,12 @@ def test_guard_returns_dense_while_workers_fall_back() -> None:
     assert isinstance(policy, Guarded) and policy.name == "static"
     run = new_run({"a": BIG})
     feed(run, 0)
-    assert policy.decide(run).default.name == "topk"
+    assert policy.decide(run).plan.default.name == "topk"
     feed(run, 1, fallback=True)
-    plan = policy.decide(run)
+    plan = policy.decide(run).plan
     assert plan.dense and plan.spec_for("a") == DENSE and "fallback" in plan.reason
     feed(run, 2)
-    assert policy.decide(run).default.name == "topk"
+    assert policy.decide(run).plan.default.name == "topk"
     assert policy.details()["guard_suppressed_decisions"] == 1
 
 
@@ -293,12 +293,12 @@ def test_guard_republishes_inner_plan_when_inner_keeps_it() -> None:
     assert policy.decide(run) is None  # nothing measured, nothing decided
     feed_timing(run, 10, comm=1.0, compute=0.01)
     feed_timing(run, 20, comm=1.0, compute=0.01)
-    compressed = policy.decide(run)
+    compressed = policy.decide(run).plan
     run.timings.clear()  # inner policy has no estimate and returns its current plan
     run.fallback_active = True
-    assert policy.decide(run).dense
+    assert policy.decide(run).plan.dense
     run.fallback_active = False
-    assert policy.decide(run) == compressed
+    assert policy.decide(run).plan == compressed
 
 
 # --- registry --------------------------------------------------------------------------------

@@ -13,7 +13,15 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from controllers.policies import POLICIES, Policy, make_policy, register_policy, unregister_policy
+from controllers.policies import (
+    POLICIES,
+    Decision,
+    Policy,
+    Said,
+    make_policy,
+    register_policy,
+    unregister_policy,
+)
 from controllers.policies.base import compressible_layers
 from controllers.state import RunState
 from jobs import config as job_config
@@ -65,11 +73,12 @@ class LargestLayers(Policy):
 
     options: LargestOptions
 
-    def decide(self, run: RunState) -> Plan:
+    def decide(self, run: RunState) -> Decision:
         layers = sorted(compressible_layers(run, self.min_numel), key=lambda n: -run.layers[n].numel)
         chosen = layers[: self.options.count]  # the typed options: an instance of LargestOptions
         spec = CompressorSpec.of(self.options.compressor)
-        return Plan.per_layer(dict.fromkeys(chosen, spec), reason=f"largest {len(chosen)}: {', '.join(chosen)}")
+        return Decision.of(Plan.per_layer(dict.fromkeys(chosen, spec)),
+                           Said("largest", f"largest {len(chosen)}: {', '.join(chosen)}"))
 
 
 # --- compressors ----------------------------------------------------------------------------

@@ -27,9 +27,11 @@ from controllers.policies.adaptive import AdaptivePolicy
 from controllers.policies.bandwidth import BandwidthPolicy
 from controllers.policies.base import MIN_COMPRESS_NUMEL, Policy
 from controllers.policies.critical import CriticalPolicy
+from controllers.policies.decision import Decision, Why
 from controllers.policies.error_budget import ErrorBudgetPolicy
 from controllers.policies.guarded import Guarded
 from controllers.policies.local import LocalChoice
+from controllers.policies.reasons import Said
 from controllers.policies.schedule import SchedulePolicy
 from controllers.policies.static import StaticPolicy
 from raycomp.config import LocalSection, policy_sections
@@ -127,7 +129,7 @@ def make_policy(name: str, options: dict[str, Any], guard: bool = True) -> Polic
 
 __all__ = [
     "POLICIES", "REGISTRY", "AdaptiveOptions", "AdaptivePolicy", "BandwidthOptions", "BandwidthPolicy",
-    "CriticalOptions", "CriticalPolicy", "ErrorBudgetOptions", "ErrorBudgetPolicy", "Guarded", "LocalChoice", "Policy",
-    "PolicyOptions", "ScheduleOptions", "SchedulePolicy", "ScheduleStage", "StaticOptions", "StaticPolicy",
+    "CriticalOptions", "CriticalPolicy", "Decision", "ErrorBudgetOptions", "ErrorBudgetPolicy", "Guarded", "LocalChoice", "Policy",
+    "PolicyOptions", "Said", "ScheduleOptions", "SchedulePolicy", "ScheduleStage", "StaticOptions", "StaticPolicy", "Why",
     "make_policy", "options_key", "policy_class", "register_policy", "unregister_policy", "validate_options",
 ]

@@ -26,18 +26,23 @@ the lossy rungs and local steps wait for the warm-up's end. Options:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
 
 from controllers.policies.base import Policy
-from controllers.policies.chooser import Chooser
-from controllers.policies.cost_model import CostModel
+from controllers.policies.chooser import Chooser, ChooserState
+from controllers.policies.cost_model import CostModel, CostState
+from controllers.policies.decision import Decision
+from controllers.policies.reasons import WarmupWhy
 from controllers.state import RunState
 from raycomp.config.policy_options import AdaptiveOptions
-from raycomp.plan import Plan
 
-#: the families one figure of round overhead stood for in older snapshots
-LEGACY_FAMILIES = ("powersgd", "topk", "quantized", "bf16", "fp16")
+
+@dataclass
+class AdaptiveState:
+    cost: CostState  # the link, the compute and each family's round overhead, as measured
+    choice: ChooserState  # regimes, floors and the plan in force
+    warm: ChooserState | None = None  # the warm-up's own choice (None: a dense warm-up)
 
 
 class AdaptivePolicy(Policy):
@@ -52,42 +57,43 @@ class AdaptivePolicy(Policy):
         # the warm-up's own choice: the same measurements, the near-lossless rungs and dense
         near = options.warmup == "near_lossless" and bool(options.near_lossless)
         self.warm = Chooser(options.model_copy(update={"lossy": "never"}), self.cost, self.min_numel) if near else None
+        self.state: AdaptiveState = AdaptiveState(self.cost.state, self.choice.state,
+                                                  None if self.warm is None else self.warm.state)
 
-    def decide(self, run: RunState) -> Plan | None:
+    def restored(self) -> None:
+        self.cost.state, self.choice.state = self.state.cost, self.state.choice
+        if self.warm is not None:
+            if self.state.warm is None:
+                self.state.warm = ChooserState()
+            self.warm.state = self.state.warm
+
+    def cost_models(self) -> list[CostModel]:
+        return [self.cost]
+
+    def decide(self, run: RunState) -> Decision:
         self.cost.measure(run)
         return self.choice.decide(run)
 
-    def warmup(self, run: RunState) -> Plan | None:
+    def warmup(self, run: RunState) -> Decision | None:
         if self.warm is None:
             return super().warmup(run)
         self.cost.measure(run)
-        plan = self.warm.decide(run)
-        return replace(plan, reason=f"warm-up: {plan.reason}")
+        decision = self.warm.decide(run)
+        return Decision.of(decision.plan, WarmupWhy(decision.why))
 
     def details(self) -> dict[str, Any]:
-        cost, choice = self.cost, self.choice
+        cost, choice = self.cost, self.choice.state
         return {
             "bandwidth_bytes_per_s": cost.bw, "bandwidth_assumed": cost.assumed_bw is not None,
             "round_overhead_s": dict(cost.overhead), "round_overhead_measured": bool(cost.overhead),
             "compute_s": cost.compute, "predicted_step_s": list(choice.predicted),
             "shift": choice.shift, "dense": choice.dense_chosen, "switches": choice.switches,
-            "lossy": choice.lossy, "critical_layers": sorted(n for n, c in choice.critical.items() if c),
+            "lossy": self.choice.lossy, "critical_layers": sorted(n for n, c in choice.critical.items() if c),
             "error_floor": dict(choice.error_floor), "last_detection_step": choice.last_detect,
-            "history": list(choice.history),
-            "warmup_history": [] if self.warm is None else list(self.warm.history),
+            "history": [[r.step, r.choice, r.reason] for r in choice.history],
+            "warmup_history": [] if self.warm is None else [[r.step, r.choice, r.reason]
+                                                            for r in self.warm.state.history],
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        warm = None if self.warm is None else self.warm.state_dict()
-        return {**self.cost.state_dict(), **self.choice.state_dict(), "warm": warm}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return  # nothing saved yet: start fresh
-        self.cost.load_state_dict(state, LEGACY_FAMILIES)
-        self.choice.load_state_dict(state, LEGACY_FAMILIES)
-        if self.warm is not None and state.get("warm"):  # older snapshots have none
-            self.warm.load_state_dict(state["warm"], LEGACY_FAMILIES)
 
 
 __all__ = ["AdaptivePolicy"]

@@ -24,16 +24,37 @@ are not listed and stay dense.
 
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from controllers.policies.base import Policy, compressible_layers
+from controllers.policies.decision import Decision
+from controllers.policies.reasons import BandwidthWhy
 from controllers.state import RunState
 from raycomp.config.policy_options import BandwidthOptions
 from raycomp.plan import CompressorSpec, Plan
 
 HISTORY = 32
 PATIENCE = 2  # consecutive differing choices before a switch
+
+
+@dataclass
+class Choice:
+    """One boundary's choice: the ratio it asked for, and the ratio in force after it."""
+
+    step: int
+    asked: float
+    current: float
+
+
+@dataclass
+class BandwidthState:
+    current: float | None = None  # the Top-K ratio in force (1.0: dense)
+    strikes: int = 0  # boundaries in a row that asked for another ratio
+    switches: int = 0
+    #: the latest estimate: bandwidth (bytes/s, None: unlimited), compute_seconds, dense_bytes_per_step
+    estimate: dict[str, float | None] = field(default_factory=dict)
+    history: list[Choice] = field(default_factory=list)  # the latest HISTORY boundaries
 
 
 class BandwidthPolicy(Policy):
@@ -44,32 +65,29 @@ class BandwidthPolicy(Policy):
         super().__init__(options, min_compress_numel)
         self.ratios = sorted({float(r) for r in options.ratios}, reverse=True)
         self.target = float(options.target_overlap)
-        self.current: float | None = None
-        self.strikes = 0
-        self.switches = 0
-        self.estimate: dict[str, Any] = {}  # bandwidth (bytes/s, None: unlimited), ...
-        self.history: deque[list[Any]] = deque(maxlen=HISTORY)  # [step, choice, current]
+        self.state: BandwidthState = BandwidthState()
 
-    def decide(self, run: RunState) -> Plan | None:
+    def decide(self, run: RunState) -> Decision | None:
+        s = self.state
         estimate = self._estimate(run)
         if estimate is not None:
-            self.estimate = estimate
+            s.estimate = estimate
             choice = self._choose(run.world_size, **estimate)
-            if self.current is None or choice == self.current:
-                self.current, self.strikes = choice, 0
+            if s.current is None or choice == s.current:
+                s.current, s.strikes = choice, 0
             else:
-                self.strikes += 1
-                if self.strikes >= PATIENCE:
-                    self.current, self.strikes = choice, 0
-                    self.switches += 1
-            self.history.append([run.step, choice, self.current])
-        if self.current is None:
+                s.strikes += 1
+                if s.strikes >= PATIENCE:
+                    s.current, s.strikes = choice, 0
+                    s.switches += 1
+            s.history = [*s.history, Choice(run.step, choice, s.current)][-HISTORY:]
+        if s.current is None:
             return None  # nothing measured yet: keep the current plan
-        reason = f"bandwidth: ratio {self.current:g}"
-        if self.current >= 1.0:
-            return Plan(reason=reason)
-        topk = CompressorSpec.of("topk", ratio=self.current)
-        return Plan.per_layer({n: topk for n in compressible_layers(run, self.min_numel)}, reason=reason)
+        if s.current >= 1.0:
+            return Decision.of(Plan(), BandwidthWhy(s.current))
+        topk = CompressorSpec.of("topk", ratio=s.current)
+        return Decision.of(Plan.per_layer({n: topk for n in compressible_layers(run, self.min_numel)}),
+                           BandwidthWhy(s.current))
 
     @staticmethod
     def _estimate(run: RunState) -> dict[str, Any] | None:
@@ -100,20 +118,9 @@ class BandwidthPolicy(Policy):
         return self.ratios[-1]
 
     def details(self) -> dict[str, Any]:
-        return {"ratio": self.current, "switches": self.switches,
-                "target_overlap": self.target, **self.estimate, "history": list(self.history)}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"current": self.current, "strikes": self.strikes, "switches": self.switches,
-                "estimate": dict(self.estimate), "history": [list(h) for h in self.history]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return  # nothing saved yet: start fresh
-        self.current, self.strikes = state["current"], int(state["strikes"])
-        self.switches = int(state["switches"])
-        self.estimate = dict(state["estimate"])
-        self.history = deque((list(h) for h in state["history"]), maxlen=HISTORY)
+        s = self.state
+        return {"ratio": s.current, "switches": s.switches, "target_overlap": self.target, **s.estimate,
+                "history": [[c.step, c.asked, c.current] for c in s.history]}
 
 
 __all__ = ["BandwidthPolicy"]

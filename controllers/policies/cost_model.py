@@ -15,7 +15,7 @@ The derivation and its measured grounds: ``docs/cost-model.md``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field
 
 from controllers.state import LayerHistory, RunState
 from raycomp.compressors import Compressor, Transport, compressor_class, make_compressor
@@ -23,6 +23,16 @@ from raycomp.plan import DENSE, CompressorSpec
 
 SMOOTHING = 0.5  # EMA weight of the newest measurement
 DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
+
+
+@dataclass
+class CostState:
+    """What a cost model has measured."""
+
+    bw: float | None = None  # bytes/s per rank (the assumed bandwidth when one is given)
+    overhead: dict[str, float] = field(default_factory=dict)  # family -> seconds of an extra round
+    compute: float | None = None  # seconds a step computes
+    seen_step: int = -1  # latest Timing step taken into the estimates
 
 
 class CostModel:
@@ -40,12 +50,22 @@ class CostModel:
         self.prior = float(round_seconds)
         self.assumed_bw = bandwidth
         self.sharded = sharded
-        self.bw: float | None = bandwidth
-        #: collective family -> seconds an extra round of it costs, measured
-        self.overhead: dict[str, float] = {}
-        self.compute: float | None = None
-        self.seen_step = -1  # latest Timing step taken into the estimates
+        #: what it measured; part of its policy's state (the policy hands it a loaded one)
+        self.state = CostState(bw=bandwidth)
         self._compressors: dict[CompressorSpec, Compressor] = {}
+
+    @property
+    def bw(self) -> float | None:
+        return self.state.bw
+
+    @property
+    def compute(self) -> float | None:
+        return self.state.compute
+
+    @property
+    def overhead(self) -> dict[str, float]:
+        """collective family -> seconds an extra round of it costs, measured"""
+        return self.state.overhead
 
     @property
     def ready(self) -> bool:
@@ -55,7 +75,8 @@ class CostModel:
     # --- measuring ----------------------------------------------------------------------
     def measure(self, run: RunState) -> None:
         """Take the Timing reports not seen yet into the estimates."""
-        timings = [t for t in run.timings if t.step > self.seen_step]
+        s = self.state
+        timings = [t for t in run.timings if t.step > s.seen_step]
         if not timings:
             return
         index = len(run.timings) - len(timings)
@@ -68,22 +89,22 @@ class CostModel:
                 steps = t.step - previous.step
                 wire, dense = t.wire_bytes - previous.wire_bytes, t.dense_bytes - previous.dense_bytes
             previous = t
-            self.seen_step = t.step
+            s.seen_step = t.step
             if steps <= 0 or wire < 0 or dense <= 0:
                 continue  # a restart reset the totals, or nothing was sent: no sample
             wire, dense = wire / (per_rank * steps), dense / (per_rank * steps)
-            self.compute = ema(self.compute, max(0.0, t.compute_seconds))
+            s.compute = ema(s.compute, max(0.0, t.compute_seconds))
             if wire >= DENSE_SHARE * dense:
                 if self.assumed_bw is None and t.comm_seconds > 0:
                     # average seconds per byte, not bytes per second: one slow interval
                     # after a fast one must weigh as much as the other way round
-                    per_byte = ema(None if self.bw is None else 1 / self.bw, t.comm_seconds / wire)
-                    self.bw = 1 / per_byte
-            elif self.bw is not None and t is run.timings[-1]:
+                    per_byte = ema(None if s.bw is None else 1 / s.bw, t.comm_seconds / wire)
+                    s.bw = 1 / per_byte
+            elif s.bw is not None and t is run.timings[-1]:
                 # the layers' compressor names are those of this (the latest) interval
                 rounds = self.rounds({h.compressor for h in run.layers.values()}, run.world_size)
                 if rounds:
-                    self.measure_rounds(rounds, max(0.0, t.comm_seconds - wire / self.bw))
+                    self.measure_rounds(rounds, max(0.0, t.comm_seconds - wire / s.bw))
 
     def measure_rounds(self, rounds: dict[str, int], residual: float) -> None:
         """Share one interval's communication beyond its bytes (``residual``) among the
@@ -96,7 +117,7 @@ class CostModel:
         total = sum(expected.values())
         for f, r in rounds.items():
             share = expected[f] / total if total > 0 else r / sum(rounds.values())
-            self.overhead[f] = ema(self.overhead.get(f), share * residual / r)
+            self.state.overhead[f] = ema(self.overhead.get(f), share * residual / r)
 
     # --- predicting ---------------------------------------------------------------------
     def predict(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[float, dict[str, int]]:
@@ -133,20 +154,10 @@ class CostModel:
             compressor = self._compressors[spec] = make_compressor(spec.name, **dict(spec.params))
         return compressor
 
-    # --- state --------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"bw": self.bw, "overhead": dict(self.overhead), "compute": self.compute,
-                "seen_step": self.seen_step}
-
-    def load_state_dict(self, state: dict[str, Any], legacy_families: tuple[str, ...]) -> None:
-        """``legacy_families``: the families one figure stood for in older snapshots."""
-        self.bw = state["bw"] if self.assumed_bw is None else self.assumed_bw
-        overhead = state["overhead"]
-        if isinstance(overhead, dict):
-            self.overhead = {str(f): float(v) for f, v in overhead.items()}
-        else:  # an older snapshot: one figure for every family, measured or still the prior
-            self.overhead = dict.fromkeys(legacy_families, float(overhead)) if state["overhead_measured"] else {}
-        self.compute, self.seen_step = state["compute"], int(state["seen_step"])
+    def skip_to(self, step: int) -> None:
+        """Take no Timing report up to ``step`` into the estimates (they timed something
+        other than per-step reductions: local steps' inner steps and syncs)."""
+        self.state.seen_step = max(self.state.seen_step, step)
 
 
 def ema(old: float | None, new: float) -> float:

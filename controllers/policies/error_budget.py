@@ -22,17 +22,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from controllers.policies.base import Policy, compressible_layers
+from controllers.policies.decision import Decision
+from controllers.policies.reasons import BudgetWhy
 from controllers.state import RunState
 from raycomp.compressors.sparse import sparse_k
 from raycomp.config.policy_options import ErrorBudgetOptions
 from raycomp.plan import CompressorSpec, Plan
 
 BINS = 400
+
+
+@dataclass
+class BudgetState:
+    last_step: int | None = None  # step of the latest solve
+    measured: int = 0  # layers with a profile at the latest solve
+    chosen: dict[str, float] = field(default_factory=dict)  # layer -> Top-K ratio
+    summary: dict[str, float] = field(default_factory=dict)  # the latest solve's budget, error, bytes
+    solves: int = 0
 
 
 def error_bins(errors: Sequence[Sequence[float]], budget: float, bins: int) -> list[list[int]]:
@@ -110,19 +122,15 @@ class ErrorBudgetPolicy(Policy):
         self.slack = float(options.slack)
         self.every = int(options.every_steps)
         self.bins = int(bins)
-        self.last_step: int | None = None
-        self.measured = 0  # layers with a profile at the latest solve
-        self.chosen: dict[str, float] = {}
-        self.summary: dict[str, Any] = {}
-        self.solves = 0
+        self.state: BudgetState = BudgetState()
 
-    def decide(self, run: RunState) -> Plan:
-        due = self.last_step is None or run.step - self.last_step >= self.every
-        if due or self.measured == 0:
+    def decide(self, run: RunState) -> Decision:
+        due = self.state.last_step is None or run.step - self.state.last_step >= self.every
+        if due or self.state.measured == 0:
             self._solve(run)
         layers = compressible_layers(run, self.min_numel)
-        plan = {n: CompressorSpec.of("topk", ratio=self.chosen.get(n, self.reference)) for n in layers}
-        return Plan.per_layer(plan, reason=f"error_budget: {self.measured}/{len(layers)} layers solved")
+        plan = {n: CompressorSpec.of("topk", ratio=self.state.chosen.get(n, self.reference)) for n in layers}
+        return Decision.of(Plan.per_layer(plan), BudgetWhy(self.state.measured, len(layers)))
 
     def _solve(self, run: RunState) -> None:
         layers = compressible_layers(run, self.min_numel)
@@ -143,33 +151,23 @@ class ErrorBudgetPolicy(Policy):
         ref_cost = sum(row[i] for row, i in zip(costs, ref, strict=True))
         if picked is None or sum(c[i] for c, i in zip(costs, picked, strict=True)) > ref_cost:
             picked = ref  # the reference always fits the budget
-        self.chosen = {n: opts[i] for n, opts, i in zip(names, options, picked, strict=True)}
-        fixed = sum(topk_bytes(run.layers[n].numel, self.reference) for n in layers if n not in self.chosen)
-        self.summary = {
+        self.state.chosen = {n: opts[i] for n, opts, i in zip(names, options, picked, strict=True)}
+        fixed = sum(topk_bytes(run.layers[n].numel, self.reference) for n in layers if n not in self.state.chosen)
+        self.state.summary = {
             "budget": budget,
             "achieved_error": sum(e[i] for e, i in zip(errors, picked, strict=True)),
             "predicted_bytes": sum(c[i] for c, i in zip(costs, picked, strict=True)) + fixed,
             "reference_bytes": ref_cost + fixed,
         }
-        self.measured = len(names)
-        self.last_step = run.step
-        self.solves += 1
+        self.state.measured = len(names)
+        self.state.last_step = run.step
+        self.state.solves += 1
 
     def details(self) -> dict[str, Any]:
-        return {"solves": self.solves, "last_solve_step": self.last_step,
+        return {"solves": self.state.solves, "last_solve_step": self.state.last_step,
                 "reference_ratio": self.reference, "slack": self.slack,
-                "measured_layers": self.measured, "ratios": dict(self.chosen), **self.summary}
+                "measured_layers": self.state.measured, "ratios": dict(self.state.chosen), **self.state.summary}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_step": self.last_step, "measured": self.measured, "chosen": dict(self.chosen),
-                "summary": dict(self.summary), "solves": self.solves}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return  # nothing saved yet: start fresh
-        self.last_step, self.measured = state["last_step"], int(state["measured"])
-        self.chosen = {k: float(v) for k, v in state["chosen"].items()}
-        self.summary, self.solves = dict(state["summary"]), int(state["solves"])
 
 
 __all__ = ["ErrorBudgetPolicy", "choose_ratios", "error_bins"]

@@ -20,50 +20,49 @@ inner policy's plan at the first boundary after the workers recover. The warm-up
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from controllers.policies.base import Policy
+from controllers.policies.decision import Decision, checked
+from controllers.policies.reasons import Said
 from controllers.state import RunState
 from raycomp.plan import Plan
+
+
+@dataclass
+class GateState:
+    suppressed: int = 0  # decisions replaced by dense while the workers were in fallback
+    last: Plan | None = None  # the inner policy's latest plan
 
 
 class Guarded(Policy):
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy.options, policy.min_numel)
-        self.inner = policy
+        self.inner: Policy = policy
         self.name = policy.name
-        self.suppressed = 0
-        self.last: Plan | None = None  # the inner policy's latest plan
+        self.state: GateState = GateState()
 
-    def decide(self, run: RunState) -> Plan | None:
-        plan = self.inner.decide(run)
-        if plan is not None:
-            self.last = plan
-        return self._unless_fallback(run, self.last)
+    def decide(self, run: RunState) -> Decision | None:
+        decision = checked(self.inner.decide(run), self.name)
+        if decision is not None:
+            self.state.last = decision.plan
+        elif self.state.last is not None:  # the inner policy keeps its latest plan
+            decision = Decision.of(self.state.last, Said("kept", self.state.last.reason))
+        return self._unless_fallback(run, decision)
 
-    def warmup(self, run: RunState) -> Plan | None:
-        return self._unless_fallback(run, self.inner.warmup(run))
+    def warmup(self, run: RunState) -> Decision | None:
+        return self._unless_fallback(run, checked(self.inner.warmup(run), self.name))
 
-    def _unless_fallback(self, run: RunState, plan: Plan | None) -> Plan | None:
-        """``plan``, or dense while the workers are in fallback (a suppressed decision)."""
+    def _unless_fallback(self, run: RunState, decision: Decision | None) -> Decision | None:
+        """``decision``, or dense while the workers are in fallback (a suppressed decision)."""
         if run.fallback_active:
-            self.suppressed += 1
-            return Plan(dense=True, reason="guard: workers in fallback")
-        return plan
+            self.state.suppressed += 1
+            return Decision.of(Plan(dense=True), Said("guard.fallback", "guard: workers in fallback"))
+        return decision
 
     def details(self) -> dict[str, Any]:
-        return {**self.inner.details(), "guard_suppressed_decisions": self.suppressed}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "suppressed": self.suppressed,
-                "last": None if self.last is None else self.last.to_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return  # nothing saved yet: start fresh
-        self.inner.load_state_dict(state["inner"])
-        self.suppressed = int(state["suppressed"])
-        self.last = None if state["last"] is None else Plan.from_dict(state["last"])
+        return {**self.inner.details(), "guard_suppressed_decisions": self.state.suppressed}
 
 
 __all__ = ["Guarded"]

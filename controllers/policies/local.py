@@ -67,11 +67,13 @@ costs its wait plus the slowdown, and an inner step its compute less the slowdow
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from controllers.policies.base import Policy, compressible_layers
 from controllers.policies.cost_model import CostModel
+from controllers.policies.decision import Decision, checked
+from controllers.policies.local_state import LocalRecord, LocalState, Measured, Sample
+from controllers.policies.reasons import LocalFixedWhy, LocalWhy, Said
 from controllers.state import RunState
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from raycomp.local import resolve_delay
@@ -95,70 +97,51 @@ class LocalChoice(Policy):
         self.inner, self.local = inner, options
         self.name = inner.name
         self.cost = CostModel(round_seconds=0.001)
-        self.ceiling = options.max_sync_every  # the largest H allowed (halved by fallbacks)
-        self.chosen: int | None = None  # the H in force (0: per step), None before any choice
-        self.wanted: int | None = None  # a different H asked for at the previous boundary
-        self.strikes = 0
-        self.fallbacks_seen = 0
-        self.calm = 0  # boundaries in a row without a step back since the largest H was lowered
-        self.best_loss: float | None = None  # lowest smoothed loss since local steps began
-        self.behind = 0  # boundaries in a row with the loss behind
-        self.last: Plan | None = None  # the inner policy's latest per-step plan
-        # measured under local steps: an inner step's seconds, and a sync's seconds over what
-        # the byte model predicts for it (None until measured)
-        self.inner_compute: float | None = None
-        self.sync_scale: float | None = None
-        self.samples: list[list[float]] = []  # [steps, compute s, comm s] per boundary under sampled_h
-        self.sampled_h = 0  # the H the samples were taken under
-        self.sampled_step = -1  # the latest boundary taken
-        self.measured: list[float] | None = None  # [H, compute s, wait s] a step, the latest H measured
-        #: seconds a sync kept on the wire adds to the inner steps it overlaps, and the two H it
-        #: was measured from (None until a pair has been)
-        self.slowdown: float | None = None
-        self.slowdown_from: list[int] = []
-        self.probing = 0  # an H taken to be measured (a probe), held until it is
-        #: per boundary: step, H in force (0: per step), H this boundary asked for, reason
-        self.history: list[list[Any]] = []
+        self.state: LocalState = LocalState(ceiling=options.max_sync_every, cost=self.cost.state)
 
-    def decide(self, run: RunState) -> Plan | None:
+    def restored(self) -> None:
+        self.cost.state = self.state.cost
+
+    def decide(self, run: RunState) -> Decision | None:
         local_in_force = run.plan.local_steps is not None
         if local_in_force:  # timings of inner steps and syncs: not per-step figures
             self._freeze(run)
         else:
             self.cost.measure(run)
-        plan = self.inner.decide(run)
-        if plan is not None:
-            self.last = plan
-        ceiling = self.ceiling
-        if run.fallback_events > self.fallbacks_seen:
-            if local_in_force and self.chosen:
-                self.ceiling = max(1, self.chosen // 2)
-                self.history.append([run.step, self.chosen, "step back", f"largest H now {self.ceiling}"])
-            self.fallbacks_seen = run.fallback_events
+        decision = checked(self.inner.decide(run), self.name)
+        if decision is not None:
+            self.state.last = decision.plan
+        ceiling = self.state.ceiling
+        if run.fallback_events > self.state.fallbacks_seen:
+            if local_in_force and self.state.chosen:
+                self.state.ceiling = max(1, self.state.chosen // 2)
+                self.state.history.append(LocalRecord(run.step, self.state.chosen, "step back",
+                                                      f"largest H now {self.state.ceiling}"))
+            self.state.fallbacks_seen = run.fallback_events
         pseudo = CompressorSpec.of(self.local.compressor)
         if local_in_force and self.local.mode == "auto" and not run.fallback_active:
             self._measure_local(run, pseudo)
             self._follow_loss(run)
         else:  # steps outside local steps: the next H takes its own samples, from its second boundary
-            self.best_loss, self.behind, self.sampled_h, self.measured = None, 0, 0, None
-        self._recover(run, stepped_back=self.ceiling < ceiling)
+            self.state.best_loss, self.state.behind, self.state.sampled_h, self.state.measured = None, 0, 0, None
+        self._recover(run, stepped_back=self.state.ceiling < ceiling)
         if self.local.mode == "fixed":
-            return Plan(default=pseudo, local=LocalMode(self.local.sync_every, self.local.fragments),
-                        reason=f"local steps: fixed, H={self.local.sync_every}, pseudo-gradients {pseudo}")
+            return Decision.of(Plan(default=pseudo, local=LocalMode(self.local.sync_every, self.local.fragments)),
+                               LocalFixedWhy(self.local.sync_every, str(pseudo)))
         return self._auto(run, pseudo)
 
-    def warmup(self, run: RunState) -> Plan | None:
+    def warmup(self, run: RunState) -> Decision | None:
         """Per step during the warm-up, as the inner policy says: local steps wait for its end."""
         return self.inner.warmup(run)
 
-    def _auto(self, run: RunState, pseudo: CompressorSpec) -> Plan | None:
-        base = self.last
+    def _auto(self, run: RunState, pseudo: CompressorSpec) -> Decision | None:
+        s, base = self.state, self.state.last
         if base is None or not self.cost.ready:
-            return base
+            return None if base is None else Decision.of(base, Said("local.unpriced", base.reason))
         layers = compressible_layers(run, self.min_numel)
         per_step, _ = self.cost.predict(run, {n: base.spec_for(n) for n in layers})
-        compute = (self.cost.compute or 0.0) if self.inner_compute is None else self.inner_compute
-        sync = self._predicted_sync(run, pseudo) * (1.0 if self.sync_scale is None else self.sync_scale)
+        compute = (self.cost.compute or 0.0) if s.inner_compute is None else s.inner_compute
+        sync = self._predicted_sync(run, pseudo) * (1.0 if s.sync_scale is None else s.sync_scale)
         allowed = self._lr_allows(run)
         by_time = self._interval(sync, compute)
         h = by_time if allowed is None else self._interval(sync, compute, allowed)
@@ -167,52 +150,36 @@ class LocalChoice(Policy):
         min_gain = self._min_gain()
         # entering local steps takes min_gain; staying takes only being faster (a band, so that a
         # ratio near 1 + min_gain does not switch back and forth, each switch a merge)
-        staying = bool(self.chosen)
+        staying = bool(s.chosen)
         gain = 0.0 if staying else min_gain
         target = h if h and per_step > (1 + gain) * local_step else 0
         probe = self._probe(target, allowed)
-        held = not probe and self.probing > 0 and self.probing == self.chosen and not self._measured(self.chosen) \
-            and (allowed is None or self.chosen <= allowed)
+        held = not probe and s.probing > 0 and s.probing == s.chosen and not self._measured(s.chosen) \
+            and (allowed is None or s.chosen <= allowed)
         if probe:
-            self.chosen, self.wanted, self.strikes, self.probing = probe, None, 0, probe
+            s.chosen, s.wanted, s.strikes, s.probing = probe, None, 0, probe
         elif held:  # a probe stays until its step is measured
-            self.wanted, self.strikes = None, 0
-        elif self.chosen is None or target == self.chosen or (allowed is not None and self.chosen > allowed):
-            self.chosen, self.wanted, self.strikes = target, None, 0
+            s.wanted, s.strikes = None, 0
+        elif s.chosen is None or target == s.chosen or (allowed is not None and s.chosen > allowed):
+            s.chosen, s.wanted, s.strikes = target, None, 0
         else:
-            self.strikes = self.strikes + 1 if target == self.wanted else 1
-            self.wanted = target
-            if self.strikes >= PATIENCE:
-                self.chosen, self.wanted, self.strikes = target, None, 0
-        if self.sync_scale is not None and self.slowdown is not None:
-            a, b = self.slowdown_from
-            measured = (f" as measured, {self.slowdown * 1e3:.0f} ms of it what it adds to the inner steps it "
-                        f"overlaps (from H={a} and {b})")
-        elif self.sync_scale is not None:
-            measured = f" as measured: inner steps, and syncs at {self.sync_scale:.2g}x the byte model"
-        elif h:
-            measured = f", {stall * 1e3:.0f} ms of it not behind the next inner step"
-        else:
-            measured = ""
-        capped = "" if h == by_time else \
-            f"; H={by_time} by time, at most {h} at a learning rate {run.lr / run.peak_lr:.2g}x its peak"
-        rule = "faster to stay" if staying else f"{min_gain:.0%} faster"
-        figures = (f"per step {per_step * 1e3:.0f} ms predicted, local steps {local_step * 1e3:.0f} ms "
-                   f"(compute {compute * 1e3:.0f} ms, a sync {sync * 1e3:.0f} ms{measured}; local steps must be "
-                   f"{rule}{capped})")
-        if not self.chosen:
-            reason = f"per step: {base.reason}; {figures}"
-            self.history.append([run.step, 0, target, reason])
-            return replace(base, reason=reason)
-        if probe:
-            taken = self.measured[1] + self.measured[2] if self.measured else 0.0
-            trying = (f"; trying H={probe}: H={probe // 2} took {taken * 1e3:.0f} ms a step, and a second H tells "
-                      f"what a sync slows the inner step it overlaps from the compute")
-        else:
-            trying = f"; measuring H={self.chosen} before choosing again" if held else ""
-        reason = f"local steps: H={self.chosen}, pseudo-gradients {pseudo}; {figures}{trying}"
-        self.history.append([run.step, self.chosen, target, reason])
-        return Plan(default=pseudo, local=LocalMode(self.chosen, self._fragments(self.chosen)), reason=reason)
+            s.strikes = s.strikes + 1 if target == s.wanted else 1
+            s.wanted = target
+            if s.strikes >= PATIENCE:
+                s.chosen, s.wanted, s.strikes = target, None, 0
+        chosen = s.chosen or 0
+        rule = "local.per_step" if not chosen else "local.probe" if probe else \
+            "local.measuring" if held else "local.steps"
+        why = LocalWhy(
+            rule=rule, h=chosen, pseudo=str(pseudo), per_step_reason=base.reason, per_step=per_step,
+            local_step=local_step, compute=compute, sync=sync, stall=stall, candidate=h, by_time=by_time,
+            lr_fraction=None if h == by_time else run.lr / run.peak_lr, min_gain=min_gain, staying=staying,
+            sync_scale=s.sync_scale, slowdown=s.slowdown, slowdown_from=tuple(s.slowdown_from),
+            probe_taken=(s.measured.compute + s.measured.wait if s.measured else 0.0) if probe else None)
+        plan = base if not chosen else Plan(default=pseudo, local=LocalMode(chosen, self._fragments(chosen)))
+        decision = Decision.of(plan, why)
+        s.history.append(LocalRecord(run.step, chosen, target, decision.plan.reason))
+        return decision
 
     def _fragments(self, h: int) -> int:
         """The fragments local steps at ``h`` sync in: the configured ones if they divide it."""
@@ -227,24 +194,24 @@ class LocalChoice(Policy):
         """The H to measure next, or 0: twice the H in force, where the choice would keep it,
         its step is measured, its syncs overlap inner steps, the slowdown they cause is not
         measured yet, and the ceiling, ``max_sync_every`` and the learning rate allow it."""
-        h = self.chosen
-        if not h or target != h or self.slowdown is not None or not self._measured(h):
+        h = self.state.chosen
+        if not h or target != h or self.state.slowdown is not None or not self._measured(h):
             return 0
         if not self._delay(h):
             return 0  # a sync waited for at once is all in the wait: one H measures it
-        largest = min(self.ceiling, self.local.max_sync_every, float("inf") if allowed is None else allowed)
+        largest = min(self.state.ceiling, self.local.max_sync_every, float("inf") if allowed is None else allowed)
         return 2 * h if 2 * h <= largest else 0
 
     def _measured(self, h: int) -> bool:
         """Whether ``h`` is in force and its latest boundaries have measured it."""
-        return h == self.sampled_h and self.measured is not None and self.measured[0] == h
+        return h == self.state.sampled_h and self.state.measured is not None and self.state.measured.h == h
 
     def _stall(self, sync: float, compute: float, h: int) -> float:
         """The seconds a sync of local steps at ``h`` holds training up. A measured sync
         already is that (its wait, after the inner steps it overlapped); a predicted one
         overlaps the delay's inner steps (:func:`raycomp.local.resolve_delay`), each
         ``compute`` long, and holds up only what they do not cover."""
-        if self.sync_scale is not None:
+        if self.state.sync_scale is not None:
             return sync
         return max(0.0, sync - self._delay(h) * compute)
 
@@ -261,27 +228,28 @@ class LocalChoice(Policy):
         rest, a sync costs the communication seconds per step x H."""
         mode = run.plan.local_steps
         latest = run.timings[-1] if run.timings else None
-        if mode is None or latest is None or latest.step <= self.sampled_step or not self.cost.ready:
+        if mode is None or latest is None or latest.step <= self.state.sampled_step or not self.cost.ready:
             return
-        steps, self.sampled_step = latest.step - self.sampled_step, latest.step
-        if mode.sync_every != self.sampled_h:
-            self.sampled_h, self.samples = mode.sync_every, []
+        steps, self.state.sampled_step = latest.step - self.state.sampled_step, latest.step
+        if mode.sync_every != self.state.sampled_h:
+            self.state.sampled_h, self.state.samples = mode.sync_every, []
             return
-        self.samples = [*self.samples, [steps, latest.compute_seconds, latest.comm_seconds]][-MEASURED_BOUNDARIES:]
-        covered = sum(n for n, _, _ in self.samples)
+        samples = [*self.state.samples, Sample(steps, latest.compute_seconds, latest.comm_seconds)]
+        self.state.samples = samples[-MEASURED_BOUNDARIES:]
+        covered = sum(x.steps for x in self.state.samples)
         predicted = self._predicted_sync(run, pseudo)
         if covered < 2 * mode.sync_every or predicted <= 0:
             return
         h = mode.sync_every
-        compute = sum(n * c for n, c, _ in self.samples) / covered
-        wait = sum(n * c for n, _, c in self.samples) / covered
-        before, self.measured = self.measured, [h, compute, wait]
+        compute = sum(x.steps * x.compute for x in self.state.samples) / covered
+        wait = sum(x.steps * x.comm for x in self.state.samples) / covered
+        before, self.state.measured = self.state.measured, Measured(h, compute, wait)
         overlapped = bool(self._delay(h))
-        if self.slowdown is None and before is not None and before[0] != h and overlapped:
-            self._measure_slowdown(int(before[0]), before[1], h, compute)
-        slowdown = self.slowdown if overlapped and self.slowdown is not None else 0.0
-        self.inner_compute = compute - slowdown / h
-        self.sync_scale = (wait * h + slowdown) / predicted
+        if self.state.slowdown is None and before is not None and before.h != h and overlapped:
+            self._measure_slowdown(before.h, before.compute, h, compute)
+        slowdown = self.state.slowdown if overlapped and self.state.slowdown is not None else 0.0
+        self.state.inner_compute = compute - slowdown / h
+        self.state.sync_scale = (wait * h + slowdown) / predicted
 
     def _measure_slowdown(self, a: int, compute_a: float, b: int, compute_b: float) -> None:
         """The seconds a sync adds to the inner steps it overlaps, from the compute a step
@@ -292,8 +260,8 @@ class LocalChoice(Policy):
             return  # the H before waited for its syncs: nothing overlapped to compare with
         slowdown = (compute_a - compute_b) / (1 / a - 1 / b)
         inner = compute_a - slowdown / a
-        self.slowdown = slowdown if slowdown > 0 and inner > 0 else 0.0
-        self.slowdown_from = sorted([a, b])
+        self.state.slowdown = slowdown if slowdown > 0 and inner > 0 else 0.0
+        self.state.slowdown_from = sorted([a, b])
 
     def _lr_allows(self, run: RunState) -> float | None:
         """The largest H the learning rate allows: ``sync_every_at_peak_lr x (peak / lr)^2``;
@@ -313,41 +281,42 @@ class LocalChoice(Policy):
     def _follow_loss(self, run: RunState) -> None:
         """Halve H when the loss has fallen behind at ``PATIENCE`` boundaries in a row."""
         losses = [loss for _, loss in list(run.losses)[-2:]]
-        if not losses or not self.chosen:
+        if not losses or not self.state.chosen:
             return
         level = sum(losses) / len(losses)
-        if self.best_loss is None or level < self.best_loss:
-            self.best_loss, self.behind = level, 0
+        if self.state.best_loss is None or level < self.state.best_loss:
+            self.state.best_loss, self.state.behind = level, 0
             return
-        limit = self.best_loss + self.local.loss_tolerance * abs(self.best_loss)
-        self.behind = self.behind + 1 if level > limit else 0
-        if self.behind < PATIENCE:
+        limit = self.state.best_loss + self.local.loss_tolerance * abs(self.state.best_loss)
+        self.state.behind = self.state.behind + 1 if level > limit else 0
+        if self.state.behind < PATIENCE:
             return
-        self.ceiling = max(1, self.chosen // 2)
-        halved = self.ceiling if self.ceiling >= 2 else 0
-        self.history.append([run.step, self.chosen, halved,
-                             f"step back: loss {level:.4g} above {limit:.4g} (lowest since local steps "
-                             f"{self.best_loss:.4g} + {self.local.loss_tolerance:.0%}) at {PATIENCE} boundaries; "
-                             f"largest H now {self.ceiling}"])
-        self.chosen, self.wanted, self.strikes = halved, None, 0
-        self.best_loss, self.behind = None, 0  # the next H starts its own record
+        self.state.ceiling = max(1, self.state.chosen // 2)
+        halved = self.state.ceiling if self.state.ceiling >= 2 else 0
+        self.state.history.append(LocalRecord(
+            run.step, self.state.chosen, halved,
+            f"step back: loss {level:.4g} above {limit:.4g} (lowest since local steps {self.state.best_loss:.4g} + "
+            f"{self.local.loss_tolerance:.0%}) at {PATIENCE} boundaries; largest H now {self.state.ceiling}"))
+        self.state.chosen, self.state.wanted, self.state.strikes = halved, None, 0
+        self.state.best_loss, self.state.behind = None, 0  # the next H starts its own record
 
     def _recover(self, run: RunState, stepped_back: bool) -> None:
         """Double a lowered largest H after ``RECOVERY`` calm boundaries in a row."""
-        if self.ceiling >= self.local.max_sync_every or stepped_back or self.behind or run.fallback_active:
-            self.calm = 0
+        if self.state.ceiling >= self.local.max_sync_every or stepped_back or self.state.behind or run.fallback_active:
+            self.state.calm = 0
             return
-        self.calm += 1
-        if self.calm >= RECOVERY:
-            self.ceiling, self.calm = min(self.local.max_sync_every, 2 * self.ceiling), 0
-            self.history.append([run.step, self.chosen, "recover",
-                                 f"largest H back to {self.ceiling} after {RECOVERY} boundaries without a step back"])
+        self.state.calm += 1
+        if self.state.calm >= RECOVERY:
+            self.state.ceiling, self.state.calm = min(self.local.max_sync_every, 2 * self.state.ceiling), 0
+            self.state.history.append(LocalRecord(
+                run.step, self.state.chosen, "recover",
+                f"largest H back to {self.state.ceiling} after {RECOVERY} boundaries without a step back"))
 
     def _interval(self, sync: float, compute: float, limit: float = float("inf")) -> int:
         """The smallest power-of-two H whose sync's stall adds at most ``target_overhead`` of
         the compute per step, else the largest allowed (by the ceiling, ``max_sync_every`` and
         ``limit``); 0 when local steps are not allowed."""
-        largest = min(self.ceiling, self.local.max_sync_every, limit)
+        largest = min(self.state.ceiling, self.local.max_sync_every, limit)
         candidates = [h for h in (2 ** k for k in range(1, 18)) if h <= largest]
         if not candidates:
             return 0
@@ -359,42 +328,15 @@ class LocalChoice(Policy):
     def _freeze(self, run: RunState) -> None:
         if run.timings:
             latest = run.timings[-1].step
-            for model in (self.cost, getattr(self.inner, "cost", None)):
-                if isinstance(model, CostModel):
-                    model.seen_step = max(model.seen_step, latest)
+            for model in self.cost_models():
+                model.skip_to(latest)
+
+    def cost_models(self) -> list[CostModel]:
+        return [self.cost, *self.inner.cost_models()]
 
     def details(self) -> dict[str, Any]:
+        s = self.state
         return {**self.inner.details(), "local": {
-            "mode": self.local.mode, "sync_every": self.chosen, "largest_allowed": self.ceiling,
-            "inner_compute_s": self.inner_compute, "sync_scale": self.sync_scale,
-            "slowdown_s": self.slowdown,
-            "history": list(self.history)}}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "cost": self.cost.state_dict(), "ceiling": self.ceiling,
-                "chosen": self.chosen, "wanted": self.wanted, "strikes": self.strikes,
-                "fallbacks_seen": self.fallbacks_seen, "calm": self.calm, "history": list(self.history),
-                "best_loss": self.best_loss, "behind": self.behind,
-                "last": None if self.last is None else self.last.to_dict(),
-                "inner_compute": self.inner_compute, "sync_scale": self.sync_scale,
-                "samples": [list(x) for x in self.samples], "sampled_h": self.sampled_h,
-                "sampled_step": self.sampled_step, "measured": self.measured, "slowdown": self.slowdown,
-                "slowdown_from": list(self.slowdown_from), "probing": self.probing}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return
-        self.inner.load_state_dict(state["inner"])
-        self.cost.load_state_dict(state["cost"], ())
-        self.ceiling, self.chosen, self.wanted = state["ceiling"], state["chosen"], state["wanted"]
-        self.strikes, self.fallbacks_seen = state["strikes"], state["fallbacks_seen"]
-        self.calm = state.get("calm", 0)
-        self.history = [list(h) for h in state["history"]]
-        self.best_loss, self.behind = state.get("best_loss"), state.get("behind", 0)
-        self.last = None if state["last"] is None else Plan.from_dict(state["last"])
-        self.inner_compute, self.sync_scale = state.get("inner_compute"), state.get("sync_scale")
-        self.samples = [list(x) for x in state.get("samples", [])]
-        self.sampled_h, self.sampled_step = state.get("sampled_h", 0), state.get("sampled_step", -1)
-        self.measured, self.slowdown = state.get("measured"), state.get("slowdown")
-        self.slowdown_from = list(state.get("slowdown_from", []))
-        self.probing = state.get("probing", 0)
+            "mode": self.local.mode, "sync_every": s.chosen, "largest_allowed": s.ceiling,
+            "inner_compute_s": s.inner_compute, "sync_scale": s.sync_scale, "slowdown_s": s.slowdown,
+            "history": [[r.step, r.h, r.asked, r.reason] for r in s.history]}}

@@ -7,6 +7,8 @@ Lin et al., "Deep Gradient Compression", ICLR 2018, Sec. 3.3 (warm-up training: 
 from __future__ import annotations
 
 from controllers.policies.base import Policy, spec
+from controllers.policies.decision import Decision
+from controllers.policies.reasons import ScheduleWhy
 from controllers.state import RunState
 from raycomp.config.policy_options import ScheduleOptions
 from raycomp.plan import Plan
@@ -21,14 +23,14 @@ class SchedulePolicy(Policy):
         super().__init__(options, min_compress_numel)
         self.stages = sorted(options.stages, key=lambda s: s.start_step)
 
-    def decide(self, run: RunState) -> Plan:
+    def decide(self, run: RunState) -> Decision:
         # the plan applies from the step after this boundary
         next_step = run.step + 1
         current = self.stages[0]
         for stage in self.stages:
             if stage.start_step <= next_step:
                 current = stage
-        return Plan(default=spec(current.compressor), reason=f"schedule stage from step {current.start_step}")
+        return Decision.of(Plan(default=spec(current.compressor)), ScheduleWhy(current.start_step))
 
 
 __all__ = ["SchedulePolicy"]

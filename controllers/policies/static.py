@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from controllers.policies.base import Policy, spec
+from controllers.policies.decision import Decision
+from controllers.policies.reasons import Said
 from controllers.state import RunState
 from raycomp.config.policy_options import StaticOptions
 from raycomp.plan import Plan
@@ -13,8 +15,8 @@ class StaticPolicy(Policy):
     options_model = StaticOptions
     options: StaticOptions
 
-    def decide(self, run: RunState) -> Plan:
-        return Plan(default=spec(self.options.compressor), reason="static")
+    def decide(self, run: RunState) -> Decision:
+        return Decision.of(Plan(default=spec(self.options.compressor)), Said("static", "static"))
 
 
 __all__ = ["StaticPolicy"]

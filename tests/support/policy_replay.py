@@ -28,7 +28,6 @@ from typing import Any
 
 from controllers.policies import make_policy
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
-from raycomp.config.policy_options import AdaptiveOptions
 from tests.test_adaptive_policy import SHAPES, WARMUP, K, Link, W
 from tests.test_local_policy import LocalSim
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from controllers.policies import Policy, PolicyOptions
+from controllers.policies import Decision, Policy, PolicyOptions, Said
 from controllers.policies.base import compressible_layers
 from controllers.state import RunState
 from raycomp.plan import CompressorSpec, Plan
@@ -40,7 +40,7 @@ class RampPolicy(Policy):
         """The density from the step after a boundary at ``step``."""
         return max(self.options.min_ratio, self.options.start_ratio / 2 ** ((step + 1) // self.options.every_steps))
 
-    def decide(self, run: RunState) -> Plan:
+    def decide(self, run: RunState) -> Decision:
         topk = CompressorSpec.of("topk", ratio=self.ratio(run.step))
-        return Plan.per_layer(dict.fromkeys(compressible_layers(run, self.min_numel), topk),
-                              reason=f"ramp: topk {self.ratio(run.step):g}")
+        return Decision.of(Plan.per_layer(dict.fromkeys(compressible_layers(run, self.min_numel), topk)),
+                           Said("ramp", f"ramp: topk {self.ratio(run.step):g}"))

@@ -26,8 +26,8 @@ MUTANTS = (
     ),
     mutant(
         "adaptive-error-raise-keeps-the-old-samples", "Chooser._judge_errors",
-        "            self.error_floor[name], self.rung_since[name] = raised, run.step  # judge anew from here\n",
-        "            self.error_floor[name] = raised\n",
+        "            self.state.error_floor[name], self.state.rung_since[name] = raised, run.step  # judge anew from here\n",
+        "            self.state.error_floor[name] = raised\n",
         "tests/test_adaptive_policy.py",
         "after a floor moved for error, the old rung's samples judge the new one",
     ),
@@ -75,16 +75,16 @@ MUTANTS = (
         "a layer whose PowerSGD error is too high moves one rank up instead of to int8",
     ),
     mutant(
-        "adaptive-floor-change-lowers-shift", "Chooser.decide",
-        "            current, self.strikes = max(target, lowest), 0\n",
-        "            current, self.strikes = target, 0\n",
+        "adaptive-floor-change-lowers-shift", "Chooser._hysteresis",
+        "            return max(target, lowest), \"adaptive.floors\"\n",
+        "            return target, \"adaptive.floors\"\n",
         "tests/test_adaptive_policy.py",
         "a layer whose floor rises moves the others heavier at once, without the link rule's patience",
     ),
     mutant(
-        "adaptive-calm-keeps-the-level", "Chooser.decide",
-        "            kept = [n for n in layers if floors[n] == self.floors.get(n) and n in self.rungs] if raised else []\n",
-        "            kept = [n for n in layers if floors[n] == self.floors.get(n) and n in self.rungs]\n",
+        "adaptive-calm-keeps-the-level", "Chooser._hysteresis",
+        "            kept = [n for n in floors if floors[n] == s.floors.get(n) and n in s.rungs] if raised else []\n",
+        "            kept = [n for n in floors if floors[n] == s.floors.get(n) and n in s.rungs]\n",
         "tests/test_adaptive_policy.py",
         "after a critical phase the others stay on the light rungs it allowed, until the link rule's patience",
     ),
@@ -104,8 +104,8 @@ MUTANTS = (
     ),
     mutant(
         "adaptive-prior-choice-kept", "Chooser.decide",
-        "        self.prior_families = self.cost.on_prior(priced[current][1])\n",
-        "        self.prior_families = set()\n",
+        "        s.prior_families = self.cost.on_prior(menu.rounds[current])\n",
+        "        s.prior_families = set()\n",
         "tests/test_adaptive_policy.py",
         "a choice made on the assumed round overhead keeps its hysteresis once the overhead is measured",
     ),
@@ -124,7 +124,7 @@ MUTANTS = (
         "a family first run beside measured ones gets only what they leave unexplained (often 0 ms)",
     ),
     mutant(
-        "adaptive-prior-band-single", "Chooser.decide",
+        "adaptive-prior-band-single", "Chooser._menu",
         "            within.append(top)  # on the assumed overhead compression must save more to be used\n",
         "            pass\n",
         "tests/test_adaptive_policy.py",
@@ -132,8 +132,8 @@ MUTANTS = (
     ),
     mutant(
         "adaptive-error-raise-from-floor", "Chooser._judge_errors",
-        "            raised = min(max(self.error_floor.get(name, 0), self.rungs[name]) + 1, len(ladder) - 1)\n",
-        "            raised = min(self.error_floor.get(name, 0) + 1, len(ladder) - 1)\n",
+        "            raised = min(max(self.state.error_floor.get(name, 0), self.state.rungs[name]) + 1, len(ladder) - 1)\n",
+        "            raised = min(self.state.error_floor.get(name, 0) + 1, len(ladder) - 1)\n",
         "tests/test_adaptive_policy.py",
         "a layer whose near-lossless rung is over max_error goes one rung above its floor (back to PowerSGD)",
     ),
@@ -153,8 +153,8 @@ MUTANTS = (
     ),
     mutant(
         "adaptive-lossy-margin-against-dense", "Chooser._worth_the_risk",
-        "        bar = (1 - self.margin) * min(t for t, risky in zip(self.predicted, lossy, strict=True) if not risky)\n",
-        "        bar = (1 - self.margin) * self.predicted[-1]\n",
+        "        bar = (1 - self.margin) * min(t for t, risky in zip(self.state.predicted, lossy, strict=True) if not risky)\n",
+        "        bar = (1 - self.margin) * self.state.predicted[-1]\n",
         "tests/test_adaptive_policy.py",
         "the margin is measured against dense instead of the fastest plan without a lossy layer (int4/int8)",
     ),
@@ -174,9 +174,8 @@ MUTANTS = (
     ),
     mutant(
         "adaptive-critical-boosts-near-lossless", "Chooser._floor",
-        "        if self.critical.get(name) and self.boost and floor < first:\n",
-        "        if self.critical.get(name) and self.boost:\n            floor = max(floor, floor + self.boost)\n"
-        "        if False:\n",
+        "        if self.state.critical.get(name) and self.boost and floor < first:\n",
+        "        if self.state.critical.get(name) and self.boost:\n            floor = max(floor, floor + self.boost)\n        if False:\n",
         "tests/test_adaptive_policy.py",
         "a critical layer already on a near-lossless rung is boosted past it (int8 -> dense's cap, bf16)",
     ),
@@ -217,7 +216,7 @@ MUTANTS = (
     ),
     mutant(
         "guard-lets-a-warm-up-plan-through-fallback", "Guarded.warmup",
-        "        return self._unless_fallback(run, self.inner.warmup(run))\n",
+        "        return self._unless_fallback(run, checked(self.inner.warmup(run), self.name))\n",
         "        return self.inner.warmup(run)\n",
         "tests/test_local_policy.py",
         "the controller publishes a compressed warm-up plan while the workers are in fallback",
@@ -231,9 +230,8 @@ MUTANTS = (
     ),
     mutant(
         "adaptive-detects-without-statistics", "Chooser._detect",
-        "        if measured:  # a boundary before the first layer statistics detects again at the next\n"
-        "            self.last_detect = step\n",
-        "        self.last_detect = step\n",
+        "        if measured:  # a boundary before the first layer statistics detects again at the next\n            self.state.last_detect = step\n",
+        "        self.state.last_detect = step\n",
         "tests/test_adaptive_policy.py -k early_first_boundary",
         "the early first boundary, before any layer statistics, counts as a detection: no layer is "
         "critical for a whole window",
