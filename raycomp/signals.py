@@ -10,7 +10,7 @@ DGC's sampled Top-K is false for NaN) or hide which rank sent it.
 Control values ride inside the last reduction of the next step — appended to its dense
 fp32 all-reduce, or a tiny all-reduce of their own — so that a caller can learn a few
 numbers from every rank without a collective of its own. Each rank's row also carries its
-local non-finite flag. See :mod:`raycomp.train.guard_step`.
+local non-finite flag, first. The callers' layouts are named in :mod:`raycomp.control_rows`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ gradient collectives:
   computes with the same ops in the same order (NaN/Inf anywhere makes it non-finite);
 * the control rows that rode inside the step's last gradient collective
   (:meth:`raycomp.reducer.CompressedReducer.stage_control`): per rank, its local non-finite
-  flag of *this* step, and its loss and worst compression error of the *previous* step.
+  flag of *this* step, and its loss and worst compression error of the *previous* step
+  (:class:`~raycomp.control_rows.GuardRow`).
 
 Trade-off (the loss is only known after backward, when the step's collectives are done):
 the loss and the compression error reach the guard one step late. Both only switch to
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raycomp.control_rows import GuardRow, SyncRow
 from raycomp.guard import Guard, Verdict
 
 __all__ = ["GuardStep"]
@@ -53,24 +55,24 @@ class GuardStep:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.grad_scaler = grad_scaler
         self.overflows = 0  # steps skipped for the loss scaler
-        #: what rides in the next step's collective: the previous step's loss, whether it has
-        #: one, its worst compression error, and the plan version rank 0 offers (0: none)
-        self.carry = [0.0, 0.0, -1.0, 0.0]
+        #: what rides in the next step's collective: the previous step's loss, its worst
+        #: compression error, and the plan version rank 0 offers (none of them yet)
+        self.carry = GuardRow()
         self.offer = 0  # rank 0: the version of a plan it holds and has not announced
         self.announced = 0  # the version rank 0 announced in this step's rows
         #: this rank's recent gradient norms during local steps (its own, not agreed on)
         self.inner_norms: deque[float] = deque(maxlen=guard.grad_norms.maxlen)
-        self.state.stage_control(self.carry)
+        self.state.stage_control(self.carry.staged())
 
     def decide(self, step: int, parameters: list[torch.Tensor]) -> Verdict:
         norm = self.state.gradient_norm(parameters)
         rows = self._rows()
-        nonfinite = any(r[0] > 0 for r in rows) or not math.isfinite(norm)
-        self.announced = int(max(r[4] for r in rows))
-        losses = [r[1] for r in rows if r[2] > 0]
+        nonfinite = any(r.nonfinite for r in rows) or not math.isfinite(norm)
+        self.announced = max(r.plan_offer for r in rows)
+        losses = [r.loss for r in rows if r.loss is not None]
         loss = (math.fsum(losses) / len(losses) if all(map(math.isfinite, losses)) else float("nan")) \
             if losses else None
-        errors = [r[3] for r in rows if r[3] >= 0]
+        errors = [r.worst_error for r in rows if r.worst_error is not None]
         if nonfinite and self.grad_scaler is not None and self.grad_scaler.get_scale() > 1.0:
             self.overflows += 1
             return Verdict(skip_update=True, changed=False)
@@ -91,10 +93,11 @@ class GuardStep:
 
     def judge_sync(self, step: int, rows: list[list[float]]) -> Verdict:
         """A sync of local steps, from the rows that rode inside it (the same on every rank):
-        per rank ``[non-finite, mean loss since the previous sync, has loss]``. The mean of
-        those losses is judged like a step's loss; there is no reduced gradient to judge."""
-        nonfinite = any(r[0] > 0 for r in rows)
-        losses = [r[1] for r in rows if r[2] > 0]
+        per rank a :class:`~raycomp.control_rows.SyncRow`, as floats. The mean of their
+        losses is judged like a step's loss; there is no reduced gradient to judge."""
+        synced = [SyncRow.from_row(r) for r in rows]
+        nonfinite = any(r.nonfinite for r in synced)
+        losses = [r.mean_loss for r in synced if r.mean_loss is not None]
         loss = math.fsum(losses) / len(losses) if losses else None
         return self.guard.observe(step, nonfinite, loss, None, grad_norm=None)
 
@@ -104,29 +107,28 @@ class GuardStep:
         :attr:`offer` (so that every rank learns of rank 0's new plan one step later, with
         no collective of its own: :attr:`announced`)."""
         fresh = self.state.stats_step == self.state.step - 1
-        worst = max((s.compression_error for s in self.state.stats), default=-1.0) if fresh else -1.0
-        self.carry = [loss if applied else 0.0, 1.0 if applied else 0.0, worst if math.isfinite(worst) else -1.0,
-                      float(self.offer)]
-        self.state.stage_control(self.carry)
+        worst = max((s.compression_error for s in self.state.stats), default=None) if fresh else None
+        self.carry = GuardRow(loss=loss if applied else None, plan_offer=self.offer,
+                              worst_error=worst if worst is not None and math.isfinite(worst) else None)
+        self.state.stage_control(self.carry.staged())
 
-    def _rows(self) -> list[list[float]]:
+    def _rows(self) -> list[GuardRow]:
         rows = self.state.control_rows
         if rows is None:  # nothing carried this step: one small all-reduce instead
-            n = 1 + len(self.carry)
-            rows = torch.zeros(self.world_size * n, dtype=torch.float32)
-            rows[self.rank * n + 1:(self.rank + 1) * n] = torch.tensor(self.carry)
+            rows = torch.zeros(self.world_size, GuardRow.WIDTH, dtype=torch.float32)
+            rows[self.rank] = torch.tensor(self.carry.to_row())  # no flag: only a reduction sets it
             if self.world_size > 1:
                 dist.all_reduce(rows, group=self.group)
-            rows = rows.view(self.world_size, n)
         self.state.control_rows = None
-        return rows.tolist()
+        return [GuardRow.from_row(r) for r in rows.tolist()]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"guard": self.guard.state_dict(), "carry": list(self.carry), "inner_norms": list(self.inner_norms)}
+        return {"guard": self.guard.state_dict(), "carry": self.carry.staged(), "inner_norms": list(self.inner_norms)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state["guard"])
-        self.carry = [*state["carry"], 0.0][:4]  # a checkpoint from before the plan offer: none
+        # a checkpoint from before the plan offer carries three values: none offered
+        self.carry = GuardRow.from_staged([*state["carry"], 0.0][:GuardRow.WIDTH - 1])
         self.inner_norms.clear()
         self.inner_norms.extend(state["inner_norms"])
-        self.state.stage_control(self.carry)
+        self.state.stage_control(self.carry.staged())

@@ -22,6 +22,7 @@ judges every sync on the same numbers on every rank (:meth:`LocalSync.after_opti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from raycomp.config import LocalSection
+from raycomp.control_rows import SyncRow
 from raycomp.hook import CompressionState
 from raycomp.ledger import WireLedger
 from raycomp.local import LocalSteps, resolve_delay
@@ -166,8 +168,8 @@ class LocalSync:
 
     def after_optimizer_step(self, applied: bool, loss: float) -> list[list[float]] | None:
         """Per step: nothing. Local steps: count the inner step and, where a sync is due,
-        run it with this rank's mean loss since the previous one riding inside; returns the
-        rows ``[non-finite, mean loss, has loss]`` of every rank when a sync finished."""
+        run it with this rank's mean loss since the previous one riding inside; returns every
+        rank's :class:`~raycomp.control_rows.SyncRow`, as floats, when a sync finished."""
         if self.per_step:
             self._handed_all()  # syncs that left local steps (merge_all) are not judged
             return None
@@ -175,8 +177,8 @@ class LocalSync:
         if applied and math.isfinite(loss):
             self._losses.append(loss)
         if steps.starts_next():  # this rank's mean loss since the last sync rides with the next
-            mean = math.fsum(self._losses) / len(self._losses) if self._losses else 0.0
-            steps.stage_control([mean, 1.0 if self._losses else 0.0])
+            mean = math.fsum(self._losses) / len(self._losses) if self._losses else None
+            steps.stage_control(SyncRow(mean_loss=mean).staged())
             self._losses = []
         started = time.perf_counter()
         steps.step()
@@ -212,7 +214,7 @@ class LocalSync:
             return None
         rows = steps.last_rows.tolist()
         if steps.skipped_outer > self._skipped_handed:  # NaN/Inf reached the mean: every rank saw it
-            rows = [[1.0, *row[1:]] for row in rows]
+            rows = [dataclasses.replace(SyncRow.from_row(row), nonfinite=True).to_row() for row in rows]
         self._handed_all()
         return rows
 

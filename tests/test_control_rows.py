@@ -1,0 +1,60 @@
+"""The control rows' layouts on the wire, and what :class:`GuardStep` reads of them on one
+process (no reduction carries them: its fallback exchange builds the rows)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from raycomp.control_rows import GuardRow, SyncRow
+from raycomp.guard import Guard
+from raycomp.train.guard_step import GuardStep
+
+
+def test_each_layout_keeps_its_floats_in_order_and_reads_them_back():
+    # the reducer writes the flag first, and a checkpoint keeps the staged floats: the order is fixed
+    assert GuardRow().to_row() == [0.0, 0.0, 0.0, -1.0, 0.0]
+    row = GuardRow(nonfinite=True, loss=2.5, worst_error=0.25, plan_offer=3)
+    assert row.to_row() == [1.0, 2.5, 1.0, 0.25, 3.0] and row.staged() == [2.5, 1.0, 0.25, 3.0]
+    assert GuardRow.from_row(row.to_row()) == row and GuardRow.from_staged(row.staged()) == GuardRow(
+        loss=2.5, worst_error=0.25, plan_offer=3)
+    assert SyncRow().to_row() == [0.0, 0.0, 0.0] and SyncRow(mean_loss=1.5).staged() == [1.5, 1.0]
+    assert SyncRow.from_row([1.0, 1.5, 1.0]) == SyncRow(nonfinite=True, mean_loss=1.5)
+    assert len(GuardRow().to_row()) == GuardRow.WIDTH and len(SyncRow().to_row()) == SyncRow.WIDTH
+    with pytest.raises(ValueError, match="^SyncRow: a row of 3 floats expected, got 4$"):
+        SyncRow.from_row([0.0, 1.0, 1.0, 0.0])
+
+
+class _OneRank:
+    """What GuardStep reads of a rank's state, on one process, without a reduction."""
+
+    def __init__(self) -> None:
+        self.control_rows: torch.Tensor | None = None
+        self.staged: list[list[float]] = []
+        self.stats, self.stats_step, self.step = [], -1, 0
+
+    def stage_control(self, values) -> None:
+        self.staged.append(list(values))
+
+    def gradient_norm(self, parameters) -> float:
+        return 1.0
+
+
+def test_the_guard_reads_the_offer_and_leaves_a_skipped_step_s_loss_unjudged():
+    state = _OneRank()
+    guard = GuardStep(Guard(), state, rank=0, world_size=1)
+    assert state.staged == [[0.0, 0.0, -1.0, 0.0]]  # nothing to judge yet
+    guard.offer = 7
+    guard.stage(math.nan, applied=False)  # a skipped step: its NaN loss rides without its flag
+    assert not guard.decide(1, []).skip_update and guard.announced == 7
+    guard.stage(math.nan, applied=True)
+    assert guard.decide(2, []).skip_update
+
+
+def test_a_checkpoint_from_before_the_plan_offer_stages_none():
+    state = _OneRank()
+    guard = GuardStep(Guard(), state, rank=0, world_size=1)
+    guard.load_state_dict({"guard": Guard().state_dict(), "carry": [1.5, 1.0, 0.25], "inner_norms": []})
+    assert state.staged[-1] == [1.5, 1.0, 0.25, 0.0] and guard.state_dict()["carry"] == [1.5, 1.0, 0.25, 0.0]
