@@ -19,12 +19,12 @@ computing the next buckets while this one communicates. Two threads share the wo
 (:mod:`raycomp.overlap`): one compresses each bucket and issues its collectives (in bucket
 order, which is the same on every rank), the other waits for them and decodes. So the next
 bucket is compressed while this one is on the wire, and the link is not idle while a
-thread encodes. A step whose plan
-sends every layer dense has nothing to encode: its all-reduces are issued from DDP's own
+thread encodes. A dense step (a plan that
+sends every layer dense) has nothing to encode: its all-reduces are issued from DDP's own
 thread, as torch's all-reduce hook does, and only the waiting is handed over; on the CPU,
-when nothing is held in error feedback or profiled (Top-K errors) either, no thread is
-involved: each bucket is all-reduced in place and a callback of the collective ends the step
-(:meth:`CompressionState.flat_step`). The overlap
+when nothing is held in error feedback or profiled (Top-K errors) either, it is a plain step
+and no thread is involved: each bucket is all-reduced in place and a callback of the
+collective ends the step (:mod:`raycomp.plain_step`). The overlap
 needs several buckets: DDP's default gives a model under 25 MB two,
 :func:`raycomp.bucket_cap_mb` about eight (raycomp.buckets).
 Gradient accumulation with ``no_sync()`` needs nothing special: DDP calls the hook only on
@@ -60,10 +60,10 @@ from raycomp.ledger import WireLedger
 from raycomp.loss_scale import check_scaler
 from raycomp.memory import Memory
 from raycomp.overlap import BucketThreads
+from raycomp.plain_step import PlainStep
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
-from raycomp.transports import OVERHEAD, Pending, flat_view
-from raycomp.transports.packing import by_dtype, split
+from raycomp.transports import Pending, flat_view
 
 __all__ = ["CompressionState", "compression_hook"]
 
@@ -121,8 +121,7 @@ class CompressionState:
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
         self._threads = BucketThreads(async_comm)
         self._send_inline = not self._threads.enabled  # this step's: see begin_step
-        self._flat = False  # this step's buckets go as they lie, without the threads (begin_step)
-        self.in_flight: list[torch.futures.Future] = []  # this flat step's bucket futures so far
+        self._plain = False  # this step is a plain step, reduced in the hook (begin_step)
         # DDP with find_unused_parameters drops the mean of a layer no rank used, after the
         # hook: such a layer's memory update waits until DDP's map of used parameters is in
         self._ddp_reducer = getattr(model, "reducer", None) if getattr(model, "find_unused_parameters", False) \
@@ -130,13 +129,12 @@ class CompressionState:
         self.reducer.defer_unused = self._ddp_reducer is not None
         self._map_index = {self._names[id(p)]: i for i, p in enumerate(reducer_order(model))} \
             if self.defer_unused else {}
-        #: what DDP's buckets hold, each layer once (name, gradient bytes): a flat step's count
+        #: what DDP's buckets hold, each layer once: what a plain step reduces and counts
         #: (a state built on the module inside the DDP: its trainable parameters)
         bucketed = reducer_order(model) if isinstance(model, DistributedDataParallel) else self.parameters
-        self._bucketed = [(self._names[id(p)], p.numel() * p.element_size()) for p in bucketed]
-        self._bucketed_params = bucketed
+        self.plain = PlainStep(self.reducer, [(self._names[id(p)], p) for p in bucketed], self.name_of,
+                               self._end_step_waited)
         self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
-        self._buckets_checked = False  # a flat step has seen every bucket hold the state's parameters
 
     # --- the reducer's face: what the training loop reads and calls --------------------
     plan = property(lambda self: self.reducer.plan)
@@ -175,6 +173,11 @@ class CompressionState:
     def end_step(self) -> None:
         self.reducer.end_step()
 
+    def _end_step_waited(self, since: float) -> None:
+        """End the step; the time since ``since`` is what the step waited for its reduction."""
+        self.end_step()
+        self.comm_seconds += time.perf_counter() - since
+
     def state_dict(self) -> dict[str, Any]:
         return self.reducer.state_dict()
 
@@ -198,12 +201,11 @@ class CompressionState:
         means = self.reducer.reduce([self.name_of(p) for p in params], [p.grad for p in params], closes_step=True)
         for p, mean in zip(params, means, strict=True):
             p.grad.copy_(mean)
-        self.end_step()
-        self.comm_seconds += time.perf_counter() - started
+        self._end_step_waited(started)
 
     def begin_step(self) -> None:
         """Begin the reducer's step; a step that opens here also decides where its
-        collectives are issued. With a plan that sends every layer dense there is
+        collectives are issued. A dense step (a plan that sends every layer dense) has
         nothing to encode, so the sending thread would only add a thread hand-off a bucket,
         on the core that backward and gloo already share: on the fast link raycomp's dense
         plan took 21 ms a step more than torch's all-reduce hook with it, 13 ms without.
@@ -212,10 +214,10 @@ class CompressionState:
         if self.reducer.in_step:
             return
         self.reducer.begin_step()
-        self.in_flight = []
+        self.plain.begin_step()
         dense = self._dense_everywhere()
         self._send_inline = not self._threads.enabled or dense
-        self._flat = dense and self._threads.enabled and self.reducer.flat_ready()
+        self._plain = dense and self._threads.enabled and self.plain.ready()
 
     def _dense_everywhere(self) -> bool:
         if self._dense_plan is None or self._dense_plan[0] is not self.plan:
@@ -224,92 +226,23 @@ class CompressionState:
             self._dense_plan = (self.plan, dense)
         return self._dense_plan[1]
 
-    def flat_step(self, device: torch.device) -> bool:
-        """Whether this step's buckets on ``device`` go as they lie, all-reduced in place
-        with a callback for the little left to do, as torch's all-reduce hook does
-        (:meth:`raycomp.reducer.CompressedReducer.start_flat`): every layer dense, nothing
-        held in error feedback, no Top-K error profile measured. On the CPU only: on CUDA
-        the threaded path, which keeps the stream semantics the GPU tests check, stays. The
-        threads and the general path cost a dense step on a 50-ms CNN ~5% against a hook
-        with the same collectives; decided when the step begins, the same on every rank."""
+    def plain_in_hook(self, device: torch.device) -> bool:
+        """Whether this step is a plain step reduced in the hook, its buckets on ``device``
+        all-reduced where they lie (:meth:`raycomp.plain_step.PlainStep.reduce_bucket`):
+        every layer dense, nothing held in error feedback, no Top-K error profile measured.
+        On the CPU only: on CUDA the threaded path, which keeps the stream semantics the GPU
+        tests check, stays. The threads and the general path cost a dense step on a 50-ms
+        CNN ~5% against a hook with the same collectives; decided when the step begins, the
+        same on every rank."""
         self.begin_step()
-        return self._flat and device.type != "cuda"
+        return self._plain and device.type != "cuda"
 
-    def next_step_flat(self) -> bool:
-        """Whether the next step will be a flat step (:meth:`flat_step`), asked before it
-        begins, while no step is open (before the step's forward): from the plan in force,
-        the step's number and what error feedback holds, which every rank holds alike."""
+    def next_step_plain(self) -> bool:
+        """Whether the next step will be a plain step (:mod:`raycomp.plain_step`), asked
+        before it begins, while no step is open (before the step's forward): from the plan in
+        force, the step's number and what error feedback holds, which every rank holds alike."""
         return (not self.reducer.in_step and self._threads.enabled and self._dense_everywhere()
-                and self.reducer.flat_ready())
-
-    def reduce_flat(self) -> None:
-        """A flat step after backward, for a step whose reduction DDP left out
-        (``require_backward_grad_sync`` off: :class:`raycomp.train.ddp_sync.DdpSync`):
-        every gradient DDP's buckets hold, copied once into one buffer per dtype (with the
-        control values) and all-reduced there
-        (:meth:`raycomp.reducer.CompressedReducer.start_flat`: the same division, sum and
-        control values as a bucket of a flat step), then copied back. A parameter
-        without a gradient on some rank (DDP without ``find_unused_parameters`` needs one
-        on every rank) sends zeros and is counted in the buffer, so that every rank raises
-        the same error instead of one rank waiting for another."""
-        started = time.perf_counter()
-        self.reducer.begin_step()
-        params = self._bucketed_params
-        missing = [self._names[id(p)] for p in params if p.grad is None]
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-        if self.reducer.collecting_stats:
-            self.reducer.measure_dense([self._names[id(p)] for p in params], grads)
-        groups = by_dtype(grads)
-        sent = []
-        for i, members in enumerate(groups):
-            parts = [grads[j].reshape(-1) for j in members]
-            if i == 0:  # how many gradients this rank lacks, summed (after the division) over ranks
-                parts.append(torch.full((1,), float(len(missing)), dtype=parts[0].dtype, device=parts[0].device))
-                self.ledger.add(OVERHEAD, self.reducer.group.allreduce_bytes(parts[-1].element_size()))
-            sent.append((members, self.reducer.start_flat(parts, closes_step=i == len(groups) - 1)))
-        lacking = 0.0
-        for i, (members, future) in enumerate(sent):
-            mean = future.wait()
-            if i == 0:
-                lacking, mean = float(mean[-1]), mean[:-1]
-            torch._foreach_copy_([grads[j] for j in members], split(mean, [grads[j] for j in members]))
-        if lacking > 0:
-            where = f"{', '.join(missing[:3])} on this rank" if missing else "a parameter on another rank"
-            raise RuntimeError(f"no gradient this step for {where}: DDP reduces every parameter on every "
-                               "rank; a model that leaves parameters unused needs find_unused_parameters=True "
-                               "(TrainOptions.find_unused_parameters)")
-        self.reducer.count_dense(self._bucketed)
-        self.end_step()
-        self.comm_seconds += time.perf_counter() - started
-
-    def flat_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
-        """A bucket of a :meth:`flat_step`: all-reduced where it lies (its gradients' norms
-        first, on a statistics step). The last one counts the step's bytes (every layer
-        DDP reduces, once) and ends the step once every bucket is in: gloo runs a group's
-        collectives on several threads, so the last bucket (often the smallest) can be in
-        before the buckets issued earlier."""
-        handed_over, last = time.perf_counter(), bucket.is_last()
-        if self.reducer.collecting_stats:
-            self.reducer.measure_dense([self.name_of(p) for p in bucket.parameters()], bucket.gradients())
-        elif not self._buckets_checked:  # names are read on statistics steps only: a bucket of
-            for p in bucket.parameters():  # another model than the state's fails at the first step
-                self.name_of(p)
-        self._buckets_checked |= last
-        future = self.reducer.start_flat([buffer], closes_step=last)
-        self.in_flight.append(future)
-        if not last:
-            return future
-        step_futures, self.in_flight = self.in_flight, []
-        self.reducer.count_dense(self._bucketed)
-
-        def end_step(_: torch.futures.Future) -> torch.Tensor:
-            for done in step_futures:
-                done.value()  # a failed collective raises here, before the step ends
-            self.end_step()
-            self.comm_seconds += time.perf_counter() - handed_over  # what backward waited for
-            return future.value()
-
-        return torch.futures.collect_all(step_futures).then(end_step)
+                and self.plain.ready())
 
     @property
     def overlaps(self) -> bool:
@@ -360,8 +293,8 @@ def compression_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's compressed mean, per parameter as the plan says."""
     buffer = bucket.buffer()
-    if state.flat_step(buffer.device):
-        return state.flat_bucket(bucket, buffer)
+    if state.plain_in_hook(buffer.device):
+        return state.plain.reduce_bucket(bucket, buffer)
     names = [state.name_of(p) for p in bucket.parameters()]
     grads = bucket.gradients()
     last = bucket.is_last()

@@ -4,8 +4,7 @@ Each reduction (:meth:`CompressedReducer.start`) takes the steps of error-feedba
 compression (as GRACE's ``send``: compensate, compress, update memory):
 
 1. **route**: each layer's compressor in the current plan, and the transport it declares
-   (tiny, 1-D-only-when-dense or incompressible layers go dense: the same decision on every
-   rank, as it depends only on the plan, the name, the shape and the world size);
+   (:mod:`raycomp.routing`: the same decision on every rank);
 2. **compensate**: add the error-feedback memory to the gradient;
 3. **compress and communicate**: all layers of one transport in one batch (:mod:`raycomp.transports`);
 4. **decompress**: once the collectives are done, the mean, and what this rank sent;
@@ -29,7 +28,8 @@ from raycomp.compressors import Compressor, Transport
 from raycomp.ledger import WireLedger
 from raycomp.loss_scale import ScaleFollower
 from raycomp.memory import Memory, make_memory
-from raycomp.plan import CompressorSpec, Plan
+from raycomp.plan import Plan
+from raycomp.routing import Router
 from raycomp.signals import StepSignals
 from raycomp.stats import LayerStats, layer_stats
 from raycomp.transports import (
@@ -40,7 +40,6 @@ from raycomp.transports import (
     Reduced,
     communicate,
     communicators,
-    mean_in_place,
 )
 
 __all__ = ["CompressedReducer"]
@@ -85,8 +84,7 @@ class CompressedReducer:
         self.loss_scale = ScaleFollower(grad_scaler)
         self.group = Group(process_group)
         self.memory = make_memory(memory, self.group.size) if isinstance(memory, str) else memory
-        self.min_compress_numel = min_compress_numel
-        self.seed = seed
+        self.router = Router(self.group, min_compress_numel, seed)  # each layer's compressor and transport
         self.stats_every = stats_every
         self.profile_ratios = tuple(profile_ratios)
         self.communicators = communicators()  # one per transport kind: some keep state
@@ -95,10 +93,6 @@ class CompressedReducer:
         self._plan = plan or Plan()
         self._pending: Plan | None = None
         self._in_step = False
-        self._compressors: dict[str, tuple[CompressorSpec, Compressor]] = {}
-        #: :meth:`_route`'s answers under ``_routes_plan`` (the compressors of ``_compressors``)
-        self._routes: dict[tuple[str, ...], tuple[list[Compressor], list[Transport]]] = {}
-        self._routes_plan: Plan | None = None
         self.stats: list[LayerStats] = []  # of the latest statistics step
         self.stats_step = -1  # the step those statistics were measured at
         self.local_nonfinite = False  # this rank's compressed gradients held NaN/Inf at the last step
@@ -182,7 +176,7 @@ class CompressedReducer:
         in the order started.
         """
         self.begin_step()
-        compressors, kinds = self._route(names, grads)  # 1. route
+        compressors, kinds = self.router.route(self._plan, names, grads, self.loss_scale.scale)  # 1. route
         compensated = [self.memory.compensate(n, g) for n, g in zip(names, grads, strict=True)]  # 2. compensate
         self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is not Transport.DENSE])
         used = [g.any() for g in grads] if self.defer_unused else []  # before an in-place reduction
@@ -202,80 +196,11 @@ class CompressedReducer:
 
         return Pending(sending.works, finish)
 
-    def flat_ready(self) -> bool:
-        """Whether this step may reduce its buckets with :meth:`start_flat`, given a plan
-        that sends every layer dense (the caller's to know: it depends on the layers):
-        nothing held in error feedback, no Top-K error profile measured (statistics without
-        one: :meth:`measure_dense`), no unused layers to settle."""
-        idle = getattr(self.memory, "idle", None)  # a memory of the caller's own may lack it
-        return (not (self.collecting_stats and self.profile_ratios) and not self.defer_unused
-                and not self._unsettled and idle is not None and idle())
-
-    def start_flat(self, parts: Sequence[torch.Tensor], *, closes_step: bool = False) -> torch.futures.Future:
-        """:meth:`start` for a step :meth:`flat_ready` allows, on the 1-D ``parts`` back to
-        back (a DDP bucket's buffer, or a whole step's gradients of one dtype): the same
-        division, all-reduce and control values (:func:`~raycomp.transports.mean_in_place`),
-        without routing, error feedback or per-layer results. The layers' bytes are the
-        caller's to count, once a step (:meth:`count_dense`). A future of the mean, one
-        1-D tensor."""
-        self.begin_step()
-        control = self.signals.take(parts[0].device) if closes_step else None
-        if control is not None:
-            self.ledger.add(OVERHEAD, self.group.allreduce_bytes(control.numel() * control.element_size()))
-        return mean_in_place(parts, self.group, control)
-
-    def measure_dense(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
-        """A flat step's :class:`LayerStats` on a statistics step (:attr:`collecting_stats`),
-        from this rank's gradients before their reduction: what :meth:`start` measures of a
-        layer sent dense with nothing held (its norm; no compression error, no residual)."""
-        unscale = self.loss_scale.unscale()
-        for name, grad in zip(names, grads, strict=True):
-            dense = self.group.allreduce_bytes(grad.numel() * grad.element_size())
-            # sent as it is, nothing held back: compensated and sent are the gradient itself
-            self.stats.append(layer_stats(name, "none", grad, grad, grad, None, dense, dense, unscale=unscale))
-
-    def count_dense(self, layers: Sequence[tuple[str, int]]) -> None:
-        """Count a step that sent ``layers`` (name, bytes of its gradient) dense."""
-        for name, nbytes in layers:
-            dense = self.group.allreduce_bytes(nbytes)
-            self.ledger.add(name, dense, dense)
-
     def compressor_for(self, layer: str) -> Compressor:
-        spec = self._plan.spec_for(layer)
-        cached = self._compressors.get(layer)
-        if cached is None or cached[0] != spec:
-            cached = (spec, spec.build(layer, self.group.rank, self.seed))
-            self._compressors[layer] = cached
-        return cached[1]
+        return self.router.compressor_for(self._plan, layer)
 
     def transport_for(self, layer: str, shape: torch.Size) -> Transport:
-        compressor = self.compressor_for(layer)
-        numel = shape.numel()
-        if numel < max(1, self.min_compress_numel) or not compressor.accepts(shape):
-            return Transport.DENSE
-        if compressor.transport is Transport.SCALABLE and numel < self.group.size:
-            return Transport.DENSE
-        return compressor.transport
-
-    def _route(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> tuple[list[Compressor], list[Transport]]:
-        """Each layer's compressor, told this step's loss scale, and its transport; kept per
-        plan and list of layers (a DDP bucket's are the same every step), since routing
-        every layer of every bucket again cost ~60 us a bucket on the hot path."""
-        for name, grad in zip(names, grads, strict=True):
-            if not grad.is_floating_point():
-                raise ValueError(f"gradient {name!r}: dtype {grad.dtype} is not floating point")
-        if self._routes_plan is not self._plan:
-            self._routes, self._routes_plan = {}, self._plan
-        key = tuple(names)
-        route = self._routes.get(key)
-        if route is None:
-            route = ([self.compressor_for(name) for name in names],
-                     [self.transport_for(name, grad.shape) for name, grad in zip(names, grads, strict=True)])
-            self._routes[key] = route
-        compressors, kinds = list(route[0]), list(route[1])
-        for compressor in compressors:
-            compressor.loss_scale = self.loss_scale.scale  # None without a GradScaler
-        return compressors, kinds
+        return self.router.transport_for(self._plan, layer, shape)
 
     def _count_bytes(self, names: Sequence[str], grads: Sequence[torch.Tensor], reduced: Sequence[Reduced],
                      overhead: float) -> None:
@@ -376,10 +301,7 @@ class CompressedReducer:
             "pending_plan": None if self._pending is None else self._pending.to_dict(),
             "memory": self.memory.state_dict(),
             **{c.state_key: c.state_dict() for c in self.communicators.values() if c.state_key},
-            "compressors": {
-                name: {"spec": spec.to_dict(), "state": comp.state_dict()}
-                for name, (spec, comp) in self._compressors.items()
-            },
+            "compressors": self.router.state_dict(),
             "ledger": self.ledger.state_dict(),
             "loss_scale": self.loss_scale.state_dict(),
         }
@@ -392,12 +314,7 @@ class CompressedReducer:
         for communicator in self.communicators.values():
             if communicator.state_key:
                 communicator.load_state_dict(state[communicator.state_key])
-        self._compressors = {}
-        for name, entry in state["compressors"].items():
-            spec = CompressorSpec.from_dict(entry["spec"])
-            compressor = spec.build(name, self.group.rank, self.seed)
-            compressor.load_state_dict(entry["state"])
-            self._compressors[name] = (spec, compressor)
+        self.router.load_state_dict(state["compressors"])
         self.ledger.load_state_dict(state["ledger"])
         self.loss_scale.load_state_dict(state.get("loss_scale", {"scale": None}))
 

@@ -114,7 +114,7 @@ def _flat_or_general_step(model, state, rank, step, dtype, sent) -> dict:
     receivers = {t.ident for t in threading.enumerate() if t.name.startswith("raycomp-receive")}
     sent.clear()
     _backward(model, rank, step, dtype)
-    return {"flat": state._flat, "steps": state.step, "grads": _grads(model), "sent": sorted(sent, key=str),
+    return {"flat": state._plain, "steps": state.step, "grads": _grads(model), "sent": sorted(sent, key=str),
             "rows": state.control_rows.clone(), "wire": dict(state.ledger.wire_bytes),
             "dense": dict(state.ledger.dense_bytes), "memory": sorted(state.memory.residuals),
             "stats": [{**s.to_dict(), "topk_errors": {}} for s in state.stats],
@@ -874,7 +874,7 @@ def _flat_step_ends_after_every_bucket(rank: int, world_size: int) -> tuple[list
         returned.clear()
         ddp.zero_grad()
         ddp(torch.randn(2, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
-        flat = flat and state.flat_step(torch.device("cpu"))
+        flat = flat and state.plain_in_hook(torch.device("cpu"))
     state.close()
     return seen[1:], state.comm_seconds, flat
 
@@ -897,7 +897,7 @@ def _flat_ledger_of_a_state_on_the_inner_module(rank: int, world_size: int) -> l
         for step in range(2):
             ddp.zero_grad()
             _backward(ddp, rank, step)
-        assert state._flat
+        assert state._plain
         ledgers.append(dict(state.ledger.wire_bytes))
         state.close()
     return ledgers

@@ -222,9 +222,9 @@ def _sent(compensated: torch.Tensor, residual: torch.Tensor | None) -> torch.Ten
 
 def _replica(state: CompressedReducer, name: str):
     """A copy of the layer's compressor as it stands now (same seed, same draws so far)."""
-    replica = state.plan.spec_for(name).build(name, state.group.rank, state.seed)
-    if name in state._compressors:
-        replica.load_state_dict(state._compressors[name][1].state_dict())
+    replica = state.plan.spec_for(name).build(name, state.group.rank, state.router.seed)
+    if name in state.router.compressors:
+        replica.load_state_dict(state.router.compressors[name][1].state_dict())
     return replica
 
 

@@ -20,9 +20,10 @@ class DdpSync:
     """A :class:`~raycomp.train.gradient_sync.GradientSync` over a DDP model (or, with one
     worker, the bare model) and its :class:`~raycomp.hook.CompressionState`.
 
-    ``after_backward``: a step whose plan sends everything dense, with nothing held in
-    error feedback (:meth:`~raycomp.hook.CompressionState.next_step_flat`), is reduced
-    after backward instead of in DDP's comm hook. Before the step's forward DDP's
+    ``after_backward``: a plain step (:mod:`raycomp.plain_step`: a plan that sends
+    everything dense, nothing held in error feedback;
+    :meth:`~raycomp.hook.CompressionState.next_step_plain`) is reduced after backward
+    instead of in DDP's comm hook. Before the step's forward DDP's
     gradient sync is switched off for it (``require_backward_grad_sync``, what ``no_sync()``
     sets); :meth:`end_backward` all-reduces every gradient in one buffer, with the guard's
     control values, switches it back on and lets the next forward broadcast the buffers
@@ -50,7 +51,7 @@ class DdpSync:
         """Switch DDP's sync off for a step that :meth:`end_backward` reduces (decided from
         what every rank holds alike, before the step begins)."""
         if (torch.is_grad_enabled() and not self.deferred and module.require_backward_grad_sync
-                and self.state.next_step_flat()):
+                and self.state.next_step_plain()):
             module.require_backward_grad_sync = False
             self.deferred = True
 
@@ -64,7 +65,7 @@ class DdpSync:
             self.deferred = False
             self.model.require_backward_grad_sync = True
             self.model.require_forward_param_sync = True  # the next forward broadcasts buffers, as DDP's does
-            self.state.reduce_flat()
+            self.state.plain.reduce_after_backward()
 
     def after_optimizer_step(self, applied: bool, loss: float) -> None:
         return None  # per step: the gradients were reduced in backward
@@ -101,7 +102,7 @@ def compression_state(model: torch.nn.Module, setup: SyncSetup) -> CompressionSt
 
 
 def reduces_after_backward(model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether a dense step of ``model`` (a DDP) is reduced after backward
+    """Whether a plain step of ``model`` (a DDP) is reduced after backward
     (:class:`DdpSync`): on the CPU (on CUDA the hook's streams stay), without
     ``find_unused_parameters`` or ``static_graph`` (DDP's own bookkeeping of a step), and
     for at most two buckets' worth of gradients, where the buckets overlap little of
@@ -116,7 +117,7 @@ def reduces_after_backward(model: torch.nn.Module, device: torch.device) -> bool
 
 def ddp_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> DdpSync:
     """raycomp's DDP path: buckets of ``compression.bucket_cap_mb``, the compressed hook; a
-    dense step of a small model reduced after backward (:class:`DdpSync`)."""
+    plain step of a small model reduced after backward (:class:`DdpSync`)."""
     model = wrap_ddp(model, setup, ddp_kwargs(setup.options.compression, model))
     return ddp_hook_sync(model, optimizer, setup, after_backward=reduces_after_backward(model, setup.device))
 

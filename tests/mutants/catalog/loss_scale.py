@@ -32,8 +32,8 @@ MUTANTS = (
         "under fp16 loss scaling the fixed threshold meets the scaled gradient: far more is sent",
     ),
     mutant(
-        "compressors-not-told-the-loss-scale", "CompressedReducer._route",
-        "            compressor.loss_scale = self.loss_scale.scale  # None without a GradScaler\n",
+        "compressors-not-told-the-loss-scale", "Router.route",
+        "            compressor.loss_scale = loss_scale  # None without a GradScaler\n",
         "            pass\n",
         "tests/test_loss_scale.py -k threshold",
         "the reducer never tells a compressor the loss scale: threshold compares with the scaled gradient",

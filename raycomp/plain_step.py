@@ -1,0 +1,165 @@
+"""The plain step: a dense step that needs nothing of the compressed reduction.
+
+A step whose plan sends every layer dense, with nothing held in error feedback, no Top-K
+error profile to measure and no unused layers to settle (:meth:`PlainStep.ready`), has
+nothing to route, encode or remember: its gradients are all-reduced as flat buffers
+(:meth:`PlainStep.start_flat`: the same division, sum and control values as a dense layer
+of :class:`~raycomp.reducer.CompressedReducer`'s compressed path), as torch's all-reduce
+hook does. It goes
+one of two ways, which :class:`raycomp.hook.CompressionState` decides the same on every rank:
+
+* **in the hook**, bucket by bucket (:meth:`PlainStep.reduce_bucket`): each bucket
+  all-reduced where it lies, a callback of the collective ending the step;
+* **after backward** (:meth:`PlainStep.reduce_after_backward`), for a step whose reduction
+  DDP left out (:class:`raycomp.train.ddp_sync.DdpSync` switches
+  ``require_backward_grad_sync`` off before its forward): every gradient in one flat buffer
+  per dtype.
+
+Either way the step counts every layer DDP's buckets hold once, and measures their norms on
+a statistics step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from raycomp.reducer import CompressedReducer
+from raycomp.stats import layer_stats
+from raycomp.transports import OVERHEAD, mean_in_place
+from raycomp.transports.packing import by_dtype, split
+
+__all__ = ["PlainStep"]
+
+
+class PlainStep:
+    """The plain step of one :class:`~raycomp.hook.CompressionState`.
+
+    Args:
+        reducer: the state's reducer: its step, control values, ledger and statistics.
+        bucketed: what DDP's buckets hold, each layer once, as (name, parameter).
+        name_of: the state's name of a bucket's parameter (ValueError for a parameter of
+            another model).
+        end_step: ends the step and counts the wait since the time it is given as
+            communication (:attr:`~raycomp.hook.CompressionState.comm_seconds`).
+    """
+
+    def __init__(self, reducer: CompressedReducer, bucketed: Sequence[tuple[str, torch.Tensor]],
+                 name_of: Callable[[torch.Tensor], str], end_step: Callable[[float], None]) -> None:
+        self.reducer = reducer
+        self._bucketed = list(bucketed)
+        self._layers = [(name, p.numel() * p.element_size()) for name, p in bucketed]  # (name, gradient bytes)
+        self._name_of = name_of
+        self._end_step = end_step
+        self._bucket_futures: list[torch.futures.Future] = []  # this step's buckets so far (in the hook)
+        self._buckets_checked = False  # a step in the hook has seen every bucket hold the state's parameters
+
+    def begin_step(self) -> None:
+        """A new step: none of its buckets are in yet."""
+        self._bucket_futures = []
+
+    def ready(self) -> bool:
+        """Whether this step may be a plain step, given a plan that sends every layer dense
+        (the caller's to know: it depends on the layers): nothing held in error feedback, no
+        Top-K error profile measured (statistics without one: :meth:`measure`), no unused
+        layers to settle."""
+        reducer = self.reducer
+        idle = getattr(reducer.memory, "idle", None)  # a memory of the caller's own may lack it
+        return (not (reducer.collecting_stats and reducer.profile_ratios) and not reducer.defer_unused
+                and not reducer.holding_back and idle is not None and idle())
+
+    def start_flat(self, parts: Sequence[torch.Tensor], *, closes_step: bool = False) -> torch.futures.Future:
+        """The reducer's :meth:`~raycomp.reducer.CompressedReducer.start` for a plain step,
+        on the 1-D ``parts`` back to back, one flat buffer (a DDP bucket's, or a whole step's
+        gradients of one dtype): the same division, all-reduce and control values
+        (:func:`~raycomp.transports.mean_in_place`), without routing, error feedback or
+        per-layer results. The layers' bytes are counted once a step (:meth:`count`). A
+        future of the mean, one 1-D tensor."""
+        reducer = self.reducer
+        reducer.begin_step()
+        control = reducer.signals.take(parts[0].device) if closes_step else None
+        if control is not None:
+            reducer.ledger.add(OVERHEAD, reducer.group.allreduce_bytes(control.numel() * control.element_size()))
+        return mean_in_place(parts, reducer.group, control)
+
+    def measure(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
+        """A plain step's :class:`~raycomp.stats.LayerStats` on a statistics step, from this
+        rank's gradients before their reduction: what the reducer measures of a layer sent
+        dense with nothing held (its norm; no compression error, no residual)."""
+        unscale = self.reducer.loss_scale.unscale()
+        for name, grad in zip(names, grads, strict=True):
+            dense = self.reducer.group.allreduce_bytes(grad.numel() * grad.element_size())
+            # sent as it is, nothing held back: compensated and sent are the gradient itself
+            self.reducer.stats.append(layer_stats(name, "none", grad, grad, grad, None, dense, dense, unscale=unscale))
+
+    def count(self) -> None:
+        """Count the step's bytes: every layer DDP's buckets hold, sent dense."""
+        for name, nbytes in self._layers:
+            dense = self.reducer.group.allreduce_bytes(nbytes)
+            self.reducer.ledger.add(name, dense, dense)
+
+    def reduce_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
+        """A bucket of a plain step in the hook: all-reduced where it lies (its gradients'
+        norms first, on a statistics step). The last one counts the step's bytes (every layer
+        DDP reduces, once) and ends the step once every bucket is in: gloo runs a group's
+        collectives on several threads, so the last bucket (often the smallest) can be in
+        before the buckets issued earlier."""
+        handed_over, last = time.perf_counter(), bucket.is_last()
+        if self.reducer.collecting_stats:
+            self.measure([self._name_of(p) for p in bucket.parameters()], bucket.gradients())
+        elif not self._buckets_checked:  # names are read on statistics steps only: a bucket of
+            for p in bucket.parameters():  # another model than the state's fails at the first step
+                self._name_of(p)
+        self._buckets_checked |= last
+        future = self.start_flat([buffer], closes_step=last)
+        self._bucket_futures.append(future)
+        if not last:
+            return future
+        step_futures, self._bucket_futures = self._bucket_futures, []
+        self.count()
+
+        def after_every_bucket(_: torch.futures.Future) -> torch.Tensor:
+            for done in step_futures:
+                done.value()  # a failed collective raises here, before the step ends
+            self._end_step(handed_over)  # what backward waited for
+            return future.value()
+
+        return torch.futures.collect_all(step_futures).then(after_every_bucket)
+
+    def reduce_after_backward(self) -> None:
+        """A plain step whose reduction DDP left out: every gradient DDP's buckets hold,
+        copied once into one flat buffer per dtype (with the control values) and all-reduced
+        there, then copied back. A parameter without a gradient on some rank (DDP without
+        ``find_unused_parameters`` needs one on every rank) sends zeros and is counted in the
+        buffer, so that every rank raises the same error instead of one rank waiting for
+        another."""
+        started = time.perf_counter()
+        self.reducer.begin_step()
+        missing = [name for name, p in self._bucketed if p.grad is None]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for _, p in self._bucketed]
+        if self.reducer.collecting_stats:
+            self.measure([name for name, _ in self._bucketed], grads)
+        groups = by_dtype(grads)
+        sent = []
+        for i, members in enumerate(groups):
+            parts = [grads[j].reshape(-1) for j in members]
+            if i == 0:  # how many gradients this rank lacks, summed (after the division) over ranks
+                parts.append(torch.full((1,), float(len(missing)), dtype=parts[0].dtype, device=parts[0].device))
+                self.reducer.ledger.add(OVERHEAD, self.reducer.group.allreduce_bytes(parts[-1].element_size()))
+            sent.append((members, self.start_flat(parts, closes_step=i == len(groups) - 1)))
+        lacking = 0.0
+        for i, (members, future) in enumerate(sent):
+            mean = future.wait()
+            if i == 0:
+                lacking, mean = float(mean[-1]), mean[:-1]
+            torch._foreach_copy_([grads[j] for j in members], split(mean, [grads[j] for j in members]))
+        if lacking > 0:
+            where = f"{', '.join(missing[:3])} on this rank" if missing else "a parameter on another rank"
+            raise RuntimeError(f"no gradient this step for {where}: DDP reduces every parameter on every "
+                               "rank; a model that leaves parameters unused needs find_unused_parameters=True "
+                               "(TrainOptions.find_unused_parameters)")
+        self.count()
+        self._end_step(started)
