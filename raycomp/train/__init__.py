@@ -42,10 +42,11 @@ import torch
 from raycomp.train.callback import ControllerCallback
 from raycomp.train.default_sync import raycomp_sync
 from raycomp.train.gradient_sync import GradientState, GradientSync, GradientSyncFactory, SyncSetup
-from raycomp.train.loop import TrainLoop, refuse_scaler
+from raycomp.train.loop import TrainLoop
 from raycomp.train.options import TrainOptions, resolve_options
 from raycomp.train.plan_sync import PlanMismatchError
 from raycomp.train.resume import forget_finished_run
+from raycomp.train.scaler_check import refuse_scaler
 
 __all__ = ["ControllerCallback", "GradientState", "GradientSync", "GradientSyncFactory", "PlanMismatchError",
            "SyncSetup", "TrainLoop", "TrainOptions", "current", "finish", "finish_loop", "prepare_model",

@@ -16,7 +16,11 @@ and rank 0's newest plan is broadcast and installed for the next step
 (:mod:`raycomp.train.plan_sync`). Every ``checkpoint.every_steps`` steps, and at epoch
 ends as :meth:`raycomp.config.CheckpointSection.at_report` says (by default the last
 only), the model, optimizer and every rank's compression state go into a Ray Train
-checkpoint (:mod:`raycomp.train.resume`, :mod:`raycomp.train.checkpoint`).
+checkpoint (:mod:`raycomp.train.resume`, :mod:`raycomp.train.checkpoint`); what goes to
+``ray.train.report`` and the run's totals: :mod:`raycomp.train.ray_report`.
+
+:class:`TrainLoop` is larger than a part because it is the composition: the order of what
+a step and a boundary do, read in one place; what each of them does lives in its part.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from raycomp.guard import Guard
-from raycomp.loss_scale import check_scaler, unscale_once
+from raycomp.loss_scale import unscale_once
 from raycomp.plan import Plan
 from raycomp.train import checkpoint
 from raycomp.train.default_sync import raycomp_sync
@@ -42,11 +46,12 @@ from raycomp.train.guard_step import GuardStep
 from raycomp.train.lr_ramp import LrRamp
 from raycomp.train.options import TrainOptions
 from raycomp.train.plan_sync import PlanSync
+from raycomp.train.ray_report import eval_value, report_metrics, report_to_ray, run_totals
 from raycomp.train.reporter import Outages, StatsReporter
 from raycomp.train.resume import restore, save_state
 from raycomp.train.step_log import StepLog
 
-__all__ = ["TrainLoop", "refuse_scaler"]
+__all__ = ["TrainLoop"]
 
 log = logging.getLogger("raycomp.train")
 
@@ -152,10 +157,7 @@ class TrainLoop:
         self.after_optimizer_step(loss, samples, applied)
         return applied
 
-    # The two halves of :meth:`step`, for a framework that steps the optimizer itself
-    # (Lightning, the Hugging Face Trainer): call ``after_backward`` once the gradients of
-    # a step are complete, step the optimizer only if it returns True, then call
-    # ``after_optimizer_step``.
+    # the two halves of :meth:`step`, for a framework that steps the optimizer itself
     def after_backward(self, loss: torch.Tensor | float) -> bool:
         """Finish the step's reduction, unscale (fp16), let the guard judge the gradient.
         Returns whether the optimizer may step (False: the guard skips this step)."""
@@ -322,30 +324,17 @@ class TrainLoop:
         """``ray.train.report`` (a barrier on all ranks) with byte totals added. When
         ``metrics`` hold ``options.eval_metric``, also an evaluation (:meth:`record_eval`)
         unless one was recorded at this step already. With a checkpoint when asked, or
-        (None) as :meth:`raycomp.config.CheckpointSection.at_report` says."""
-        import ray.train
-
+        (None) as :meth:`raycomp.config.CheckpointSection.at_report` says
+        (:mod:`raycomp.train.ray_report`)."""
         name = self.options.eval_metric
         if name is not None and name in metrics and self._evaluated_at != self.global_step:
-            self.record_eval(dict(metrics), _eval_value(name, metrics[name]))
+            self.record_eval(dict(metrics), eval_value(name, metrics[name]))
         self.log.flush()
-        ledger = self.state.ledger
-        metrics = {**metrics, "epoch": self.epoch, "step": self.global_step,
-                   "wire_bytes": ledger.wire_total * self.world_size,  # rank 0's, scaled to all ranks
-                   "dense_bytes": ledger.dense_total * self.world_size,
-                   "compression_ratio": ledger.compression_ratio or 1.0}
+        metrics = report_metrics(metrics, self.epoch, self.global_step, self.state.ledger, self.world_size)
         if checkpoint is None:
             checkpoint = self.options.checkpoint.at_report(self.epoch, self.global_step, self.epochs_total,
                                                            self.steps_per_epoch)
-        if not checkpoint:
-            ray.train.report(metrics)
-        else:
-            with tempfile.TemporaryDirectory(prefix="raycomp-ckpt-") as tmp:
-                self.save_state(Path(tmp))
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-            # Ray Train registers a reported checkpoint asynchronously; a worker dying before
-            # that loses it and a restart would begin from scratch. Wait until it is registered.
-            ray.train.get_all_reported_checkpoints()
+        report_to_ray(metrics, self.save_state if checkpoint else None)
         self._restart_step_clock()  # the report (a barrier) and what came before it: not step time
 
     def save_state(self, directory: Path) -> None:
@@ -363,27 +352,9 @@ class TrainLoop:
     # --- the end ------------------------------------------------------------------------------
     def totals(self) -> dict[str, Any]:
         """Run totals over all ranks (a collective: call on every rank), after the ranks'
-        weights are merged (:meth:`merge_replicas`)."""
+        weights are merged (:meth:`merge_replicas`): :func:`raycomp.train.ray_report.run_totals`."""
         self.merge_replicas()
-        sums = torch.tensor([self.state.ledger.wire_total, self.state.ledger.dense_total,
-                             float(self.outages.count)], dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(sums, group=self.control_group)
-        self.log.flush()
-        return {
-            "wire_bytes_total": float(sums[0]), "dense_bytes_total": float(sums[1]),
-            "controller_outages": int(sums[2]), "steps": self.global_step, "stats_dropped": self.reporter.dropped,
-            "plan_switches": self.plan_switches, "skipped_steps": self.skipped_steps,
-            "local_skipped_steps": self.local_skips, "outer_steps": self.outer_steps,
-            "loss_scale_overflows": self.guard.overflows,
-            "fallback_events": [e.to_dict() for e in self.guard.guard.events],
-            "replayed_steps": self.replayed_steps, "restored_from_step": self.restored_from,
-            "final_plan": self.state.plan.to_dict(), "control_seconds": self.control_seconds,
-            "control_boundary_seconds": self.boundary_seconds,
-            "control_overhead": self.control_seconds / self.step_seconds if self.step_seconds else 0.0,
-            # what DDP was built with (compression.bucket_cap_mb); None without DDP (FSDP, 1 worker)
-            "ddp_bucket_cap_mb": self.sync.bucket_cap_mb,
-        }
+        return run_totals(self)
 
     def send_final(self) -> None:
         """Send the statistics since the last boundary (the final byte totals, the latest
@@ -402,27 +373,6 @@ class TrainLoop:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def refuse_scaler(grad_scaler: Any, options: TrainOptions) -> None:
-    """A one-line error for a GradScaler raycomp.train cannot follow."""
-    check_scaler(grad_scaler)
-    if grad_scaler is not None and grad_scaler.is_enabled() and options.strategy == "fsdp":
-        raise ValueError("grad_scaler: not supported with strategy 'fsdp'; allowed there: None "
-                         "(train in bf16, which needs no loss scaling)")
-    if grad_scaler is not None and grad_scaler.is_enabled() and options.compression.local.mode != "off":
-        # each rank's scaler would follow its own overflows: the scales would drift apart
-        raise ValueError("grad_scaler: not supported with compression.local.mode "
-                         f"{options.compression.local.mode!r}; allowed there: None (train in bf16)")
-
-
-def _eval_value(name: str, value: Any) -> float:
-    """The reported evaluation metric as a float (a Python number or a one-element tensor)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"report: metrics[{name!r}] (TrainOptions.eval_metric) must be a number, "
-                         f"got {value!r}") from None
 
 
 def _is_dense(plan: Plan) -> bool:

@@ -1,0 +1,78 @@
+"""What a rank hands Ray Train and the training function beyond its steps: the metrics of
+``ray.train.report`` (with the run's byte totals so far), the checkpoint that goes with
+one, the evaluation value a report carries, and the run's totals at the end
+(:meth:`raycomp.train.loop.TrainLoop.report`, :meth:`~raycomp.train.loop.TrainLoop.totals`)."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from raycomp.ledger import WireLedger
+
+if TYPE_CHECKING:
+    from raycomp.train.loop import TrainLoop
+
+__all__ = ["eval_value", "report_metrics", "report_to_ray", "run_totals"]
+
+
+def report_metrics(metrics: dict[str, Any], epoch: int, step: int, ledger: WireLedger,
+                   world_size: int) -> dict[str, Any]:
+    """``metrics`` with the epoch, the step and the byte totals so far added."""
+    return {**metrics, "epoch": epoch, "step": step,
+            "wire_bytes": ledger.wire_total * world_size,  # rank 0's, scaled to all ranks
+            "dense_bytes": ledger.dense_total * world_size,
+            "compression_ratio": ledger.compression_ratio or 1.0}
+
+
+def report_to_ray(metrics: dict[str, Any], save: Callable[[Path], None] | None) -> None:
+    """``ray.train.report(metrics)`` (a barrier on all ranks); with a checkpoint of what
+    ``save`` writes into a directory, unless ``save`` is None."""
+    import ray.train
+
+    if save is None:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory(prefix="raycomp-ckpt-") as tmp:
+        save(Path(tmp))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    # Ray Train registers a reported checkpoint asynchronously; a worker dying before
+    # that loses it and a restart would begin from scratch. Wait until it is registered.
+    ray.train.get_all_reported_checkpoints()
+
+
+def eval_value(name: str, value: Any) -> float:
+    """The reported evaluation metric as a float (a Python number or a one-element tensor)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"report: metrics[{name!r}] (TrainOptions.eval_metric) must be a number, "
+                         f"got {value!r}") from None
+
+
+def run_totals(loop: TrainLoop) -> dict[str, Any]:
+    """The run's totals over all ranks (a collective: every rank calls it)."""
+    sums = torch.tensor([loop.state.ledger.wire_total, loop.state.ledger.dense_total,
+                         float(loop.outages.count)], dtype=torch.float64)
+    if loop.world_size > 1:
+        dist.all_reduce(sums, group=loop.control_group)
+    loop.log.flush()
+    return {
+        "wire_bytes_total": float(sums[0]), "dense_bytes_total": float(sums[1]),
+        "controller_outages": int(sums[2]), "steps": loop.global_step, "stats_dropped": loop.reporter.dropped,
+        "plan_switches": loop.plan_switches, "skipped_steps": loop.skipped_steps,
+        "local_skipped_steps": loop.local_skips, "outer_steps": loop.outer_steps,
+        "loss_scale_overflows": loop.guard.overflows,
+        "fallback_events": [e.to_dict() for e in loop.guard.guard.events],
+        "replayed_steps": loop.replayed_steps, "restored_from_step": loop.restored_from,
+        "final_plan": loop.state.plan.to_dict(), "control_seconds": loop.control_seconds,
+        "control_boundary_seconds": loop.boundary_seconds,
+        "control_overhead": loop.control_seconds / loop.step_seconds if loop.step_seconds else 0.0,
+        # what DDP was built with (compression.bucket_cap_mb); None without DDP (FSDP, 1 worker)
+        "ddp_bucket_cap_mb": loop.sync.bucket_cap_mb,
+    }
