@@ -26,7 +26,7 @@ from controllers.policies.base import Policy
 from controllers.policies.decision import checked
 from controllers.snapshots import SnapshotStore
 from controllers.state import RunState
-from raycomp.plan import GradStats, ReportTooLarge
+from raycomp.messages import GradStats, ReportTooLarge
 
 log = logging.getLogger("raycomp.controller")
 

@@ -11,8 +11,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from raycomp.messages import GradStats
 from raycomp.metrics import STEP_BUCKETS
-from raycomp.plan import GradStats, Plan
+from raycomp.plan import Plan
 
 HISTORY = 256  # boundary steps kept per series
 PENDING_STEPS = 8  # incomplete boundary steps kept while waiting for slow ranks

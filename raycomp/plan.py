@@ -196,7 +196,5 @@ class Plan:
         return cached
 
 
-# the worker -> controller message moved to raycomp.messages; importable from here too
-from raycomp.messages import GradStats, ReportTooLarge  # noqa: E402
 
-__all__ = ["DENSE", "CompressorSpec", "GradStats", "LocalMode", "Plan", "ReportTooLarge"]
+__all__ = ["DENSE", "CompressorSpec", "LocalMode", "Plan"]

@@ -13,7 +13,8 @@ from controllers.policies.bandwidth import BandwidthPolicy
 from controllers.policies.critical import CriticalPolicy
 from controllers.policies.error_budget import ErrorBudgetPolicy, choose_ratios, error_bins
 from controllers.state import RunState
-from raycomp.plan import DENSE, CompressorSpec, GradStats, Plan
+from raycomp.messages import GradStats
+from raycomp.plan import DENSE, CompressorSpec, Plan
 
 BIG, SMALL = 4096, 10
 

@@ -28,8 +28,9 @@ from jobs import config as job_config
 from raycomp import compressors, config
 from raycomp.compressors import Compressor, Transport, make_compressor
 from raycomp.config.policy_options import POLICY_OPTIONS
+from raycomp.messages import GradStats
 from raycomp.payload import Payload
-from raycomp.plan import CompressorSpec, GradStats, Plan
+from raycomp.plan import CompressorSpec, Plan
 from tests.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,64 +5,21 @@
 
 * ``fixed``: every plan after the warm-up is local steps every ``sync_every`` steps, the
   pseudo-gradients compressed with ``compressor``.
-* ``auto``: from the cost model's measurements (link bytes/s, compute per step, round
-  overhead), the predicted step of the inner policy's per-step plan is compared with local
-  steps' ``compute + stall / H``, where a sync sends every compressible layer's
-  pseudo-gradient with ``compressor`` and its stall is what the ``delay``'s inner steps do
-  not hide (``sync - delay x compute``, at least 0). H is the smallest power of two (2 ..
-  ``max_sync_every``) whose stall adds at most ``target_overhead`` of the compute per step,
-  else the largest; and never above what the learning rate allows: ``sync_every_at_peak_lr``
-  while the rate the workers report is at its peak, growing with the square of its decay
-  (``x (peak / lr)^2``, the quadratic synchronization rule of Gu et al. 2024). The drift
-  between ranks costs the loss most while the rate is high and little once it has decayed:
-  on the character LSTM at its tuned rate, H=16 throughout ended 1.7% above dense's loss,
-  H=4 0.45%, and H=4 then 16 from halfway through the cosine schedule 0.6%. A cap that
-  falls (a rate that rises again) is taken at once. Local steps are chosen when the
-  per-step plan is predicted more than ``min_gain`` slower (resolved by the worker from its
-  optimizer: twice as slow under Adam, :func:`raycomp.train.lossy.local_min_gain`), and kept
-  while it is predicted slower at all; on a fast link that never happens, and the per-step
-  plan (often dense) stays. A switch of mode or H waits until ``PATIENCE`` boundaries in a
-  row agree (the first choice is taken at once), so that choices that would undo each
-  other are damped.
+* ``auto``: the predicted step of the inner policy's per-step plan against local steps'
+  ``compute + stall / H`` (a sync's seconds that the ``delay``'s inner steps do not hide).
+  H is the smallest power of two whose stall adds at most ``target_overhead`` of the
+  compute, never above what the learning rate allows (``sync_every_at_peak_lr x (peak /
+  lr)^2``, Gu et al. 2024's quadratic rule). Local steps are entered when per step is
+  predicted ``min_gain`` slower and kept while it is slower at all; a switch of mode or H
+  waits for ``PATIENCE`` boundaries that agree.
 
-Two things step back, each halving the largest H this policy may choose (below 2: per step
-only); after ``RECOVERY`` boundaries in a row with neither, nor a loss behind, nor the guard's
-fallback, it doubles again, up to ``max_sync_every``. The training loss is a noisy judge (it
-bumps with the data order under any mode; a dense run's own curve trips the loss rule below
-now and then), so one step back must not cost local steps for the rest of the run:
-
-* a guard fallback while local steps are in force (the fallback itself runs dense per step
-  until the workers recover, :class:`~controllers.policies.guarded.Guarded`);
-* ``auto``: a loss that falls behind. Under local steps the controller expects the training
-  loss (each boundary's mean over ranks, averaged with the previous boundary's) never to rise
-  more than ``loss_tolerance`` above the lowest it has reached since local steps began; an H
-  too large for the run drifts upward slowly, below the guard's spike factor. When it does at
-  ``PATIENCE`` boundaries in a row, the H in force is halved at once.
-
-While local steps are in force the timings the workers report are those of inner steps
-and syncs, not of per-step reductions; the per-step cost models (this one's and the inner
-adaptive policy's) do not learn from them, so they keep the per-step figures they compare
-against. This policy learns from them instead what local steps really cost, which the byte
-model cannot know: an inner step's compute without any communication beside it (per step,
-backward overlaps the reduction and the two share the cores, so the compute measured there
-is larger: 1.2-1.3x on the CNN at 100 Mbit/s), and a sync's seconds (its codec, the outer
-step and an all-gather nothing overlaps) as a multiple of the byte model's prediction. Once
-the latest boundaries under one H cover two of its syncs, the next choices of H use the
-measured figures, so a first H chosen on predictions alone is corrected (damped like any
-other switch).
-
-A sync kept on the wire (``delay``) is not all in the wait the workers time: its codec and
-outer step share the cores with the inner step it overlaps, which then takes longer (on the
-character LSTM at 100 Mbit/s a step at H=2 took 105 ms, at H=4 91 ms, while the waits left
-were 5-11 ms a step). One H cannot tell that slowdown from the compute, so where syncs
-overlap, the policy also measures twice the H in force (once: a *probe*, taken at once and
-held until measured, where the ceiling and the learning rate allow it). The compute a step
-of two H measured one after the other, ``compute(H) = inner + slowdown / H``, gives the
-seconds a sync adds to the inner steps it overlaps; it is a property of the codec, the
-model and the cores, so it is measured once, from the first such pair (the smallest H, the
-largest difference), while the compute and the wait keep being measured under the H in
-force: a machine that drifts during the run moves those, not the slowdown. A sync then
-costs its wait plus the slowdown, and an inner step its compute less the slowdown's share.
+A guard fallback under local steps, or (auto) a loss that falls ``loss_tolerance`` behind
+its best at ``PATIENCE`` boundaries, halves the largest H; ``RECOVERY`` calm boundaries
+double it again. Under local steps the per-step cost models learn nothing; this policy
+measures instead an inner step's compute and a sync's cost against the byte model, and,
+where syncs overlap inner steps, the slowdown they cause, from a *probe* at twice the H
+(``compute(H) = inner + slowdown / H``). The rules and their grounds:
+``docs/cost-model.md`` ("Local steps: how often ranks talk").
 """
 
 from __future__ import annotations
