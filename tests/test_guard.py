@@ -70,3 +70,31 @@ def test_noise_of_a_small_late_loss_is_not_a_spike():
     # a sustained rise is a spike within a few steps
     verdicts = [guard.observe(13 + i, False, 1.0, None, 1.0) for i in range(3)]
     assert any(v.changed for v in verdicts) and guard.reason == "loss_spike"
+
+
+def test_an_inner_step_is_judged_on_its_own_norms_and_a_bad_one_never_enters_them():
+    import math
+
+    import torch
+
+    from raycomp.train.guard_step import GuardStep
+
+    class OneRank:  # during local steps the norm is this rank's own gradient's
+        norm = 1.0
+
+        def stage_control(self, values) -> None:
+            pass
+
+        def gradient_norm(self, parameters) -> float:
+            return self.norm
+
+    state = OneRank()
+    guard = GuardStep(Guard(grad_norm_factor=10.0), state, rank=0, world_size=1)
+    params = [torch.zeros(1)]
+    assert all(guard.judge_inner(params) for _ in range(3))
+    for bad in (math.nan, math.inf, 50.0):  # non-finite, or above 10 x the recent level: skipped here
+        state.norm = bad
+        assert not guard.judge_inner(params)
+    assert list(guard.inner_norms) == [1.0, 1.0, 1.0]
+    state.norm = 5.0
+    assert guard.judge_inner(params) and list(guard.inner_norms)[-1] == 5.0

@@ -288,3 +288,49 @@ def _resume_run(rank, world, stop_at):
 @pytest.mark.parametrize("stop_at", [H, H + 2], ids=["at-a-sync", "mid-interval"])
 def test_resume_is_bit_exact_with_the_outer_momentum_and_residuals(stop_at):
     assert run_distributed(_resume_run, 2, stop_at) == [True, True]
+
+
+def _feedback(local: LocalSteps) -> dict[str, list[str]]:
+    """What the reducer keeps across syncs: the layers with an error-feedback residual, and
+    per stateful transport the keys of its state."""
+    return {"residuals": sorted(local.reducer.memory.state_dict().get("residuals", {})),
+            **{c.state_key: sorted(c.state_dict()) for c in local.reducer.communicators.values() if c.state_key}}
+
+
+def _skipped_sync_run(rank, world):
+    """Top-k pseudo-gradients with error feedback, H=4, three syncs; before the second, rank 1's
+    first bias (a dense layer: its NaN reaches the mean) turns NaN."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = LocalSteps(model, sync_every=H, plan=Plan.uniform("topk", ratio=0.1), min_compress_numel=256,
+                       outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
+    seen = {}
+    for step in range(1, 3 * H + 1):
+        _inner_step(model, opt, rank, step)
+        if step == 2 * H:
+            if rank == 1:
+                with torch.no_grad():
+                    model[0].bias[0] = float("nan")
+            seen["kept_before"] = _feedback(local)
+        applied = local.step()
+        if step % H == 0:
+            weights = _flat(model)
+            seen[step] = {"applied": applied, "feedback": _feedback(local), "finite": bool(weights.isfinite().all()),
+                          "global": torch.equal(weights, torch.cat([p.detach().reshape(-1) for p in local.global_params])),
+                          "equal": torch.equal(*_gather(weights)), "merged": local.merged,
+                          "counts": (local.outer_steps, local.skipped_outer)}
+    return seen
+
+
+def test_a_skipped_sync_drops_every_rank_s_feedback_and_sends_it_back_to_the_global_weights():
+    for seen in run_distributed(_skipped_sync_run, 2):
+        assert seen["kept_before"]["residuals"]  # the first sync left residuals to drop
+        skipped = seen[2 * H]
+        # no outer step; the interval's weights and the error feedback that folded the NaN in
+        # are dropped on every rank, which start again from the same global weights
+        assert not skipped["applied"] and skipped["counts"] == (1, 1)
+        assert skipped["feedback"] == {key: [] for key in seen["kept_before"]}
+        assert skipped["finite"] and skipped["global"] and skipped["equal"] and skipped["merged"]
+        after = seen[3 * H]  # and the next sync is an ordinary one
+        assert after["applied"] and after["counts"] == (2, 1) and after["finite"] and after["equal"]
+        assert after["feedback"]["residuals"]

@@ -391,3 +391,36 @@ def test_a_drained_sync_hands_its_rows_over_once_and_the_next_sync_its_own():
     rows = [[0.0, 1.0, 1.0], [0.0, 2.0, 1.0]]  # [non-finite, mean loss since the last sync, has loss]
     expected = [None] * H + [("drain", rows, True)] + [None] * H + [rows]
     assert run_distributed(_drained_rows, 2) == [expected, expected]
+
+
+def _skipped_sync_rows(rank: int, world: int) -> tuple[list, bool, bool, str]:
+    """LocalSync over dense pseudo-gradients (no compressed layer: no rank flags its own row),
+    H=4, each rank's loss 1 + rank; before the first sync rank 1's first bias turns NaN. The
+    rows the sync hands over, and the guard's verdict on them."""
+    from raycomp.guard import Guard
+    from raycomp.plan import LocalMode, Plan
+    from raycomp.train.guard_step import GuardStep
+    from raycomp.train.local_sync import LocalSync
+    from tests.test_local_steps import _inner_step
+
+    model, state = _local_state(mode="fixed", sync_every=H, delay=0)
+    sync = LocalSync(state.model, state)
+    sync.state.set_plan(Plan(local=LocalMode(H)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = None
+    for step in range(H):
+        _inner_step(model, opt, rank, step)
+        if step == H - 1 and rank == 1:
+            with torch.no_grad():
+                model[0].bias[0] = float("nan")
+        rows = sync.after_optimizer_step(True, 1.0 + rank)
+    verdict = GuardStep(Guard(), state, rank, world).judge_sync(H, rows)
+    return rows, verdict.skip_update, verdict.changed, sync.state.steps.skipped_outer
+
+
+def test_a_sync_whose_mean_is_not_finite_is_flagged_in_every_row_and_the_guard_falls_back():
+    from tests.distributed import run_distributed
+
+    # the mean's NaN reached every rank: every rank's row says so, whatever its own flag
+    rows = [[1.0, 1.0, 1.0], [1.0, 2.0, 1.0]]
+    assert run_distributed(_skipped_sync_rows, 2) == [(rows, True, True, 1)] * 2

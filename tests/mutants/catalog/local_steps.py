@@ -306,4 +306,35 @@ MUTANTS = (
         "tests/test_local_steps.py -k merging",
         "a run whose last step was a sync of the whole model merges again at the end: one sync for nothing",
     ),
+    mutant(
+        "local-skipped-sync-keeps-feedback", "LocalSteps._finish",
+        "            self.reducer.discard_step()\n",
+        "",
+        "tests/test_local_steps.py -k skipped_sync",
+        "a sync whose mean was not finite keeps the error feedback that folded its interval in: the next sync "
+        "sends it again",
+    ),
+    mutant(
+        "local-skipped-sync-keeps-feedback-on-one-rank", "LocalSteps._finish",
+        "            self.reducer.discard_step()\n",
+        "            if dist.get_rank(self.group) == 0:\n                self.reducer.discard_step()\n",
+        "tests/test_local_steps.py -k skipped_sync",
+        "only rank 0 drops the skipped interval's error feedback: rank 1 sends it again at the next sync",
+    ),
+    mutant(
+        "local-skipped-sync-not-flagged", "LocalSync._finished_rows",
+        "        if steps.skipped_outer > self._skipped_handed:",
+        "        if False:",
+        "tests/test_local_train.py -k not_finite",
+        "a sync whose mean was not finite reaches the guard as clean where no rank flagged its own pseudo-gradient "
+        "(dense layers): no fallback, and the loop counts an outer step that never happened",
+    ),
+    mutant(
+        "local-bad-inner-norm-enters-the-window", "GuardStep.judge_inner",
+        "        if not math.isfinite(norm) or \\\n",
+        "        self.inner_norms.append(norm)\n        if not math.isfinite(norm) or \\\n",
+        "tests/test_guard.py -k inner_step",
+        "a skipped inner step's norm (NaN, a spike) joins the rank's window: a NaN poisons its level, a spike "
+        "raises it and the next spike passes",
+    ),
 )
