@@ -136,6 +136,7 @@ class Controller:
             "policy_details": self.policies[run_id].details(),
             "plan_version": run.plan.version,
             "plan_switches": run.plan_switches,
+            "plan_switches_by_rule": dict(run.switches_by_rule),
             "fallback_events": run.fallback_events,
             "events": list(run.events),
             "reports": run.reports,

@@ -1,6 +1,6 @@
 """torch's own gradient communication, the baselines raycomp is measured against: a
 gradient-sync factory (:func:`torch_baseline`) that ``jobs.train`` passes to
-``raycomp.train.prepare_model(..., gradient_sync=...)`` when ``benchmark.baseline`` is set.
+``raycomp.train.prepare_model(..., gradient_strategy=...)`` when ``benchmark.baseline`` is set.
 The guard, the controller link, the step log and checkpoints stay raycomp's; its plans are
 then not applied and nothing is counted on the wire.
 
@@ -39,7 +39,7 @@ import torch
 
 from jobs.config import DDP_BASELINES, FSDP_BASELINES, BenchmarkSection
 from raycomp.buckets import ddp_kwargs, gradient_mb
-from raycomp.train import GradientSync, GradientSyncFactory, SyncSetup
+from raycomp.train.gradient_strategy import GradientStrategy, GradientStrategyFactory, StrategySetup
 
 __all__ = ["HOOKS", "ddp_options", "one_bucket_cap_mb", "register_torch_hook", "torch_baseline"]
 
@@ -114,25 +114,25 @@ def ddp_options(benchmark: BenchmarkSection, compression: Any, model: torch.nn.M
     return ddp_kwargs(compression, model)
 
 
-def torch_baseline(benchmark: BenchmarkSection) -> GradientSyncFactory:
-    """A ``gradient_sync`` factory for ``raycomp.train.prepare_model`` that communicates with
+def torch_baseline(benchmark: BenchmarkSection) -> GradientStrategyFactory:
+    """A ``gradient_strategy`` factory for ``raycomp.train.prepare_model`` that communicates with
     torch's own ``benchmark.baseline`` (not ``none``) in place of raycomp's compression."""
     if benchmark.baseline not in (*DDP_BASELINES, *FSDP_BASELINES):
         raise ValueError(f"benchmark.baseline: must be one of {', '.join((*DDP_BASELINES, *FSDP_BASELINES))}, "
                          f"got {benchmark.baseline!r}")
 
-    def build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> GradientSync:
+    def build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> GradientStrategy:
         fsdp = setup.options.strategy == "fsdp"
         if fsdp != (benchmark.baseline in FSDP_BASELINES):
             allowed = ", ".join(FSDP_BASELINES if fsdp else DDP_BASELINES)
             raise ValueError(f"benchmark.baseline: {benchmark.baseline!r} does not fit strategy "
                              f"{setup.options.strategy!r}; allowed there: {allowed}")
         if fsdp:  # FSDP's own reduce-scatter; raycomp's state keeps the guard's rows
-            from raycomp.train.sharding import FsdpSync, shard_model, sharded_state
+            from raycomp.train.sharding import FsdpStrategy, shard_model, sharded_state
 
             reduce_dtype = torch.bfloat16 if benchmark.baseline == "torch_fsdp_bf16" else None
             model = shard_model(model, optimizer, setup.device, reduce_dtype)
-            return FsdpSync(model, sharded_state(model, setup, install=False))
+            return FsdpStrategy(model, sharded_state(model, setup, install=False))
         if benchmark.baseline == "torchft_diloco":
             from jobs.torchft_diloco import torchft_diloco
 
@@ -142,12 +142,12 @@ def torch_baseline(benchmark: BenchmarkSection) -> GradientSyncFactory:
             from jobs.postlocal_sgd import post_local_sgd
 
             return post_local_sgd(model, setup, benchmark, options)
-        from raycomp.train.ddp_sync import DdpSync, compression_state, wrap_ddp
+        from raycomp.train.ddp_strategy import DdpStrategy, compression_state, wrap_ddp
 
         model = wrap_ddp(model, setup, options)
-        sync = DdpSync(model, compression_state(model, setup))
-        if sync.ddp:
+        strategy = DdpStrategy(model, compression_state(model, setup))
+        if strategy.ddp:
             register_torch_hook(model, benchmark)  # raycomp's hook stays out of the way
-        return sync
+        return strategy
 
     return build

@@ -5,7 +5,7 @@ As torch's authors set it up (``torch.distributed.algorithms.model_averaging``, 
 ``start_localSGD_iter`` = W steps; from then on each rank steps its own optimizer on its own
 gradient, and a ``PeriodicModelAverager(period=H, warmup_steps=W)`` averages the ranks'
 parameters after every H-th optimizer step (what ``PostLocalSGDOptimizer.step`` does; here
-:meth:`PostLocalSgdSync.after_optimizer_step`, called by raycomp's loop after each optimizer
+:meth:`PostLocalSgdStrategy.after_optimizer_step`, called by raycomp's loop after each optimizer
 step). Optimizer state stays local.
 
 One departure, and why: after its warm-up torch's hook keeps all-reducing gradients inside a
@@ -25,10 +25,10 @@ import torch
 
 from jobs.config import BenchmarkSection
 from jobs.local_guard import LocalGuardState
-from raycomp.train.ddp_sync import DdpSync, compression_state, wrap_ddp
-from raycomp.train.gradient_sync import SyncSetup
+from raycomp.train.ddp_strategy import DdpStrategy, compression_state, wrap_ddp
+from raycomp.train.gradient_strategy import StrategySetup
 
-__all__ = ["PostLocalSgdSync", "post_local_sgd", "register_post_local_sgd"]
+__all__ = ["PostLocalSgdStrategy", "post_local_sgd", "register_post_local_sgd"]
 
 
 def register_post_local_sgd(model: torch.nn.parallel.DistributedDataParallel,
@@ -48,7 +48,7 @@ def register_post_local_sgd(model: torch.nn.parallel.DistributedDataParallel,
     return PeriodicModelAverager(period=benchmark.localsgd_period, warmup_steps=start)
 
 
-class PostLocalSgdSync(DdpSync):
+class PostLocalSgdStrategy(DdpStrategy):
     """DDP with ``post_localSGD_hook``; the parameters averaged every H optimizer steps."""
 
     def __init__(self, model: torch.nn.Module, state: LocalGuardState, averager: object | None) -> None:
@@ -64,8 +64,8 @@ class PostLocalSgdSync(DdpSync):
             self.averager.average_parameters(self._params)
 
 
-def post_local_sgd(model: torch.nn.Module, setup: SyncSetup, benchmark: BenchmarkSection,
-                   ddp_options: dict[str, object]) -> PostLocalSgdSync:
+def post_local_sgd(model: torch.nn.Module, setup: StrategySetup, benchmark: BenchmarkSection,
+                   ddp_options: dict[str, object]) -> PostLocalSgdStrategy:
     """The model in DDP (``ddp_options``) under post-local SGD, the guard's inputs agreed."""
     import torch.distributed as dist
 
@@ -75,4 +75,4 @@ def post_local_sgd(model: torch.nn.Module, setup: SyncSetup, benchmark: Benchmar
     state = LocalGuardState(compression_state(model, setup), rank, world, setup.control_group)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     averager = register_post_local_sgd(model, benchmark) if ddp else None
-    return PostLocalSgdSync(model, state, averager)
+    return PostLocalSgdStrategy(model, state, averager)

@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from jobs.config import BenchmarkSection
 from jobs.local_guard import LocalGuardState
-from raycomp.train.ddp_sync import compression_state
-from raycomp.train.gradient_sync import SyncSetup
+from raycomp.train.ddp_strategy import compression_state
+from raycomp.train.gradient_strategy import StrategySetup
 
-__all__ = ["DilocoReplica", "TorchftDilocoSync", "torchft_diloco"]
+__all__ = ["DilocoReplica", "TorchftDilocoStrategy", "torchft_diloco"]
 
 
 class DilocoReplica:
@@ -103,7 +103,7 @@ class _DilocoState(LocalGuardState):
         super().close()
 
 
-class TorchftDilocoSync:
+class TorchftDilocoStrategy:
     """The bare model; DiLoCo works from the inner optimizer's hooks, so neither backward
     nor the loop's after-step call has anything to do."""
 
@@ -127,8 +127,8 @@ class TorchftDilocoSync:
         return ()
 
 
-def torchft_diloco(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup,
-                   benchmark: BenchmarkSection) -> TorchftDilocoSync:
+def torchft_diloco(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup,
+                   benchmark: BenchmarkSection) -> TorchftDilocoStrategy:
     """torchft's DiLoCo over ``model`` on this Ray Train worker (one worker: plain training)."""
     import ray.util
 
@@ -140,4 +140,4 @@ def torchft_diloco(model: torch.nn.Module, optimizer: torch.optim.Optimizer, set
         replica = DilocoReplica(model, optimizer, benchmark, ray.util.get_node_ip_address(), rank, world,
                                 setup.control_group)
     state = _DilocoState(compression_state(model, setup), rank, world, setup.control_group, replica)
-    return TorchftDilocoSync(model, state)
+    return TorchftDilocoStrategy(model, state)

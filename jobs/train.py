@@ -92,13 +92,13 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         eval_metric=None,  # evaluate() below records each evaluation, also those between reports
         strategy=config.scaling.strategy)
     precision = Precision(config.workload.precision, ray.train.torch.get_device().type)
-    sync = raycomp.train.raycomp_sync
+    strategy = raycomp.train.default_strategy.raycomp_strategy
     if config.benchmark.baseline != "none":  # torch's own communication in raycomp's place
         from jobs.baselines import torch_baseline
 
-        sync = torch_baseline(config.benchmark)
+        strategy = torch_baseline(config.benchmark)
     model = raycomp.train.prepare_model(workload.model, optimizer, scheduler, grad_scaler=precision.scaler,
-                                        options=options, gradient_sync=sync)
+                                        options=options, gradient_strategy=strategy)
     loop = raycomp.train.current()
     loss_fn = workload.loss
     if isinstance(config, DrillConfig) and config.faults != FaultsSection():  # a drill: wrap the loop

@@ -1,6 +1,9 @@
 """raycomp: adaptive gradient compression for data-parallel PyTorch training.
 
-This package is the part that runs inside every training worker; it never needs Ray.
+This package is the part that runs inside every training worker; it never needs Ray. What
+it exports is the hook API a user calls (:func:`compression_hook` on a DDP model with a
+:class:`CompressionState` and a :class:`Plan`) and what a custom compressor needs; Ray Train
+users start at :mod:`raycomp.train`. Everything else is internal and may change.
 """
 
 from raycomp.buckets import bucket_cap_mb
@@ -9,7 +12,6 @@ from raycomp.hook import CompressionState, compression_hook
 from raycomp.ledger import WireLedger
 from raycomp.payload import Payload
 from raycomp.plan import DENSE, CompressorSpec, LocalMode, Plan
-from raycomp.reducer import CompressedReducer
 from raycomp.stats import LayerStats
 
 __version__ = "0.1.0"
@@ -17,7 +19,6 @@ __version__ = "0.1.0"
 __all__ = [
     "COMPRESSORS",
     "DENSE",
-    "CompressedReducer",
     "CompressionState",
     "Compressor",
     "CompressorSpec",

@@ -8,8 +8,8 @@ collective: every rank stages the same width, in the same order, each time it st
 A field that may be absent is a float with a sentinel on the wire (a 0/1 flag beside the
 loss; -1 for the worst compression error), and None here.
 
-* :class:`GuardRow`: per step, for :class:`raycomp.train.guard_step.GuardStep`.
-* :class:`SyncRow`: per sync of local steps, from :class:`raycomp.train.local_sync.LocalSync`.
+* :class:`GuardRow`: per step, for :class:`raycomp.train.step_judge.StepJudge`.
+* :class:`SyncRow`: per sync of local steps, from :class:`raycomp.train.local_strategy.LocalStepsStrategy`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class SyncRow:
     ``[non-finite, mean loss since the previous sync, has loss]``."""
 
     #: this rank's compressed pseudo-gradients held NaN/Inf (set by the reducer), or the mean
-    #: did (set on every rank's row: :meth:`raycomp.train.local_sync.LocalSync.after_optimizer_step`)
+    #: did (set on every rank's row: :meth:`raycomp.train.local_strategy.LocalStepsStrategy.after_optimizer_step`)
     nonfinite: bool = False
     mean_loss: float | None = None  #: this rank's mean loss since the previous sync; None: no step applied
 

@@ -4,7 +4,7 @@ Every rank runs the same :class:`Guard` on the same inputs — the norm of the r
 gradient (the same tensor on every rank) and a few floats of every rank that rode inside
 the step's gradient collective (non-finite flag; loss and worst compression error, one
 step late) — so every rank takes the same decision in the same step without asking the
-controller and without a collective of its own (see :mod:`raycomp.train.guard_step`):
+controller and without a collective of its own (see :mod:`raycomp.train.step_judge`):
 
 * a non-finite gradient; a gradient norm above ``grad_norm_factor`` x the recent norms;
   a loss spike over a window: the mean loss of the last ``spike_steps`` steps above

@@ -114,8 +114,8 @@ class CompressionState:
         #: seconds the steps waited for their reductions (the adaptive policy's "comm"): a
         #: reduction run inline is waited for whole; with the background thread, only what is
         #: left when backward hands over the last bucket. Time a reduction spends beside
-        #: backward is hidden and not counted: counted, it made the policy measure the fast
-        #: link at a quarter of its effective rate (131-181 against 630-700 MB/s)
+        #: backward is hidden and not counted: counted, it made the policy measure a fast
+        #: link at a fraction of its effective rate
         self.comm_seconds = 0.0
         self.parameters = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
@@ -207,8 +207,8 @@ class CompressionState:
         """Begin the reducer's step; a step that opens here also decides where its
         collectives are issued. A dense step (a plan that sends every layer dense) has
         nothing to encode, so the sending thread would only add a thread hand-off a bucket,
-        on the core that backward and gloo already share: on the fast link raycomp's dense
-        plan took 21 ms a step more than torch's all-reduce hook with it, 13 ms without.
+        on the core that backward and gloo already share, which a dense plan on a fast
+        link pays every step.
         The decision holds for the whole step and depends only on the plan, which every
         rank installs at the same step: every rank issues from the same thread."""
         if self.reducer.in_step:
@@ -231,9 +231,9 @@ class CompressionState:
         all-reduced where they lie (:meth:`raycomp.plain_step.PlainStep.reduce_bucket`):
         every layer dense, nothing held in error feedback, no Top-K error profile measured.
         On the CPU only: on CUDA the threaded path, which keeps the stream semantics the GPU
-        tests check, stays. The threads and the general path cost a dense step on a 50-ms
-        CNN ~5% against a hook with the same collectives; decided when the step begins, the
-        same on every rank."""
+        tests check, stays. The threads and the general path cost a dense step of a small
+        model a few percent against a hook with the same collectives; decided when the step
+        begins, the same on every rank."""
         self.begin_step()
         return self._plain and device.type != "cuda"
 

@@ -11,7 +11,7 @@ one of two ways, which :class:`raycomp.hook.CompressionState` decides the same o
 * **in the hook**, bucket by bucket (:meth:`PlainStep.reduce_bucket`): each bucket
   all-reduced where it lies, a callback of the collective ending the step;
 * **after backward** (:meth:`PlainStep.reduce_after_backward`), for a step whose reduction
-  DDP left out (:class:`raycomp.train.ddp_sync.DdpSync` switches
+  DDP left out (:class:`raycomp.train.ddp_strategy.DdpStrategy` switches
   ``require_backward_grad_sync`` off before its forward): every gradient in one flat buffer
   per dtype.
 

@@ -1,4 +1,4 @@
-"""The control rows' layouts on the wire, and what :class:`GuardStep` reads of them on one
+"""The control rows' layouts on the wire, and what :class:`StepJudge` reads of them on one
 process (no reduction carries them: its fallback exchange builds the rows)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from raycomp.control_rows import GuardRow, SyncRow
 from raycomp.guard import Guard
-from raycomp.train.guard_step import GuardStep
+from raycomp.train.step_judge import StepJudge
 
 
 def test_each_layout_keeps_its_floats_in_order_and_reads_them_back():
@@ -28,7 +28,7 @@ def test_each_layout_keeps_its_floats_in_order_and_reads_them_back():
 
 
 class _OneRank:
-    """What GuardStep reads of a rank's state, on one process, without a reduction."""
+    """What StepJudge reads of a rank's state, on one process, without a reduction."""
 
     def __init__(self) -> None:
         self.control_rows: torch.Tensor | None = None
@@ -44,7 +44,7 @@ class _OneRank:
 
 def test_the_guard_reads_the_offer_and_leaves_a_skipped_step_s_loss_unjudged():
     state = _OneRank()
-    guard = GuardStep(Guard(), state, rank=0, world_size=1)
+    guard = StepJudge(Guard(), state, rank=0, world_size=1)
     assert state.staged == [[0.0, 0.0, -1.0, 0.0]]  # nothing to judge yet
     guard.offer = 7
     guard.stage(math.nan, applied=False)  # a skipped step: its NaN loss rides without its flag
@@ -55,6 +55,6 @@ def test_the_guard_reads_the_offer_and_leaves_a_skipped_step_s_loss_unjudged():
 
 def test_a_checkpoint_from_before_the_plan_offer_stages_none():
     state = _OneRank()
-    guard = GuardStep(Guard(), state, rank=0, world_size=1)
+    guard = StepJudge(Guard(), state, rank=0, world_size=1)
     guard.load_state_dict({"guard": Guard().state_dict(), "carry": [1.5, 1.0, 0.25], "inner_norms": []})
     assert state.staged[-1] == [1.5, 1.0, 0.25, 0.0] and guard.state_dict()["carry"] == [1.5, 1.0, 0.25, 0.0]

@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raycomp import CompressedReducer, Plan
+from raycomp import Plan
 from raycomp.compressors import Transport
+from raycomp.reducer import CompressedReducer
 from raycomp.transports import ScalableAllreduce
 from tests.distributed import run_distributed
 

@@ -1,7 +1,7 @@
 """Faults on a real local Ray: the controller dies (and comes back, or not), ranks
 disagree on the plan, a rank stops communicating. Training goes on or fails clearly and
 quickly — never hangs. (NaN and exploding gradients: tests/test_train_job.py; the plan
-check at a control boundary on two gloo processes: tests/test_plan_sync.py.) All but the
+check at a control boundary on two gloo processes: tests/test_plan_agreement.py.) All but the
 placement-group test are long checks (scripts/long-checks.sh)."""
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def test_an_inner_step_is_judged_on_its_own_norms_and_a_bad_one_never_enters_the
 
     import torch
 
-    from raycomp.train.guard_step import GuardStep
+    from raycomp.train.step_judge import StepJudge
 
     class OneRank:  # during local steps the norm is this rank's own gradient's
         norm = 1.0
@@ -89,7 +89,7 @@ def test_an_inner_step_is_judged_on_its_own_norms_and_a_bad_one_never_enters_the
             return self.norm
 
     state = OneRank()
-    guard = GuardStep(Guard(grad_norm_factor=10.0), state, rank=0, world_size=1)
+    guard = StepJudge(Guard(grad_norm_factor=10.0), state, rank=0, world_size=1)
     params = [torch.zeros(1)]
     assert all(guard.judge_inner(params) for _ in range(3))
     for bad in (math.nan, math.inf, 50.0):  # non-finite, or above 10 x the recent level: skipped here

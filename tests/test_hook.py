@@ -13,7 +13,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import (
-    CompressedReducer,
     CompressionState,
     CompressorSpec,
     Plan,
@@ -23,6 +22,7 @@ from raycomp import (
 from raycomp.compressors import Compressor, Transport
 from raycomp.compressors.minmax import MinMaxInt8
 from raycomp.payload import Payload
+from raycomp.reducer import CompressedReducer
 from tests.distributed import run_distributed
 
 

@@ -136,7 +136,7 @@ def _several_fits(config: dict) -> None:
     from controllers.policies import ScheduleOptions
     from raycomp.config import GuardSection, compressor
     from raycomp.integrations.lightning import RaycompStrategy
-    from tests.support.observed_sync import observed_ddp_hook_sync
+    from tests.support.observed_strategy import observed_ddp_hook_strategy
     from tests.support.wire import WireRecorder
 
     rank = ray.train.get_context().get_world_rank()
@@ -148,7 +148,7 @@ def _several_fits(config: dict) -> None:
                                        {"start_step": SWITCH, "compressor": compressor("int8")}])
     strategy = RaycompStrategy(options(config, "guard", policy="schedule", warmup_steps=0, schedule=schedule,
                                        guard=GuardSection(stable_steps=STABLE)),
-                               monitor="val_loss", gradient_sync=observed_ddp_hook_sync)
+                               monitor="val_loss", gradient_strategy=observed_ddp_hook_strategy)
     trainer = lightning_trainer(strategy, epochs=2)
     train, val = loaders()
     with WireRecorder() as wire:
@@ -156,7 +156,7 @@ def _several_fits(config: dict) -> None:
     loop = strategy.loop
     hook_group = str(loop.state.reducer.group.handle.group_name)
     out["guard"] = {**strategy.totals, "global_step": trainer.global_step, "val_loss": val_loss(trainer),
-                    "after_optimizer_step": strategy.loop.sync.calls,
+                    "after_optimizer_step": strategy.loop.strategy.calls,
                     "hook_bytes": sum(c.transmitted for c in wire.calls if c.group == hook_group),
                     "ledger_bytes": loop.state.ledger.wire_total,
                     "escaped": [m for m in wire.unrecorded() if m[0] == "gloo:all_reduce" and m[2] in GRADIENT_DTYPES],
@@ -232,7 +232,7 @@ def test_every_gradient_byte_went_through_raycomps_hook(fits):
 
 
 @pytest.mark.long
-def test_the_framework_step_reaches_the_gradient_syncs_after_step_with_the_guards_verdict(fits):
+def test_the_framework_step_reaches_the_gradient_strategys_after_step_with_the_guards_verdict(fits):
     # one call per optimizer step, after that step's reduction: where local steps plug in
     calls = fits[0]["guard"]["after_optimizer_step"]
     assert calls == [[step + 1, step != NAN_STEP] for step in range(32)]

@@ -43,8 +43,8 @@ def _train_func(config: dict) -> None:
     train, val = loaders(seed=rank)
     trainer = lightning_trainer(strategy, epochs=1, callbacks=[agreement])
     trainer.fit(Classifier(), train, val)
-    steps = strategy.loop.sync.state.steps
-    out = {"equal": agreement.equal, "outer_steps": steps.outer_steps, "per_step": strategy.loop.sync.per_step,
+    steps = strategy.loop.strategy.state.steps
+    out = {"equal": agreement.equal, "outer_steps": steps.outer_steps, "per_step": strategy.loop.strategy.per_step,
            "totals": strategy.totals}
     Path(config["output_dir"]).mkdir(parents=True, exist_ok=True)
     Path(config["output_dir"], f"rank{rank}.json").write_text(json.dumps(out, default=str))

@@ -33,12 +33,12 @@ def _flat(module: torch.nn.Module, grads: bool = False) -> torch.Tensor:
 def _post_local_sgd_steps(rank: int, world: int, period: int, start: int, steps: int) -> list[dict[str, Any]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from jobs.postlocal_sgd import PostLocalSgdSync, register_post_local_sgd
+    from jobs.postlocal_sgd import PostLocalSgdStrategy, register_post_local_sgd
 
     model = _model()
     ddp = DDP(model)
     benchmark = BenchmarkSection(baseline="torch_postlocalsgd", localsgd_period=period, localsgd_start_iter=start)
-    sync = PostLocalSgdSync(ddp, None, register_post_local_sgd(ddp, benchmark))  # type: ignore[arg-type]
+    sync = PostLocalSgdStrategy(ddp, None, register_post_local_sgd(ddp, benchmark))  # type: ignore[arg-type]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for step in range(steps):
@@ -76,11 +76,11 @@ def _guard_decisions(rank: int, world: int) -> list[tuple[bool, float, list[list
     from raycomp.guard import Guard
     from raycomp.hook import CompressionState
     from raycomp.plan import Plan
-    from raycomp.train.guard_step import GuardStep
+    from raycomp.train.step_judge import StepJudge
 
     model = _model()
     state = LocalGuardState(CompressionState(model, Plan()), rank, world)
-    guard = GuardStep(Guard(), state, rank, world)
+    guard = StepJudge(Guard(), state, rank, world)
     out = []
     for step in range(8):
         scale = 1.0 + rank  # the ranks' gradients differ, as under local steps

@@ -70,14 +70,14 @@ def _train_local(config: dict) -> dict:
                 x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 loss.backward()
-                outer_before, local_before = loop.sync.state.steps.outer_steps, not loop.sync.per_step
+                outer_before, local_before = loop.strategy.state.steps.outer_steps, not loop.strategy.per_step
                 # the loss the guard is told of jumps at one step (the gradient does not)
                 raycomp.train.step(loss * (1000.0 if step == SPIKE_STEP else 1.0), samples=len(y))
                 sent = sum(c.transmitted for c in wire.since(mark))
                 # a step in local steps from start to end (not one that entered or left them)
-                local = local_before and not loop.sync.per_step
-                records.append({"step": step, "local": local, "after": not loop.sync.per_step, "sent": sent,
-                                "synced": loop.sync.state.steps.outer_steps > outer_before,
+                local = local_before and not loop.strategy.per_step
+                records.append({"step": step, "local": local, "after": not loop.strategy.per_step, "sent": sent,
+                                "synced": loop.strategy.state.steps.outer_steps > outer_before,
                                 "weights": [p.detach().clone() for p in model.parameters()]})
     # the test's own check, after training: which steps left the ranks with equal weights
     for r in records:
@@ -101,7 +101,7 @@ def _train_local_delay(config: dict) -> dict:
     rank, model = _prepared(config, 32, warmup_steps=0, local=LocalSection(mode="fixed", sync_every=H,
                                                                             compressor="int8"))
     loop = raycomp.train.current()
-    steps = loop.sync.state.steps
+    steps = loop.strategy.state.steps
     gen = torch.Generator().manual_seed(rank)
     saved = framework = None
     in_flight = 0
@@ -115,7 +115,7 @@ def _train_local_delay(config: dict) -> dict:
     for _ in loop.epochs(1, 40):
         for _ in range(40):
             _train_step(model, gen)
-            if loop.sync.per_step or steps.quiescent:
+            if loop.strategy.per_step or steps.quiescent:
                 continue
             in_flight += 1
             if saved is None:
@@ -145,17 +145,17 @@ def _train_local_to_the_end(config: dict) -> dict:
     rank, model = _prepared(config, 32, warmup_steps=0, local=LocalSection(mode="fixed", sync_every=H,
                                                                             compressor="int8"))
     loop = raycomp.train.current()
-    steps = loop.sync.state.steps
+    steps = loop.strategy.state.steps
     gen = torch.Generator().manual_seed(rank)
     apart = 0  # steps in local steps after which the ranks' weights differed
     for _ in loop.epochs(1, 24):
         for _ in range(24):
             _train_step(model, gen)
-            apart += not loop.sync.per_step and not same_on_every_rank(list(model.parameters()))
+            apart += not loop.strategy.per_step and not same_on_every_rank(list(model.parameters()))
     equal_at_end = same_on_every_rank(list(model.parameters()))
     before, wire = (loop.outer_steps, steps.outer_steps), loop.state.ledger.wire_total
     totals = raycomp.train.finish()
-    return {"apart": apart, "local_at_end": not loop.sync.per_step, "equal_at_end": equal_at_end,
+    return {"apart": apart, "local_at_end": not loop.strategy.per_step, "equal_at_end": equal_at_end,
             "quiescent_at_end": steps.quiescent, "before_finish": before,
             "after_finish": (totals["outer_steps"], steps.outer_steps),
             "finish_sent": loop.state.ledger.wire_total - wire}
@@ -271,12 +271,12 @@ def test_local_steps_are_refused_with_fsdp_before_anything_starts(tmp_path):
 
 
 def _local_state(**section) -> tuple[torch.nn.Module, object]:
-    """The test model in DDP and the :class:`~raycomp.train.local_sync.LocalState` of a run
+    """The test model in DDP and the :class:`~raycomp.train.local_strategy.LocalState` of a run
     with ``compression.local`` set to ``section`` (on every rank: the constructor broadcasts)."""
     from raycomp.config import LocalSection
     from raycomp.hook import CompressionState
     from raycomp.local import LocalSteps
-    from raycomp.train.local_sync import LocalState
+    from raycomp.train.local_strategy import LocalState
     from tests.test_local_steps import _model
 
     model = _model()
@@ -366,22 +366,22 @@ def test_the_last_step_of_the_epochs_merges_the_replicas_and_finish_sends_nothin
 
 
 def _drained_rows(rank: int, world: int) -> list:
-    """LocalSync with the default delay, H=4, each rank's loss 1 + rank: what
+    """LocalStepsStrategy with the default delay, H=4, each rank's loss 1 + rank: what
     ``after_optimizer_step`` and ``drain`` return, step by step."""
     from raycomp.plan import LocalMode, Plan
-    from raycomp.train.local_sync import LocalSync
+    from raycomp.train.local_strategy import LocalStepsStrategy
     from tests.test_local_steps import _inner_step
 
     model, state = _local_state(mode="fixed", sync_every=H)
-    sync = LocalSync(state.model, state)
-    sync.state.set_plan(Plan(local=LocalMode(H)))
+    strategy = LocalStepsStrategy(state.model, state)
+    strategy.state.set_plan(Plan(local=LocalMode(H)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
     for step in range(2 * H + 1):
         _inner_step(model, opt, rank, step)
-        seen.append(sync.after_optimizer_step(True, 1.0 + rank))
-        if step == H - 1:  # the first sync is on the wire: drained (a checkpoint)
-            seen.append(("drain", sync.drain(), sync.state.steps.quiescent))
+        seen.append(strategy.after_optimizer_step(True, 1.0 + rank))
+        if step == H - 1:  # the first strategy is on the wire: drained (a checkpoint)
+            seen.append(("drain", strategy.drain(), strategy.state.steps.quiescent))
     return seen
 
 
@@ -394,18 +394,18 @@ def test_a_drained_sync_hands_its_rows_over_once_and_the_next_sync_its_own():
 
 
 def _skipped_sync_rows(rank: int, world: int) -> tuple[list, bool, bool, str]:
-    """LocalSync over dense pseudo-gradients (no compressed layer: no rank flags its own row),
+    """LocalStepsStrategy over dense pseudo-gradients (no compressed layer: no rank flags its own row),
     H=4, each rank's loss 1 + rank; before the first sync rank 1's first bias turns NaN. The
     rows the sync hands over, and the guard's verdict on them."""
     from raycomp.guard import Guard
     from raycomp.plan import LocalMode, Plan
-    from raycomp.train.guard_step import GuardStep
-    from raycomp.train.local_sync import LocalSync
+    from raycomp.train.local_strategy import LocalStepsStrategy
+    from raycomp.train.step_judge import StepJudge
     from tests.test_local_steps import _inner_step
 
     model, state = _local_state(mode="fixed", sync_every=H, delay=0)
-    sync = LocalSync(state.model, state)
-    sync.state.set_plan(Plan(local=LocalMode(H)))
+    strategy = LocalStepsStrategy(state.model, state)
+    strategy.state.set_plan(Plan(local=LocalMode(H)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rows = None
     for step in range(H):
@@ -413,9 +413,9 @@ def _skipped_sync_rows(rank: int, world: int) -> tuple[list, bool, bool, str]:
         if step == H - 1 and rank == 1:
             with torch.no_grad():
                 model[0].bias[0] = float("nan")
-        rows = sync.after_optimizer_step(True, 1.0 + rank)
-    verdict = GuardStep(Guard(), state, rank, world).judge_sync(H, rows)
-    return rows, verdict.skip_update, verdict.changed, sync.state.steps.skipped_outer
+        rows = strategy.after_optimizer_step(True, 1.0 + rank)
+    verdict = StepJudge(Guard(), state, rank, world).judge_sync(H, rows)
+    return rows, verdict.skip_update, verdict.changed, strategy.state.steps.skipped_outer
 
 
 def test_a_sync_whose_mean_is_not_finite_is_flagged_in_every_row_and_the_guard_falls_back():

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from controllers.policies import POLICIES, Guarded, make_policy
+from controllers.policies import POLICIES, FallbackGate, make_policy
 from controllers.policies.bandwidth import BandwidthPolicy
 from controllers.policies.critical import CriticalPolicy
 from controllers.policies.error_budget import ErrorBudgetPolicy, choose_ratios, error_bins
@@ -276,7 +276,7 @@ def test_bandwidth_single_worker_has_nothing_to_save() -> None:
 # --- guard -----------------------------------------------------------------------------------
 def test_guard_returns_dense_while_workers_fall_back() -> None:
     policy = make_policy("static", options("static"))
-    assert isinstance(policy, Guarded) and policy.name == "static"
+    assert isinstance(policy, FallbackGate) and policy.name == "static"
     run = new_run({"a": BIG})
     feed(run, 0)
     assert policy.decide(run).plan.default.name == "topk"
@@ -289,7 +289,7 @@ def test_guard_returns_dense_while_workers_fall_back() -> None:
 
 
 def test_guard_republishes_inner_plan_when_inner_keeps_it() -> None:
-    policy = Guarded(BandwidthPolicy(typed("bandwidth")))
+    policy = FallbackGate(BandwidthPolicy(typed("bandwidth")))
     run = new_run({"a": BIG}, interval_steps=10)
     assert policy.decide(run) is None  # nothing measured, nothing decided
     feed_timing(run, 10, comm=1.0, compute=0.01)
@@ -307,7 +307,7 @@ def test_make_policy_unknown_name() -> None:
     with pytest.raises(ValueError, match=r"^compression.policy: unknown name 'x'; allowed: static, schedule, "
                                          r"critical, error_budget, bandwidth, adaptive, or an import path"):
         make_policy("x", {})
-    assert not isinstance(make_policy("static", options("static"), guard=False), Guarded)
+    assert not isinstance(make_policy("static", options("static"), guard=False), FallbackGate)
 
 
 # --- snapshots -------------------------------------------------------------------------------

@@ -96,3 +96,25 @@ def test_a_bad_saved_state_is_refused_in_one_line_naming_the_field(edit, message
     edit(saved)
     with pytest.raises(ValueError, match=message):
         serial.load(_Toy, saved)
+
+
+def test_each_plan_switch_carries_its_decisions_facts_to_the_summary_and_the_metrics():
+    from controllers.exporter import ControllerCollector
+    from tests.test_adaptive_policy import SLOW, Sim
+
+    sim = Sim()
+    sim.run(8, SLOW)
+    summary = sim.controller.summary("run")
+    plans = [e for e in summary["events"] if e["kind"] == "plan"]
+    assert plans and all("why" in e for e in plans)
+    for event in plans:
+        assert event["why"]["rule"].startswith(("adaptive.", "warmup.", "guard.", "kept"))
+    compressed = [e["why"] for e in plans if e["why"]["rule"].startswith("adaptive.")]
+    assert compressed, "the adaptive policy compressed on a slow link"
+    why = compressed[-1]
+    assert why["bandwidth"] > 0 and len(why["predicted"]) == why["top"] + 1 and why["groups"]
+    assert sum(summary["plan_switches_by_rule"].values()) == summary["plan_switches"]
+    families = {f.name: f for f in ControllerCollector(sim.controller).collect()}
+    samples = {s.labels["rule"]: s.value for s in families["raycomp_plan_switches"].samples
+               if s.name == "raycomp_plan_switches_total"}
+    assert samples == {rule: float(n) for rule, n in summary["plan_switches_by_rule"].items()}

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
 from raycomp.guard import Guard
-from raycomp.train.guard_step import GuardStep
+from raycomp.train.step_judge import StepJudge
 from tests.distributed import run_distributed
 
 NAN_STEP = 3
@@ -23,7 +23,7 @@ def _guarded_steps(rank: int, world_size: int, plan: dict):
     ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets: control rides with the last one
     state = CompressionState(ddp, Plan.from_dict(plan), min_compress_numel=0, async_comm=False)
     ddp.register_comm_hook(state, compression_hook)
-    guard = GuardStep(Guard(stable_steps=100, loss_window=3), state, rank, world_size)
+    guard = StepJudge(Guard(stable_steps=100, loss_window=3), state, rank, world_size)
     calls = {"n": 0}
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
 
@@ -75,7 +75,8 @@ def test_one_rank_nan_skips_the_same_step_everywhere_without_a_control_collectiv
 def test_a_torch_baseline_factory_refuses_none_and_the_other_strategy():
     from jobs.baselines import torch_baseline
     from jobs.config import BenchmarkSection
-    from raycomp.train import SyncSetup, TrainOptions
+    from raycomp.train import TrainOptions
+    from raycomp.train.gradient_strategy import StrategySetup
 
     with pytest.raises(ValueError, match=r"^benchmark\.baseline: must be one of torch_allreduce, .*got 'none'$"):
         torch_baseline(BenchmarkSection())
@@ -83,4 +84,4 @@ def test_a_torch_baseline_factory_refuses_none_and_the_other_strategy():
     with pytest.raises(ValueError, match=r"^benchmark\.baseline: 'torch_fsdp' does not fit strategy 'ddp'; "
                                          r"allowed there: torch_allreduce, torch_fp16, "):
         build(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
-              SyncSetup(TrainOptions(), torch.device("cpu")))
+              StrategySetup(TrainOptions(), torch.device("cpu")))

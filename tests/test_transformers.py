@@ -114,7 +114,7 @@ def _several_runs(config: dict) -> None:
     from controllers.policies import ScheduleOptions
     from raycomp.config import GuardSection, compressor
     from raycomp.integrations.transformers import prepare_trainer
-    from tests.support.observed_sync import observed_ddp_hook_sync
+    from tests.support.observed_strategy import observed_ddp_hook_strategy
     from tests.support.wire import WireRecorder
 
     rank = ray.train.get_context().get_world_rank()
@@ -128,13 +128,13 @@ def _several_runs(config: dict) -> None:
         hf_trainer(f"{work}/hf-guard", nan_at=NAN_STEP),
         options(config, "guard", policy="schedule", warmup_steps=0, schedule=schedule,
                 guard=GuardSection(stable_steps=STABLE)),
-        monitor="eval_loss", gradient_sync=observed_ddp_hook_sync)
+        monitor="eval_loss", gradient_strategy=observed_ddp_hook_strategy)
     with WireRecorder() as wire:
         trainer.train()
     loop = trainer.raycomp.loop
     hook_group = str(loop.state.reducer.group.handle.group_name)
     out["guard"] = {**trainer.raycomp.totals, "global_step": trainer.state.global_step,
-                    "eval_loss": eval_loss(trainer), "after_optimizer_step": loop.sync.calls,
+                    "eval_loss": eval_loss(trainer), "after_optimizer_step": loop.strategy.calls,
                     "hook_bytes": sum(c.transmitted for c in wire.calls if c.group == hook_group),
                     "ledger_bytes": loop.state.ledger.wire_total,
                     "escaped": [m for m in wire.unrecorded() if m[0] == "gloo:all_reduce" and m[2] in GRADIENT_DTYPES],
@@ -180,7 +180,7 @@ def _several_runs(config: dict) -> None:
     agreement = Agreement()
     trainer.add_callback(agreement)  # after raycomp's callback, whose on_step_end syncs
     trainer.train()
-    sync = trainer.raycomp.loop.sync
+    sync = trainer.raycomp.loop.strategy
     out["local"] = {**trainer.raycomp.totals, "equal": agreement.equal, "per_step": sync.per_step,
                     "outer_steps": sync.state.steps.outer_steps, "global_step": trainer.state.global_step}
     Path(work, f"rank{rank}.json").write_text(json.dumps(out, default=str))
@@ -277,7 +277,7 @@ def test_every_gradient_byte_went_through_raycomps_hook(runs):
 
 
 @pytest.mark.long
-def test_the_trainer_step_reaches_the_gradient_syncs_after_step_with_the_guards_verdict(runs):
+def test_the_trainer_step_reaches_the_gradient_strategys_after_step_with_the_guards_verdict(runs):
     # one call per optimizer step, after that step's reduction: where local steps plug in
     calls = runs[0]["guard"]["after_optimizer_step"]
     assert calls == [[step + 1, step != NAN_STEP] for step in range(32)]

@@ -29,7 +29,7 @@ from controllers.policies.base import MIN_COMPRESS_NUMEL, Policy
 from controllers.policies.critical import CriticalPolicy
 from controllers.policies.decision import Decision, Why
 from controllers.policies.error_budget import ErrorBudgetPolicy
-from controllers.policies.guarded import Guarded
+from controllers.policies.fallback_gate import FallbackGate
 from controllers.policies.local import LocalChoice
 from controllers.policies.reasons import Said
 from controllers.policies.schedule import SchedulePolicy
@@ -118,18 +118,18 @@ def make_policy(name: str, options: dict[str, Any], guard: bool = True) -> Polic
     """The policy ``name`` with its options (the mapping a job config's section dumps to;
     ``min_compress_numel`` rides along, and ``local``, ``compression.local``, when its mode is
     not off: the policy is then wrapped in :class:`LocalChoice`), wrapped in
-    :class:`Guarded` unless ``guard=False``."""
+    :class:`FallbackGate` unless ``guard=False``."""
     own = {k: v for k, v in options.items() if k not in ("min_compress_numel", "local")}
     policy = policy_class(name)(validate_options(name, own),
                                 int(options.get("min_compress_numel", MIN_COMPRESS_NUMEL)))
     if options.get("local") is not None:  # compression.local rides along when not off
         policy = LocalChoice(policy, LocalSection.model_validate(options["local"]))
-    return Guarded(policy) if guard else policy
+    return FallbackGate(policy) if guard else policy
 
 
 __all__ = [
     "POLICIES", "REGISTRY", "AdaptiveOptions", "AdaptivePolicy", "BandwidthOptions", "BandwidthPolicy",
-    "CriticalOptions", "CriticalPolicy", "Decision", "ErrorBudgetOptions", "ErrorBudgetPolicy", "Guarded", "LocalChoice", "Policy",
+    "CriticalOptions", "CriticalPolicy", "Decision", "ErrorBudgetOptions", "ErrorBudgetPolicy", "FallbackGate", "LocalChoice", "Policy",
     "PolicyOptions", "Said", "ScheduleOptions", "SchedulePolicy", "ScheduleStage", "StaticOptions", "StaticPolicy", "Why",
     "make_policy", "options_key", "policy_class", "register_policy", "unregister_policy", "validate_options",
 ]

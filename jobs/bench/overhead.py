@@ -73,7 +73,7 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     from jobs.models import fashion_cnn
     from raycomp.buckets import ddp_kwargs
     from raycomp.config import CompressionSection, ControllerSection
-    from raycomp.train.ddp_sync import reduces_after_backward
+    from raycomp.train.ddp_strategy import reduces_after_backward
 
     torch.set_num_threads(1)
     context = ray.train.get_context()

@@ -16,7 +16,7 @@ The framework's order, and what raycomp does at each point:
    documented behaviour), so the framework's ``optimizer.step()`` (its GradScaler's
    ``step`` included) changes no weight and no optimizer state.
 3. after the optimizer step (:meth:`FrameworkStep.after_optimizer_step`):
-   ``loop.after_optimizer_step``: the gradient sync's after-step work (where a local-step
+   ``loop.after_optimizer_step``: the gradient strategy's after-step work (where a local-step
    sync merges the ranks' weights), statistics, the step log and the control boundary.
 
 The loop is started with ``owns_optimizer=False`` and no scheduler: the framework zeroes
@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from raycomp.train import GradientSync, SyncSetup, TrainLoop, TrainOptions
-from raycomp.train.ddp_sync import ddp_hook_sync
+from raycomp.train import TrainLoop, TrainOptions
+from raycomp.train.ddp_strategy import ddp_hook_strategy
+from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
-__all__ = ["FrameworkStep", "batch_size", "framework_sync", "refuse_unsupported"]
+__all__ = ["FrameworkStep", "batch_size", "framework_strategy", "refuse_unsupported"]
 
 log = logging.getLogger("raycomp.train")
 
@@ -96,22 +97,22 @@ class FrameworkStep:
         ray.train.get_all_reported_checkpoints()
 
 
-def framework_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> GradientSync:
-    """The integrations' default ``gradient_sync``: raycomp's hook on the DDP model the
-    framework built (:func:`raycomp.train.ddp_sync.ddp_hook_sync`), or with
+def framework_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> GradientStrategy:
+    """The integrations' default ``gradient_strategy``: raycomp's hook on the DDP model the
+    framework built (:func:`raycomp.train.ddp_strategy.ddp_hook_strategy`), or with
     ``compression.local.mode`` fixed or auto, local steps over it while the plan says so
-    (:func:`raycomp.train.local_sync.local_hook_sync`).
+    (:func:`raycomp.train.local_strategy.local_hook_strategy`).
 
     The one place where a framework-driven run picks how its gradients travel, as
-    :func:`raycomp.train.raycomp_sync` is for ``prepare_model``. A sync gets the
+    :func:`raycomp.train.default_strategy.raycomp_strategy` is for ``prepare_model``. A strategy gets the
     framework's DDP model before its first backward, and its
     ``after_optimizer_step(applied, loss)`` runs once per optimizer step, after the
     framework's."""
     if setup.options.compression.local.mode != "off":
-        from raycomp.train.local_sync import local_hook_sync
+        from raycomp.train.local_strategy import local_hook_strategy
 
-        return local_hook_sync(model, optimizer, setup)
-    return ddp_hook_sync(model, optimizer, setup)
+        return local_hook_strategy(model, optimizer, setup)
+    return ddp_hook_strategy(model, optimizer, setup)
 
 
 def refuse_unsupported(options: TrainOptions, where: str) -> None:

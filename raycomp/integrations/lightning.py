@@ -54,10 +54,11 @@ from raycomp.integrations import state_files
 from raycomp.integrations.framework_step import (
     FrameworkStep,
     batch_size,
-    framework_sync,
+    framework_strategy,
     refuse_unsupported,
 )
-from raycomp.train import GradientSyncFactory, TrainLoop, TrainOptions, finish_loop, start_loop
+from raycomp.train import TrainLoop, TrainOptions, finish_loop, start_loop
+from raycomp.train.gradient_strategy import GradientStrategyFactory
 
 try:  # the package Ray's RayDDPStrategy was built from
     import lightning.pytorch as pl
@@ -93,16 +94,16 @@ class RaycompStrategy(RayDDPStrategy):
             (``static_graph``, ``gradient_as_bucket_view``, ``broadcast_buffers``, ...). raycomp
             sets ``bucket_cap_mb`` from ``compression.bucket_cap_mb`` and
             ``find_unused_parameters`` from ``options`` unless you give them here.
-        gradient_sync: how gradients travel, ``factory(ddp_model, optimizer, setup)``
-            (:mod:`raycomp.train.gradient_sync`). The default puts raycomp's hook on
+        gradient_strategy: how gradients travel, ``factory(ddp_model, optimizer, setup)``
+            (:mod:`raycomp.train.gradient_strategy`). The default puts raycomp's hook on
             Lightning's DDP model, with local steps when ``compression.local.mode`` says so
-            (:func:`raycomp.train.ddp_sync.framework_sync`); another factory (a baseline)
+            (:func:`raycomp.integrations.framework_step.framework_strategy`); another factory (a baseline)
             gets that same DDP model and must return it as its ``model``.
     """
 
     def __init__(self, options: TrainOptions | None = None, *, monitor: str | None = None,
                  ddp_options: Mapping[str, Any] | None = None,
-                 gradient_sync: GradientSyncFactory = framework_sync) -> None:
+                 gradient_strategy: GradientStrategyFactory = framework_strategy) -> None:
         self.options = options or TrainOptions()
         refuse_unsupported(self.options, "RaycompStrategy")
         ddp_options = dict(ddp_options or {})
@@ -113,7 +114,7 @@ class RaycompStrategy(RayDDPStrategy):
                 raise ValueError(f"ddp_options: {key!r} is not an option raycomp passes to DDP; "
                                  f"allowed: {', '.join(allowed)}")
         super().__init__(**ddp_options)
-        self.monitor, self.gradient_sync = monitor, gradient_sync
+        self.monitor, self.gradient_strategy = monitor, gradient_strategy
         self.loop: TrainLoop | None = None
         self.steps: FrameworkStep | None = None
         #: run totals over all ranks, once fitting ended (``raycomp.train.finish``'s)
@@ -142,10 +143,10 @@ class RaycompStrategy(RayDDPStrategy):
         resume, self._resume = self._resume, None
         self.totals = None
         self.loop = start_loop(self.model, self.optimizers[0], grad_scaler=getattr(self.precision_plugin, "scaler", None),
-                               options=self.options, gradient_sync=self.gradient_sync, owns_optimizer=False,
+                               options=self.options, gradient_strategy=self.gradient_strategy, owns_optimizer=False,
                                resume=None if resume is None else state_files.resume_with(*resume))
         if self.loop.model is not self.model:
-            raise ValueError("gradient_sync: under Lightning the factory must return the DDP model it was "
+            raise ValueError("gradient_strategy: under Lightning the factory must return the DDP model it was "
                              "given as its model (Lightning keeps training that one)")
         self.steps = FrameworkStep(self.loop)
         if self._callback not in trainer.callbacks:

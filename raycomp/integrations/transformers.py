@@ -60,10 +60,11 @@ from raycomp.integrations import state_files
 from raycomp.integrations.framework_step import (
     FrameworkStep,
     batch_size,
-    framework_sync,
+    framework_strategy,
     refuse_unsupported,
 )
-from raycomp.train import GradientSyncFactory, TrainLoop, TrainOptions, finish_loop, start_loop
+from raycomp.train import TrainLoop, TrainOptions, finish_loop, start_loop
+from raycomp.train.gradient_strategy import GradientStrategyFactory
 
 __all__ = ["STATE_DIR", "RaycompCallback", "prepare_trainer"]
 
@@ -72,7 +73,7 @@ STATE_DIR = "raycomp"
 
 
 def prepare_trainer(trainer: Trainer, options: TrainOptions | None = None, *, monitor: str | None = None,
-                    gradient_sync: GradientSyncFactory = framework_sync) -> Trainer:
+                    gradient_strategy: GradientStrategyFactory = framework_strategy) -> Trainer:
     """Ray's ``ray.train.huggingface.transformers.prepare_trainer`` with raycomp's adaptive
     compression (see the module); returns the trainer, whose ``raycomp`` attribute is its
     :class:`RaycompCallback`.
@@ -84,8 +85,8 @@ def prepare_trainer(trainer: Trainer, options: TrainOptions | None = None, *, mo
             ``save_strategy``) and ``compression.lr_scaling`` (the Trainer steps the optimizer).
         monitor: an evaluation metric as the Trainer names it (``"eval_loss"``); after each
             evaluation its value goes to the controller, read as ``options.eval_kind`` says.
-        gradient_sync: how gradients travel, ``factory(ddp_model, optimizer, setup)``
-            (:mod:`raycomp.train.gradient_sync`); it gets accelerate's DDP model and must
+        gradient_strategy: how gradients travel, ``factory(ddp_model, optimizer, setup)``
+            (:mod:`raycomp.train.gradient_strategy`); it gets accelerate's DDP model and must
             return it as its ``model``.
     """
     from ray.train.huggingface.transformers import prepare_trainer as ray_prepare_trainer
@@ -104,7 +105,7 @@ def prepare_trainer(trainer: Trainer, options: TrainOptions | None = None, *, mo
         handler.bucket_cap_mb = ddp_kwargs(options.compression, trainer.model).get("bucket_cap_mb", 25)
     trainer = ray_prepare_trainer(trainer)
     trainer.__class__ = _with_raycomp(type(trainer))
-    trainer.raycomp = RaycompCallback(trainer, options, monitor, gradient_sync)
+    trainer.raycomp = RaycompCallback(trainer, options, monitor, gradient_strategy)
     # first: its on_save must write raycomp's files before RayTrainReportCallback copies the checkpoint
     trainer.callback_handler.callbacks.insert(0, trainer.raycomp)
     return trainer
@@ -147,8 +148,8 @@ class RaycompCallback(TrainerCallback):
     """
 
     def __init__(self, trainer: Trainer, options: TrainOptions, monitor: str | None,
-                 gradient_sync: GradientSyncFactory) -> None:
-        self.trainer, self.options, self.monitor, self.gradient_sync = trainer, options, monitor, gradient_sync
+                 gradient_strategy: GradientStrategyFactory) -> None:
+        self.trainer, self.options, self.monitor, self.gradient_strategy = trainer, options, monitor, gradient_strategy
         self.loop: TrainLoop | None = None
         self.steps: FrameworkStep | None = None
         self.totals: dict[str, Any] | None = None
@@ -178,9 +179,9 @@ class RaycompCallback(TrainerCallback):
             resume = state_files.resume_with(own, state.global_step)
         self.totals = None
         self.loop = start_loop(model, optimizer, grad_scaler=trainer.accelerator.scaler, options=self.options,
-                               gradient_sync=self.gradient_sync, owns_optimizer=False, resume=resume)
+                               gradient_strategy=self.gradient_strategy, owns_optimizer=False, resume=resume)
         if self.loop.model is not model:
-            raise ValueError("gradient_sync: under the Trainer the factory must return the DDP model it was "
+            raise ValueError("gradient_strategy: under the Trainer the factory must return the DDP model it was "
                              "given as its model (the Trainer keeps training that one)")
         self.steps = FrameworkStep(self.loop)
         self.loop.last_step = state.max_steps if state.max_steps > 0 else None  # optimizer steps in all

@@ -41,9 +41,7 @@ def resolve_delay(delay: int | str, sync_every: int, fragments: int = 1) -> int:
 
     ``"auto"`` is one step wherever the fragments' syncs are at least two steps apart, else
     0 (Streaming DiLoCo overlaps a sync with the next inner steps so that it need not stall
-    training; one step already hides most of a sync: at 100 Mbit/s on the CNN, H=4 with int4
-    pseudo-gradients, a sync stalled its step 204 ms without overlap and 52 ms with one
-    step's, whose compute is 135 ms). A number is capped below the spacing, since an H
+    training; one step already hides most of a sync on a slow link). A number is capped below the spacing, since an H
     chosen at run time may be smaller than the one it was set for. Every rank resolves it
     from the same numbers, so all hold the same schedule.
     """

@@ -66,7 +66,7 @@ class LocalSteps:
         buffers: ``"average"`` (floating-point buffers such as BatchNorm's running statistics
             are averaged, densely, whenever fragment 0 syncs) or ``"local"`` (each rank keeps
             its own; evaluate on one rank then).
-        process_group, seed, min_compress_numel: as for :class:`~raycomp.CompressedReducer`.
+        process_group, seed, min_compress_numel: as for :class:`~raycomp.reducer.CompressedReducer`.
     """
 
     def __init__(

@@ -40,17 +40,19 @@ from typing import Any
 import torch
 
 from raycomp.train.callback import ControllerCallback
-from raycomp.train.default_sync import raycomp_sync
-from raycomp.train.gradient_sync import GradientState, GradientSync, GradientSyncFactory, SyncSetup
+from raycomp.train.default_strategy import raycomp_strategy
+from raycomp.train.gradient_strategy import GradientStrategyFactory
 from raycomp.train.loop import TrainLoop
 from raycomp.train.options import TrainOptions, resolve_options
-from raycomp.train.plan_sync import PlanMismatchError
+from raycomp.train.plan_agreement import PlanMismatchError
 from raycomp.train.resume import forget_finished_run
 from raycomp.train.scaler_check import refuse_scaler
 
-__all__ = ["ControllerCallback", "GradientState", "GradientSync", "GradientSyncFactory", "PlanMismatchError",
-           "SyncSetup", "TrainLoop", "TrainOptions", "current", "finish", "finish_loop", "prepare_model",
-           "raycomp_sync", "record_eval", "report", "save_state", "start_loop", "step"]
+#: what a Ray Train user calls; the rest (the loop's parts, the gradient-strategy extension
+#: point in :mod:`raycomp.train.gradient_strategy`, ``start_loop``/``finish_loop`` for the
+#: framework integrations) is internal and may change
+__all__ = ["ControllerCallback", "PlanMismatchError", "TrainLoop", "TrainOptions", "current", "finish",
+           "prepare_model", "record_eval", "report", "save_state", "step"]
 
 _loop: TrainLoop | None = None
 
@@ -58,7 +60,7 @@ _loop: TrainLoop | None = None
 def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                   grad_scaler: torch.amp.GradScaler | None = None,
                   options: TrainOptions | None = None,
-                  gradient_sync: GradientSyncFactory = raycomp_sync) -> torch.nn.Module:
+                  gradient_strategy: GradientStrategyFactory = raycomp_strategy) -> torch.nn.Module:
     """Wrap ``model`` in DDP (``ray.train.torch.prepare_model``) with raycomp's comm hook,
     link this worker to the controller, restore from ``ray.train.get_checkpoint()`` if it
     holds raycomp state, and return the model to train.
@@ -74,20 +76,20 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
             checkpointed. An overflow is skipped as the scaler would skip it, without a
             fallback to dense.
         options: see :class:`TrainOptions` (default: the adaptive policy, K=10).
-        gradient_sync: builds how the gradients travel (:mod:`raycomp.train.gradient_sync`):
-            ``factory(model, optimizer, SyncSetup) -> GradientSync``. The default,
-            :func:`raycomp_sync`, is raycomp's compressed DDP hook or, with
+        gradient_strategy: builds how the gradients travel (:mod:`raycomp.train.gradient_strategy`):
+            ``factory(model, optimizer, StrategySetup) -> GradientStrategy``. The default,
+            :func:`raycomp_strategy`, is raycomp's compressed DDP hook or, with
             ``options.strategy="fsdp"``, its compressed reduce-scatter. Pass another factory
             to put something else in their place (a benchmark's torch baselines do) while
             the guard, the controller link, the step log and checkpoints stay as they are.
     """
     return start_loop(model, optimizer, scheduler, grad_scaler=grad_scaler, options=options,
-                      gradient_sync=gradient_sync).model
+                      gradient_strategy=gradient_strategy).model
 
 
 def start_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                grad_scaler: torch.amp.GradScaler | None = None, options: TrainOptions | None = None,
-               gradient_sync: GradientSyncFactory = raycomp_sync, owns_optimizer: bool = True,
+               gradient_strategy: GradientStrategyFactory = raycomp_strategy, owns_optimizer: bool = True,
                resume: Callable[[TrainLoop], None] | None = None) -> TrainLoop:
     """The :class:`TrainLoop` behind :func:`prepare_model`, for code that drives the step
     itself (:mod:`raycomp.integrations`: Lightning, the Hugging Face Trainer): it calls
@@ -104,7 +106,7 @@ def start_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     options = resolve_options(options, optimizer)  # once: what the run uses and registers
     controller = _find_controller(options)
     _loop = TrainLoop(model, optimizer, scheduler, options=options, controller=controller, grad_scaler=grad_scaler,
-                      gradient_sync=gradient_sync, owns_optimizer=owns_optimizer, resume=resume)
+                      gradient_strategy=gradient_strategy, owns_optimizer=owns_optimizer, resume=resume)
     return _loop
 
 

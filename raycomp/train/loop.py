@@ -1,19 +1,19 @@
 """The control loop of one worker, composed of small parts.
 
-Per step (the hot path): the rank's gradient sync (:mod:`raycomp.train.gradient_sync`: the
+Per step (the hot path): the rank's gradient strategy (:mod:`raycomp.train.gradient_strategy`: the
 DDP hook, or FSDP2's reduce-scatter) has reduced the gradients (compressed as the plan
 says, with the guard's control rows riding inside the last collective); the guard decides
-from the reduced gradient and those rows (:mod:`raycomp.train.guard_step`); the optimizer
+from the reduced gradient and those rows (:mod:`raycomp.train.step_judge`); the optimizer
 steps unless the guard skips; the step is logged. Nothing else talks to other ranks, except
 one broadcast at a step where rank 0 has announced a new plan in those rows. During local
-steps (:mod:`raycomp.train.local_sync`) nothing is reduced: each rank judges its own inner
+steps (:mod:`raycomp.train.local_strategy`) nothing is reduced: each rank judges its own inner
 step, and every H steps a sync averages the pseudo-gradients and the guard judges it.
 
 Every ``interval_steps``, and once after the run's first ``first_interval_steps`` (a control
 boundary): statistics go to the controller
 (:mod:`raycomp.train.reporter`), the ranks prove they hold the same plan and guard state,
 and rank 0's newest plan is broadcast and installed for the next step
-(:mod:`raycomp.train.plan_sync`). Every ``checkpoint.every_steps`` steps, and at epoch
+(:mod:`raycomp.train.plan_agreement`). Every ``checkpoint.every_steps`` steps, and at epoch
 ends as :meth:`raycomp.config.CheckpointSection.at_report` says (by default the last
 only), the model, optimizer and every rank's compression state go into a Ray Train
 checkpoint (:mod:`raycomp.train.resume`, :mod:`raycomp.train.checkpoint`); what goes to
@@ -36,19 +36,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raycomp.control_rows import SyncRow
 from raycomp.guard import Guard
 from raycomp.loss_scale import unscale_once
 from raycomp.plan import Plan
 from raycomp.train import checkpoint
-from raycomp.train.default_sync import raycomp_sync
-from raycomp.train.gradient_sync import GradientSyncFactory, SyncSetup
-from raycomp.train.guard_step import GuardStep
+from raycomp.train.default_strategy import raycomp_strategy
+from raycomp.train.gradient_strategy import GradientStrategyFactory, StrategySetup
 from raycomp.train.lr_ramp import LrRamp
 from raycomp.train.options import TrainOptions
-from raycomp.train.plan_sync import PlanSync
+from raycomp.train.plan_agreement import PlanAgreement
 from raycomp.train.ray_report import eval_value, report_metrics, report_to_ray, run_totals
 from raycomp.train.reporter import Outages, StatsReporter
 from raycomp.train.resume import restore, save_state
+from raycomp.train.step_judge import StepJudge
 from raycomp.train.step_log import StepLog
 
 __all__ = ["TrainLoop"]
@@ -79,7 +80,7 @@ class TrainLoop:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                  options: TrainOptions, controller: Any = None, grad_scaler: torch.amp.GradScaler | None = None,
-                 gradient_sync: GradientSyncFactory = raycomp_sync, owns_optimizer: bool = True,
+                 gradient_strategy: GradientStrategyFactory = raycomp_strategy, owns_optimizer: bool = True,
                  resume: Callable[[TrainLoop], None] | None = None) -> None:
         import ray.train
         import ray.train.torch
@@ -99,15 +100,15 @@ class TrainLoop:
         # control messages always travel on gloo (CPU), whatever carries the gradients
         backend = dist.get_backend() if dist.is_initialized() else None
         self.control_group = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
-        self.sync = gradient_sync(model, optimizer, SyncSetup(options, ray.train.torch.get_device(),
+        self.strategy = gradient_strategy(model, optimizer, StrategySetup(options, ray.train.torch.get_device(),
                                                               self.control_group, self.grad_scaler))
-        self.model, self.state, self.sharded = self.sync.model, self.sync.state, self.sync.sharded
+        self.model, self.state, self.sharded = self.strategy.model, self.strategy.state, self.strategy.sharded
         self.optimizer, self.scheduler, self.owns_optimizer = optimizer, scheduler, owns_optimizer
         module = getattr(self.model, "module", self.model)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.outages = Outages()
-        self.plans = PlanSync(self.rank, self.world_size, self.control_group, controller, self.run_id, self.outages)
-        self.guard = GuardStep(Guard(**options.compression.guard.model_dump()), self.state, self.rank,
+        self.plans = PlanAgreement(self.rank, self.world_size, self.control_group, controller, self.run_id, self.outages)
+        self.guard = StepJudge(Guard(**options.compression.guard.model_dump()), self.state, self.rank,
                                self.world_size, self.control_group, self.grad_scaler)
         self.reporter = StatsReporter(controller, self.run_id, self.rank, self.outages)
         self.log = StepLog(self.output_dir, self.rank, options.progress_every)
@@ -126,7 +127,7 @@ class TrainLoop:
         self.lr_ramp = LrRamp(options.compression.lr_scaling)
         self._lr_used = self._loss_value = 0.0
         # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
-        self.controller_plan = self.plans.register(self.sync.layers(), options, options.eval_kind)
+        self.controller_plan = self.plans.register(self.strategy.layers(), options, options.eval_kind)
         self.state.set_plan(self.controller_plan)
         (resume or restore)(self)
         self.replayed_steps = self.log.open(self.restored_from)
@@ -161,12 +162,12 @@ class TrainLoop:
     def after_backward(self, loss: torch.Tensor | float) -> bool:
         """Finish the step's reduction, unscale (fp16), let the guard judge the gradient.
         Returns whether the optimizer may step (False: the guard skips this step)."""
-        self.sync.end_backward()
+        self.strategy.end_backward()
         self._loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         started = time.perf_counter()
         if self.grad_scaler is not None:  # the guard judges the gradient itself
             unscale_once(self.grad_scaler, self.optimizer)
-        if self.sync.per_step:
+        if self.strategy.per_step:
             verdict = self.guard.decide(self.global_step, self._params)
             self._verdict(verdict)
             applied = not verdict.skip_update
@@ -181,18 +182,18 @@ class TrainLoop:
 
     def after_optimizer_step(self, loss: torch.Tensor | float | None = None, samples: int = 0,
                              applied: bool = True) -> None:
-        """After the optimizer step (or its skip): the gradient sync's own after-step work
+        """After the optimizer step (or its skip): the gradient strategy's own after-step work
         (local steps merge ranks here), the scaler's update and zeroed gradients (unless
         the framework owns the optimizer), the scheduler's step, the step log and, every
         ``interval_steps``, a control boundary."""
         loss_value = self._loss_value if loss is None else \
             float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        if not applied and self.sync.per_step:
+        if not applied and self.strategy.per_step:
             self.skipped_steps += 1
             self.state.discard_step()
         elif not applied:
             self.local_skips += 1  # this rank's own: only its replica skipped the step
-        self._sync_finished(self.sync.after_optimizer_step(applied, loss_value), self.global_step)
+        self._sync_finished(self.strategy.after_optimizer_step(applied, loss_value), self.global_step)
         if self.owns_optimizer:  # else the framework did both after its optimizer step
             if self.grad_scaler is not None:
                 self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
@@ -204,14 +205,15 @@ class TrainLoop:
     def _sync_finished(self, rows: list[list[float]] | None, step: int) -> None:
         """A sync of local steps finished (``rows``, else None): count it, the guard judges it."""
         if rows is not None:
-            self.outer_steps += not any(row[0] for row in rows)  # a non-finite mean skips the outer step
+            # a non-finite mean skips the outer step
+            self.outer_steps += not any(SyncRow.from_row(row).nonfinite for row in rows)
             self._verdict(self.guard.judge_sync(step, rows))
 
     def drain(self) -> None:
         """Before a checkpoint or the totals: a sync still on the wire finishes, counted and
         judged like one that finishes in a step (after the step just taken). Whatever writes
         this rank's state (``save_state``, the framework integrations) calls it first."""
-        drain = getattr(self.sync, "drain", None)  # optional: GradientSync's docstring
+        drain = getattr(self.strategy, "drain", None)  # optional: GradientStrategy's docstring
         if drain is not None:
             self._sync_finished(drain(), self.global_step - 1)
 
@@ -221,7 +223,7 @@ class TrainLoop:
         the outer steps. At :attr:`last_step` and in :meth:`totals`; a no-op
         per step or where the ranks hold the same weights already."""
         self.drain()
-        merge = getattr(self.sync, "merge", None)  # optional: GradientSync's docstring
+        merge = getattr(self.strategy, "merge", None)  # optional: GradientStrategy's docstring
         if merge is not None:
             self.outer_steps += merge()
 
@@ -247,7 +249,7 @@ class TrainLoop:
         self.step_seconds += seconds
         if self.global_step == self.last_step:
             self.merge_replicas()  # the run's last step: what is evaluated and saved next is merged
-        if self.sync.per_step and self.guard.announced > self.controller_plan.version:
+        if self.strategy.per_step and self.guard.announced > self.controller_plan.version:
             # rank 0 announced a new plan in this step's rows, the same on every rank: hand
             # it out now, in force from the next step (not from the next boundary)
             self._adopt(self.plans.broadcast(self.plans.take()))
@@ -265,8 +267,8 @@ class TrainLoop:
     def _restart_step_clock(self) -> None:
         """The next step's time (and its communication share) counts from now. Called after
         a step, and after an evaluation or a report: their time is not a step's, and counting
-        it would inflate the compute time the adaptive policy's cost model works from (an
-        evaluation every 20 steps made it 2-4x the real one on the CNN benchmark)."""
+        it would inflate the compute time the adaptive policy's cost model works from (by
+        several times, with an evaluation every few steps)."""
         self._comm_at_step_start = self.state.comm_seconds
         self._step_started = time.perf_counter()
 
@@ -275,7 +277,7 @@ class TrainLoop:
         self.log.flush()
         self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active,
                            **self._report_counters())
-        self._adopt(self.sync_plan(self.plans.poll(self.controller_plan.version)))
+        self._adopt(self.agree_on_plan(self.plans.poll(self.controller_plan.version)))
 
     def _adopt(self, new_plan: Plan | None) -> None:
         """Make ``new_plan`` (the same on every rank) the controller's plan in force, if newer."""
@@ -293,11 +295,11 @@ class TrainLoop:
         return {"skipped_steps": self.skipped_steps, "loss_scale": scale, "outer_steps": self.outer_steps,
                 "lr": lr if math.isfinite(lr) and lr >= 0 else None}
 
-    def sync_plan(self, offer: Plan | None) -> Plan | None:
+    def agree_on_plan(self, offer: Plan | None) -> Plan | None:
         """Agreement check of plan and guard state; rank 0's ``offer`` on every rank."""
         guard = self.guard.guard
-        state = (float(self.skipped_steps), float(guard.active), float(len(guard.events)), *self.sync.agreement())
-        return self.plans.sync(self.state.plan, state, offer, self.global_step)
+        state = (float(self.skipped_steps), float(guard.active), float(len(guard.events)), *self.strategy.agreement())
+        return self.plans.agree(self.state.plan, state, offer, self.global_step)
 
     def _install(self, controller_plan: Plan) -> None:
         """Install the effective plan (the guard's dense override, or the controller's)."""

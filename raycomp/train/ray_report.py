@@ -74,5 +74,5 @@ def run_totals(loop: TrainLoop) -> dict[str, Any]:
         "control_boundary_seconds": loop.boundary_seconds,
         "control_overhead": loop.control_seconds / loop.step_seconds if loop.step_seconds else 0.0,
         # what DDP was built with (compression.bucket_cap_mb); None without DDP (FSDP, 1 worker)
-        "ddp_bucket_cap_mb": loop.sync.bucket_cap_mb,
+        "ddp_bucket_cap_mb": loop.strategy.bucket_cap_mb,
     }

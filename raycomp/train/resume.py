@@ -38,7 +38,7 @@ def own_state(loop: TrainLoop) -> dict[str, Any]:
                      "local_skips": loop.local_skips},
         "grad_scaler": None if loop.grad_scaler is None else loop.grad_scaler.state_dict(),
         # during local steps every rank's weights and optimizer state are its own
-        "replica": None if loop.sync.per_step else {
+        "replica": None if loop.strategy.per_step else {
             "model": getattr(loop.model, "module", loop.model).state_dict(),
             "optimizer": loop.optimizer.state_dict()},
     }

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from raycomp.plan import Plan
-from raycomp.train.gradient_sync import SyncSetup
+from raycomp.train.gradient_strategy import StrategySetup
 
-__all__ = ["FsdpSync", "default_units", "fsdp_sync", "shard_model", "sharded_state"]
+__all__ = ["FsdpStrategy", "default_units", "fsdp_strategy", "shard_model", "sharded_state"]
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -71,8 +71,8 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
     return model
 
 
-class FsdpSync:
-    """A :class:`~raycomp.train.gradient_sync.GradientSync` over a ``fully_shard`` model and
+class FsdpStrategy:
+    """A :class:`~raycomp.train.gradient_strategy.GradientStrategy` over a ``fully_shard`` model and
     its :class:`~raycomp.sharded_state.ShardedState`: plans name units, not parameters."""
 
     sharded = True
@@ -95,7 +95,7 @@ class FsdpSync:
         return ()
 
 
-def sharded_state(model: nn.Module, setup: SyncSetup, *, install: bool = True) -> Any:
+def sharded_state(model: nn.Module, setup: StrategySetup, *, install: bool = True) -> Any:
     """The rank's :class:`~raycomp.sharded_state.ShardedState` over ``model``, as the run's
     options say (dense plan). ``install=False`` keeps the units' own reduce-scatter."""
     from raycomp.sharded_state import ShardedState
@@ -106,8 +106,8 @@ def sharded_state(model: nn.Module, setup: SyncSetup, *, install: bool = True) -
                         install=install, control_group=setup.control_group)
 
 
-def fsdp_sync(model: nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> FsdpSync:
+def fsdp_strategy(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> FsdpStrategy:
     """raycomp's FSDP2 path: ``fully_shard`` on :func:`default_units` and the root, each
     unit's reduce-scatter compressed per destination shard."""
     model = shard_model(model, optimizer, setup.device)
-    return FsdpSync(model, sharded_state(model, setup))
+    return FsdpStrategy(model, sharded_state(model, setup))

@@ -20,8 +20,8 @@ MUTANTS = (
         timeout_s=600,
     ),
     mutant(
-        "framework-ddp-without-the-hook", "ddp_hook_sync",
-        "        model.register_comm_hook(sync.state, compression_hook)\n",
+        "framework-ddp-without-the-hook", "ddp_hook_strategy",
+        "        model.register_comm_hook(strategy.state, compression_hook)\n",
         "        pass\n",
         "tests/test_lightning.py -k every_gradient_byte",
         "the framework's DDP all-reduces dense gradients itself, raycomp's hook never runs",

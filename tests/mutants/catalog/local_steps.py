@@ -32,7 +32,7 @@ MUTANTS = (
         "a resumed run restarts the outer optimizer's Nesterov momentum from zero",
     ),
     mutant(
-        "local-ddp-keeps-reducing-gradients", "LocalState._ddp_sync",
+        "local-ddp-keeps-reducing-gradients", "LocalState._ddp_strategy",
         "            self.model.require_backward_grad_sync = on\n",
         "            self.model.require_backward_grad_sync = True\n",
         "tests/test_local_train.py -k inner_steps_send_nothing",
@@ -54,7 +54,7 @@ MUTANTS = (
     ),
     mutant(
         "local-checkpoint-drops-the-replicas", "own_state",
-        "        \"replica\": None if loop.sync.per_step else {\n",
+        "        \"replica\": None if loop.strategy.per_step else {\n",
         "        \"replica\": None if True else {\n",
         "tests/test_local_train.py -k killed",
         "a checkpoint during local steps keeps only rank 0's weights: a resumed rank 1 trains on rank 0's replica",
@@ -209,7 +209,7 @@ MUTANTS = (
     ),
     mutant(
         "local-outer-steps-not-counted", "TrainLoop._sync_finished",
-        "            self.outer_steps += not any(row[0] for row in rows)  # a non-finite mean skips the outer step\n",
+        "            self.outer_steps += not any(SyncRow.from_row(row).nonfinite for row in rows)\n",
         "            pass\n",
         "tests/test_local_train.py -k inner_steps_send_nothing",
         "raycomp_outer_steps_total stays at zero: the dashboard shows no sync of a run in local steps",
@@ -243,7 +243,7 @@ MUTANTS = (
         "auto prices an overlapped sync as if it stalled training: local steps chosen late, at a larger H",
     ),
     mutant(
-        "local-drained-rows-handed-twice", "LocalSync._finished_rows",
+        "local-drained-rows-handed-twice", "LocalStepsStrategy._finished_rows",
         "        self._handed_all()\n        return rows\n",
         "        return rows\n",
         "tests/test_local_train.py -k drained",
@@ -322,7 +322,7 @@ MUTANTS = (
         "only rank 0 drops the skipped interval's error feedback: rank 1 sends it again at the next sync",
     ),
     mutant(
-        "local-skipped-sync-not-flagged", "LocalSync._finished_rows",
+        "local-skipped-sync-not-flagged", "LocalStepsStrategy._finished_rows",
         "        if steps.skipped_outer > self._skipped_handed:",
         "        if False:",
         "tests/test_local_train.py -k not_finite",
@@ -330,7 +330,7 @@ MUTANTS = (
         "(dense layers): no fallback, and the loop counts an outer step that never happened",
     ),
     mutant(
-        "local-bad-inner-norm-enters-the-window", "GuardStep.judge_inner",
+        "local-bad-inner-norm-enters-the-window", "StepJudge.judge_inner",
         "        if not math.isfinite(norm) or \\\n",
         "        self.inner_norms.append(norm)\n        if not math.isfinite(norm) or \\\n",
         "tests/test_guard.py -k inner_step",

@@ -74,7 +74,7 @@ MUTANTS = (
         "a resumed run does not know which scale its memory was saved in: the first change after it is missed",
     ),
     mutant(
-        "scaler-overflow-falls-back", "GuardStep.decide",
+        "scaler-overflow-falls-back", "StepJudge.decide",
         "        if nonfinite and self.grad_scaler is not None and self.grad_scaler.get_scale() > 1.0:\n",
         "        if False:\n",
         "tests/test_train_loss_scale.py -k resumes",

@@ -47,7 +47,7 @@ MUTANTS = (
         "the first near-lossless rung is no longer the heaviest",
     ),
     mutant(
-        "fallback-gate-removed", "Guarded._unless_fallback",
+        "fallback-gate-removed", "FallbackGate._unless_fallback",
         "        if run.fallback_active:\n",
         "        if False:\n",
         "tests/test_policies.py",
@@ -215,7 +215,7 @@ MUTANTS = (
         "the default warm-up sends dense fp32 on a slow link, as if warmup: dense",
     ),
     mutant(
-        "guard-lets-a-warm-up-plan-through-fallback", "Guarded.warmup",
+        "guard-lets-a-warm-up-plan-through-fallback", "FallbackGate.warmup",
         "        return self._unless_fallback(run, checked(self.inner.warmup(run), self.name))\n",
         "        return self.inner.warmup(run)\n",
         "tests/test_local_policy.py",

@@ -78,7 +78,7 @@ MUTANTS = (
         "an epoch-end report's time (its barrier, the epoch's evaluation) lands in the next step's",
     ),
     mutant(
-        "plan-digest-check-removed", "PlanSync.sync",
+        "plan-digest-check-removed", "PlanAgreement.agree",
         "        digest = installed.digest()  # 63 bits: two exact float64 halves\n",
         "        digest = 0  # every rank reports the same constant\n",
         "tests/test_faults.py -k forced_plan_disagreement",
@@ -113,7 +113,7 @@ MUTANTS = (
         "prepare_model never resolves lossy: auto, so an AdamW run is offered PowerSGD and Top-K",
     ),
     mutant(
-        "buckets-not-given-to-ddp", "ddp_sync",
+        "buckets-not-given-to-ddp", "ddp_strategy",
         "    model = wrap_ddp(model, setup, ddp_kwargs(setup.options.compression, model))\n",
         "    model = wrap_ddp(model, setup, {})\n",
         "tests/test_train_job.py -k critical_policy_switches",
@@ -135,7 +135,7 @@ MUTANTS = (
     ),
     mutant(
         "plan-waits-for-the-next-boundary", "TrainLoop._finish_step",
-        "        if self.sync.per_step and self.guard.announced > self.controller_plan.version:\n",
+        "        if self.strategy.per_step and self.guard.announced > self.controller_plan.version:\n",
         "        if False:\n",
         "tests/test_plan_latency.py",
         "a plan rank 0 announced is ignored until the next control boundary: decisions take effect K steps late",

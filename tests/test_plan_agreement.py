@@ -1,4 +1,4 @@
-"""The control boundary's agreement check (``raycomp.train.plan_sync.PlanSync.sync``) on two
+"""The control boundary's agreement check (``raycomp.train.plan_agreement.PlanAgreement.agree``) on two
 real gloo processes: agreeing ranks get rank 0's offer from the same bytes; ranks that hold
 different plans, or whose guards differ, both fail with ``PlanMismatchError`` at that
 boundary instead of communicating under different plans. The same failure through a whole
@@ -7,7 +7,7 @@ Ray Train run is a long check (``test_faults.py``)."""
 from __future__ import annotations
 
 from raycomp.plan import Plan
-from raycomp.train.plan_sync import PlanMismatchError, PlanSync
+from raycomp.train.plan_agreement import PlanAgreement, PlanMismatchError
 from raycomp.train.reporter import Outages
 from tests.distributed import run_distributed
 
@@ -16,14 +16,14 @@ OFFER = Plan.uniform("int4", version=4, reason="the controller's newer plan")
 
 
 def boundary(rank: int, world_size: int, case: str) -> dict:
-    sync = PlanSync(rank, world_size, None, None, "run", Outages())
+    plans = PlanAgreement(rank, world_size, None, None, "run", Outages())
     installed, guard = INSTALLED, (0.0, 0.0, 0.0)
     if rank == 1 and case == "plan":
         installed = Plan.uniform("int4", version=3, reason="installed")  # same version, other content
     if rank == 1 and case == "guard":
         guard = (1.0, 0.0, 0.0)  # rank 1 skipped a step the others did not
     try:
-        got = sync.sync(installed, guard, OFFER if rank == 0 else None, step=40)
+        got = plans.agree(installed, guard, OFFER if rank == 0 else None, step=40)
     except PlanMismatchError as error:
         return {"error": str(error)}
     return {"plan": None if got is None else got.to_json()}

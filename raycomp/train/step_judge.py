@@ -14,9 +14,9 @@ Trade-off (the loss is only known after backward, when the step's collectives ar
 the loss and the compression error reach the guard one step late. Both only switch to
 dense — they never skip a step — so the delay costs at most one more compressed step.
 Non-finite gradients and norm explosions, which skip the step, are judged in their own
-step. The alternative, a control all-gather per step, cost 4-17% of step time. Ranks that
+step. The alternative, a control all-gather per step, costs a collective round a step. Ranks that
 nevertheless decided differently are caught at the next control boundary
-(:meth:`raycomp.train.plan_sync.PlanSync.check_agreement` compares guard states).
+(:meth:`raycomp.train.plan_agreement.PlanAgreement.check_agreement` compares guard states).
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ import torch.distributed as dist
 from raycomp.control_rows import GuardRow, SyncRow
 from raycomp.guard import Guard, Verdict
 
-__all__ = ["GuardStep"]
+__all__ = ["StepJudge"]
 
 
-class GuardStep:
+class StepJudge:
     """Args:
         guard: the state machine (thresholds, hysteresis, events).
         state: the rank's :class:`~raycomp.hook.CompressionState` or, for a sharded model,
             :class:`~raycomp.sharded_state.ShardedState` (carries the control rows, knows the
             norm every rank sees).
         group: process group for the fallback exchange when no control rows rode with this
-            step's reduction (a gradient sync that carries none: one small all-reduce).
+            step's reduction (a gradient strategy that carries none: one small all-reduce).
         grad_scaler: the run's ``torch.amp.GradScaler``, or None. Its overflows are its own
             business: a step whose gradients are not finite while the scale is above 1 is
             skipped (the scaler backs off) without a fallback. At a scale of 1 or below

@@ -1,5 +1,5 @@
 """raycomp.train's DDP sync on real gloo processes: a dense step of a small model reduced
-after backward, with DDP's own reduction switched off for it (:class:`DdpSync`)."""
+after backward, with DDP's own reduction switched off for it (:class:`DdpStrategy`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
-from raycomp.train.ddp_sync import DdpSync, reduces_after_backward
+from raycomp.train.ddp_strategy import DdpStrategy, reduces_after_backward
 from raycomp.transports import OVERHEAD
 from tests.distributed import run_distributed
 
@@ -31,12 +31,12 @@ def _counted_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks real anno
     return compression_hook(state, bucket)
 
 
-def _synced(after_backward: bool, plan: Plan | None = None) -> tuple[DDP, CompressionState, DdpSync]:
+def _synced(after_backward: bool, plan: Plan | None = None) -> tuple[DDP, CompressionState, DdpStrategy]:
     ddp = DDP(_model())
     state = CompressionState(ddp, plan or Plan(), min_compress_numel=0)
     state.hook_calls = 0
     ddp.register_comm_hook(state, _counted_hook)
-    return ddp, state, DdpSync(ddp, state, after_backward=after_backward)
+    return ddp, state, DdpStrategy(ddp, state, after_backward=after_backward)
 
 
 class _Collectives:
@@ -164,13 +164,13 @@ def _one_rank_leaves_a_layer_unused(rank: int, world_size: int) -> str:
     ddp = DDP(model)
     state = CompressionState(ddp, Plan(), min_compress_numel=0)
     ddp.register_comm_hook(state, compression_hook)
-    sync = DdpSync(ddp, state, after_backward=True)
+    strategy = DdpStrategy(ddp, state, after_backward=True)
 
     x = torch.randn(2, 8)
     ddp.module.forward = lambda x: ddp.module["a"](x) + (ddp.module["b"](x) if rank == 0 else 0)
     ddp(x).sum().backward()
     try:
-        sync.end_backward()
+        strategy.end_backward()
     except RuntimeError as error:
         return str(error)
     finally:

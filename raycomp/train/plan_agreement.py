@@ -14,14 +14,14 @@ import torch.distributed as dist
 from raycomp.plan import Plan
 from raycomp.train.reporter import Outages
 
-__all__ = ["PlanMismatchError", "PlanSync"]
+__all__ = ["PlanAgreement", "PlanMismatchError"]
 
 
 class PlanMismatchError(RuntimeError):
     """Ranks hold different plans (or guard states): continuing would desynchronise them."""
 
 
-class PlanSync:
+class PlanAgreement:
     """Args:
         controller: the controller actor handle (None: train on the initial plan).
         group: the process group of control messages (gloo; None: the default group).
@@ -100,7 +100,7 @@ class PlanSync:
         dist.broadcast(size, src=0, group=self.group)
         return self._receive(data, int(size))
 
-    def sync(self, installed: Plan, guard_state: tuple[float, ...], offer: Plan | None, step: int) -> Plan | None:
+    def agree(self, installed: Plan, guard_state: tuple[float, ...], offer: Plan | None, step: int) -> Plan | None:
         """A control boundary: prove agreement, then hand out rank 0's ``offer`` (or None).
 
         One all-gather carries every rank's guard state (skipped steps, fallback active,

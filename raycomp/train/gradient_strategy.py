@@ -1,12 +1,12 @@
 """How a worker's gradients travel: the one extension point of :class:`~raycomp.train.TrainLoop`.
 
 The loop never looks at how the gradients are reduced. It asks a factory
-(:data:`GradientSyncFactory`) for a :class:`GradientSync` once, at
+(:data:`GradientStrategyFactory`) for a :class:`GradientStrategy` once, at
 :func:`raycomp.train.prepare_model`, and from then on only uses the protocol: the model to
 train, the state that carries the plan and the guard's control rows, one call after each
 backward and one after each optimizer step. raycomp's own factory is
-:func:`raycomp.train.default_sync.raycomp_sync`. Another factory
-(``prepare_model(..., gradient_sync=...)``) can put something else in its place, e.g.
+:func:`raycomp.train.default_strategy.raycomp_strategy`. Another factory
+(``prepare_model(..., gradient_strategy=...)``) can put something else in its place, e.g.
 torch's own DDP hooks for a side-by-side benchmark, as long as it keeps the protocol.
 """
 
@@ -23,7 +23,7 @@ from raycomp.plan import Plan
 from raycomp.stats import LayerStats
 from raycomp.train.options import TrainOptions
 
-__all__ = ["GradientState", "GradientSync", "GradientSyncFactory", "SyncSetup"]
+__all__ = ["GradientState", "GradientStrategy", "GradientStrategyFactory", "StrategySetup"]
 
 
 class GradientState(Protocol):
@@ -62,7 +62,7 @@ class GradientState(Protocol):
         """Release threads and buffers."""
 
 
-class GradientSync(Protocol):
+class GradientStrategy(Protocol):
     """One rank's gradient communication, as the loop uses it.
 
     A sync that keeps communication on the wire past a step (local steps' ``delay``) also
@@ -106,8 +106,8 @@ class GradientSync(Protocol):
 
 
 @dataclass(frozen=True)
-class SyncSetup:
-    """What a factory builds a :class:`GradientSync` from, besides the model and optimizer.
+class StrategySetup:
+    """What a factory builds a :class:`GradientStrategy` from, besides the model and optimizer.
 
     Args:
         options: the run's options, resolved (:func:`raycomp.train.options.resolve_options`).
@@ -123,5 +123,5 @@ class SyncSetup:
     grad_scaler: torch.amp.GradScaler | None = None
 
 
-#: ``factory(model, optimizer, setup) -> GradientSync``
-GradientSyncFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, SyncSetup], GradientSync]
+#: ``factory(model, optimizer, setup) -> GradientStrategy``
+GradientStrategyFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, StrategySetup], GradientStrategy]

@@ -11,13 +11,13 @@ and the outer optimizer steps the synchronised weights.
 The switch happens where the loop installs a plan, which is the same step on every rank.
 Leaving local steps first syncs every fragment, so that the ranks hold the same weights
 again before DDP resumes; entering them starts a fresh schedule from the current (equal)
-weights. A run that ends in local steps syncs every fragment once more (:meth:`LocalSync.merge`),
+weights. A run that ends in local steps syncs every fragment once more (:meth:`LocalStepsStrategy.merge`),
 so that the model every rank holds at the end is the merged one, not its own replica.
 
 The guard cannot judge each inner step as it does per step (the gradients differ per rank
 and nothing is exchanged); instead each rank skips its own non-finite inner steps, and the
 loss every rank saw since the previous sync rides in the sync's collective, so the guard
-judges every sync on the same numbers on every rank (:meth:`LocalSync.after_optimizer_step`).
+judges every sync on the same numbers on every rank (:meth:`LocalStepsStrategy.after_optimizer_step`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from raycomp.ledger import WireLedger
 from raycomp.local import LocalSteps, resolve_delay
 from raycomp.plan import LocalMode, Plan
 from raycomp.stats import LayerStats
-from raycomp.train.ddp_sync import compression_state, parameter_shapes, wrap_ddp
-from raycomp.train.gradient_sync import SyncSetup
+from raycomp.train.ddp_strategy import compression_state, parameter_shapes, wrap_ddp
+from raycomp.train.gradient_strategy import StrategySetup
 
-__all__ = ["LocalState", "LocalSync", "local_hook_sync", "local_sync", "outer_sgd"]
+__all__ = ["LocalState", "LocalStepsStrategy", "local_hook_strategy", "local_strategy", "outer_sgd"]
 
 
 def outer_sgd(params: Sequence[torch.Tensor], *, lr: float, momentum: float, nesterov: bool) -> torch.optim.Optimizer:
@@ -50,7 +50,7 @@ def outer_sgd(params: Sequence[torch.Tensor], *, lr: float, momentum: float, nes
 
 
 class LocalState:
-    """The :class:`~raycomp.train.gradient_sync.GradientState` of a run that may take local
+    """The :class:`~raycomp.train.gradient_strategy.GradientState` of a run that may take local
     steps: the hook's :class:`~raycomp.hook.CompressionState` for per-step plans, a
     :class:`~raycomp.local.LocalSteps` for local ones, one byte ledger for both."""
 
@@ -100,7 +100,7 @@ class LocalState:
                 self.steps.merge_all()  # the ranks leave with the same weights
             if mode is not None:
                 self._restart(mode)
-            self._ddp_sync(mode is None)
+            self._ddp_strategy(mode is None)
             self.mode = mode
         self.steps.set_plan(plan)
         self.hook.set_plan(plan)  # the agreement check compares this plan's digest
@@ -110,7 +110,7 @@ class LocalState:
         self.steps.restart(mode.sync_every, mode.fragments,
                            resolve_delay(self.options.delay, mode.sync_every, mode.fragments))
 
-    def _ddp_sync(self, on: bool) -> None:
+    def _ddp_strategy(self, on: bool) -> None:
         if self.ddp:  # what DDP's no_sync() sets, kept: no reduction, no buffer broadcast
             self.model.require_backward_grad_sync = on
             self.model.require_forward_param_sync = on
@@ -128,7 +128,7 @@ class LocalState:
         if mode is not None:  # the schedule the checkpoint was taken under, then its position
             self._restart(mode)
         self.steps.load_state_dict(state["local"])
-        self._ddp_sync(mode is None)
+        self._ddp_strategy(mode is None)
         self.mode = mode
 
     def close(self) -> None:
@@ -136,8 +136,8 @@ class LocalState:
         self.hook.close()
 
 
-class LocalSync:
-    """A :class:`~raycomp.train.gradient_sync.GradientSync` that follows the plan's mode:
+class LocalStepsStrategy:
+    """A :class:`~raycomp.train.gradient_strategy.GradientStrategy` that follows the plan's mode:
     per step (DDP and raycomp's hook) or local steps."""
 
     sharded = False
@@ -223,16 +223,16 @@ class LocalSync:
         self._handed, self._skipped_handed = steps.outer_steps + steps.skipped_outer, steps.skipped_outer
 
 
-def local_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> LocalSync:
+def local_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> LocalStepsStrategy:
     """raycomp's DDP path (buckets, the compressed hook) plus local steps over the same model."""
     from raycomp.buckets import ddp_kwargs
 
-    return local_hook_sync(wrap_ddp(model, setup, ddp_kwargs(setup.options.compression, model)), optimizer, setup)
+    return local_hook_strategy(wrap_ddp(model, setup, ddp_kwargs(setup.options.compression, model)), optimizer, setup)
 
 
-def local_hook_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> LocalSync:
-    """:func:`local_sync` on a model already wrapped in DDP (a framework's), as
-    :func:`raycomp.train.ddp_sync.ddp_hook_sync` is for per-step compression."""
+def local_hook_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> LocalStepsStrategy:
+    """:func:`local_strategy` on a model already wrapped in DDP (a framework's), as
+    :func:`raycomp.train.ddp_strategy.ddp_hook_strategy` is for per-step compression."""
     from raycomp.hook import compression_hook
 
     options = setup.options
@@ -246,4 +246,4 @@ def local_hook_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, se
                        delay=resolve_delay(local.delay, local.sync_every, local.fragments),
                        buffers=local.buffers, process_group=setup.control_group, seed=options.seed,
                        min_compress_numel=c.min_compress_numel)
-    return LocalSync(model, LocalState(model, hook, steps, local))
+    return LocalStepsStrategy(model, LocalState(model, hook, steps, local))

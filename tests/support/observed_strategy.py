@@ -10,15 +10,15 @@ from typing import Any
 
 import torch
 
-from raycomp.train import SyncSetup
-from raycomp.train.ddp_sync import DdpSync, ddp_hook_sync
+from raycomp.train.ddp_strategy import DdpStrategy, ddp_hook_strategy
+from raycomp.train.gradient_strategy import StrategySetup
 
 
-class ObservedSync:
-    """:class:`~raycomp.train.ddp_sync.DdpSync`'s protocol, delegated; ``calls`` holds
+class ObservedStrategy:
+    """:class:`~raycomp.train.ddp_strategy.DdpStrategy`'s protocol, delegated; ``calls`` holds
     ``(reductions so far, applied)`` per ``after_optimizer_step``."""
 
-    def __init__(self, inner: DdpSync) -> None:
+    def __init__(self, inner: DdpStrategy) -> None:
         self.inner = inner
         self.model, self.state, self.sharded = inner.model, inner.state, inner.sharded
         self.bucket_cap_mb = inner.bucket_cap_mb
@@ -42,6 +42,6 @@ class ObservedSync:
         return self.inner.after_optimizer_step(applied, loss)
 
 
-def observed_ddp_hook_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> Any:
-    """A ``gradient_sync`` factory: :func:`raycomp.train.ddp_sync.ddp_hook_sync`, observed."""
-    return ObservedSync(ddp_hook_sync(model, optimizer, setup))
+def observed_ddp_hook_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> Any:
+    """A ``gradient_strategy`` factory: :func:`raycomp.train.ddp_strategy.ddp_hook_strategy`, observed."""
+    return ObservedStrategy(ddp_hook_strategy(model, optimizer, setup))

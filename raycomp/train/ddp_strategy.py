@@ -10,14 +10,14 @@ import torch
 from raycomp.buckets import ddp_kwargs
 from raycomp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
-from raycomp.train.gradient_sync import SyncSetup
+from raycomp.train.gradient_strategy import StrategySetup
 
-__all__ = ["DdpSync", "compression_state", "ddp_hook_sync", "ddp_sync", "parameter_shapes", "reduces_after_backward",
+__all__ = ["DdpStrategy", "compression_state", "ddp_hook_strategy", "ddp_strategy", "parameter_shapes", "reduces_after_backward",
            "wrap_ddp"]
 
 
-class DdpSync:
-    """A :class:`~raycomp.train.gradient_sync.GradientSync` over a DDP model (or, with one
+class DdpStrategy:
+    """A :class:`~raycomp.train.gradient_strategy.GradientStrategy` over a DDP model (or, with one
     worker, the bare model) and its :class:`~raycomp.hook.CompressionState`.
 
     ``after_backward``: a plain step (:mod:`raycomp.plain_step`: a plan that sends
@@ -27,12 +27,10 @@ class DdpSync:
     gradient sync is switched off for it (``require_backward_grad_sync``, what ``no_sync()``
     sets); :meth:`end_backward` all-reduces every gradient in one buffer, with the guard's
     control values, switches it back on and lets the next forward broadcast the buffers
-    as after a synchronised step. What it saves is the Python comm hook itself: on the
-    small CNN (1.7 MB of gradients, two buckets) a step with torch's own all-reduce hook
-    took 1.04x DDP's built-in all-reduce, raycomp's hook 1.03x, one all-reduce after
-    backward 0.995-0.999x. What it gives up is the overlap of buckets with backward, so it is
-    only for models of at most two buckets (:func:`reduces_after_backward`): on a 10 MB
-    model in eight buckets the hook took 0.99x, the reduction after backward 1.02x.
+    as after a synchronised step. What it saves is the Python comm hook itself, a few
+    percent of a small model's step; what it gives up is the overlap of buckets with
+    backward, so it is only for models of at most two buckets
+    (:func:`reduces_after_backward`), where that overlap is worth less than the hook.
     A forward inside the user's own ``no_sync()`` is left alone.
     """
 
@@ -80,7 +78,7 @@ def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
 
 
-def wrap_ddp(model: torch.nn.Module, setup: SyncSetup, ddp_options: dict[str, Any]) -> torch.nn.Module:
+def wrap_ddp(model: torch.nn.Module, setup: StrategySetup, ddp_options: dict[str, Any]) -> torch.nn.Module:
     """``ray.train.torch.prepare_model`` with ``ddp_options`` (DDP's keyword arguments) and
     the run's ``find_unused_parameters``."""
     import ray.train.torch
@@ -91,7 +89,7 @@ def wrap_ddp(model: torch.nn.Module, setup: SyncSetup, ddp_options: dict[str, An
     return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options)
 
 
-def compression_state(model: torch.nn.Module, setup: SyncSetup) -> CompressionState:
+def compression_state(model: torch.nn.Module, setup: StrategySetup) -> CompressionState:
     """The rank's compression state over ``model``, as the run's options say (dense plan)."""
     c = setup.options.compression
     profile = tuple(sorted({*c.error_budget.ratios, c.error_budget.reference_ratio})) \
@@ -103,7 +101,7 @@ def compression_state(model: torch.nn.Module, setup: SyncSetup) -> CompressionSt
 
 def reduces_after_backward(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a plain step of ``model`` (a DDP) is reduced after backward
-    (:class:`DdpSync`): on the CPU (on CUDA the hook's streams stay), without
+    (:class:`DdpStrategy`): on the CPU (on CUDA the hook's streams stay), without
     ``find_unused_parameters`` or ``static_graph`` (DDP's own bookkeeping of a step), and
     for at most two buckets' worth of gradients, where the buckets overlap little of
     backward."""
@@ -115,22 +113,22 @@ def reduces_after_backward(model: torch.nn.Module, device: torch.device) -> bool
     return gradient_bytes <= 2 * model.bucket_bytes_cap
 
 
-def ddp_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup) -> DdpSync:
+def ddp_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> DdpStrategy:
     """raycomp's DDP path: buckets of ``compression.bucket_cap_mb``, the compressed hook; a
-    plain step of a small model reduced after backward (:class:`DdpSync`)."""
+    plain step of a small model reduced after backward (:class:`DdpStrategy`)."""
     model = wrap_ddp(model, setup, ddp_kwargs(setup.options.compression, model))
-    return ddp_hook_sync(model, optimizer, setup, after_backward=reduces_after_backward(model, setup.device))
+    return ddp_hook_strategy(model, optimizer, setup, after_backward=reduces_after_backward(model, setup.device))
 
 
-def ddp_hook_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: SyncSetup,
-                  after_backward: bool = False) -> DdpSync:
+def ddp_hook_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup,
+                      after_backward: bool = False) -> DdpStrategy:
     """The compressed hook on a model that is already wrapped in DDP, as a framework wraps
     it (Lightning's DDP strategy, accelerate under the Hugging Face Trainer): no second
     wrap, the DDP instance's own buckets. A model that is not a DDP (one worker) is
     reduced locally after backward. Call it before the model's first backward: DDP takes
-    a comm hook only then, and only once. ``after_backward``: see :class:`DdpSync`."""
-    sync = DdpSync(model, compression_state(model, setup), after_backward)
-    if sync.ddp:
-        model.register_comm_hook(sync.state, compression_hook)
-    return sync
+    a comm hook only then, and only once. ``after_backward``: see :class:`DdpStrategy`."""
+    strategy = DdpStrategy(model, compression_state(model, setup), after_backward)
+    if strategy.ddp:
+        model.register_comm_hook(strategy.state, compression_hook)
+    return strategy
 

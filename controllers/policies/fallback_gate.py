@@ -3,7 +3,7 @@
 The fallback state machine (non-finite gradient, loss spike and compression-error
 triggers; ``stable_steps`` hysteresis before compressing again) lives on the workers in
 ``raycomp/guard.py``: every rank runs it on the same inputs (the reduced gradient's norm,
-and control floats that ride in the step's gradient collective; ``raycomp/train/guard_step.py``)
+and control floats that ride in the step's gradient collective; ``raycomp/train/step_judge.py``)
 and switches to dense in the same step, without asking the controller. The workers report it in
 ``GradStats.fallback_active``; this wrapper then answers::
 
@@ -36,7 +36,7 @@ class GateState:
     last: Plan | None = None  # the inner policy's latest plan
 
 
-class Guarded(Policy):
+class FallbackGate(Policy):
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy.options, policy.min_numel)
         self.inner: Policy = policy
@@ -65,4 +65,4 @@ class Guarded(Policy):
         return {**self.inner.details(), "guard_suppressed_decisions": self.state.suppressed}
 
 
-__all__ = ["Guarded"]
+__all__ = ["FallbackGate"]
