@@ -47,4 +47,25 @@ MUTANTS = (
         "tests/test_controller.py -k sent_again",
         "a boundary report taken after its own repeat overwrites the evaluation the repeat carried",
     ),
+    mutant(
+        "plan-switch-rule-uncounted", "RunState.install",
+        "            self.switches_by_rule[rule] = self.switches_by_rule.get(rule, 0) + 1\n",
+        "            pass\n",
+        "tests/test_policy_state.py -k facts",
+        "plan switches are not counted by the rule that decided them: the metric shows none",
+    ),
+    mutant(
+        "policy-restore-skips-the-wrapped", "Policy.load_state_dict",
+        "        if self.inner is not None:\n            self.inner.load_state_dict(saved[\"inner\"])\n",
+        "",
+        "tests/test_policy_state.py -k round_trips",
+        "a controller restart restores the fallback gate but not the policy it wraps: the policy starts afresh",
+    ),
+    mutant(
+        "adaptive-restore-keeps-the-old-cost-model", "AdaptivePolicy.restored",
+        "        self.cost.state, self.choice.state = self.state.cost, self.state.choice\n",
+        "        pass\n",
+        "tests/test_policy_state.py -k round_trips",
+        "after a restart the policy's state is loaded but its cost model and chooser still work on fresh ones",
+    ),
 )
