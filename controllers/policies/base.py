@@ -2,12 +2,12 @@
 
 ::
 
-    policy.state                  a dataclass: everything the policy has learned (typed fields)
+    policy.state                     a dataclass: everything the policy has learned
     policy.decide(run) -> Decision   run: the RunState the controller merged from every
-                                  rank's reports (read only); the plan and a typed why
-                                  (decision.py; every why's prose: reasons.py)
-    policy.state_dict()           the state through one generic serialiser (serial.py),
-                                  with a schema version; load_state_dict() reads it back
+                                     rank's reports (read only); the plan and a typed why
+                                     (decision.py; every why's prose: reasons.py)
+    policy.state_dict()              the state through one generic serialiser (serial.py),
+                                     with a schema version; load_state_dict() reads it back
 
 A policy owns its state object and changes it only inside ``decide``/``warmup``; a wrapper
 (the local-step choice, the fallback gate) holds the policy it wraps as ``inner``, whose
@@ -38,13 +38,14 @@ class Stateless:
 
 
 class Policy(ABC):
-    """Decides a plan from a :class:`RunState`; holds only its own small state.
+    """Decides a plan from a :class:`RunState`; everything it learns is in :attr:`state`.
 
     ``decide`` is called after every merged boundary step once the warm-up is over
     (``warmup`` during it), and returns a :class:`Decision` whose plan has no version (the
-    service numbers plans and drops repeats), or ``None`` to keep the current plan. ``options`` is an instance of
-    :attr:`options_model` (validated by :func:`controllers.policies.make_policy`), or the
-    options as given for a policy without one.
+    service numbers plans and drops repeats), or ``None`` to keep the current plan.
+    ``options`` is an instance of :attr:`options_model` (validated by
+    :func:`controllers.policies.make_policy`), or the options as given for a policy without
+    one.
     """
 
     name: ClassVar[str]
