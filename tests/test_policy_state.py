@@ -118,3 +118,21 @@ def test_each_plan_switch_carries_its_decisions_facts_to_the_summary_and_the_met
     samples = {s.labels["rule"]: s.value for s in families["raycomp_plan_switches"].samples
                if s.name == "raycomp_plan_switches_total"}
     assert samples == {rule: float(n) for rule, n in summary["plan_switches_by_rule"].items()}
+
+
+def test_a_decisions_facts_name_its_rule_and_a_plain_why_gives_its_rule_alone():
+    from controllers.policies import Decision, Said
+    from controllers.policies.reasons import WarmupWhy
+
+    class Plain:
+        rule = "mine"
+
+        def text(self) -> str:
+            return "my words"
+
+    decision = Decision.of(Plan(), Plain())
+    assert decision.plan.reason == "my words" and decision.facts() == {"rule": "mine"}
+    warm = Decision.of(Plan(), WarmupWhy(Said("adaptive.unmeasured", "dense until timed")))
+    assert warm.plan.reason == "warm-up: dense until timed"
+    assert warm.facts() == {"rule": "warmup.adaptive.unmeasured",
+                            "inner": {"rule": "adaptive.unmeasured", "words": "dense until timed"}}

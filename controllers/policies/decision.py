@@ -41,7 +41,10 @@ class Decision:
         return self.why.rule
 
     def facts(self) -> dict[str, Any]:
-        """The why's named facts and its rule (JSON-able: for logs and the run's summary)."""
+        """The why's named facts and its rule (JSON-able: for logs and the run's summary); a
+        why that is not a dataclass gives its rule alone."""
+        if not dataclasses.is_dataclass(self.why):
+            return {"rule": self.why.rule}
         return {"rule": self.why.rule, **{k: _plain(v) for k, v in dataclasses.asdict(self.why).items()
                                           if k != "rule"}}
 
