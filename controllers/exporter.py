@@ -2,7 +2,7 @@
 
 One HTTP endpoint serves every run (labels ``run``, ``rank``, ``layer``, ``reason``) from
 the catalogue in ``raycomp.metrics``. Nothing is copied into client-library metric
-objects: the collector reads the :class:`~controllers.service.Controller` directly, so
+objects: the collector reads the :class:`~raycomp.controllers.service.Controller` directly, so
 finished runs disappear when the controller evicts them (after its grace period) and
 counters survive a controller restart with the snapshot.
 
@@ -35,11 +35,11 @@ from raycomp.guard import REASONS
 from raycomp.metrics import BY_NAME, CATALOGUE, SD_DIR, STEP_BUCKETS, group_layers
 
 if TYPE_CHECKING:
-    from controllers.state import RunState
+    from raycomp.controllers.state import RunState
 
 
 class ControllerView(Protocol):
-    """What the exporter reads of the controller (``controllers.service.Controller``, which
+    """What the exporter reads of the controller (``raycomp.controllers.service.Controller``, which
     builds the exporter: naming the class here would make the two modules import each other)."""
 
     runs: dict[str, RunState]

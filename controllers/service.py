@@ -4,7 +4,7 @@ Workers call :meth:`ControllerService.ingest` fire-and-forget and rank 0 polls
 :meth:`ControllerService.plan`; neither ever waits on a decision. When every rank's report
 of a boundary step has arrived, the run's policy (wrapped by the guard) decides, and a
 changed plan gets the next version. Each run's state is snapshotted as JSON
-(:mod:`controllers.snapshots`) so a restarted actor (``max_restarts``) resumes steering
+(:mod:`raycomp.controllers.snapshots`) so a restarted actor (``max_restarts``) resumes steering
 the same runs. Runs are keyed by run
 id; finished runs are dropped after a grace period, so memory stays bounded.
 """
@@ -20,12 +20,12 @@ from collections import Counter
 from typing import Any
 
 import ray
+from raycomp.controllers.policies import make_policy
+from raycomp.controllers.policies.base import Policy
+from raycomp.controllers.policies.decision import checked
+from raycomp.controllers.snapshots import SnapshotStore
+from raycomp.controllers.state import RunState
 
-from controllers.policies import make_policy
-from controllers.policies.base import Policy
-from controllers.policies.decision import checked
-from controllers.snapshots import SnapshotStore
-from controllers.state import RunState
 from raycomp.messages import GradStats, ReportTooLarge
 
 log = logging.getLogger("raycomp.controller")
@@ -244,7 +244,7 @@ class ControllerService:
     every run; two ingest threads because Ray's hand-off of calls to a single thread caps
     the calls an actor answers per second, and a second thread raises the cap. With two,
     one rank's reports may be applied out of order:
-    :class:`~controllers.state.RunState` accepts that (a step completed later is merged
+    :class:`~raycomp.controllers.state.RunState` accepts that (a step completed later is merged
     later; running byte totals keep the latest step's).
 
     :meth:`plan` is a long poll: it answers as soon as a plan newer than the caller's
@@ -261,7 +261,7 @@ class ControllerService:
         self._plan_changed = threading.Condition(self.lock)
         self.exporter = None
         if metrics is not None:
-            from controllers.exporter import Exporter
+            from raycomp.controllers.exporter import Exporter
 
             self.exporter = Exporter(self.controller, metrics["host"], metrics["port"], metrics.get("sd_file"),
                                      lock=self.lock)

@@ -228,7 +228,7 @@ class RunState:
 
     def install(self, plan: Plan, why: dict[str, Any] | None = None) -> Plan:
         """Publish ``plan`` (next version) if it differs from the current one; ``why``: the
-        decision's facts (:meth:`controllers.policies.decision.Decision.facts`), kept with the
+        decision's facts (:meth:`raycomp.controllers.policies.decision.Decision.facts`), kept with the
         plan event and counted by their rule."""
         same = (plan.default, plan.layers, plan.dense, plan.local) == \
             (self.plan.default, self.plan.layers, self.plan.dense, self.plan.local)

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+from raycomp.controllers.policies import make_policy
+from raycomp.controllers.policies.cost_model import family_rounds
+from raycomp.controllers.service import Controller
 
-from controllers.policies import make_policy
-from controllers.policies.cost_model import family_rounds
-from controllers.service import Controller
 from jobs import config as job_config
 from raycomp import compressors, config
 from raycomp.config.policy_options import AdaptiveOptions
@@ -699,7 +699,7 @@ def test_state_round_trips_through_a_controller_restart(tmp_path):
 
 
 def test_shapes_size_powersgd_and_counts_assume_a_square():
-    from controllers.state import RunState
+    from raycomp.controllers.state import RunState
 
     run = RunState("r", 2, {"a": [10, 512], "b": 5120}, "adaptive", {})
     assert (run.layers["a"].numel, run.layers["a"].shape) == (5120, (10, 512))

@@ -6,9 +6,8 @@ import json
 import shutil
 
 import pytest
-
-from controllers.policies import CriticalOptions, StaticOptions
-from controllers.service import Controller
+from raycomp.controllers.policies import CriticalOptions, StaticOptions
+from raycomp.controllers.service import Controller
 
 LAYERS = {"fc1.weight": 32768, "fc2.weight": 5120, "fc1.bias": 512}
 
@@ -235,7 +234,8 @@ def test_a_failed_snapshot_write_leaves_the_run_due(tmp_path):
 
 
 def test_a_policy_that_returns_a_bare_plan_is_refused_in_one_line():
-    from controllers.policies import Policy, register_policy, unregister_policy
+    from raycomp.controllers.policies import Policy, register_policy, unregister_policy
+
     from raycomp.plan import Plan
 
     class Bare(Policy):

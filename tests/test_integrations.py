@@ -19,7 +19,7 @@ def test_raycomp_its_train_api_the_controllers_and_the_jobs_import_no_framework(
             "for name in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate'):\n"
             "    sys.modules[name] = None  # importing it fails\n"
             "import raycomp, raycomp.train, raycomp.integrations, raycomp.integrations.framework_step\n"
-            "import raycomp.integrations.state_files, controllers.service, jobs.train, jobs.tune\n"
+            "import raycomp.integrations.state_files, raycomp.controllers.service, jobs.train, jobs.tune\n"
             "for glue in ('lightning', 'transformers'):\n"
             "    try:\n"
             "        __import__(f'raycomp.integrations.{glue}')\n"

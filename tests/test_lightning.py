@@ -91,7 +91,8 @@ def options(config: dict, run: str, **compression):
 
 def static(name: str, warmup: int = 0, **params) -> dict:
     """``compression`` options: the static policy with one compressor, after ``warmup`` dense steps."""
-    from controllers.policies import StaticOptions
+    from raycomp.controllers.policies import StaticOptions
+
     from raycomp.config import compressor
 
     return {"policy": "static", "warmup_steps": warmup, "static": StaticOptions(compressor=compressor(name, **params))}
@@ -132,8 +133,8 @@ def _train_func(config: dict) -> None:
 def _several_fits(config: dict) -> None:
     import ray.train
     from ray.train.lightning import RayDDPStrategy
+    from raycomp.controllers.policies import ScheduleOptions
 
-    from controllers.policies import ScheduleOptions
     from raycomp.config import GuardSection, compressor
     from raycomp.integrations.lightning import RaycompStrategy
     from tests.support.observed_strategy import observed_ddp_hook_strategy

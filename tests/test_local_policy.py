@@ -7,8 +7,8 @@ controller's interface, as for the adaptive policy."""
 from __future__ import annotations
 
 import pytest
+from raycomp.controllers.service import Controller
 
-from controllers.service import Controller
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from raycomp.local import resolve_delay
 from raycomp.plan import Plan
@@ -166,7 +166,7 @@ def test_a_return_to_the_same_interval_measures_it_afresh():
     # the link halves its speed meanwhile; after the calm boundaries H=2 again. The policy
     # must price a sync from boundaries under H=2 on the slower link only: the first boundary
     # back (the switch) left out, none of the samples before the per-step stretch kept
-    from controllers.policies.local import RECOVERY
+    from raycomp.controllers.policies.local import RECOVERY
 
     sim = LocalSim({"mode": "auto", "max_sync_every": 2, "loss_tolerance": 0.05}, sync_factor=1.5, lossy="never")
     sim.loss = 2.0
@@ -446,7 +446,7 @@ def test_a_guard_fallback_during_local_steps_halves_the_largest_interval():
 
 
 def test_a_lowered_largest_interval_doubles_again_after_calm_boundaries():
-    from controllers.policies.local import RECOVERY
+    from raycomp.controllers.policies.local import RECOVERY
 
     sim = LocalSim({"mode": "auto", "max_sync_every": 64}, lossy="never")  # per step: int4 throughout
     assert sim.run(5, SLOW).local.sync_every == 32

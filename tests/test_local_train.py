@@ -34,9 +34,9 @@ def _prepared(config: dict, hidden: int, **compression) -> tuple[int, torch.nn.M
     every H steps, int8 pseudo-gradients, after ``compression``'s other settings (the
     static int8 policy; a boundary every 2 steps); this rank's number and the model."""
     import ray.train
+    from raycomp.controllers.policies import StaticOptions
 
     import raycomp.train
-    from controllers.policies import StaticOptions
     from raycomp.config import CompressionSection, ControllerSection, compressor
 
     torch.manual_seed(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from raycomp.controllers.policies import AdaptiveOptions
 
-from controllers.policies import AdaptiveOptions
 from raycomp.config import CompressionSection
 from raycomp.train import TrainOptions
 from raycomp.train.options import resolve_options

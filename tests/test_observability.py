@@ -14,9 +14,9 @@ import urllib.request
 
 import pytest
 import yaml
+from raycomp.controllers.exporter import Exporter
+from raycomp.controllers.service import Controller
 
-from controllers.exporter import Exporter
-from controllers.service import Controller
 from jobs import dashboard
 from jobs.faults import DrillConfig
 from jobs.train import prepare, run

@@ -16,9 +16,9 @@ K, WARMUP = 10, 4
 
 def _train(config: dict) -> dict:
     import ray.train
+    from raycomp.controllers.policies import StaticOptions
 
     import raycomp.train
-    from controllers.policies import StaticOptions
     from raycomp.config import CompressionSection, ControllerSection, compressor
 
     rank = ray.train.get_context().get_world_rank()

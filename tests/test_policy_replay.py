@@ -20,7 +20,7 @@ def test_every_recorded_run_publishes_the_same_plans():
 def test_the_recording_notices_one_changed_rule(monkeypatch):
     """Teeth: the adaptive chooser switching after one boundary outside its band instead of
     two changes some recorded runs."""
-    from controllers.policies import chooser
+    from raycomp.controllers.policies import chooser
 
     monkeypatch.setattr(chooser, "PATIENCE", 1)
     assert check(RECORDING, seeds=list(range(40)))

@@ -8,9 +8,9 @@ import json
 from dataclasses import dataclass, field
 
 import pytest
+from raycomp.controllers.policies import make_policy, serial
+from raycomp.controllers.policies.local_state import LocalState, Measured
 
-from controllers.policies import make_policy, serial
-from controllers.policies.local_state import LocalState, Measured
 from raycomp.plan import CompressorSpec, Plan
 from tests.support.policy_replay import _ReplaySim, _scenario
 
@@ -99,7 +99,8 @@ def test_a_bad_saved_state_is_refused_in_one_line_naming_the_field(edit, message
 
 
 def test_each_plan_switch_carries_its_decisions_facts_to_the_summary_and_the_metrics():
-    from controllers.exporter import ControllerCollector
+    from raycomp.controllers.exporter import ControllerCollector
+
     from tests.test_adaptive_policy import SLOW, Sim
 
     sim = Sim()
@@ -121,8 +122,8 @@ def test_each_plan_switch_carries_its_decisions_facts_to_the_summary_and_the_met
 
 
 def test_a_decisions_facts_name_its_rule_and_a_plain_why_gives_its_rule_alone():
-    from controllers.policies import Decision, Said
-    from controllers.policies.reasons import WarmupWhy
+    from raycomp.controllers.policies import Decision, Said
+    from raycomp.controllers.policies.reasons import WarmupWhy
 
     class Plain:
         rule = "mine"

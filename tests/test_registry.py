@@ -12,8 +12,7 @@ from typing import Annotated, Any
 import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-
-from controllers.policies import (
+from raycomp.controllers.policies import (
     POLICIES,
     Decision,
     Policy,
@@ -22,8 +21,9 @@ from controllers.policies import (
     register_policy,
     unregister_policy,
 )
-from controllers.policies.base import compressible_layers
-from controllers.state import RunState
+from raycomp.controllers.policies.base import compressible_layers
+from raycomp.controllers.state import RunState
+
 from jobs import config as job_config
 from raycomp import compressors, config
 from raycomp.compressors import Compressor, Transport, make_compressor
@@ -197,7 +197,7 @@ def test_registered_policy_in_a_job_config_becomes_its_import_path(largest):
      r"^compression: custom_options\.count: Input should be greater than or equal to 1 \(got 0\)$"),
     ({"policy": "largest", "custom_options": {"cuont": 2}}, r"^compression: custom_options\.cuont: unknown key$"),
     ({"policy": "magic"}, r"^compression\.policy: must be one of 'static', .*'adaptive', a name registered with "
-                          r"controllers\.policies\.register_policy, or an import path 'package\.module:Class', got 'magic'$"),
+                          r"raycomp\.controllers\.policies\.register_policy, or an import path 'package\.module:Class', got 'magic'$"),
     ({"custom_options": {"count": 1}}, r"^compression: custom_options: only for policies that are not built in; "
                                        r"set compression\.adaptive\.<option> instead$"),
 ])
@@ -209,7 +209,7 @@ def test_policy_config_errors_are_one_line(largest, data, message):
 def test_policy_registration_errors(largest):
     with pytest.raises(ValueError, match=r"^policy name 'adaptive' is built in; choose another name$"):
         register_policy("adaptive", LargestLayers)
-    with pytest.raises(ValueError, match=r"^policy 'z': <class 'dict'> is not a subclass of controllers\.policies\.Policy$"):
+    with pytest.raises(ValueError, match=r"^policy 'z': <class 'dict'> is not a subclass of raycomp\.controllers\.policies\.Policy$"):
         register_policy("z", dict)
     class BadOptions(LargestLayers):
         options_model = 3  # type: ignore[assignment]
@@ -234,7 +234,7 @@ VALIDATE_WITHOUT_CONTROLLER = """
 import sys
 from raycomp.config import CompressionSection
 section = CompressionSection.model_validate({"policy": "static", "static": {"compressor": {"name": "int8"}}})
-print(section.policy_options(), "controllers" in {m.split(".")[0] for m in sys.modules})
+print(section.policy_options(), any(m.startswith("raycomp.controllers") for m in sys.modules))
 """
 
 
@@ -257,7 +257,7 @@ LAYERS = {"big": 8192, "mid": 4096, "small": 100}
 
 
 def test_custom_policy_through_the_real_controller_actor(ray_cluster, tmp_path):
-    from controllers.service import get_or_create
+    from raycomp.controllers.service import get_or_create
 
     ray = ray_cluster
     actor = get_or_create(f"registry-{uuid.uuid4().hex[:8]}", "raycomp-tests", str(tmp_path / "snapshots"),
@@ -291,7 +291,8 @@ def ramp():
 
 
 def test_a_new_policy_with_typed_options_is_one_file_and_its_registration(ramp):
-    from controllers.service import Controller
+    from raycomp.controllers.service import Controller
+
     from tests.support.ramp_policy import RampOptions
 
     job = job_config.validate({"compression": {"policy": "ramp", "custom_options": {"start_ratio": 0.2, "every_steps": 10}}})

@@ -250,9 +250,9 @@ class _SkipsAHead(torch.nn.Module):
 
 def _train_skipping_a_head(config: dict) -> dict:
     import ray.train
+    from raycomp.controllers.policies import StaticOptions
 
     import raycomp.train
-    from controllers.policies import StaticOptions
     from raycomp.config import CompressionSection, ControllerSection, compressor
 
     rank = ray.train.get_context().get_world_rank()

@@ -18,9 +18,9 @@ from tests.conftest import fit_with_controller
 
 def _train_with_a_scaler(config: dict) -> dict:
     import ray.train
+    from raycomp.controllers.policies import StaticOptions
 
     import raycomp.train
-    from controllers.policies import StaticOptions
     from raycomp.config import CompressionSection, ControllerSection, compressor
 
     rank = ray.train.get_context().get_world_rank()

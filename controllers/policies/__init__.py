@@ -22,18 +22,18 @@ import inspect
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from raycomp.controllers.policies.adaptive import AdaptivePolicy
+from raycomp.controllers.policies.bandwidth import BandwidthPolicy
+from raycomp.controllers.policies.base import MIN_COMPRESS_NUMEL, Policy
+from raycomp.controllers.policies.critical import CriticalPolicy
+from raycomp.controllers.policies.decision import Decision, Why
+from raycomp.controllers.policies.error_budget import ErrorBudgetPolicy
+from raycomp.controllers.policies.fallback_gate import FallbackGate
+from raycomp.controllers.policies.local import LocalChoice
+from raycomp.controllers.policies.reasons import Said
+from raycomp.controllers.policies.schedule import SchedulePolicy
+from raycomp.controllers.policies.static import StaticPolicy
 
-from controllers.policies.adaptive import AdaptivePolicy
-from controllers.policies.bandwidth import BandwidthPolicy
-from controllers.policies.base import MIN_COMPRESS_NUMEL, Policy
-from controllers.policies.critical import CriticalPolicy
-from controllers.policies.decision import Decision, Why
-from controllers.policies.error_budget import ErrorBudgetPolicy
-from controllers.policies.fallback_gate import FallbackGate
-from controllers.policies.local import LocalChoice
-from controllers.policies.reasons import Said
-from controllers.policies.schedule import SchedulePolicy
-from controllers.policies.static import StaticPolicy
 from raycomp.config import LocalSection, policy_sections
 from raycomp.config.base import one_line
 from raycomp.config.policy_options import (
@@ -51,7 +51,7 @@ from raycomp.registry import Registry
 
 def _check_class(name: str, cls: Any) -> type[Policy]:
     if not (inspect.isclass(cls) and issubclass(cls, Policy)):
-        raise ValueError(f"policy {name!r}: {cls!r} is not a subclass of controllers.policies.Policy")
+        raise ValueError(f"policy {name!r}: {cls!r} is not a subclass of raycomp.controllers.policies.Policy")
     if inspect.isabstract(cls):
         raise ValueError(f"policy {name!r}: {cls.__name__} does not implement "
                          f"{', '.join(sorted(cls.__abstractmethods__))}")

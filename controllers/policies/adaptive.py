@@ -3,11 +3,11 @@
 At every control boundary it:
 
 1. measures the link, the compute and each collective family's round overhead
-   (:class:`~controllers.policies.cost_model.CostModel`);
+   (:class:`~raycomp.controllers.policies.cost_model.CostModel`);
 2. gives each compressible layer a ladder, heaviest compression first: lossy rungs
    (PowerSGD ranks for matrices, else Top-K ratios), near-lossless rungs (int4, int8, bf16,
    or any compressor that declares itself near-lossless), then dense
-   (:class:`~controllers.policies.ladders.Ladders`);
+   (:class:`~raycomp.controllers.policies.ladders.Ladders`);
 3. raises a layer's floor on its ladder while it is in a critical regime (Accordion: its
    gradient norm changes fast) and for good once its measured error exceeds ``max_error``;
 4. prices the candidate plans (one shift on every ladder, the all-dense plan last), keeps
@@ -29,12 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from controllers.policies.base import Policy
-from controllers.policies.chooser import Chooser, ChooserState
-from controllers.policies.cost_model import CostModel, CostState
-from controllers.policies.decision import Decision
-from controllers.policies.reasons import WarmupWhy
-from controllers.state import RunState
+from raycomp.controllers.policies.base import Policy
+from raycomp.controllers.policies.chooser import Chooser, ChooserState
+from raycomp.controllers.policies.cost_model import CostModel, CostState
+from raycomp.controllers.policies.decision import Decision
+from raycomp.controllers.policies.reasons import WarmupWhy
+from raycomp.controllers.state import RunState
+
 from raycomp.config.policy_options import AdaptiveOptions
 
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controllers.policies.base import Policy, compressible_layers
-from controllers.policies.decision import Decision
-from controllers.policies.reasons import BandwidthWhy
-from controllers.state import RunState
+from raycomp.controllers.policies.base import Policy, compressible_layers
+from raycomp.controllers.policies.decision import Decision
+from raycomp.controllers.policies.reasons import BandwidthWhy
+from raycomp.controllers.state import RunState
+
 from raycomp.config.policy_options import BandwidthOptions
 from raycomp.plan import CompressorSpec, Plan
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
+from raycomp.controllers.policies import serial
+from raycomp.controllers.policies.decision import Decision
+from raycomp.controllers.policies.reasons import Said
+from raycomp.controllers.state import RunState
 
-from controllers.policies import serial
-from controllers.policies.decision import Decision
-from controllers.policies.reasons import Said
-from controllers.state import RunState
 from raycomp.config.base import CompressorConfig
 from raycomp.plan import CompressorSpec, Plan
 
@@ -44,7 +44,7 @@ class Policy(ABC):
     (``warmup`` during it), and returns a :class:`Decision` whose plan has no version (the
     service numbers plans and drops repeats), or ``None`` to keep the current plan.
     ``options`` is an instance of :attr:`options_model` (validated by
-    :func:`controllers.policies.make_policy`), or the options as given for a policy without
+    :func:`raycomp.controllers.policies.make_policy`), or the options as given for a policy without
     one.
     """
 

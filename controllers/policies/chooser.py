@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from controllers.policies.cost_model import CostModel, mean
-from controllers.policies.decision import Decision
-from controllers.policies.ladders import Ladders, label
-from controllers.policies.reasons import AdaptiveWhy, Said
-from controllers.state import LayerHistory, RunState
+from raycomp.controllers.policies.cost_model import CostModel, mean
+from raycomp.controllers.policies.decision import Decision
+from raycomp.controllers.policies.ladders import Ladders, label
+from raycomp.controllers.policies.reasons import AdaptiveWhy, Said
+from raycomp.controllers.state import LayerHistory, RunState
+
 from raycomp.plan import CompressorSpec, Plan
 
 if TYPE_CHECKING:

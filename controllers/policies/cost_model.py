@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from controllers.state import LayerHistory, RunState
+from raycomp.controllers.state import LayerHistory, RunState
+
 from raycomp.compressors import Compressor, Transport, compressor_class, make_compressor
 from raycomp.plan import DENSE, CompressorSpec
 

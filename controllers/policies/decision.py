@@ -3,7 +3,7 @@
 A *why* is a frozen dataclass of named facts (what was measured, each candidate's predicted
 step, what was chosen) with a ``rule`` (which rule decided) and ``text()``, the prose that
 becomes the plan's ``reason``; every why and its prose live in
-:mod:`controllers.policies.reasons`. The controller logs the rule with the prose, counts
+:mod:`raycomp.controllers.policies.reasons`. The controller logs the rule with the prose, counts
 plan switches by rule for Prometheus and keeps the facts in the run's events (the summary)::
 
     Decision.of(Plan.per_layer(chosen), AdaptiveWhy(...))   # the plan's reason: why.text()

@@ -23,10 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from controllers.policies.base import Policy
-from controllers.policies.decision import Decision, checked
-from controllers.policies.reasons import Said
-from controllers.state import RunState
+from raycomp.controllers.policies.base import Policy
+from raycomp.controllers.policies.decision import Decision, checked
+from raycomp.controllers.policies.reasons import Said
+from raycomp.controllers.state import RunState
+
 from raycomp.plan import Plan
 
 

@@ -10,8 +10,9 @@ then dense.
 
 from __future__ import annotations
 
-from controllers.policies.cost_model import matrix
-from controllers.state import LayerHistory
+from raycomp.controllers.policies.cost_model import matrix
+from raycomp.controllers.state import LayerHistory
+
 from raycomp.plan import DENSE, CompressorSpec
 
 LOWRANK, ALLGATHER = "powersgd", "topk"  # the lossy rungs' compressors

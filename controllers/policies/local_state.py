@@ -1,11 +1,12 @@
-"""What the local-step choice (:class:`~controllers.policies.local.LocalChoice`) learns
+"""What the local-step choice (:class:`~raycomp.controllers.policies.local.LocalChoice`) learns
 over a run: the H in force and its damping, the step-backs, and what local steps measured."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controllers.policies.cost_model import CostState
+from raycomp.controllers.policies.cost_model import CostState
+
 from raycomp.plan import Plan
 
 

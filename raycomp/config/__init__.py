@@ -4,7 +4,7 @@ options, the guard, the LR ramp, the controller link and checkpointing.
 Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` (or a
 ``ValueError`` from the section itself) with the dotted key that is wrong and what is
 allowed. The built-in policies' options are here too (:mod:`raycomp.config.policy_options`);
-a registered policy's are validated by its class's model (``controllers.policies``). A
+a registered policy's are validated by its class's model (``raycomp.controllers.policies``). A
 training job's whole config (run, workload, cluster shape) nests these sections; it lives
 with the job (``jobs.config``).
 """

@@ -1,7 +1,7 @@
 """The built-in policies' options: ``compression.<policy>`` in a job config.
 
 Each model is a :class:`PolicyOptions` (strict, frozen, one-line errors naming the key)
-and belongs to the policy of the same name in ``controllers.policies``, which decides from
+and belongs to the policy of the same name in ``raycomp.controllers.policies``, which decides from
 it; the options live here, with the rest of the job config, so that validating a config
 needs nothing of the controller. :data:`POLICY_OPTIONS` lists them by policy name.
 """
@@ -202,7 +202,7 @@ class AdaptiveOptions(PolicyOptions):
 
 
 #: each built-in policy's options model, by the policy's name (the order of
-#: ``controllers.policies.REGISTRY``, which checks that its policies use these)
+#: ``raycomp.controllers.policies.REGISTRY``, which checks that its policies use these)
 POLICY_OPTIONS: dict[str, type[PolicyOptions]] = {
     "static": StaticOptions,
     "schedule": ScheduleOptions,

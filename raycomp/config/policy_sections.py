@@ -5,8 +5,8 @@ Each built-in policy has a section of its own, ``compression.<policy>`` (e.g.
 is in :data:`raycomp.config.policy_options.POLICY_OPTIONS`. Any other policy takes its
 options from ``compression.custom_options``, validated by its class's ``options_model``
 when this process knows the class: a name registered with
-``controllers.policies.register_policy``. The policies themselves live with the
-controller; ``controllers.policies`` hands this module its registry when it is imported
+``raycomp.controllers.policies.register_policy``. The policies themselves live with the
+controller; ``raycomp.controllers.policies`` hands this module its registry when it is imported
 (:func:`use_registry`), so the job config never imports the controller, and a process that
 never imported it has no registered policies to know.
 """
@@ -25,12 +25,12 @@ from raycomp.registry import ANY_PATH, IMPORT_PATH
 if TYPE_CHECKING:
     from raycomp.registry import Registry
 
-#: the policies registered in this process (``controllers.policies.REGISTRY``, once imported)
+#: the policies registered in this process (``raycomp.controllers.policies.REGISTRY``, once imported)
 _registry: Registry[Any] | None = None
 
 
 def use_registry(registry: Registry[Any]) -> None:
-    """Where registered policies are looked up: ``controllers.policies`` calls this with its
+    """Where registered policies are looked up: ``raycomp.controllers.policies`` calls this with its
     registry when it is imported, the only place policies are registered."""
     global _registry
     _registry = registry
@@ -61,7 +61,7 @@ def check_policy_name(name: str) -> str:
     if IMPORT_PATH.match(name):
         return name
     builtin = ", ".join(repr(p) for p in POLICY_OPTIONS)
-    raise ValueError(f"must be one of {builtin}, a name registered with controllers.policies.register_policy, "
+    raise ValueError(f"must be one of {builtin}, a name registered with raycomp.controllers.policies.register_policy, "
                      f"or {ANY_PATH}, got {name!r}")
 
 

@@ -171,7 +171,7 @@ class CompressionSection(_Strict):
 
     model_config = policy_sections.SECTION_CONFIG
     #: a built-in policy (``adaptive``, the default), a name registered with
-    #: ``controllers.policies.register_policy``, or an import path ``package.module:Class``
+    #: ``raycomp.controllers.policies.register_policy``, or an import path ``package.module:Class``
     #: that the controller imports (docs/extending.md)
     policy: str = "adaptive"
     #: options of a policy that is not built in, validated by its options model (built-in

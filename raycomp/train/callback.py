@@ -30,7 +30,7 @@ class ControllerCallback(UserCallback):
     """
 
     def __init__(self, controller: ControllerSection | None = None, snapshot_dir: str | None = None) -> None:
-        from controllers.service import get_or_create
+        from raycomp.controllers.service import get_or_create
         from raycomp.metrics import SD_DIR
 
         c = controller or ControllerSection()

@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from controllers.policies import make_policy
+from raycomp.controllers.policies import make_policy
+
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from tests.test_adaptive_policy import SHAPES, WARMUP, K, Link, W
 from tests.test_local_policy import LocalSim

@@ -1,7 +1,7 @@
 """A user's policy with typed options, in one file: Top-K whose density halves every
 ``every_steps`` steps from ``start_ratio`` down to ``min_ratio`` (a DGC-like warm-up).
 
-Register it (``controllers.policies.register_policy("ramp", "tests.support.ramp_policy:RampPolicy")``)
+Register it (``raycomp.controllers.policies.register_policy("ramp", "tests.support.ramp_policy:RampPolicy")``)
 or name it by its import path; its options come from ``compression.custom_options``.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from pydantic import Field, model_validator
+from raycomp.controllers.policies import Decision, Policy, PolicyOptions, Said
+from raycomp.controllers.policies.base import compressible_layers
+from raycomp.controllers.state import RunState
 
-from controllers.policies import Decision, Policy, PolicyOptions, Said
-from controllers.policies.base import compressible_layers
-from controllers.state import RunState
 from raycomp.plan import CompressorSpec, Plan
 
 

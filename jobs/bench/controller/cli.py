@@ -1,6 +1,6 @@
 """Controller load benchmark: many simulated ranks reporting to one controller actor.
 
-A dedicated :class:`~controllers.service.ControllerService` actor is created with
+A dedicated :class:`~raycomp.controllers.service.ControllerService` actor is created with
 ``get_or_create`` exactly as in production (snapshots on, Prometheus exporter on port 0
 with a file-SD target list in a temporary directory). ``--runs`` runs are registered with
 the ``critical`` policy (window ``WINDOW_STEPS`` steps, so decisions and plan changes

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from raycomp.controllers.snapshots import SnapshotStore
 
-from controllers.snapshots import SnapshotStore
 from jobs.bench.controller.ranks import (
     LAYER_NUMEL,
     MAX_REPORTS_IN_FLIGHT,
@@ -87,9 +87,8 @@ def run_load(workers: int = 16, rate: float = 10.0, duration: float = 5.0, runs:
     temporary snapshot / service-discovery directory removed before returning.
     """
     import ray
-
-    from controllers.policies import CriticalOptions
-    from controllers.service import get_or_create
+    from raycomp.controllers.policies import CriticalOptions
+    from raycomp.controllers.service import get_or_create
 
     if runs > workers:
         raise ValueError(f"--runs ({runs}) cannot exceed --workers ({workers})")
@@ -188,8 +187,7 @@ def noop_baseline(gens: Sequence[Any], shares: Sequence[Any], n_layers: int, rat
                   duration: float) -> dict[str, float]:
     """Drive a no-op actor (actor options as the controller's) with the same load."""
     import ray
-
-    from controllers.service import CONCURRENCY_GROUPS, OTHER_CALL_THREADS
+    from raycomp.controllers.service import CONCURRENCY_GROUPS, OTHER_CALL_THREADS
 
     noop = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NoopService).options(
         num_cpus=0, max_concurrency=OTHER_CALL_THREADS, max_restarts=0).remote()
@@ -215,7 +213,7 @@ def offline_costs(snapshots: Path, run_ids: Sequence[str], sizes: Sequence[int],
     """The controller's logic without Ray, on a copy of the final state (CPU seconds)."""
     import logging
 
-    from controllers.service import Controller
+    from raycomp.controllers.service import Controller
 
     quiet = logging.getLogger("raycomp.controller")
     level = quiet.level

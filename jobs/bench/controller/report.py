@@ -179,7 +179,7 @@ def render_markdown(res: dict[str, Any], command: str, info: dict[str, Any]) -> 
         "## Machine", "", machine_markdown(info), "",
         "## Method", "",
         "- One embedded Ray cluster (`num_cpus=2`); a fresh controller actor from "
-        "`controllers.service.get_or_create` with snapshots and the Prometheus exporter on "
+        "`raycomp.controllers.service.get_or_create` with snapshots and the Prometheus exporter on "
         "(port 0, file-SD list in a temporary directory), as in production.",
         f"- {cfg['runs']} runs registered with the `critical` policy (warm-up {cfg['warmup_steps']} steps, "
         f"window {cfg['window_steps']} steps, {cfg['layers']} layers of {cfg['layer_numel']:,} elements); "

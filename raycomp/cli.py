@@ -1,0 +1,51 @@
+"""The ``raycomp`` console command.
+
+::
+
+    raycomp inspect RUN          # a finished (or running) run: plan timeline with reasons, bytes, fallbacks
+    raycomp plot RUN [--out F]   # the same run as a picture
+    raycomp dashboard --out DIR  # the Grafana dashboard and Prometheus files for raycomp's metrics
+    raycomp config [--markdown]  # every configuration field with its default and meaning
+
+Each subcommand lives in the module that holds its idea; this file only parses arguments
+and dispatches, importing the subcommand's module when it runs (so ``raycomp config`` does
+not import torch's distributed parts or Ray).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raycomp", description="Adaptive gradient compression on Ray Train.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser("inspect", help="print a run's plan timeline with reasons, bytes, fallbacks, syncs")
+    inspect.add_argument("run", help="the run's output directory (its summary.json and step logs), "
+                                     "or a Ray Train storage path that holds one")
+    plot = sub.add_parser("plot", help="draw a run's plan timeline, bytes and loss")
+    plot.add_argument("run", help="as for inspect")
+    plot.add_argument("--out", default=None, help="the picture's path (default: <run>/raycomp.png)")
+    dashboard = sub.add_parser("dashboard", help="write the Grafana dashboard and Prometheus files")
+    dashboard.add_argument("--out", required=True, help="the directory to write them into")
+    config = sub.add_parser("config", help="print every configuration field with its default and meaning")
+    config.add_argument("--markdown", action="store_true", help="the reference as Markdown (docs/configuration.md)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command in ("inspect", "plot"):
+        from raycomp import run_report
+        return run_report.main(args)
+    if args.command == "dashboard":
+        from raycomp import dashboard
+        return dashboard.main(args)
+    from raycomp.config import reference
+    return reference.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
