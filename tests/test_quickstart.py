@@ -1,0 +1,69 @@
+"""README's quick start: five changed lines turn a plain Ray Train script into raycomp's, the
+README shows those lines as the script has them, and the script runs as a user runs it."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPT = REPO / "examples" / "quickstart.py"
+MARK = re.compile(r"^(?P<indent>\s*)(?P<code>.*?)\s*# raycomp: (?P<note>.*)$")
+
+
+def _marked() -> list[tuple[int, str, str, str]]:
+    """(line index, indent, code, note) of each line marked ``# raycomp:``."""
+    lines = SCRIPT.read_text().splitlines()
+    return [(i, m["indent"], m["code"], m["note"]) for i, line in enumerate(lines) if (m := MARK.match(line))]
+
+
+def _plain() -> str:
+    """The script with raycomp's lines undone: an added line dropped, a changed one restored."""
+    lines = SCRIPT.read_text().splitlines()
+    for i, indent, _, note in reversed(_marked()):
+        if note == "added":
+            del lines[i]
+        else:
+            assert note.startswith("was "), note
+            lines[i] = indent + note[len("was "):]
+    return "\n".join(lines) + "\n"
+
+
+def test_five_lines_separate_the_quick_start_from_a_plain_ray_train_script():
+    marked = _marked()
+    assert len(marked) <= 5, [code for _, _, code, _ in marked]
+    plain = _plain()
+    ast.parse(plain)  # still a script
+    assert "raycomp" not in plain.replace("raycomp-runs", "").split('"""', 2)[2], "an unmarked raycomp line"
+    # the plain script is Ray Train's usual one: Ray prepares the model, the optimizer steps
+    assert "ray.train.torch.prepare_model(model)" in plain and "optimizer.step()" in plain
+
+
+def test_the_readme_shows_the_quick_start_lines_as_the_script_has_them():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Quick start: your Ray Train script", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    shown = {re.sub(r"\s+", " ", line.split("#")[0]).strip() for line in block.splitlines()}
+    for _, _, code, _ in _marked():
+        if code.startswith("run_config ="):  # shown as TorchTrainer's argument in README
+            code = "callbacks=[raycomp.train.ControllerCallback()])).fit()"
+        assert re.sub(r"\s+", " ", code).strip() in shown, code
+
+
+@pytest.mark.slow
+def test_the_quick_start_runs_and_the_run_can_be_inspected(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    out = subprocess.run([sys.executable, str(SCRIPT), "--epochs", "2", "--steps-per-epoch", "25",
+                          "--storage", str(tmp_path), "--name", "quick"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = tmp_path / "quick"
+    inspect = subprocess.run([sys.executable, "-m", "raycomp.cli", "inspect", str(run)],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert inspect.returncode == 0, inspect.stderr
+    assert "50" in inspect.stdout  # the run's steps
