@@ -11,6 +11,12 @@ accumulation and mixed precision; raycomp compresses the gradients as the contro
 decides, falls back to dense when training goes wrong, and checkpoints its state inside
 the Trainer's checkpoints. A two-layer GPT-2 built from its config (nothing downloaded) on
 tokenizer-free sequences; copy it and put your model and data in.
+
+The policy is raycomp's default, ``adaptive``: it times the link and compresses only where
+that saves time, so on one machine's loopback it rightly stays dense. ``--bandwidth``
+(bytes/s per rank, e.g. 12.5e6 for 100 Mbit/s) has it plan for a slower link instead.
+Under AdamW it offers only int4, int8 and bf16 (``lossy: auto``): on the project's AdamW
+transformer Top-K and PowerSGD lost validation loss (docs/benchmarks/).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from ray.train.torch import TorchTrainer
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import raycomp.train  # raycomp
-from raycomp.config import CompressionSection, ControllerSection, CriticalOptions  # raycomp
+from raycomp.config import AdaptiveOptions, CompressionSection, ControllerSection  # raycomp
 from raycomp.integrations.transformers import prepare_trainer  # raycomp: was Ray's prepare_trainer
 
 VOCAB, LENGTH = 64, 32
@@ -53,7 +59,7 @@ def train_func(config: dict) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=sequences(config["sequences"], seed=1),
                       eval_dataset=sequences(128, seed=2), callbacks=[RayTrainReportCallback()])
     trainer = prepare_trainer(trainer, raycomp.train.TrainOptions(  # raycomp: was prepare_trainer(trainer)
-        compression=CompressionSection(policy="critical", warmup_steps=5, critical=CriticalOptions(window_steps=10)),
+        compression=CompressionSection(warmup_steps=5, adaptive=AdaptiveOptions(bandwidth=config["bandwidth"])),
         controller=ControllerSection(name=config["controller"], interval_steps=5),
         output_dir=config["output_dir"], eval_kind="loss", progress_every=10), monitor="eval_loss")
     checkpoint = ray.train.get_checkpoint()  # a restarted worker group resumes from the latest one
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sequences", type=int, default=512, help="training sequences (all ranks)")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="link bytes/s per rank to plan for (default: measured)")
     parser.add_argument("--storage", default=tempfile.mkdtemp(prefix="raycomp-example-"))
     parser.add_argument("--name", default="transformers-example")
     parser.add_argument("--controller", default="raycomp-controller")
@@ -83,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"epochs": args.epochs, "sequences": args.sequences, "bf16": args.bf16,
-                           "accumulate": args.accumulate, "controller": args.controller,
+                           "accumulate": args.accumulate, "bandwidth": args.bandwidth, "controller": args.controller,
                            "output_dir": f"{args.storage}/{args.name}"},
         scaling_config=ScalingConfig(num_workers=args.workers),
         run_config=RunConfig(name=args.name, storage_path=args.storage,
