@@ -50,6 +50,8 @@ class StaticOptions(PolicyOptions):
     """``compression.static``: the one compressor."""
 
     not_shardable = None
+    #: the compressor of every compressible layer at every step after the warm-up, by
+    #: registry name with its parameters
     compressor: CompressorConfig = compressor("topk", ratio=0.01)
 
     def check_sharded(self, key: str) -> None:
@@ -57,7 +59,11 @@ class StaticOptions(PolicyOptions):
 
 
 class ScheduleStage(Strict):
+    """One stage of ``compression.schedule``: a compressor from a step on."""
+
+    #: the first step of the stage
     start_step: Annotated[int, Field(ge=0)]
+    #: the stage's compressor, by registry name with its parameters
     compressor: CompressorConfig
 
 
@@ -65,6 +71,8 @@ class ScheduleOptions(PolicyOptions):
     """``compression.schedule``: stages by step, e.g. DGC's exponential density warm-up."""
 
     not_shardable = None
+    #: the stages, ``start_step`` strictly increasing: each stage's compressor runs from its
+    #: ``start_step`` until the next stage's
     stages: list[ScheduleStage] = [
         ScheduleStage(start_step=0, compressor=compressor("topk", ratio=0.25)),
         ScheduleStage(start_step=50, compressor=compressor("topk", ratio=0.06)),
@@ -91,10 +99,15 @@ class CriticalOptions(PolicyOptions):
     """``compression.critical``: Accordion's two compressors and its regime detection."""
 
     not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
-    low: CompressorConfig = compressor("topk", ratio=0.1)  # light compression (critical)
-    high: CompressorConfig = compressor("topk", ratio=0.01)  # heavy compression
-    threshold: Annotated[float, Field(gt=0)] = 0.5  # relative norm change
-    window_steps: Annotated[int, Field(ge=1)] = 50  # detection interval
+    #: the light compressor, for layers in a critical regime
+    low: CompressorConfig = compressor("topk", ratio=0.1)
+    #: the heavy compressor, for the other layers
+    high: CompressorConfig = compressor("topk", ratio=0.01)
+    #: a relative change of a layer's mean gradient norm between two windows at or above
+    #: this is a critical regime (Accordion's eta)
+    threshold: Annotated[float, Field(gt=0)] = 0.5
+    #: steps per detection window
+    window_steps: Annotated[int, Field(ge=1)] = 50
 
 
 def distinct_ratios(ratios: list[float], descending: bool = False) -> list[float]:
@@ -108,9 +121,13 @@ class ErrorBudgetOptions(PolicyOptions):
     """``compression.error_budget``: L-GreCo's candidate Top-K ratios and its budget."""
 
     not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
+    #: the Top-K densities a layer may get
     ratios: list[Annotated[float, Field(gt=0, le=1)]] = [0.001, 0.003, 0.01, 0.03, 0.1]
-    reference_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # budget = its total error
+    #: the error budget is the total error all layers would have at this one density
+    reference_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01
+    #: the budget is (1 + slack) x the reference error
     slack: Annotated[float, Field(ge=0, le=10)] = 0.0
+    #: steps between two assignments of densities to layers
     every_steps: Annotated[int, Field(ge=1)] = 50
 
     _ratios = field_validator("ratios")(lambda cls, r: distinct_ratios(r))
@@ -120,8 +137,11 @@ class BandwidthOptions(PolicyOptions):
     """``compression.bandwidth``: Top-K ratios, and how much communication to hide."""
 
     not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
+    #: the Top-K densities to choose among (1.0: dense)
     ratios: list[Annotated[float, Field(gt=0, le=1)]] = [1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001]
-    target_overlap: Annotated[float, Field(gt=0, le=10)] = 1.0  # comm time / compute time
+    #: the largest density whose predicted communication time is at most this x the
+    #: compute time is chosen (else the smallest)
+    target_overlap: Annotated[float, Field(gt=0, le=10)] = 1.0
 
     _ratios = field_validator("ratios")(lambda cls, r: distinct_ratios(r, descending=True))
 

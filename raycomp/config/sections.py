@@ -24,21 +24,37 @@ __all__ = ["LOCAL_MIN_GAIN", "CheckpointSection", "CompressionSection", "Control
 class GuardSection(_Strict):
     """Fallback to dense all-reduce, acted on by every rank in the same step."""
 
+    #: whether the guard falls back to dense (off: never; a step with a non-finite gradient
+    #: or loss is still skipped)
     enabled: bool = True
-    loss_spike_factor: Annotated[float, Field(gt=1)] = 3.0  # loss > factor x window median
+    #: a loss spike: the mean loss of the last ``spike_steps`` steps above this factor x the
+    #: level (``spike_quantile``) of the ``loss_window`` losses before them
+    loss_spike_factor: Annotated[float, Field(gt=1)] = 3.0
+    #: the steps of losses (and of gradient norms) a spike is compared against
     loss_window: Annotated[int, Field(ge=3, le=10_000)] = 20
-    max_compression_error: Annotated[float, Field(gt=0)] = 0.999  # relative, any layer
-    stable_steps: Annotated[int, Field(ge=1)] = 50  # clean steps before compressing again
-    grad_norm_factor: Annotated[float, Field(gt=1)] = 10.0  # norm > factor x window median
-    spike_quantile: Annotated[float, Field(ge=0.5, le=1)] = 0.9  # the window level compared to
-    spike_steps: Annotated[int, Field(ge=1, le=1000)] = 5  # loss averaged over these steps
+    #: fall back when any layer's relative compression error (one step late) exceeds this
+    max_compression_error: Annotated[float, Field(gt=0)] = 0.999
+    #: clean steps in dense fallback before compressing again (hysteresis)
+    stable_steps: Annotated[int, Field(ge=1)] = 50
+    #: a gradient explosion: the reduced gradient's norm above this factor x the level
+    #: (``spike_quantile``) of the last ``loss_window`` norms; the step is skipped too
+    grad_norm_factor: Annotated[float, Field(gt=1)] = 10.0
+    #: the level of a window that a spike is compared to: this quantile of it (0.9: the 90th
+    #: percentile, not the median: late per-batch losses are small and heavy-tailed)
+    spike_quantile: Annotated[float, Field(ge=0.5, le=1)] = 0.9
+    #: the loss is averaged over this many steps before it is compared (one hard batch is
+    #: not a divergence, a sustained rise is)
+    spike_steps: Annotated[int, Field(ge=1, le=1000)] = 5
 
 
 class LrScalingSection(_Strict):
     """Compression-aware learning rate: ramp LR after a dense -> compressed switch."""
 
+    #: whether the LR ramps after each switch from dense to compressed
     enabled: bool = False
+    #: steps the ramp takes, from ``start_factor`` x the learning rate back to 1 x
     warmup_steps: Annotated[int, Field(ge=1)] = 50
+    #: the learning rate's factor at the first compressed step after a switch
     start_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
 
 
@@ -78,9 +94,15 @@ class LocalSection(_Strict):
     (lr 1.0, no momentum) is plain model averaging, as torch's ``PeriodicModelAverager``:
     on short runs with few ranks it lost less than DiLoCo's settings (lr 0.7, momentum
     0.9, Nesterov: tuned for ``sync_every`` = 500, 8 replicas and long runs), which you
-    get with ``outer_lr: 0.7, outer_momentum: 0.9, nesterov: true``.
+    get with ``outer_lr: 0.7, outer_momentum: 0.9, nesterov: true``. The building block
+    :class:`raycomp.local.LocalSteps`, used on its own, defaults to the other choice:
+    DiLoCo's Nesterov outer step and ``delay=0``, the published algorithm as written;
+    this section's defaults are what raycomp's runs (short, few ranks, ``auto`` choosing
+    H at run time) lost least with, and ``delay: auto`` overlaps a sync with one inner step.
     """
 
+    #: off (every step's gradients reduced), fixed (local steps after the warm-up) or auto
+    #: (the controller chooses per-step compression or local steps): see above
     mode: Literal["off", "fixed", "auto"] = "off"
     #: H, inner steps between two syncs of the model (``mode: fixed``); with ``auto`` the
     #: controller chooses it
@@ -97,12 +119,15 @@ class LocalSection(_Strict):
     #: meanwhile (Streaming DiLoCo's overlap); ``mode: auto`` counts the hidden part when it
     #: predicts a sync's cost
     delay: int | Literal["auto"] = "auto"
-    #: the pseudo-gradients' compressor (``mode: fixed``; ``auto`` uses the adaptive
-    #: policy's heaviest near-lossless rung): int4 is Streaming DiLoCo's choice, int8
-    #: INTELLECT-1's, ``none`` sends them dense
+    #: the pseudo-gradients' compressor, in both modes (``auto`` also prices a sync with it
+    #: when it chooses between per-step plans and local steps): int4 is Streaming DiLoCo's
+    #: choice, int8 INTELLECT-1's, ``none`` sends them dense
     compressor: str = "int4"
+    #: the outer SGD's learning rate (1.0 with no momentum: plain model averaging)
     outer_lr: Annotated[float, Field(gt=0, le=10)] = 1.0
+    #: the outer SGD's momentum (DiLoCo: 0.9)
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    #: Nesterov momentum for the outer SGD (DiLoCo: true); needs ``outer_momentum`` > 0
     nesterov: bool = False
     #: floating-point buffers (BatchNorm statistics): "average" them densely at each sync of
     #: the first fragment, or keep them "local" to each rank
@@ -180,9 +205,15 @@ class CompressionSection(_Strict):
     #: steps before the policy's own choice: dense, or under the adaptive policy near-lossless
     #: once its first (early) control boundary has timed the link (``compression.adaptive.warmup``)
     warmup_steps: Annotated[int, Field(ge=0)] = 20
+    #: the error-feedback memory. "residual": what compression dropped is added to the next
+    #: step's gradient; "dgc": DGC's momentum correction (run the optimizer without
+    #: momentum); "none": dropped is lost
     memory: Literal["residual", "dgc", "none"] = "residual"
+    #: layers with fewer elements always go dense (latency dominates their cost)
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
+    #: the dense fallback: see :class:`GuardSection`
     guard: GuardSection = GuardSection()
+    #: the LR ramp after a dense -> compressed switch: see :class:`LrScalingSection`
     lr_scaling: LrScalingSection = LrScalingSection()
     #: local steps (``mode: off`` by default): see :class:`LocalSection`
     local: LocalSection = LocalSection()
@@ -267,22 +298,37 @@ def host_literal(value: str) -> str:
 
 
 class ControllerSection(_Strict):
-    interval_steps: Annotated[int, Field(ge=1, le=100_000)] = 10  # K: stats + plan boundary
+    """``controller``: how often the ranks meet the controller, and which controller service
+    (a Ray actor) they talk to, with its snapshots, restarts and metrics endpoint."""
+
+    #: K, steps between two control boundaries: statistics go to the controller, a new plan
+    #: comes back and the ranks check they agree, every K steps and never in between
+    interval_steps: Annotated[int, Field(ge=1, le=100_000)] = 10
     #: one boundary more, after the run's first this many steps (when fewer than K): a
     #: policy whose warm-up chooses from the link's measured speed (the adaptive default)
     #: then has it after 3 dense steps, not K. On a 100 Mbit/s link a dense step of a
     #: 10 MB model takes about a second; the statistics of so short an interval hold no
     #: layer statistics yet (those come every K steps)
     first_interval_steps: Annotated[int, Field(ge=1, le=100_000)] = 3
+    #: the controller actor's name (runs that name the same one share it)
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "raycomp-controller"
+    #: the Ray namespace of the controller actor
     namespace: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "raycomp"
-    snapshot_dir: str | None = None  # default: <storage_path>/controller
+    #: where the controller keeps its state across restarts (None: ``jobs.train`` uses
+    #: ``<storage_path>/_controller``; ``raycomp.train.ControllerCallback`` keeps it in memory)
+    snapshot_dir: str | None = None
+    #: Ray's ``max_restarts`` of the controller actor (-1: restart it without limit)
     max_restarts: Annotated[int, Field(ge=-1)] = -1
+    #: whether the controller serves Prometheus metrics
     metrics_enabled: bool = True
-    metrics_host: str = "127.0.0.1"  # loopback unless you mean to expose it
-    metrics_port: Annotated[int, Field(ge=0, le=65_535)] = 9478  # 0: pick a free port
+    #: the metrics endpoint's address (loopback unless you mean to expose it)
+    metrics_host: str = "127.0.0.1"
+    #: the metrics endpoint's port (0: pick a free port)
+    metrics_port: Annotated[int, Field(ge=0, le=65_535)] = 9478
     #: Prometheus file-SD list (default: /tmp/raycomp/prometheus/<name>.json)
     metrics_sd_file: str | None = None
+    #: seconds a finished run's state stays at the controller (its metrics still exported)
+    #: before it is dropped
     finished_run_grace_s: Annotated[float, Field(ge=0)] = 300.0
 
     _host = field_validator("metrics_host")(lambda cls, value: host_literal(value))
@@ -313,8 +359,9 @@ class CheckpointSection(_Strict):
     every_epochs: Annotated[int | None, Field(ge=1)] = None
     #: also checkpoint every this many steps, so a crash on a long epoch replays few steps
     every_steps: Annotated[int | None, Field(ge=1)] = None
-    #: worker-group restarts a job allows (``jobs.train``; with the Ray Train API, your
-    #: ``FailureConfig``)
+    #: worker-group restarts a job allows: read by ``python -m jobs.train`` only (its
+    #: ``FailureConfig(max_failures=...)``). ``raycomp.train`` ignores it: with the Ray Train
+    #: API, pass ``FailureConfig(max_failures=...)`` to your ``RunConfig``
     max_failures: Annotated[int, Field(ge=0, le=100)] = 2
 
     def at_report(self, epoch: int, step: int, epochs: int | None = None,

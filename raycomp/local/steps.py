@@ -55,14 +55,20 @@ class LocalSteps:
             replicas on long runs; on short runs and few ranks smaller H (4-32) loses less.
         outer_optimizer: builds the outer optimizer over the global weights (default
             :func:`nesterov_outer`, DiLoCo's Nesterov SGD, lr 0.7, momentum 0.9, tuned for
-            H=500). ``lambda p: torch.optim.SGD(p, lr=1.0)`` is plain model averaging
-            (torch's PeriodicModelAverager): on short runs often the better choice.
+            H=500: the published algorithm, as written). ``lambda p: torch.optim.SGD(p,
+            lr=1.0)`` is plain model averaging (torch's PeriodicModelAverager): on short runs
+            often the better choice, and the default of ``compression.local``
+            (:class:`raycomp.config.LocalSection`), which builds this class for
+            ``raycomp.train`` and the jobs with ``outer_lr``, ``outer_momentum`` and
+            ``nesterov``.
         plan: how the pseudo-gradient travels, per parameter name (default: dense fp32).
             ``Plan.uniform("int8")`` is INTELLECT-1's choice; ``"int4"`` Streaming
             DiLoCo's; error feedback keeps what compression drops for the next sync.
         memory: the reducer's error-feedback memory (``"residual"`` or ``"none"``).
         fragments: F, pieces of the model synced in turn, ``sync_every / F`` steps apart.
-        delay: inner steps a sync overlaps (0 .. sync_every // fragments - 1).
+        delay: inner steps a sync overlaps (0 .. sync_every // fragments - 1). Default 0,
+            DiLoCo's; ``compression.local.delay`` defaults to "auto", one step where the
+            syncs are two or more steps apart (:func:`raycomp.local.resolve_delay`).
         buffers: ``"average"`` (floating-point buffers such as BatchNorm's running statistics
             are averaged, densely, whenever fragment 0 syncs) or ``"local"`` (each rank keeps
             its own; evaluate on one rank then).
