@@ -123,3 +123,27 @@ def test_the_example_yaml_is_a_valid_job_config_at_exactly_the_defaults(tmp_path
 def test_raycomp_config_markdown_prints_the_reference(capsys):
     assert cli.main(["config", "--markdown"]) == 0
     assert capsys.readouterr().out == reference.markdown()
+
+
+def test_docs_job_configuration_md_is_the_generators_output_and_covers_every_job_section():
+    from jobs.config import JobConfig
+    from jobs.config import reference as job_reference
+
+    assert (REPO / "docs" / "job-configuration.md").read_text(encoding="utf-8") == job_reference.markdown(), (
+        f"docs/job-configuration.md is stale: regenerate it with `{job_reference.REGENERATE}`")
+    assert [k for k, _ in job_reference.JOB_SECTIONS] == list(JobConfig.model_fields)
+    for key, model in job_reference.JOB_SECTIONS:
+        assert JobConfig.model_fields[key].annotation is model, key
+    for section in reference.sections(job_reference.OWN_SECTIONS):
+        assert section.doc and all(f.doc.strip() for f in section.fields), \
+            (section.key, [f.name for f in section.fields if not f.doc.strip()])
+
+
+def test_the_job_example_yaml_is_a_whole_job_config_at_exactly_the_defaults(capsys):
+    from jobs.config import JobConfig
+    from jobs.config import reference as job_reference
+
+    assert job_reference.main([]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert validate(data) == JobConfig()
+    assert data == JobConfig().model_dump(mode="json")

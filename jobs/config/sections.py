@@ -27,8 +27,14 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
+    """``run``: the run's name, where its outputs go, its seed and what it logs."""
+
+    #: the run's name; its id is the name with the start time and a suffix
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")] = "raycomp"
+    #: the directory that holds each run's outputs (``<storage_path>/<run id>``) and the
+    #: controller's snapshots (``<storage_path>/_controller``)
     storage_path: str = "outputs"
+    #: the seed of the model's initial weights, the data order and the compressors' draws
     seed: Annotated[int, Field(ge=0)] = 0
     #: rank 0 logs one status line (step, loss, ratio, plan, samples/s) every this many steps (0: off)
     progress_every_steps: Annotated[int, Field(ge=0)] = 50
@@ -37,27 +43,46 @@ class RunSection(Section):
 
 
 class WorkloadSection(Section):
+    """``workload``: the data set and model a job trains, and how (``entrypoint``: your own)."""
+
+    #: the shipped workload: digits (an MLP, fast), fashion_mnist (a CNN) or kjv
+    #: (character-level language model on the King James Bible)
     name: Literal["digits", "fashion_mnist", "kjv"] = "digits"
+    #: passes over the data
     epochs: Annotated[int, Field(ge=1, le=10_000)] = 3
-    batch_size: Annotated[int, Field(ge=1, le=65_536)] = 64  # per worker
-    steps_per_epoch: Annotated[int | None, Field(ge=1)] = None  # cap (default: full shard)
+    #: examples per step on each worker
+    batch_size: Annotated[int, Field(ge=1, le=65_536)] = 64
+    #: at most this many steps an epoch (None: each worker's whole shard)
+    steps_per_epoch: Annotated[int | None, Field(ge=1)] = None
+    #: the optimizer's peak learning rate
     lr: Annotated[float, Field(gt=0, le=10)] = 0.05
+    #: SGD's momentum (``optimizer: sgd``)
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    #: the optimizer's weight decay
     weight_decay: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    #: the learning rate over the run: constant, or cosine decay to 0
     lr_schedule: Literal["constant", "cosine"] = "cosine"
+    #: sgd (with ``momentum``) or adamw
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    max_chars: Annotated[int | None, Field(ge=10_000)] = None  # kjv: truncate the corpus
-    block: Annotated[int, Field(ge=8, le=1024)] = 64  # kjv: context length
-    eval_batches: Annotated[int, Field(ge=1)] = 20  # kjv: test windows (batches)
-    model_width: Annotated[int, Field(ge=8, le=4096)] | None = None  # hidden size override
-    data_dir: str | None = None  # fashion_mnist: IDX files (default: the Debian package's)
+    #: kjv: truncate the corpus to this many characters (None: all of it)
+    max_chars: Annotated[int | None, Field(ge=10_000)] = None
+    #: kjv: the context length in characters
+    block: Annotated[int, Field(ge=8, le=1024)] = 64
+    #: kjv: the test windows an evaluation reads, in batches
+    eval_batches: Annotated[int, Field(ge=1)] = 20
+    #: the model's hidden size (None: the workload's default)
+    model_width: Annotated[int, Field(ge=8, le=4096)] | None = None
+    #: fashion_mnist: the directory of its IDX files (None: the Debian package's)
+    data_dir: str | None = None
     #: evaluate every this many steps on the fixed validation set (None: once per epoch)
     eval_every_steps: Annotated[int | None, Field(ge=1)] = None
     #: the model of the workload (None: its default): digits ``mlp``; fashion_mnist ``cnn`` or
     #: ``bn_cnn`` (BatchNorm, 2.5M parameters); kjv ``transformer`` or ``lstm``
     model: str | None = None
-    model_layers: Annotated[int | None, Field(ge=1, le=64)] = None  # kjv: transformer blocks or LSTM layers (2)
-    model_heads: Annotated[int | None, Field(ge=1, le=64)] = None  # kjv: attention heads (4)
+    #: kjv: transformer blocks or LSTM layers (None: 2)
+    model_layers: Annotated[int | None, Field(ge=1, le=64)] = None
+    #: kjv: the transformer's attention heads (None: 4); must divide ``model_width``
+    model_heads: Annotated[int | None, Field(ge=1, le=64)] = None
     #: fashion_mnist: evaluate on the first N test images only (a fixed validation set)
     eval_examples: Annotated[int | None, Field(ge=1, le=10_000)] = None
     #: a user workload, ``package.module:callable`` with the signature of ``jobs.workloads.build``
@@ -66,6 +91,7 @@ class WorkloadSection(Section):
     #: stop once ``eval_<metric>`` has met this value (<= for a loss, >= for an accuracy) at
     #: ``stop_consecutive`` consecutive evaluations (benchmarks: time to target)
     stop_at_target: float | None = None
+    #: the consecutive evaluations that must meet ``stop_at_target``
     stop_consecutive: Annotated[int, Field(ge=1, le=100)] = 2
     #: the forward pass's precision: ``fp32``; ``bf16`` (autocast); ``fp16`` (autocast and a
     #: ``torch.amp.GradScaler``, which raycomp's error feedback and guard follow). fp16 is
@@ -113,9 +139,15 @@ def resolve_entrypoint(path: str) -> Any:
 
 
 class ScalingSection(Section):
+    """``scaling``: Ray Train's workers and how their gradients are exchanged."""
+
+    #: the data-parallel workers (ranks)
     num_workers: Annotated[int, Field(ge=1, le=1024)] = 2
+    #: one GPU per worker
     use_gpu: bool = False
+    #: CPUs Ray reserves for each worker; also its torch threads
     cpus_per_worker: Annotated[float, Field(gt=0, le=256)] = 1.0
+    #: Ray's placement of the workers on nodes (SPREAD: across nodes, as far as Ray can)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     #: ``ddp``: every worker holds the whole model, gradients are all-reduced (compressed by
     #: raycomp's DDP hook). ``fsdp``: FSDP2 (``fully_shard`` on each block and the root),
@@ -144,6 +176,7 @@ class BenchmarkSection(Section):
     baseline: Literal["none", "torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd",
                       "torch_noop", "torch_postlocalsgd", "torchft_diloco", "torch_fsdp",
                       "torch_fsdp_bf16"] = "none"
+    #: torch_powersgd: the PowerSGD rank
     powersgd_rank: Annotated[int, Field(ge=1)] = 2
     #: torch_powersgd: vanilla all-reduce before this step (torch's docs suggest starting
     #: from 10% of the training steps)
@@ -161,6 +194,7 @@ class BenchmarkSection(Section):
     diloco_sync_every: Annotated[int, Field(ge=1, le=100_000)] = 16
     #: torchft_diloco: the outer Nesterov SGD (DiLoCo's paper: lr 0.7, momentum 0.9)
     diloco_outer_lr: Annotated[float, Field(gt=0, le=10)] = 0.7
+    #: torchft_diloco: the outer Nesterov SGD's momentum
     diloco_outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     #: the DDP ``bucket_cap_mb`` of a torch hook in place of ``compression.bucket_cap_mb``
     #: (None: the same buckets as raycomp's hook). torch's powerSGD_hook on gloo needs the
@@ -177,6 +211,9 @@ class BenchmarkSection(Section):
 
 
 class JobConfig(Section):
+    """A training job: what only a job needs (run, workload, scaling, benchmark) beside the
+    sections a worker reads (compression, controller, checkpoint)."""
+
     run: RunSection = RunSection()
     workload: WorkloadSection = WorkloadSection()
     scaling: ScalingSection = ScalingSection()
