@@ -8,8 +8,8 @@
     raycomp config [--markdown]  # every configuration field with its default and meaning
 
 Each subcommand lives in the module that holds its idea; this file only parses arguments
-and dispatches, importing the subcommand's module when it runs (so ``raycomp config`` does
-not import torch's distributed parts or Ray).
+and dispatches, importing the subcommand's module only when it runs (so ``raycomp config``
+and ``raycomp inspect`` start without importing Ray).
 """
 
 from __future__ import annotations
