@@ -22,7 +22,7 @@ from tests.conftest import REPO
 
 TUNE_DIGITS = str(REPO / "jobs" / "configs" / "tune_digits.yaml")
 TUNE_GPT = str(REPO / "jobs" / "configs" / "tune_gpt.yaml")
-# 3 trials of 2 short epochs: the adaptive default first, then dense, which spends ~10x the
+# 3 trials of 2 short epochs: the default baseline (digits.yaml: critical) first, then dense, which spends ~10x the
 # bytes and so scores far below it at epoch 1 (a 2 MB budget): ASHA stops it there.
 TINY = [
     "num_samples=1",

@@ -195,7 +195,7 @@ def plot_pareto(plan: TunePlan, rows: list[dict[str, Any]], best: dict[str, Any]
             ax.scatter([r["wire_bytes"] for r in group], [r[key] for r in group], s=36,
                        label=f"searched, {status}" + (" (ASHA)" if status == "stopped" else ""), **style)
     markers = {"dense": ("s", "tab:red", "dense baseline (all-reduce)"),
-               "default": ("D", "tab:orange", f"adaptive default ({plan.base['compression']['policy']})")}
+               "default": ("D", "tab:orange", f"base config as is ({plan.base['compression']['policy']})")}
     for variant, (marker, color, label) in markers.items():
         for r in (r for r in usable if r["variant"] == variant):
             ax.scatter([r["wire_bytes"]], [r[key]], marker=marker, s=90, color=color,
