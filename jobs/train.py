@@ -98,7 +98,8 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
 
         strategy = torch_baseline(config.benchmark)
     model = raycomp.train.prepare_model(workload.model, optimizer, scheduler, grad_scaler=precision.scaler,
-                                        options=options, gradient_strategy=strategy)
+                                        options=options, gradient_strategy=strategy,
+                                        scheduler_interval="step")  # cosine over the run's steps
     loop = raycomp.train.current()
     loss_fn = workload.loss
     if isinstance(config, DrillConfig) and config.faults != FaultsSection():  # a drill: wrap the loop

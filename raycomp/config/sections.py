@@ -330,6 +330,9 @@ class ControllerSection(_Strict):
     #: seconds a finished run's state stays at the controller (its metrics still exported)
     #: before it is dropped
     finished_run_grace_s: Annotated[float, Field(ge=0)] = 300.0
+    #: a worker that finds no service of this name fails at ``prepare_model`` with a one-line
+    #: error; False: it trains dense, uncompressed, for the whole run (and warns so)
+    required: bool = True
 
     _host = field_validator("metrics_host")(lambda cls, value: host_literal(value))
 

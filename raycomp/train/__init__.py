@@ -35,18 +35,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raycomp.train.callback import ControllerCallback
 from raycomp.train.default_strategy import raycomp_strategy
 from raycomp.train.gradient_strategy import GradientStrategyFactory
-from raycomp.train.loop import TrainLoop
+from raycomp.train.loop import SchedulerInterval, TrainLoop, check_scheduler
 from raycomp.train.options import TrainOptions, resolve_options
 from raycomp.train.plan_agreement import PlanMismatchError
 from raycomp.train.resume import forget_finished_run
 from raycomp.train.scaler_check import refuse_scaler
+
+if TYPE_CHECKING:
+    import ray.train
 
 #: what a Ray Train user calls; the rest (the loop's parts, the gradient-strategy extension
 #: point in :mod:`raycomp.train.gradient_strategy`, ``start_loop``/``finish_loop`` for the
@@ -60,14 +63,23 @@ _loop: TrainLoop | None = None
 def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                   grad_scaler: torch.amp.GradScaler | None = None,
                   options: TrainOptions | None = None,
-                  gradient_strategy: GradientStrategyFactory = raycomp_strategy) -> torch.nn.Module:
+                  gradient_strategy: GradientStrategyFactory = raycomp_strategy,
+                  scheduler_interval: SchedulerInterval | None = None) -> torch.nn.Module:
     """Wrap ``model`` in DDP (``ray.train.torch.prepare_model``) with raycomp's comm hook,
     link this worker to the controller, restore from ``ray.train.get_checkpoint()`` if it
     holds raycomp state, and return the model to train.
 
+    The controller service must be running (``RunConfig(callbacks=[ControllerCallback()])``,
+    under the name ``options.controller.name``): without it this raises a one-line
+    ``RuntimeError``, unless ``ControllerSection(required=False)`` opts in to training dense
+    for the whole run.
+
     Args:
-        model: your model, on this worker's device; ``optimizer`` and ``scheduler`` (optional,
-            stepped once per step) over its parameters — raycomp steps them in :func:`step`.
+        model: your model, on this worker's device; ``optimizer`` and ``scheduler`` (optional)
+            over its parameters — raycomp steps them in :func:`step`.
+        scheduler_interval: required with a ``scheduler``: ``"step"`` steps it after every
+            step, ``"epoch"`` after the last step of each epoch of ``loop.epochs(...)``
+            (before that epoch's :func:`report`, so a checkpoint holds it as stepped).
         grad_scaler: your ``torch.amp.GradScaler`` for fp16 training with loss scaling (not
             needed for bf16). Call ``grad_scaler.scale(loss).backward()`` and then
             :func:`step` with the unscaled ``loss``: raycomp unscales the gradients before
@@ -84,13 +96,14 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
             the guard, the controller link, the step log and checkpoints stay as they are.
     """
     return start_loop(model, optimizer, scheduler, grad_scaler=grad_scaler, options=options,
-                      gradient_strategy=gradient_strategy).model
+                      gradient_strategy=gradient_strategy, scheduler_interval=scheduler_interval).model
 
 
 def start_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                grad_scaler: torch.amp.GradScaler | None = None, options: TrainOptions | None = None,
                gradient_strategy: GradientStrategyFactory = raycomp_strategy, owns_optimizer: bool = True,
-               resume: Callable[[TrainLoop], None] | None = None) -> TrainLoop:
+               resume: Callable[[TrainLoop], None] | None = None,
+               scheduler_interval: SchedulerInterval | None = None) -> TrainLoop:
     """The :class:`TrainLoop` behind :func:`prepare_model`, for code that drives the step
     itself (:mod:`raycomp.integrations`: Lightning, the Hugging Face Trainer): it calls
     ``loop.after_backward`` and ``loop.after_optimizer_step`` around its own optimizer step
@@ -102,11 +115,13 @@ def start_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     """
     global _loop
     options = options or TrainOptions()
+    check_scheduler(scheduler, scheduler_interval)
     refuse_scaler(grad_scaler, options)
     options = resolve_options(options, optimizer)  # once: what the run uses and registers
     controller = _find_controller(options)
     _loop = TrainLoop(model, optimizer, scheduler, options=options, controller=controller, grad_scaler=grad_scaler,
-                      gradient_strategy=gradient_strategy, owns_optimizer=owns_optimizer, resume=resume)
+                      gradient_strategy=gradient_strategy, owns_optimizer=owns_optimizer, resume=resume,
+                      scheduler_interval=scheduler_interval)
     return _loop
 
 
@@ -117,10 +132,18 @@ def current() -> TrainLoop:
     return _loop
 
 
-def step(loss: torch.Tensor, samples: int = 0) -> bool:
+def step(loss: torch.Tensor, samples: int = 0, clip_grad_norm: float | None = None) -> bool:
     """After ``loss.backward()``: guard, optimizer step unless skipped, control boundary.
-    ``samples``: this rank's batch size (for samples/s). Returns whether the step applied."""
-    return current().step(loss, samples)
+    ``samples``: this rank's batch size (for samples/s). Returns whether the step applied.
+
+    ``clip_grad_norm``: clip the gradient to this total 2-norm
+    (``torch.nn.utils.clip_grad_norm_``) before the optimizer steps. raycomp clips the
+    gradient averaged over the ranks (identical on every rank), after a GradScaler's
+    unscale and after the guard judged the unclipped gradient. Clipping yourself between
+    ``backward()`` and :func:`step` clips only this rank's gradient where the reduction
+    finishes inside :func:`step` (a dense plan on a small model). During local steps
+    (``compression.local``) there is no averaged gradient: each rank clips its own."""
+    return current().step(loss, samples, clip_grad_norm)
 
 
 def record_eval(metrics: dict[str, Any], value: float | None = None) -> None:
@@ -131,7 +154,7 @@ def record_eval(metrics: dict[str, Any], value: float | None = None) -> None:
     current().record_eval(metrics, value)
 
 
-def report(metrics: dict[str, Any], checkpoint: bool | None = None) -> None:
+def report(metrics: dict[str, Any], checkpoint: bool | ray.train.Checkpoint | None = None) -> None:
     """``ray.train.report(metrics)`` on every rank, with raycomp's byte totals added.
 
     An evaluation: when ``metrics`` hold ``TrainOptions.eval_metric`` (default
@@ -142,7 +165,13 @@ def report(metrics: dict[str, Any], checkpoint: bool | None = None) -> None:
     state): ``checkpoint=True`` writes one, ``False`` none; ``None`` (the default) writes one
     in the last epoch of ``loop.epochs(...)``, and besides every ``checkpoint.every_epochs``
     epochs and at an epoch end on a multiple of ``checkpoint.every_steps`` when they are
-    set (:class:`raycomp.config.CheckpointSection`). Call it once per epoch, at its end.
+    set (:class:`raycomp.config.CheckpointSection`). A ``ray.train.Checkpoint`` of your own
+    (as for ``ray.train.report``, e.g. on rank 0 only) is kept: the reported checkpoint holds
+    a copy of its files with raycomp's beside them, which a resume reads (its files must not
+    be named as raycomp's: ``meta.json``, ``shared.pt``, ``rank<r>.pt``, ``sharded``). When
+    any rank asks for a checkpoint (``True`` or its own), every rank writes its state.
+    Anything else is refused with a ``TypeError``. Call it on every rank, once per epoch, at
+    its end.
     """
     current().report(metrics, checkpoint)
 
@@ -198,10 +227,17 @@ def _find_controller(options: TrainOptions) -> Any:
 
     import ray
 
+    c = options.controller
     try:
-        return ray.get_actor(options.controller.name, namespace=options.controller.namespace)
+        return ray.get_actor(c.name, namespace=c.namespace)
     except ValueError:
+        if c.required:
+            raise RuntimeError(
+                f"no controller service {c.name!r} (namespace {c.namespace!r}): add "
+                "RunConfig(callbacks=[raycomp.train.ControllerCallback()]) with the same ControllerSection "
+                "name as TrainOptions.controller, or set ControllerSection(required=False) to train dense "
+                "without a controller") from None
         logging.getLogger("raycomp.train").warning(
-            "no controller service %r: training on the dense warm-up plan "
-            "(add raycomp.train.ControllerCallback() to the RunConfig's callbacks)", options.controller.name)
+            "no controller service %r and controller.required=False: this run trains dense, uncompressed, "
+            "for its whole length", c.name)
         return None

@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -46,15 +46,39 @@ from raycomp.train.gradient_strategy import GradientStrategyFactory, StrategySet
 from raycomp.train.lr_ramp import LrRamp
 from raycomp.train.options import TrainOptions
 from raycomp.train.plan_agreement import PlanAgreement
-from raycomp.train.ray_report import eval_value, report_metrics, report_to_ray, run_totals
+from raycomp.train.ray_report import (
+    any_rank,
+    check_report_checkpoint,
+    eval_value,
+    report_metrics,
+    report_to_ray,
+    run_totals,
+)
 from raycomp.train.reporter import Outages, StatsReporter
 from raycomp.train.resume import restore, save_state
 from raycomp.train.step_judge import StepJudge
 from raycomp.train.step_log import StepLog
 
-__all__ = ["TrainLoop"]
+__all__ = ["SchedulerInterval", "TrainLoop", "check_scheduler"]
 
 log = logging.getLogger("raycomp.train")
+
+#: when a scheduler given to :func:`raycomp.train.prepare_model` steps
+SchedulerInterval = Literal["step", "epoch"]
+
+
+def check_scheduler(scheduler: Any, interval: Any) -> None:
+    """A one-line error for a scheduler without its interval, or an interval not allowed."""
+    if (scheduler is not None or interval is not None) and interval not in ("step", "epoch"):
+        raise ValueError(f"scheduler_interval: must be 'step' or 'epoch' when a scheduler is given, got {interval!r}")
+
+
+def check_clip(max_norm: Any) -> None:
+    """A one-line error for a ``clip_grad_norm`` that is not a positive finite number."""
+    if max_norm is None:
+        return
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not 0 < max_norm < math.inf:
+        raise ValueError(f"clip_grad_norm: must be a positive finite number or None, got {max_norm!r}")
 
 
 class TrainLoop:
@@ -81,10 +105,13 @@ class TrainLoop:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                  options: TrainOptions, controller: Any = None, grad_scaler: torch.amp.GradScaler | None = None,
                  gradient_strategy: GradientStrategyFactory = raycomp_strategy, owns_optimizer: bool = True,
-                 resume: Callable[[TrainLoop], None] | None = None) -> None:
+                 resume: Callable[[TrainLoop], None] | None = None,
+                 scheduler_interval: SchedulerInterval | None = None) -> None:
         import ray.train
         import ray.train.torch
 
+        check_scheduler(scheduler, scheduler_interval)
+        self.scheduler_interval = scheduler_interval
         # prepare_model, the only caller, has refused a scaler this loop cannot follow and
         # resolved the options. A disabled scaler (GradScaler(enabled=False), common behind
         # a flag) scales nothing
@@ -149,10 +176,15 @@ class TrainLoop:
         """The first batch of the current epoch still to train."""
         return self.global_step - self.epoch * (self.steps_per_epoch or 0)
 
-    def step(self, loss: torch.Tensor, samples: int = 0) -> bool:
+    def step(self, loss: torch.Tensor, samples: int = 0, clip_grad_norm: float | None = None) -> bool:
         """After ``loss.backward()``: guard, optimizer step (unless skipped), boundary.
-        Returns whether the optimizer step was applied."""
+        Returns whether the optimizer step was applied. ``clip_grad_norm``: clip the reduced
+        gradient (each rank's own during local steps) to this norm after the guard judged
+        it, before the optimizer steps."""
+        check_clip(clip_grad_norm)
         applied = self.after_backward(loss)
+        if applied and clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, clip_grad_norm)
         if applied:
             self.lr_ramp.optimizer_step(self.optimizer, self.global_step)
         self.after_optimizer_step(loss, samples, applied)
@@ -198,8 +230,11 @@ class TrainLoop:
             if self.grad_scaler is not None:
                 self.grad_scaler.update()  # backs off after an overflow, grows after clean steps
             self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
+        if self.scheduler is not None and self.scheduler_interval == "step":
             self.scheduler.step()
+        elif self.scheduler is not None and not self.steps_per_epoch:
+            raise RuntimeError("scheduler_interval='epoch': raycomp knows where epochs end only from "
+                               "loop.epochs(epochs, steps_per_epoch); iterate that, or pass scheduler_interval='step'")
         self._finish_step(loss_value, samples, applied)
 
     def _sync_finished(self, rows: list[list[float]] | None, step: int) -> None:
@@ -247,6 +282,9 @@ class TrainLoop:
         }, samples)
         self.global_step += 1
         self.step_seconds += seconds
+        if self.scheduler is not None and self.scheduler_interval == "epoch" \
+                and self.global_step % self.steps_per_epoch == 0:  # type: ignore[operator]
+            self.scheduler.step()  # the epoch's last step: before its report checkpoints
         if self.global_step == self.last_step:
             self.merge_replicas()  # the run's last step: what is evaluated and saved next is merged
         if self.strategy.per_step and self.guard.announced > self.controller_plan.version:
@@ -322,12 +360,15 @@ class TrainLoop:
         self._evaluated_at = self.global_step
         self._restart_step_clock()  # the evaluation ran since the last step: not step time
 
-    def report(self, metrics: dict[str, Any], checkpoint: bool | None = None) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
         """``ray.train.report`` (a barrier on all ranks) with byte totals added. When
         ``metrics`` hold ``options.eval_metric``, also an evaluation (:meth:`record_eval`)
-        unless one was recorded at this step already. With a checkpoint when asked, or
-        (None) as :meth:`raycomp.config.CheckpointSection.at_report` says
+        unless one was recorded at this step already. With a checkpoint when asked (True,
+        or a ``ray.train.Checkpoint`` whose files the reported one holds beside raycomp's;
+        then every rank writes its state), or (None) as
+        :meth:`raycomp.config.CheckpointSection.at_report` says
         (:mod:`raycomp.train.ray_report`)."""
+        user_checkpoint = check_report_checkpoint(checkpoint)
         name = self.options.eval_metric
         if name is not None and name in metrics and self._evaluated_at != self.global_step:
             self.record_eval(dict(metrics), eval_value(name, metrics[name]))
@@ -336,7 +377,9 @@ class TrainLoop:
         if checkpoint is None:
             checkpoint = self.options.checkpoint.at_report(self.epoch, self.global_step, self.epochs_total,
                                                            self.steps_per_epoch)
-        report_to_ray(metrics, self.save_state if checkpoint else None)
+        if self.world_size > 1:  # one rank's own checkpoint (or True): every rank's state goes in
+            checkpoint = any_rank(bool(checkpoint), self.control_group)
+        report_to_ray(metrics, self.save_state if checkpoint else None, user_checkpoint)
         self._restart_step_clock()  # the report (a barrier) and what came before it: not step time
 
     def save_state(self, directory: Path) -> None:

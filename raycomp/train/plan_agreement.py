@@ -48,7 +48,8 @@ class PlanAgreement:
                     options.controller.interval_steps, c.min_compress_numel, eval_kind), timeout=60))
             except Exception as error:  # noqa: BLE001 - the controller is optional
                 self.outages.add(error, 0)
-        return self.broadcast(plan or Plan(reason="warm-up: dense")) or Plan(reason="warm-up: dense")
+        fallback = Plan(reason="warm-up: dense" if self.controller is not None else "no controller: dense")
+        return self.broadcast(plan or fallback) or fallback
 
     def check(self, known_version: int) -> None:
         """Rank 0, every step: take the long poll's answer if it is in (never waiting for

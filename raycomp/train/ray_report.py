@@ -5,6 +5,8 @@ one, the evaluation value a report carries, and the run's totals at the end
 
 from __future__ import annotations
 
+import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +20,7 @@ from raycomp.ledger import WireLedger
 if TYPE_CHECKING:
     from raycomp.train.loop import TrainLoop
 
-__all__ = ["eval_value", "report_metrics", "report_to_ray", "run_totals"]
+__all__ = ["any_rank", "check_report_checkpoint", "eval_value", "report_metrics", "report_to_ray", "run_totals"]
 
 
 def report_metrics(metrics: dict[str, Any], epoch: int, step: int, ledger: WireLedger,
@@ -30,15 +32,50 @@ def report_metrics(metrics: dict[str, Any], epoch: int, step: int, ledger: WireL
             "compression_ratio": ledger.compression_ratio or 1.0}
 
 
-def report_to_ray(metrics: dict[str, Any], save: Callable[[Path], None] | None) -> None:
+def check_report_checkpoint(checkpoint: Any) -> Any:
+    """:func:`raycomp.train.report`'s ``checkpoint`` if it is a ``ray.train.Checkpoint`` (the
+    user's own), else None; a one-line ``TypeError`` for what is none of True, False, None
+    or a ``ray.train.Checkpoint``, a ``ValueError`` for one holding a file named as raycomp's."""
+    import ray.train
+
+    if isinstance(checkpoint, ray.train.Checkpoint):
+        with checkpoint.as_directory() as source:
+            clash = sorted(p.name for p in Path(source).iterdir() if _OWN_NAMES.match(p.name))
+        if clash:
+            raise ValueError(f"report: the checkpoint's files {clash} have the names of raycomp's own "
+                             "(meta.json, shared.pt, rank<r>.pt, sharded); rename them")
+        return checkpoint
+    if checkpoint is None or isinstance(checkpoint, bool):
+        return None
+    raise TypeError(f"report: checkpoint must be True, False, None or a ray.train.Checkpoint, "
+                    f"got {type(checkpoint).__name__}")
+
+
+def any_rank(flag: bool, group: Any) -> bool:
+    """Whether ``flag`` holds on any rank (a collective: every rank calls it)."""
+    value = torch.tensor([float(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+#: the names raycomp's checkpoint files take in a directory (:mod:`raycomp.train.checkpoint`)
+_OWN_NAMES = re.compile(r"^(meta\.json|shared\.pt|rank\d+\.pt|sharded)(\.tmp)?$")
+
+
+def report_to_ray(metrics: dict[str, Any], save: Callable[[Path], None] | None, user: Any = None) -> None:
     """``ray.train.report(metrics)`` (a barrier on all ranks); with a checkpoint of what
-    ``save`` writes into a directory, unless ``save`` is None."""
+    ``save`` writes into a directory, unless ``save`` is None. ``user``: the caller's own
+    ``ray.train.Checkpoint`` (:func:`check_report_checkpoint`'s), whose files are copied
+    into that directory first; its own directory is left as it is."""
     import ray.train
 
     if save is None:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory(prefix="raycomp-ckpt-") as tmp:
+        if user is not None:
+            with user.as_directory() as source:
+                shutil.copytree(source, tmp, dirs_exist_ok=True)
         save(Path(tmp))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     # Ray Train registers a reported checkpoint asynchronously; a worker dying before
