@@ -23,6 +23,7 @@ import ray
 from raycomp.controllers.policies import make_policy
 from raycomp.controllers.policies.base import Policy
 from raycomp.controllers.policies.decision import checked
+from raycomp.controllers.ray_metrics import EVERY_S as RAY_METRICS_EVERY_S
 from raycomp.controllers.snapshots import SnapshotStore
 from raycomp.controllers.state import RunState
 
@@ -254,7 +255,10 @@ class ControllerService:
     """
 
     def __init__(self, snapshot_dir: str | None = None, finished_run_grace_s: float = 300.0,
-                 metrics: dict[str, Any] | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, ray_metrics_every_s: float | None = RAY_METRICS_EVERY_S) -> None:
+        """``metrics``: the standalone exporter's ``host``, ``port`` and ``sd_file`` (None:
+        no exporter). ``ray_metrics_every_s``: how often the same metrics are recorded into
+        Ray's metrics API (:mod:`raycomp.controllers.ray_metrics`; None: not at all)."""
         logging.basicConfig(level=logging.INFO)
         self.controller = Controller(snapshot_dir, finished_run_grace_s)
         self.lock = threading.RLock()
@@ -265,6 +269,13 @@ class ControllerService:
 
             self.exporter = Exporter(self.controller, metrics["host"], metrics["port"], metrics.get("sd_file"),
                                      lock=self.lock)
+        self.ray_metrics = None
+        if ray_metrics_every_s is not None:
+            from raycomp.controllers.exporter import ControllerCollector
+            from raycomp.controllers.ray_metrics import RayMetrics
+
+            self.ray_metrics = RayMetrics(ControllerCollector(self.controller, self.lock))
+            self.ray_metrics.start(ray_metrics_every_s)
         threading.Thread(target=self._flush_periodically, name="raycomp-snapshots", daemon=True).start()
 
     def _flush_periodically(self) -> None:
@@ -334,7 +345,8 @@ class ControllerService:
 
 
 def get_or_create(name: str, namespace: str, snapshot_dir: str | None, max_restarts: int = -1,
-                  finished_run_grace_s: float = 300.0, metrics: dict[str, Any] | None = None) -> Any:
+                  finished_run_grace_s: float = 300.0, metrics: dict[str, Any] | None = None,
+                  ray_metrics_every_s: float | None = RAY_METRICS_EVERY_S) -> Any:
     """The named controller actor, created detached (outlives any one driver) if absent.
 
     Scheduled with the "DEFAULT" strategy so that, created from inside a Tune trial or any
@@ -346,4 +358,4 @@ def get_or_create(name: str, namespace: str, snapshot_dir: str | None, max_resta
         name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_restarts=max_restarts, scheduling_strategy="DEFAULT", max_concurrency=OTHER_CALL_THREADS,
     )
-    return actor.remote(snapshot_dir, finished_run_grace_s, metrics)
+    return actor.remote(snapshot_dir, finished_run_grace_s, metrics, ray_metrics_every_s)

@@ -2,8 +2,10 @@
 
 Every metric raycomp exports is declared here once — name, type, help, labels — together
 with the dashboard panel that shows it. ``controllers/exporter.py`` serves exactly these
-metrics and ``jobs/dashboard.py`` generates the Grafana dashboard from them, and a test
-checks that the two agree with each other and with a real Prometheus.
+metrics, ``controllers/ray_metrics.py`` records the same series into Ray's metrics API
+(served by Ray's agents as ``ray_`` + the name) and ``raycomp/dashboard.py`` generates the
+Grafana dashboard and Prometheus files from them; tests check that the three agree with
+each other, with a real Ray cluster's metrics endpoint and with a real Prometheus.
 
 Conventions: ``raycomp_`` prefix, base units (bytes, seconds), ``_total`` counters,
 ``_seconds`` histograms. Labels are bounded: ``run`` and ``rank`` by the cluster,
