@@ -1,108 +1,30 @@
-"""Generate the Grafana dashboard and the Prometheus files from the metric catalogue.
+"""Generate this repository's Grafana dashboard and Prometheus files from the metric catalogue.
 
     python -m jobs.dashboard [--check]
 
-Writes ``dashboards/grafana/raycomp.json`` (import-ready: data-source and ``run``
-variables, one row per catalogue row, fallback events as annotations),
-``dashboards/prometheus/prometheus.yml`` (scrapes the controller through its file-SD
-target list, and Ray's own metrics) and ``dashboards/prometheus/alerts.yml``. ``--check``
-exits 1 if the committed files differ from what the catalogue generates.
+Writes what :mod:`raycomp.dashboard` generates (``raycomp dashboard --out DIR`` for an
+installed raycomp) into ``dashboards/``: ``grafana/raycomp.json``,
+``prometheus/prometheus.yml`` and ``prometheus/alerts.yml``. ``--check`` exits 1 if the
+committed files differ from what the catalogue generates.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
-import yaml
+from raycomp.dashboard import alert_rules, dashboard, prometheus_config
+from raycomp.dashboard import files as files_under
 
-from raycomp.metrics import CATALOGUE, ROWS, SD_DIR
+__all__ = ["ROOT", "alert_rules", "dashboard", "files", "main", "prometheus_config"]
 
 ROOT = Path(__file__).resolve().parents[1] / "dashboards"
-DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-ANNOTATION_EXPR = 'changes(raycomp_fallback_events_total{run=~"$run"}[1m]) > 0'
-RAY_SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
-
-
-def dashboard() -> dict[str, Any]:
-    panels: list[dict[str, Any]] = []
-    y, next_id = 0, 1
-    for row in ROWS:
-        panels.append({"type": "row", "title": row, "id": next_id, "collapsed": False,
-                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
-        next_id, y = next_id + 1, y + 1
-        row_panels = [p for m in CATALOGUE for p in m.panels if p.row == row]
-        for i, panel in enumerate(row_panels):
-            panels.append({
-                "type": "timeseries", "title": panel.title, "id": next_id, "datasource": DATASOURCE,
-                "gridPos": {"h": 8, "w": 8, "x": 8 * (i % 3), "y": y + 8 * (i // 3)},
-                "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
-                "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-                "targets": [{"refId": "A", "datasource": DATASOURCE, "expr": panel.expr,
-                             "legendFormat": panel.legend}],
-            })
-            next_id += 1
-        y += 8 * ((len(row_panels) + 2) // 3)
-    return {
-        "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource",
-                      "pluginId": "prometheus", "pluginName": "Prometheus"}],
-        "title": "raycomp: adaptive gradient compression", "uid": "raycomp", "editable": True,
-        "schemaVersion": 39, "version": 1, "refresh": "10s", "tags": ["raycomp", "ray"],
-        "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": [
-            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus"},
-            {"name": "run", "label": "Run", "type": "query", "datasource": DATASOURCE,
-             "query": {"query": "label_values(raycomp_run_active, run)", "refId": "run"},
-             "definition": "label_values(raycomp_run_active, run)", "refresh": 2,
-             "multi": True, "includeAll": True, "current": {"text": "All", "value": "$__all"}},
-        ]},
-        "annotations": {"list": [
-            {"name": "Dense fallback", "datasource": DATASOURCE, "enable": True, "iconColor": "red",
-             "expr": ANNOTATION_EXPR, "titleFormat": "dense fallback", "textFormat": "{{run}}: {{reason}}",
-             "step": "15s"},
-        ]},
-        "panels": panels,
-    }
-
-
-def prometheus_config(sd_file: str = f"{SD_DIR}/*.json", interval: str = "5s") -> dict[str, Any]:
-    return {
-        "global": {"scrape_interval": interval, "evaluation_interval": interval},
-        "rule_files": ["alerts.yml"],
-        "scrape_configs": [
-            {"job_name": "raycomp", "file_sd_configs": [{"files": [sd_file]}]},
-            {"job_name": "ray", "file_sd_configs": [{"files": [RAY_SD_FILE]}]},
-        ],
-    }
-
-
-def alert_rules(fallback_minutes: int = 10, silent_minutes: int = 5) -> dict[str, Any]:
-    return {"groups": [{"name": "raycomp", "rules": [
-        {"alert": "RaycompFallbackStuck",
-         "expr": "max by (run) (raycomp_fallback_active) == 1",
-         "for": f"{fallback_minutes}m", "labels": {"severity": "warning"},
-         "annotations": {"summary": "run {{ $labels.run }} has trained with dense all-reduce "
-                                    f"(guard fallback) for more than {fallback_minutes} minutes"}},
-        {"alert": "RaycompNoReports",
-         "expr": f"max by (run) (raycomp_run_active) == 1 and on (run) "
-                 f"increase(raycomp_controller_reports_total[{silent_minutes}m]) == 0",
-         "for": "1m", "labels": {"severity": "critical"},
-         "annotations": {"summary": "run {{ $labels.run }} is active but sent no statistics "
-                                    f"for {silent_minutes} minutes"}},
-    ]}]}
 
 
 def files() -> dict[Path, str]:
-    return {
-        ROOT / "grafana" / "raycomp.json": json.dumps(dashboard(), indent=2) + "\n",
-        ROOT / "prometheus" / "prometheus.yml": "# generated by `python -m jobs.dashboard`\n"
-        + yaml.safe_dump(prometheus_config(), sort_keys=False),
-        ROOT / "prometheus" / "alerts.yml": "# generated by `python -m jobs.dashboard`\n"
-        + yaml.safe_dump(alert_rules(), sort_keys=False),
-    }
+    """The generated files under ``dashboards/`` and their text."""
+    return files_under(ROOT)
 
 
 def main(argv: list[str] | None = None) -> int:

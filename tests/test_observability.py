@@ -149,6 +149,8 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     # over the run's time range, as the dashboard shows it: a windowed expression such as
     # changes(...[1m]) has data only within a minute of its event, not at any one instant
     ended = time.time()
+    # the standalone exporter's names (source "raycomp"); Ray's are checked in tests/test_ray_metrics.py
+    exprs = [e.replace("${source}", "raycomp") for e in exprs]
     empty = [e for e in exprs if not query_range(base, e.replace("$run", f"{run_id}|{fp16_id}"), started, ended)]
     assert not empty, f"queries without data: {empty}"
     rules = json.loads(scrape(f"{base}/api/v1/rules"))["data"]["groups"]
@@ -158,7 +160,7 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
 def test_catalogue_and_dashboard_agree():
     assert dashboard.main(["--check"]) == 0, "dashboards/ are stale: run python -m jobs.dashboard"
     board = json.loads((REPO / "dashboards" / "grafana" / "raycomp.json").read_text())
-    text = json.dumps([t["expr"] for p in board["panels"] for t in p.get("targets", [])])
+    text = json.dumps([t["expr"] for p in board["panels"] for t in p.get("targets", [])]).replace("${source}", "raycomp")
     queried = set(re.findall(r"raycomp_[a-z_]+", text))
     stored = {s for m in CATALOGUE for s in series_names(m)}
     assert queried <= stored, f"dashboard queries metrics outside the catalogue: {queried - stored}"
@@ -168,9 +170,38 @@ def test_catalogue_and_dashboard_agree():
         assert metric.kind != "counter" or metric.name.endswith("_total")
         assert metric.kind != "histogram" or metric.name.endswith("_seconds")
     variables = {v["name"] for v in board["templating"]["list"]}
-    assert {"datasource", "run"} <= variables
+    assert {"datasource", "source", "run"} <= variables
     assert {p["title"] for p in board["panels"] if p["type"] == "row"} == {
         "Compression", "Convergence", "Controller decisions", "Throughput"}
+
+
+def test_raycomp_dashboard_writes_the_committed_files(tmp_path):
+    from raycomp import cli
+
+    assert cli.main(["dashboard", "--out", str(tmp_path / "out")]) == 0
+    written = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert written == ["grafana/raycomp.json", "prometheus/alerts.yml", "prometheus/prometheus.yml"]
+    for name in written:
+        assert (tmp_path / "out" / name).read_text() == (REPO / "dashboards" / name).read_text(), name
+
+
+def test_the_dashboard_reads_the_metrics_from_either_source():
+    """Every query names its metrics through the ``source`` variable: the exporter's names
+    with one choice, Ray's (``ray_`` + the same name) with the other, never both at once."""
+    from raycomp.dashboard import SOURCES
+
+    board = json.loads((REPO / "dashboards" / "grafana" / "raycomp.json").read_text())
+    source = next(v for v in board["templating"]["list"] if v["name"] == "source")
+    assert [o["value"] for o in source["options"]] == [value for _, value in SOURCES] == ["raycomp", "ray_raycomp"]
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    exprs += [a["expr"] for a in board["annotations"]["list"]]
+    exprs += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
+    stored = {s for m in CATALOGUE for s in series_names(m)}
+    for expr in exprs:
+        assert "${source}_" in expr and "raycomp_" not in expr, expr
+        for prefix in ("raycomp", "ray_raycomp"):
+            names = set(re.findall(r"[a-z_]*raycomp_[a-z_]+", expr.replace("${source}", prefix)))
+            assert names and names <= {prefix.removesuffix("raycomp") + s for s in stored}, (expr, names)
 
 
 def test_exporter_survives_bad_input_and_counts_rejects(tmp_path):
