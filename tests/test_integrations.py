@@ -61,3 +61,25 @@ def test_a_batch_size_is_the_first_dimension_of_its_first_tensor():
     assert batch_size({"input_ids": torch.zeros(5, 9), "labels": torch.zeros(5, 9)}) == 5
     assert batch_size({"meta": "text", "inputs": [torch.tensor(1.0), torch.zeros(4, 2)]}) == 4
     assert batch_size("text") == batch_size(torch.tensor(3.0)) == batch_size([]) == 0
+
+
+def fake_loop(ratio: float | None = 4.0, version: int = 3, active: bool = False, kinds=("fallback", "recovered")):
+    """What :meth:`FrameworkStep.logged` reads of a :class:`~raycomp.train.TrainLoop`."""
+    from types import SimpleNamespace
+
+    events = [SimpleNamespace(kind=k) for k in kinds]
+    return SimpleNamespace(state=SimpleNamespace(ledger=SimpleNamespace(compression_ratio=ratio),
+                                                 plan=SimpleNamespace(version=version)),
+                           guard=SimpleNamespace(guard=SimpleNamespace(active=active, events=events)))
+
+
+def test_the_logged_values_are_the_run_s_ratio_plan_version_and_fallbacks():
+    from raycomp.integrations.framework_step import LOGGED, FrameworkStep
+
+    logged = FrameworkStep(fake_loop()).logged()
+    assert list(logged) == list(LOGGED)
+    assert logged == {"raycomp/compression_ratio": 4.0, "raycomp/plan_version": 3,
+                      "raycomp/fallback_active": 0.0, "raycomp/fallbacks": 1}
+    assert isinstance(logged["raycomp/plan_version"], int)
+    # no byte sent yet, or one worker: 1.0, as ray.train.report has it
+    assert FrameworkStep(fake_loop(ratio=None, active=True)).logged()["raycomp/compression_ratio"] == 1.0

@@ -161,7 +161,8 @@ def _several_fits(config: dict) -> None:
                     "hook_bytes": sum(c.transmitted for c in wire.calls if c.group == hook_group),
                     "ledger_bytes": loop.state.ledger.wire_total,
                     "escaped": [m for m in wire.unrecorded() if m[0] == "gloo:all_reduce" and m[2] in GRADIENT_DTYPES],
-                    "output_dir": loop.output_dir.as_posix()}
+                    "output_dir": loop.output_dir.as_posix(),
+                    "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("raycomp/")}}
 
     out["seconds"]["guard"], clock = time.perf_counter() - clock, time.perf_counter()
 
@@ -218,6 +219,14 @@ def test_plans_switch_and_the_guard_falls_back_and_recovers_on_every_rank(fits):
     assert guard["val_loss"] < 1.0
     evals = [json.loads(line) for line in (Path(guard["output_dir"]) / "evals.jsonl").read_text().splitlines()]
     assert [(e["step"], e["val_loss"] > 0) for e in evals] == [(16, True), (32, True)]  # monitor="val_loss"
+    # raycomp's values through the LightningModule's log, as the last step left them
+    from raycomp.integrations.framework_step import LOGGED
+
+    logged = guard["logged"]
+    assert set(logged) == set(LOGGED), logged
+    assert logged["raycomp/compression_ratio"] > 1  # Top-K, then int8
+    assert logged["raycomp/plan_version"].is_integer() and logged["raycomp/plan_version"] >= 2
+    assert logged["raycomp/fallbacks"] == 1 and logged["raycomp/fallback_active"] == 0  # recovered
 
 
 @pytest.mark.long
@@ -336,6 +345,32 @@ def test_a_killed_worker_resumes_from_lightnings_checkpoint_with_raycomps_state(
     assert fits[0]["killed"]["replayed_steps"] >= 1  # rank 0 had logged steps past the checkpoint
     for records in step_logs(fits[0]["killed"]["output_dir"]):
         assert [r["step"] for r in records] == list(range(48))
+
+
+def test_the_strategy_logs_raycomps_values_through_the_lightning_module(tmp_path):
+    """The strategy's callback logs :meth:`FrameworkStep.logged` with ``pl_module.log``:
+    Lightning's own loop (one process, no Ray) has them in ``callback_metrics`` and hands
+    them to its loggers."""
+    from types import SimpleNamespace
+
+    from raycomp.integrations.framework_step import LOGGED, FrameworkStep
+    from raycomp.integrations.lightning import _StepCallback
+    from tests.test_integrations import fake_loop
+
+    steps = FrameworkStep(fake_loop(ratio=4.0, version=3))
+    strategy = SimpleNamespace(loop=None, monitor=None, totals=None, finish=lambda: None,
+                               steps=SimpleNamespace(before_optimizer_step=lambda: True, logged=steps.logged))
+    train, _ = loaders()
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, callbacks=[_StepCallback(strategy)],
+                         logger=pl.loggers.CSVLogger(tmp_path), log_every_n_steps=1, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(Classifier(), train_dataloaders=train)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert set(LOGGED) <= set(metrics), metrics
+    assert metrics["raycomp/compression_ratio"] == 4.0 and metrics["raycomp/plan_version"] == 3.0
+    assert metrics["raycomp/fallbacks"] == 1.0 and metrics["raycomp/fallback_active"] == 0.0
+    logged = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
+    assert set(LOGGED) <= set(logged[0].split(",")) and len(logged) == 4  # a row per step
 
 
 def test_options_a_framework_driven_step_cannot_honour_fail_in_one_line_before_ray_starts():

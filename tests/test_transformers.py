@@ -136,6 +136,8 @@ def _several_runs(config: dict) -> None:
     hook_group = str(loop.state.reducer.group.handle.group_name)
     out["guard"] = {**trainer.raycomp.totals, "global_step": trainer.state.global_step,
                     "eval_loss": eval_loss(trainer), "after_optimizer_step": loop.strategy.calls,
+                    "logged": [{k: v for k, v in entry.items() if k.startswith("raycomp/") or k == "step"}
+                               for entry in trainer.state.log_history if "raycomp/plan_version" in entry],
                     "hook_bytes": sum(c.transmitted for c in wire.calls if c.group == hook_group),
                     "ledger_bytes": loop.state.ledger.wire_total,
                     "escaped": [m for m in wire.unrecorded() if m[0] == "gloo:all_reduce" and m[2] in GRADIENT_DTYPES],
@@ -263,6 +265,15 @@ def test_plans_switch_and_the_guard_falls_back_and_recovers_on_every_rank(runs):
     assert guard["eval_loss"] < 2.5
     evals = [json.loads(line) for line in (Path(guard["output_dir"]) / "evals.jsonl").read_text().splitlines()]
     assert [(e["step"], e["eval_loss"] > 0) for e in evals] == [(16, True), (32, True)]  # monitor="eval_loss"
+    # raycomp's values in the Trainer's log entries (here: its evaluations' at steps 16 and 32)
+    from raycomp.integrations.framework_step import LOGGED
+
+    assert [entry["step"] for entry in guard["logged"]][:2] == [16, 32], guard["logged"]
+    for entry in guard["logged"]:
+        assert set(entry) == {*LOGGED, "step"}
+        assert entry["raycomp/compression_ratio"] > 1 and isinstance(entry["raycomp/plan_version"], int)
+        assert entry["raycomp/fallbacks"] == 1  # the NaN at NAN_STEP
+    assert guard["logged"][-1]["raycomp/fallback_active"] == 0  # recovered
 
 
 @pytest.mark.long
@@ -350,3 +361,27 @@ def test_what_raycomps_prepare_trainer_cannot_drive_fails_in_one_line(tmp_path):
     assert trainer.accelerator.ddp_handler.bucket_cap_mb == 1.0  # raycomp's cap for a small model
     with pytest.raises(ValueError, match=r"^trainer: raycomp's prepare_trainer was applied to it already$"):
         prepare_trainer(trainer)
+
+
+def test_every_entry_the_trainer_logs_while_training_has_raycomps_values(tmp_path):
+    """The trainer class raycomp's ``prepare_trainer`` gives a Trainer adds
+    :meth:`FrameworkStep.logged` to each entry of ``state.log_history`` (the Trainer's own
+    loop, one process, no Ray; the step glue over a stand-in loop)."""
+    from raycomp.integrations.framework_step import LOGGED, FrameworkStep, framework_strategy
+    from raycomp.integrations.transformers import RaycompCallback, _with_raycomp
+    from raycomp.train import TrainOptions
+    from tests.test_integrations import fake_loop
+
+    arguments = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH,
+                                               max_steps=3, logging_steps=1, save_strategy="no", report_to="none",
+                                               disable_tqdm=True, use_cpu=True)
+    trainer = transformers.Trainer(model=gpt2(), args=arguments, train_dataset=sequences(64, 0))
+    trainer.__class__ = _with_raycomp(type(trainer))
+    trainer.raycomp = RaycompCallback(trainer, TrainOptions(), None, framework_strategy)
+    trainer.raycomp.steps = FrameworkStep(fake_loop(ratio=4.0, version=3))
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in steps] == [1, 2, 3]
+    for entry in steps:
+        assert {key: entry[key] for key in LOGGED} == {"raycomp/compression_ratio": 4.0, "raycomp/plan_version": 3,
+                                                     "raycomp/fallback_active": 0.0, "raycomp/fallbacks": 1}

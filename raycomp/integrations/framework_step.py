@@ -35,7 +35,10 @@ from raycomp.train import TrainLoop, TrainOptions
 from raycomp.train.ddp_strategy import ddp_hook_strategy
 from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
-__all__ = ["FrameworkStep", "batch_size", "framework_strategy", "refuse_unsupported"]
+__all__ = ["LOGGED", "FrameworkStep", "batch_size", "framework_strategy", "refuse_unsupported"]
+
+#: what the integrations log through the framework's own logging (:meth:`FrameworkStep.logged`)
+LOGGED = ("raycomp/compression_ratio", "raycomp/plan_version", "raycomp/fallback_active", "raycomp/fallbacks")
 
 log = logging.getLogger("raycomp.train")
 
@@ -82,6 +85,17 @@ class FrameworkStep:
         applied, samples = self._applied, self._samples
         self._applied, self._loss, self._samples = None, None, 0
         self.loop.after_optimizer_step(None, samples, applied)  # the loss after_backward took
+
+    def logged(self) -> dict[str, float | int]:
+        """raycomp's values for the framework's own logging (Lightning's ``self.log``, the
+        Trainer's ``log``), so they sit beside the loss in its loggers: the run's compression
+        ratio so far on this rank (dense / wire bytes; 1.0 before any byte is sent or with
+        one worker, as ``ray.train.report`` has it), the version of the plan in force, 1.0
+        while the guard's dense fallback is on, and the fallbacks so far."""
+        guard = self.loop.guard.guard
+        ratio = self.loop.state.ledger.compression_ratio
+        return dict(zip(LOGGED, (float(ratio or 1.0), int(self.loop.state.plan.version), float(guard.active),
+                                 sum(e.kind == "fallback" for e in guard.events)), strict=True))
 
     def checkpoint_saved(self) -> None:
         """A checkpoint holding raycomp's state was written; the framework's callback

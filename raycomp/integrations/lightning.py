@@ -30,6 +30,10 @@ What the strategy does, on top of Lightning's DDP strategy:
   clipping), the step's record after the optimizer step. A callback of the strategy's own
   is added to the trainer's callbacks for ``on_before_optimizer_step``: that hook is where
   every Lightning precision plugin hands over gradients that are complete and unscaled;
+* logs the compression ratio, the plan version and the guard's fallbacks
+  (``raycomp/compression_ratio``, ``raycomp/plan_version``, ``raycomp/fallback_active``,
+  ``raycomp/fallbacks``) with the LightningModule's ``log`` after each training batch, so
+  they are in ``trainer.callback_metrics`` and the trainer's loggers beside the loss;
 * writes every rank's raycomp state beside each Lightning checkpoint
   (``<checkpoint>.raycomp/rank<r>.pt``, :mod:`raycomp.integrations.state_files`) and reads
   it back when ``trainer.fit(ckpt_path=...)`` resumes from that checkpoint;
@@ -223,6 +227,13 @@ class _StepCallback(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.strategy.steps is not None:
             self.strategy.steps.before_optimizer_step()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """raycomp's values (:meth:`FrameworkStep.logged`) through ``pl_module.log``: in
+        ``trainer.callback_metrics`` and every logger, at the trainer's ``log_every_n_steps``."""
+        if self.strategy.steps is not None:
+            pl_module.log_dict(self.strategy.steps.logged(), on_step=True, on_epoch=False, batch_size=1)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loop, monitor = self.strategy.loop, self.strategy.monitor

@@ -31,11 +31,16 @@ raycomp comes in through a callback that holds the trainer (:class:`RaycompCallb
   saved (``checkpoint-<step>/raycomp/rank<r>.pt``) and waits for the other ranks, so that
   Ray's ``RayTrainReportCallback``, which copies that directory in its own ``on_save``,
   finds all of it; ``train(resume_from_checkpoint=...)`` reads this rank's file back;
-* at ``on_train_end``, totals over all ranks (``trainer.raycomp.totals``) and ``summary.json``.
+* at ``on_train_end``, totals over all ranks (``trainer.raycomp.totals``) and ``summary.json``;
+* every entry the Trainer logs while training (``trainer.state.log_history`` and the
+  ``report_to`` integrations) gets the compression ratio, the plan version and the guard's
+  fallbacks (``raycomp/compression_ratio``, ``raycomp/plan_version``,
+  ``raycomp/fallback_active``, ``raycomp/fallbacks``).
 
 :func:`prepare_trainer` applies Ray's ``prepare_trainer`` (Ray Data), then, as Ray's does,
 gives the trainer a subclass of its own class: it overrides ``training_step`` (to read each
-micro-batch's loss, which no callback sees) and ``train`` (to learn where it resumes from).
+micro-batch's loss, which no callback sees), ``log`` (a callback's ``on_log`` comes after
+the entry is in ``log_history``) and ``train`` (to learn where it resumes from).
 
 The guard judges the gradient the Trainer hands to the optimizer: with ``max_grad_norm > 0``
 (the Trainer's default, 1.0) that is the clipped gradient, so non-finite gradients, loss
@@ -122,6 +127,12 @@ class _RaycompTrainer(Trainer):
         self.raycomp.add(loss, batch_size(inputs))
         return loss
 
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Every log entry (``state.log_history``, the ``report_to`` integrations) with
+        raycomp's values (:meth:`RaycompCallback.add_logged`)."""
+        self.raycomp.add_logged(logs)
+        super().log(logs, *args, **kwargs)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None) -> Any:
         if resume_from_checkpoint is True:  # the Trainer's own meaning: the last one in output_dir
@@ -160,6 +171,11 @@ class RaycompCallback(TrainerCallback):
         if self.steps is not None:
             self.steps.add(loss)
             self.steps.add_samples(samples)
+
+    def add_logged(self, logs: dict[str, Any]) -> None:
+        """raycomp's values (:meth:`FrameworkStep.logged`) added to a log entry while training."""
+        if self.steps is not None:
+            logs.update(self.steps.logged())
 
     def close(self) -> None:
         """Release the loop's thread and files without a collective (training stopped early)."""
