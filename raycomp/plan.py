@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -111,6 +111,13 @@ class Plan:
             ``local.sync_every`` steps and the layers' specs compress the pseudo-gradients
             instead; None: every step's gradients are reduced.
         reason: why this plan was chosen (shown in logs, metrics and summaries).
+        why: the decision's structured reason, as the controller's policy gave it
+            (:meth:`raycomp.controllers.policies.decision.Decision.facts`: ``rule``, the rule
+            that decided, and the named facts it decided from); empty for a plan built by
+            hand. It travels with the plan to every rank, so rank 0's switch line and
+            ``plans.jsonl`` say why without asking the controller. Not compared: two plans
+            that differ only in it are the same plan (the digest still covers it, and
+            every rank installs the same bytes).
     """
 
     version: int = 0
@@ -119,6 +126,7 @@ class Plan:
     dense: bool = False
     reason: str = ""
     local: LocalMode | None = None
+    why: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     _by_layer: dict[str, CompressorSpec] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +145,38 @@ class Plan:
         version: int = 0, reason: str = "",
     ) -> Plan:
         return cls(version, default, tuple(sorted(layers.items())), reason=reason)
+
+    @property
+    def rule(self) -> str:
+        """The rule that chose this plan (``why["rule"]``; "" for a plan built by hand)."""
+        return str(self.why.get("rule", ""))
+
+    def summary(self, layers: Sequence[str] | None = None) -> str:
+        """What this plan does, in a few words: ``dense``, ``topk(ratio=0.01) on 12/14 layers``,
+        ``local steps H=8 (2 fragments), int8 on 14/14 layers``. ``layers``: the model's
+        layer names, to count the layers on each compressor; without them the default
+        compressor and the number of per-layer overrides are named instead. Layers below
+        ``min_compress_numel`` travel dense whatever the plan says; this counts what the
+        plan says."""
+        if self.dense:
+            return "dense"
+        if layers:
+            counts: dict[str, int] = {}
+            for name in layers:
+                spec = self.spec_for(name)
+                if not spec.is_dense:
+                    counts[str(spec)] = counts.get(str(spec), 0) + 1
+            parts = [f"{label} on {count}/{len(layers)} layers"
+                     for label, count in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
+        else:
+            overrides = sum(1 for _, spec in self.layers if spec != self.default)
+            parts = [] if self.default.is_dense and not overrides else [str(self.default)]
+            parts += [f"{overrides} layers overridden"] if overrides else []
+        text = "; ".join(parts) or "dense"
+        if self.local is not None:
+            fragments = f" ({self.local.fragments} fragments)" if self.local.fragments > 1 else ""
+            return f"local steps H={self.local.sync_every}{fragments}, {text}"
+        return text
 
     @property
     def local_steps(self) -> LocalMode | None:
@@ -161,11 +201,13 @@ class Plan:
         }
         if self.local is not None:  # absent per step: a per-step plan's digest is unchanged
             data["local"] = self.local.to_dict()
+        if self.why:  # absent for a plan built by hand: its digest is unchanged
+            data["why"] = dict(self.why)
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        unknown = set(data) - {"version", "default", "layers", "dense", "reason", "local"}
+        unknown = set(data) - {"version", "default", "layers", "dense", "reason", "local", "why"}
         if unknown:
             raise ValueError(f"plan: unknown key {sorted(unknown)[0]!r}")
         layers = {k: CompressorSpec.from_dict(v) for k, v in dict(data.get("layers", {})).items()}
@@ -176,6 +218,7 @@ class Plan:
             dense=bool(data.get("dense", False)),
             reason=str(data.get("reason", "")),
             local=None if data.get("local") is None else LocalMode.from_dict(data["local"]),
+            why=_why(data.get("why")),
         )
 
     def to_json(self) -> str:
@@ -195,6 +238,13 @@ class Plan:
             object.__setattr__(self, "_digest", cached)  # frozen: not a field, not compared
         return cached
 
+
+def _why(data: Any) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping) or not isinstance(data.get("rule", ""), str):
+        raise ValueError(f"plan.why: expected a mapping of facts with a string 'rule', got {data!r}")
+    return dict(data)
 
 
 __all__ = ["DENSE", "CompressorSpec", "LocalMode", "Plan"]

@@ -2,8 +2,8 @@
 
 A *why* is a frozen dataclass of named facts (what was measured, each candidate's predicted
 step, what was chosen) with a ``rule`` (which rule decided) and ``text()``, the prose that
-becomes the plan's ``reason``; every why and its prose live in
-:mod:`raycomp.controllers.policies.reasons`. The controller logs the rule with the prose, counts
+becomes the plan's ``reason`` (the rule and facts ride in the plan's ``why``); every why and
+its prose live in :mod:`raycomp.controllers.policies.reasons`. The controller logs the rule with the prose, counts
 plan switches by rule for Prometheus and keeps the facts in the run's events (the summary)::
 
     Decision.of(Plan.per_layer(chosen), AdaptiveWhy(...))   # the plan's reason: why.text()
@@ -33,8 +33,11 @@ class Decision:
 
     @classmethod
     def of(cls, plan: Plan, why: Why) -> Decision:
-        """``plan`` with its reason rendered from ``why``."""
-        return cls(replace(plan, reason=why.text()), why)
+        """``plan`` with its reason rendered from ``why``, and the why's rule and facts
+        (:meth:`facts`) in the plan's ``why``: they travel with the plan to every rank, so
+        rank 0's switch line and ``plans.jsonl`` say which rule decided and from what."""
+        decision = cls(plan, why)
+        return cls(replace(plan, reason=why.text(), why=decision.facts()), why)
 
     @property
     def rule(self) -> str:

@@ -183,7 +183,9 @@ def save_state(directory: str | Path) -> None:
 
 def finish() -> dict[str, Any]:
     """Run totals over all ranks (a collective), then close this worker's loop; rank 0 also
-    tells the controller the run is done and writes ``<output_dir>/summary.json``. A run in
+    tells the controller the run is done and writes ``<output_dir>/summary.json``; each rank's
+    files then reach the run's storage if they were not written there
+    (:mod:`raycomp.train.outputs`). A run in
     local steps first merges the ranks' weights (one last sync of every fragment), so that
     every rank ends with the same model."""
     return finish_loop(current())
@@ -202,6 +204,7 @@ def finish_loop(loop: TrainLoop) -> dict[str, Any]:
         _loop = None
     if loop.rank == 0:
         _write_summary(loop, totals)
+    loop.outputs.upload(loop.rank)  # to the run's storage, unless written there already
     return totals
 
 
@@ -217,7 +220,7 @@ def _write_summary(loop: TrainLoop, totals: dict[str, Any]) -> None:
         if loop.plans.controller is not None:
             controller = ray.get(loop.plans.controller.finish_run.remote(loop.run_id, "succeeded"), timeout=30)
         write_summary(worker_summary(totals, loop.run_id, loop.world_size, loop.options.compression.policy,
-                                     controller, loop.output_dir), loop.output_dir)
+                                     controller, loop.outputs.location), loop.output_dir)
     except Exception as error:  # noqa: BLE001 - the totals are returned either way
         logging.getLogger("raycomp.train").warning("summary.json not written: %s", error)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,7 +44,9 @@ from raycomp.train.default_strategy import raycomp_strategy
 from raycomp.train.gradient_strategy import GradientStrategyFactory, StrategySetup
 from raycomp.train.lr_ramp import LrRamp
 from raycomp.train.options import TrainOptions
+from raycomp.train.outputs import run_outputs
 from raycomp.train.plan_agreement import PlanAgreement
+from raycomp.train.plan_log import PlanLog
 from raycomp.train.ray_report import (
     any_rank,
     check_report_checkpoint,
@@ -123,7 +124,10 @@ class TrainLoop:
         self.first_boundary = options.controller.first_interval_steps \
             if options.controller.first_interval_steps < self.interval else None
         self.run_id = options.run_id or context.get_experiment_name()
-        self.output_dir = Path(options.output_dir or Path(tempfile.gettempdir()) / "raycomp" / self.run_id)
+        #: where the run's files go (:mod:`raycomp.train.outputs`: the Ray Train run's directory
+        #: under its storage path unless ``options.output_dir`` says)
+        self.outputs = run_outputs(options.output_dir, self.run_id, context)
+        self.output_dir = self.outputs.directory
         # control messages always travel on gloo (CPU), whatever carries the gradients
         backend = dist.get_backend() if dist.is_initialized() else None
         self.control_group = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
@@ -158,6 +162,13 @@ class TrainLoop:
         self.state.set_plan(self.controller_plan)
         (resume or restore)(self)
         self.replayed_steps = self.log.open(self.restored_from)
+        # the layers a plan can compress (smaller ones travel dense whatever it says): what a
+        # plan's summary counts, e.g. "topk(ratio=0.01) on 12/14 layers"
+        compressible = [name for name, shape in self.strategy.layers().items()
+                        if math.prod(shape) >= options.compression.min_compress_numel]
+        self.timeline = PlanLog(self.output_dir, self.rank, compressible)
+        self.timeline.open(self.state.plan, self.restored_from)
+        self.log.plan_summary = self.timeline.summary(self.state.plan)
         self._restart_step_clock()
 
     # --- the loop ---------------------------------------------------------------------------
@@ -194,6 +205,9 @@ class TrainLoop:
     def after_backward(self, loss: torch.Tensor | float) -> bool:
         """Finish the step's reduction, unscale (fp16), let the guard judge the gradient.
         Returns whether the optimizer may step (False: the guard skips this step)."""
+        if self.scheduler is not None and self.scheduler_interval == "epoch" and not self.steps_per_epoch:
+            raise RuntimeError("scheduler_interval='epoch': raycomp knows where epochs end only from "
+                               "loop.epochs(epochs, steps_per_epoch); iterate that, or pass scheduler_interval='step'")
         self.strategy.end_backward()
         self._loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         started = time.perf_counter()
@@ -232,9 +246,6 @@ class TrainLoop:
             self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None and self.scheduler_interval == "step":
             self.scheduler.step()
-        elif self.scheduler is not None and not self.steps_per_epoch:
-            raise RuntimeError("scheduler_interval='epoch': raycomp knows where epochs end only from "
-                               "loop.epochs(epochs, steps_per_epoch); iterate that, or pass scheduler_interval='step'")
         self._finish_step(loss_value, samples, applied)
 
     def _sync_finished(self, rows: list[list[float]] | None, step: int) -> None:
@@ -268,7 +279,7 @@ class TrainLoop:
             event = self.guard.guard.events[-1]
             self.reporter.events.append(event.to_dict())
             log.warning("guard %s at step %d: %s (%s)", event.kind, event.step, event.reason, event.detail)
-            self._install(self.controller_plan)
+            self._install(self.controller_plan, event.step + 1, event.kind)
 
     def _finish_step(self, loss: float, samples: int, applied: bool) -> None:
         seconds = time.perf_counter() - self._step_started  # this step's own time
@@ -322,7 +333,7 @@ class TrainLoop:
         if new_plan is not None and new_plan.version > self.controller_plan.version:
             self.controller_plan = new_plan
             self.plan_switches += 1
-            self._install(new_plan)
+            self._install(new_plan, self.global_step)
 
     def _report_counters(self) -> dict[str, Any]:
         """Skipped and outer steps so far, the loss scale and the learning rate (the largest
@@ -339,14 +350,18 @@ class TrainLoop:
         state = (float(self.skipped_steps), float(guard.active), float(len(guard.events)), *self.strategy.agreement())
         return self.plans.agree(self.state.plan, state, offer, self.global_step)
 
-    def _install(self, controller_plan: Plan) -> None:
-        """Install the effective plan (the guard's dense override, or the controller's)."""
+    def _install(self, controller_plan: Plan, step: int, kind: str = "plan") -> None:
+        """Install the effective plan (the guard's dense override, or the controller's), in
+        force from ``step``; rank 0 logs the switch (``kind``: plan, fallback, recovered)."""
         guard = self.guard.guard
         plan = Plan(version=controller_plan.version, dense=True, reason=f"guard: {guard.reason}") \
             if guard.active else controller_plan
-        if _is_dense(self.state.plan) and not _is_dense(plan):
+        before = self.state.plan
+        if _is_dense(before) and not _is_dense(plan):
             self.lr_ramp.started_at = self.global_step  # compression (re)starts: ramp the LR
         self.state.set_plan(plan)
+        self.timeline.switch(step, kind, before, plan, held=controller_plan if guard.active else None)
+        self.log.plan_summary = self.timeline.summary(plan)
 
     # --- evaluations, reports, checkpoints ---------------------------------------------------
     _evaluated_at: int | None = None  # the step of the latest recorded evaluation

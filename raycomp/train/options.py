@@ -32,11 +32,20 @@ class TrainOptions:
             many steps (a crash mid-epoch then replays fewer than that many) — see
             :class:`raycomp.config.CheckpointSection`.
         output_dir: where per-rank step logs (``steps/rank<r>.jsonl``) and rank 0's
-            ``evals.jsonl`` go (default: ``<tmp>/raycomp/<run_id>``).
+            ``evals.jsonl``, ``plans.jsonl`` (the plan timeline) and ``summary.json`` go.
+            Default: the Ray Train run's directory, ``<storage_path>/<name>`` of its
+            ``RunConfig``, beside its checkpoints (on remote storage the files are written
+            to ``<tmp>/raycomp/<run_id>`` and copied there at :func:`raycomp.train.finish`;
+            :mod:`raycomp.train.outputs`). ``raycomp inspect`` reads them.
         run_id: the run's key at the controller (default: the Ray Train run name, stable
             across worker restarts).
         seed: base seed of the compressors' random draws (same on every rank).
-        progress_every: rank 0 logs one status line every this many steps (0: never).
+        progress_every: rank 0 logs one status line every this many steps (0: never): the
+            step, loss, compression ratio so far, the plan in force in a few words and
+            samples/s. Default 100: with steps of 10 ms to 1 s that is a line every 1 to 100
+            seconds, enough to see a run move without burying the driver's console (every
+            step is in the step log anyway). Plan switches are logged as they happen,
+            whatever this says.
         eval_metric: the key of :func:`raycomp.train.report`'s metrics that is an
             evaluation (default ``"accuracy"``): a report holding it also records an
             evaluation, as :func:`raycomp.train.record_eval` does (a line of rank 0's
@@ -65,7 +74,7 @@ class TrainOptions:
     output_dir: str | None = None
     run_id: str | None = None
     seed: int = 0
-    progress_every: int = 0
+    progress_every: int = 100
     eval_metric: str | None = "accuracy"
     eval_kind: Literal["accuracy", "loss"] = "accuracy"
     strategy: Literal["ddp", "fsdp"] = "ddp"
@@ -79,6 +88,9 @@ class TrainOptions:
                              f"got {self.eval_metric!r}")
         if self.eval_kind not in ("accuracy", "loss"):
             raise ValueError(f"eval_kind: must be 'accuracy' or 'loss', got {self.eval_kind!r}")
+        if isinstance(self.progress_every, bool) or not isinstance(self.progress_every, int) \
+                or self.progress_every < 0:
+            raise ValueError(f"progress_every: must be an integer >= 0 (0: never), got {self.progress_every!r}")
         if not isinstance(self.find_unused_parameters, bool):
             raise ValueError(f"find_unused_parameters: must be True or False, got {self.find_unused_parameters!r}")
         if self.find_unused_parameters and self.strategy != "ddp":

@@ -22,12 +22,16 @@ class StepLog:
     context manager; or call :meth:`close`."""
 
     def __init__(self, output_dir: Path, rank: int, progress_every: int = 0) -> None:
+        """``progress_every``: rank 0 logs a status line every this many steps (0: never):
+        the step, loss, compression ratio so far, the plan in force and samples/s."""
         self.output_dir, self.rank, self.progress_every = output_dir, rank, progress_every
         self.path = output_dir / "steps" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: Any = None
         self._progress_at = (time.perf_counter(), 0, 0)  # (time, step, samples)
         self._samples = 0
+        #: what the plan in force does, in a few words (the loop sets it at each switch)
+        self.plan_summary = ""
         if progress_every and rank == 0:
             show_progress()
 
@@ -52,9 +56,9 @@ class StepLog:
             now = time.perf_counter()
             rate = (self._samples - then_samples) / max(1e-9, now - then)  # this rank's
             wire, dense = record["wire_bytes"], record["dense_bytes"]
-            log.info("step %d  loss %.4g  ratio %.1fx  plan v%d%s  %.0f samples/s/rank", step, record["loss"],
+            log.info("step %d  loss %.4g  ratio %.1fx  plan v%d %s  %.0f samples/s/rank", step, record["loss"],
                      dense / wire if wire else 1.0, record["plan_version"],
-                     " (dense)" if record["dense"] else "", rate)
+                     self.plan_summary or ("dense" if record["dense"] else "compressed"), rate)
             self._progress_at = (now, step, self._samples)
 
     def write_eval(self, metrics: dict[str, Any], step: int, epoch: int) -> None:

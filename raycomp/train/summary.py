@@ -12,7 +12,7 @@ __all__ = ["worker_summary", "write_summary"]
 
 
 def worker_summary(totals: dict[str, Any], run_id: str, world_size: int, policy: str,
-                   controller: dict[str, Any], output_dir: Path) -> dict[str, Any]:
+                   controller: dict[str, Any], output_dir: Path | str) -> dict[str, Any]:
     """The keys of the job's ``summary.json`` that the workers know, from rank 0's totals."""
     wire, dense = totals["wire_bytes_total"], totals["dense_bytes_total"]
     return {"run_id": run_id, "status": "succeeded", "error": None, "world_size": world_size, **totals,

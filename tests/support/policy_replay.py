@@ -157,7 +157,9 @@ def replay(seed: int, plans: list[dict[str, Any]] | None = None) -> str:
         sim.lr = None if decay is None else base_lr * max(1e-6, 1 - decay * i)
         burst = i in scenario["bursts"]
         sim.run(1, link, norm=lambda s, n, b=burst: (3.0 if b and n.startswith("fc") else 1.0) + 0.01 * (s % 7))
-        plan = sim.plan.to_dict()
+        # the plan as published, less its why: the decision's facts, which the reason renders
+        # (the recording predates the why riding with the plan)
+        plan = {key: value for key, value in sim.plan.to_dict().items() if key != "why"}
         digest.update(json.dumps(plan, sort_keys=True).encode())
         if plans is not None:
             plans.append(plan)
