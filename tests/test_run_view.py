@@ -296,3 +296,52 @@ def test_a_run_argument_that_is_not_a_run_is_one_line_and_exit_2(tmp_path, capsy
         (tmp_path / name / "steps").mkdir(parents=True)
     assert cli.main(["inspect", str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"raycomp inspect: {tmp_path} holds 2 runs (a, b): name one of them\n"
+
+
+def _write_run(directory: Path, timeline: list[dict] | None, summary: dict | None) -> None:
+    """A run's files by hand: 6 steps of one rank, the guard dense over steps 2-3."""
+    (directory / "steps").mkdir(parents=True)
+    records = [{"step": s, "plan_version": 0 if s < 1 else 1, "fallback": s in (2, 3), "dense": s < 1 or s in (2, 3),
+                "loss": 1.0 / (s + 1), "wire_bytes": 100.0 * (s + 1), "dense_bytes": 400.0 * (s + 1)}
+               for s in range(6)]
+    (directory / "steps" / "rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 6,')
+    if timeline is not None:
+        (directory / "plans.jsonl").write_text("".join(json.dumps(e) + "\n" for e in timeline))
+    if summary is not None:
+        (directory / "summary.json").write_text(json.dumps(summary))
+
+
+def test_inspect_shows_fallbacks_and_a_running_run(tmp_path, capsys):
+    timeline = [{"step": 0, "kind": "start", "version": 0, "from": None, "to": "dense", "rule": None,
+                 "reason": "warm-up: dense"},
+                {"step": 1, "kind": "plan", "version": 1, "from": "dense", "to": "int8 on 2/2 layers",
+                 "rule": "schedule.stage", "reason": "schedule stage from step 0"},
+                {"step": 2, "kind": "fallback", "version": 1, "from": "int8 on 2/2 layers", "to": "dense",
+                 "rule": None, "reason": "guard: nonfinite_gradient"},
+                {"step": 4, "kind": "recovered", "version": 1, "from": "dense", "to": "int8 on 2/2 layers",
+                 "rule": "schedule.stage", "reason": "schedule stage from step 0"}]
+    _write_run(tmp_path / "run", timeline, None)
+    assert cli.main(["inspect", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "run run: running (no summary.json yet), 6 steps, 1 ranks, policy ?" in out
+    assert "fallbacks to dense: 1" in out
+    assert "step      2  fallback   guard: nonfinite_gradient" in out
+    assert "step      4  recovered  schedule stage from step 0" in out
+    # bytes by plan and by the guard's hold: v1 compressed (steps 1, 4, 5), v1 held dense (2-3)
+    assert "dense (guard)" in out and "total: wire 600 B" in out and "dense 2,400 B" in out
+
+
+def test_inspect_derives_the_timeline_of_a_run_without_plans_jsonl(tmp_path, capsys):
+    events = [{"step": 0, "kind": "plan", "reason": "schedule stage from step 0", "detail": "version 1",
+               "why": {"rule": "schedule.stage", "start_step": 0}}]
+    _write_run(tmp_path / "run", None, {"run_id": "old", "status": "succeeded", "steps": 6, "world_size": 1,
+                                        "wire_bytes_total": 600.0, "dense_bytes_total": 2400.0,
+                                        "fallback_events": [{"step": 1, "kind": "fallback",
+                                                             "reason": "nonfinite_gradient"}],
+                                        "policy": {"name": "schedule", "events": events}})
+    assert cli.main(["inspect", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "from rank 0's step log and the controller's events" in out
+    assert "step      1  plan       v1   dense -> compressed  [schedule.stage: schedule stage from step 0]" in out
+    assert "step      2  fallback" in out and "step      4  recovered" in out
+    assert "(equal to summary.json's totals)" in out
