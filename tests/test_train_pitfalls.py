@@ -7,6 +7,7 @@ without the controller fails at ``prepare_model`` unless it opts in to dense tra
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -192,7 +193,24 @@ def _without_controller(config: dict) -> dict:
     logging.getLogger("raycomp.train").removeHandler(handler)
     out.update(differs=differs, warnings=records, last_epoch=scheduler.last_epoch,
                lr=optimizer.param_groups[0]["lr"])
-    return {**raycomp.train.finish(), **out}
+    totals = raycomp.train.finish()
+    # a second run in this function: an epoch scheduler, but no loop.epochs(...) to say where
+    # epochs end. Its first step fails before it finishes the reduction (no silent per-step
+    # or never-stepping scheduler)
+    torch.manual_seed(1)
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    options = dataclasses.replace(options, output_dir=f"{config['output_dir']}-epoch")  # its own step logs
+    ddp = raycomp.train.prepare_model(model, optimizer, scheduler, options=options, scheduler_interval="epoch")
+    loss = ddp(torch.randn(8, 16)).pow(2).mean()
+    loss.backward()
+    try:
+        raycomp.train.step(loss, samples=8)
+    except RuntimeError as error:
+        out["epoch_error"] = str(error)
+    out["epoch_scheduler_stepped"] = scheduler.last_epoch
+    return {**totals, **out}
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +253,14 @@ def test_a_step_scheduler_steps_after_every_step(without_controller):
     _, totals, _ = without_controller
     assert (totals["last_epoch"], totals["lr"]) == (STEPS_NO_CONTROLLER,
                                                     pytest.approx(LR_NO_CONTROLLER * 0.9 ** STEPS_NO_CONTROLLER))
+
+
+def test_an_epoch_scheduler_without_loop_epochs_fails_at_the_first_step(without_controller):
+    _, totals, _ = without_controller
+    assert totals["epoch_error"] == (
+        "scheduler_interval='epoch': raycomp knows where epochs end only from loop.epochs(epochs, steps_per_epoch); "
+        "iterate that, or pass scheduler_interval='step'")
+    assert totals["epoch_scheduler_stepped"] == 0
 
 
 def test_clip_grad_norm_clips_the_gradient_averaged_over_the_ranks(without_controller):
