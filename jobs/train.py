@@ -383,7 +383,11 @@ def main(argv: list[str] | None = None, schema: type[JobConfig] = JobConfig) -> 
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from jobs.plan_report import intro, outcome
+
+    print("\n".join(intro(config)), flush=True)  # the link the policy plans for
     summary = run(config, run_id, output)
+    print("\n".join(outcome(summary)))  # what the policy chose, and why
     ratio = summary["compression_ratio"]
     metric = summary.get("final_eval_accuracy", summary.get("final_eval_loss"))
     print(f"run {run_id}: {summary['status']}, {summary['steps']} steps, eval {metric}, "
