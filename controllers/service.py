@@ -20,13 +20,13 @@ from collections import Counter
 from typing import Any
 
 import ray
+
 from raycomp.controllers.policies import make_policy
 from raycomp.controllers.policies.base import Policy
 from raycomp.controllers.policies.decision import checked
 from raycomp.controllers.ray_metrics import EVERY_S as RAY_METRICS_EVERY_S
 from raycomp.controllers.snapshots import SnapshotStore
 from raycomp.controllers.state import RunState
-
 from raycomp.messages import GradStats, ReportTooLarge
 
 log = logging.getLogger("raycomp.controller")

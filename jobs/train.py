@@ -203,7 +203,6 @@ def controller_for(config: JobConfig, runs_dir: Path) -> Any:
     Its snapshots default to ``<runs_dir>/_controller``, beside the runs it steers.
     """
     from raycomp.controllers.service import get_or_create
-
     from raycomp.metrics import SD_DIR
 
     c = config.controller

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from raycomp.controllers.policies import make_policy
-from raycomp.controllers.policies.cost_model import family_rounds
-from raycomp.controllers.service import Controller
 
 from jobs import config as job_config
 from raycomp import compressors, config
 from raycomp.config.policy_options import AdaptiveOptions
+from raycomp.controllers.policies import make_policy
+from raycomp.controllers.policies.cost_model import family_rounds
+from raycomp.controllers.service import Controller
 from raycomp.plan import Plan
 
 #: the digits MLP (hidden 512) plus a large 1-D parameter that PowerSGD cannot take

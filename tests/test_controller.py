@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+
 from raycomp.controllers.policies import CriticalOptions, StaticOptions
 from raycomp.controllers.service import Controller
 
@@ -235,7 +236,6 @@ def test_a_failed_snapshot_write_leaves_the_run_due(tmp_path):
 
 def test_a_policy_that_returns_a_bare_plan_is_refused_in_one_line():
     from raycomp.controllers.policies import Policy, register_policy, unregister_policy
-
     from raycomp.plan import Plan
 
     class Bare(Policy):

@@ -102,6 +102,7 @@ def test_controller_created_inside_a_placement_group_outlives_it(ray_cluster, tm
     is the control: created the same way without the "DEFAULT" strategy, it dies."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     from raycomp.controllers.service import get_or_create
 
     name, control_name = f"pg-controller-{tmp_path.name}", f"pg-control-{tmp_path.name}"

@@ -91,9 +91,8 @@ def options(config: dict, run: str, **compression):
 
 def static(name: str, warmup: int = 0, **params) -> dict:
     """``compression`` options: the static policy with one compressor, after ``warmup`` dense steps."""
-    from raycomp.controllers.policies import StaticOptions
-
     from raycomp.config import compressor
+    from raycomp.controllers.policies import StaticOptions
 
     return {"policy": "static", "warmup_steps": warmup, "static": StaticOptions(compressor=compressor(name, **params))}
 
@@ -133,9 +132,9 @@ def _train_func(config: dict) -> None:
 def _several_fits(config: dict) -> None:
     import ray.train
     from ray.train.lightning import RayDDPStrategy
-    from raycomp.controllers.policies import ScheduleOptions
 
     from raycomp.config import GuardSection, compressor
+    from raycomp.controllers.policies import ScheduleOptions
     from raycomp.integrations.lightning import RaycompStrategy
     from tests.support.observed_strategy import observed_ddp_hook_strategy
     from tests.support.wire import WireRecorder

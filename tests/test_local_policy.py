@@ -7,9 +7,9 @@ controller's interface, as for the adaptive policy."""
 from __future__ import annotations
 
 import pytest
-from raycomp.controllers.service import Controller
 
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
+from raycomp.controllers.service import Controller
 from raycomp.local import resolve_delay
 from raycomp.plan import Plan
 from tests.test_adaptive_policy import (

@@ -34,10 +34,10 @@ def _prepared(config: dict, hidden: int, **compression) -> tuple[int, torch.nn.M
     every H steps, int8 pseudo-gradients, after ``compression``'s other settings (the
     static int8 policy; a boundary every 2 steps); this rank's number and the model."""
     import ray.train
-    from raycomp.controllers.policies import StaticOptions
 
     import raycomp.train
     from raycomp.config import CompressionSection, ControllerSection, compressor
+    from raycomp.controllers.policies import StaticOptions
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from raycomp.controllers.policies import AdaptiveOptions
 
 from raycomp.config import CompressionSection
+from raycomp.controllers.policies import AdaptiveOptions
 from raycomp.train import TrainOptions
 from raycomp.train.options import resolve_options
 

@@ -14,12 +14,12 @@ import urllib.request
 
 import pytest
 import yaml
-from raycomp.controllers.exporter import Exporter
-from raycomp.controllers.service import Controller
 
 from jobs import dashboard
 from jobs.faults import DrillConfig
 from jobs.train import prepare, run
+from raycomp.controllers.exporter import Exporter
+from raycomp.controllers.service import Controller
 from raycomp.metrics import CATALOGUE, series_names
 from tests.conftest import REPO
 from tests.distributed import free_port

@@ -16,10 +16,10 @@ K, WARMUP = 10, 4
 
 def _train(config: dict) -> dict:
     import ray.train
-    from raycomp.controllers.policies import StaticOptions
 
     import raycomp.train
     from raycomp.config import CompressionSection, ControllerSection, compressor
+    from raycomp.controllers.policies import StaticOptions
 
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(0)

@@ -7,12 +7,12 @@ import json
 import random
 
 import pytest
+
 from raycomp.controllers.policies import POLICIES, FallbackGate, make_policy
 from raycomp.controllers.policies.bandwidth import BandwidthPolicy
 from raycomp.controllers.policies.critical import CriticalPolicy
 from raycomp.controllers.policies.error_budget import ErrorBudgetPolicy, choose_ratios, error_bins
 from raycomp.controllers.state import RunState
-
 from raycomp.messages import GradStats
 from raycomp.plan import DENSE, CompressorSpec, Plan
 

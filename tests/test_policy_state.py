@@ -8,9 +8,9 @@ import json
 from dataclasses import dataclass, field
 
 import pytest
+
 from raycomp.controllers.policies import make_policy, serial
 from raycomp.controllers.policies.local_state import LocalState, Measured
-
 from raycomp.plan import CompressorSpec, Plan
 from tests.support.policy_replay import _ReplaySim, _scenario
 
@@ -100,7 +100,6 @@ def test_a_bad_saved_state_is_refused_in_one_line_naming_the_field(edit, message
 
 def test_each_plan_switch_carries_its_decisions_facts_to_the_summary_and_the_metrics():
     from raycomp.controllers.exporter import ControllerCollector
-
     from tests.test_adaptive_policy import SLOW, Sim
 
     sim = Sim()

@@ -14,11 +14,11 @@ import pytest
 from prometheus_client.core import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
 from raycomp.controllers.exporter import ControllerCollector
 from raycomp.controllers.policies import StaticOptions
 from raycomp.controllers.ray_metrics import RayMetrics, ray_name
 from raycomp.controllers.service import Controller
-
 from raycomp.metrics import CATALOGUE, STEP_BUCKETS, Metric
 from tests.test_controller import LAYERS, register, report
 
@@ -209,6 +209,7 @@ def test_the_controller_actor_s_metrics_reach_ray_s_prometheus_endpoint(ray_clus
     """The controller actor on a real cluster: Ray's metrics agent serves every series the
     standalone exporter would, as ``ray_`` + its name, with the same labels and values."""
     import ray
+
     from raycomp.controllers.service import get_or_create
 
     port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])

@@ -12,6 +12,11 @@ from typing import Annotated, Any
 import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from jobs import config as job_config
+from raycomp import compressors, config
+from raycomp.compressors import Compressor, Transport, make_compressor
+from raycomp.config.policy_options import POLICY_OPTIONS
 from raycomp.controllers.policies import (
     POLICIES,
     Decision,
@@ -23,11 +28,6 @@ from raycomp.controllers.policies import (
 )
 from raycomp.controllers.policies.base import compressible_layers
 from raycomp.controllers.state import RunState
-
-from jobs import config as job_config
-from raycomp import compressors, config
-from raycomp.compressors import Compressor, Transport, make_compressor
-from raycomp.config.policy_options import POLICY_OPTIONS
 from raycomp.messages import GradStats
 from raycomp.payload import Payload
 from raycomp.plan import CompressorSpec, Plan
@@ -292,7 +292,6 @@ def ramp():
 
 def test_a_new_policy_with_typed_options_is_one_file_and_its_registration(ramp):
     from raycomp.controllers.service import Controller
-
     from tests.support.ramp_policy import RampOptions
 
     job = job_config.validate({"compression": {"policy": "ramp", "custom_options": {"start_ratio": 0.2, "every_steps": 10}}})

@@ -276,10 +276,10 @@ class _SkipsAHead(torch.nn.Module):
 
 def _train_skipping_a_head(config: dict) -> dict:
     import ray.train
-    from raycomp.controllers.policies import StaticOptions
 
     import raycomp.train
     from raycomp.config import CompressionSection, ControllerSection, compressor
+    from raycomp.controllers.policies import StaticOptions
 
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(0)

@@ -18,10 +18,10 @@ from tests.conftest import fit_with_controller
 
 def _train_with_a_scaler(config: dict) -> dict:
     import ray.train
-    from raycomp.controllers.policies import StaticOptions
 
     import raycomp.train
     from raycomp.config import CompressionSection, ControllerSection, compressor
+    from raycomp.controllers.policies import StaticOptions
 
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(0)

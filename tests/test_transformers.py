@@ -86,9 +86,8 @@ def options(config: dict, run: str, **compression):
 
 def static(name: str, **params) -> dict:
     """``compression`` options: the static policy with one compressor from the first step."""
-    from raycomp.controllers.policies import StaticOptions
-
     from raycomp.config import compressor
+    from raycomp.controllers.policies import StaticOptions
 
     return {"policy": "static", "warmup_steps": 0, "static": StaticOptions(compressor=compressor(name, **params))}
 
@@ -111,9 +110,9 @@ def _train_func(config: dict) -> None:
 def _several_runs(config: dict) -> None:
     import ray.train
     from ray.train.huggingface.transformers import prepare_trainer as ray_prepare_trainer
-    from raycomp.controllers.policies import ScheduleOptions
 
     from raycomp.config import GuardSection, compressor
+    from raycomp.controllers.policies import ScheduleOptions
     from raycomp.integrations.transformers import prepare_trainer
     from tests.support.observed_strategy import observed_ddp_hook_strategy
     from tests.support.wire import WireRecorder

@@ -22,17 +22,6 @@ import inspect
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from raycomp.controllers.policies.adaptive import AdaptivePolicy
-from raycomp.controllers.policies.bandwidth import BandwidthPolicy
-from raycomp.controllers.policies.base import MIN_COMPRESS_NUMEL, Policy
-from raycomp.controllers.policies.critical import CriticalPolicy
-from raycomp.controllers.policies.decision import Decision, Why
-from raycomp.controllers.policies.error_budget import ErrorBudgetPolicy
-from raycomp.controllers.policies.fallback_gate import FallbackGate
-from raycomp.controllers.policies.local import LocalChoice
-from raycomp.controllers.policies.reasons import Said
-from raycomp.controllers.policies.schedule import SchedulePolicy
-from raycomp.controllers.policies.static import StaticPolicy
 
 from raycomp.config import LocalSection, policy_sections
 from raycomp.config.base import one_line
@@ -46,6 +35,17 @@ from raycomp.config.policy_options import (
     ScheduleStage,
     StaticOptions,
 )
+from raycomp.controllers.policies.adaptive import AdaptivePolicy
+from raycomp.controllers.policies.bandwidth import BandwidthPolicy
+from raycomp.controllers.policies.base import MIN_COMPRESS_NUMEL, Policy
+from raycomp.controllers.policies.critical import CriticalPolicy
+from raycomp.controllers.policies.decision import Decision, Why
+from raycomp.controllers.policies.error_budget import ErrorBudgetPolicy
+from raycomp.controllers.policies.fallback_gate import FallbackGate
+from raycomp.controllers.policies.local import LocalChoice
+from raycomp.controllers.policies.reasons import Said
+from raycomp.controllers.policies.schedule import SchedulePolicy
+from raycomp.controllers.policies.static import StaticPolicy
 from raycomp.registry import Registry
 
 

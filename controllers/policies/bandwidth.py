@@ -27,12 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from raycomp.config.policy_options import BandwidthOptions
 from raycomp.controllers.policies.base import Policy, compressible_layers
 from raycomp.controllers.policies.decision import Decision
 from raycomp.controllers.policies.reasons import BandwidthWhy
 from raycomp.controllers.state import RunState
-
-from raycomp.config.policy_options import BandwidthOptions
 from raycomp.plan import CompressorSpec, Plan
 
 HISTORY = 32

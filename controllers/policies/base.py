@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
+
+from raycomp.config.base import CompressorConfig
 from raycomp.controllers.policies import serial
 from raycomp.controllers.policies.decision import Decision
 from raycomp.controllers.policies.reasons import Said
 from raycomp.controllers.state import RunState
-
-from raycomp.config.base import CompressorConfig
 from raycomp.plan import CompressorSpec, Plan
 
 MIN_COMPRESS_NUMEL = 1024  # the reducer's default

@@ -11,7 +11,6 @@ from raycomp.controllers.policies.decision import Decision
 from raycomp.controllers.policies.ladders import Ladders, label
 from raycomp.controllers.policies.reasons import AdaptiveWhy, Said
 from raycomp.controllers.state import LayerHistory, RunState
-
 from raycomp.plan import CompressorSpec, Plan
 
 if TYPE_CHECKING:

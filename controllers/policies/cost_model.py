@@ -17,9 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from raycomp.controllers.state import LayerHistory, RunState
-
 from raycomp.compressors import Compressor, Transport, compressor_class, make_compressor
+from raycomp.controllers.state import LayerHistory, RunState
 from raycomp.plan import DENSE, CompressorSpec
 
 SMOOTHING = 0.5  # EMA weight of the newest measurement

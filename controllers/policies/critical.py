@@ -22,12 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from raycomp.config.policy_options import CriticalOptions
 from raycomp.controllers.policies.base import Policy, compressible_layers, spec
 from raycomp.controllers.policies.decision import Decision
 from raycomp.controllers.policies.reasons import CriticalWhy
 from raycomp.controllers.state import RunState
-
-from raycomp.config.policy_options import CriticalOptions
 from raycomp.plan import Plan
 
 LOW, HIGH = "low", "high"

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from raycomp.compressors.sparse import sparse_k
+from raycomp.config.policy_options import ErrorBudgetOptions
 from raycomp.controllers.policies.base import Policy, compressible_layers
 from raycomp.controllers.policies.decision import Decision
 from raycomp.controllers.policies.reasons import BudgetWhy
 from raycomp.controllers.state import RunState
-
-from raycomp.compressors.sparse import sparse_k
-from raycomp.config.policy_options import ErrorBudgetOptions
 from raycomp.plan import CompressorSpec, Plan
 
 BINS = 400

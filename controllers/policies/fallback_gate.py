@@ -27,7 +27,6 @@ from raycomp.controllers.policies.base import Policy
 from raycomp.controllers.policies.decision import Decision, checked
 from raycomp.controllers.policies.reasons import Said
 from raycomp.controllers.state import RunState
-
 from raycomp.plan import Plan
 
 

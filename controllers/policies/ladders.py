@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from raycomp.controllers.policies.cost_model import matrix
 from raycomp.controllers.state import LayerHistory
-
 from raycomp.plan import DENSE, CompressorSpec
 
 LOWRANK, ALLGATHER = "powersgd", "topk"  # the lossy rungs' compressors

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from raycomp.controllers.policies.base import Policy, compressible_layers
 from raycomp.controllers.policies.cost_model import CostModel
 from raycomp.controllers.policies.decision import Decision, checked
 from raycomp.controllers.policies.local_state import LocalRecord, LocalState, Measured, Sample
 from raycomp.controllers.policies.reasons import LocalFixedWhy, LocalWhy, Said
 from raycomp.controllers.state import RunState
-
-from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from raycomp.local import resolve_delay
 from raycomp.plan import CompressorSpec, LocalMode, Plan
 

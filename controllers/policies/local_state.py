@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from raycomp.controllers.policies.cost_model import CostState
-
 from raycomp.plan import Plan
 
 

@@ -26,9 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from raycomp.controllers.policies import make_policy
-
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
+from raycomp.controllers.policies import make_policy
 from tests.test_adaptive_policy import SHAPES, WARMUP, K, Link, W
 from tests.test_local_policy import LocalSim
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from pydantic import Field, model_validator
+
 from raycomp.controllers.policies import Decision, Policy, PolicyOptions, Said
 from raycomp.controllers.policies.base import compressible_layers
 from raycomp.controllers.state import RunState
-
 from raycomp.plan import CompressorSpec, Plan
 
 

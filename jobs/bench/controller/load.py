@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from raycomp.controllers.snapshots import SnapshotStore
 
 from jobs.bench.controller.ranks import (
     LAYER_NUMEL,
@@ -31,6 +30,7 @@ from jobs.bench.controller.ranks import (
 from jobs.bench.controller.stats import latency_summary
 from jobs.bench.controller.summary import summarise
 from jobs.bench.report import eprint
+from raycomp.controllers.snapshots import SnapshotStore
 
 __all__ = ["MIN_COMPRESS_NUMEL", "WARMUP_STEPS", "NoopService", "noop_baseline", "offline_costs", "run_load",
            "world_sizes"]
@@ -87,6 +87,7 @@ def run_load(workers: int = 16, rate: float = 10.0, duration: float = 5.0, runs:
     temporary snapshot / service-discovery directory removed before returning.
     """
     import ray
+
     from raycomp.controllers.policies import CriticalOptions
     from raycomp.controllers.service import get_or_create
 
@@ -187,6 +188,7 @@ def noop_baseline(gens: Sequence[Any], shares: Sequence[Any], n_layers: int, rat
                   duration: float) -> dict[str, float]:
     """Drive a no-op actor (actor options as the controller's) with the same load."""
     import ray
+
     from raycomp.controllers.service import CONCURRENCY_GROUPS, OTHER_CALL_THREADS
 
     noop = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NoopService).options(
