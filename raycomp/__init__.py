@@ -14,7 +14,7 @@ from raycomp.payload import Payload
 from raycomp.plan import DENSE, CompressorSpec, LocalMode, Plan
 from raycomp.stats import LayerStats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "COMPRESSORS",

@@ -230,8 +230,10 @@ def inspect(run: Run) -> str:
 
     local = [entry for entry in run.timeline if str(entry.get("to", "")).startswith("local steps")]
     syncs = summary.get("outer_steps")
-    lines += ["", f"local-step syncs: {syncs if syncs is not None else '?'} applied"
-              + ("" if local else " (no plan in local steps)")]
+    if not local and not syncs:
+        lines += ["", "local-step syncs: none (no plan in local steps)"]
+    else:
+        lines += ["", f"local-step syncs: {syncs if syncs is not None else 'not in summary.json'} applied"]
     for entry in local:
         lines.append(f"  step {entry['step']:>6}  v{entry['version']}  {entry['to']}")
     if run.evals:

@@ -266,7 +266,7 @@ def test_inspect_prints_the_timeline_with_reasons_and_bytes_that_match_the_summa
     assert rows["v0"].split()[-1] == "dense" and rows["v0"].split()[-2] == "1.00x"
     ratios = [float(rows[v].split("x ")[0].split()[-1]) for v in ("v1", "v2")]
     assert 3.5 < ratios[0] < 4.5 and ratios[1] > ratios[0]  # int8 about 4x, Top-K 10% more
-    assert "fallbacks to dense: 0" in out and "local-step syncs: 0 applied (no plan in local steps)" in out
+    assert "fallbacks to dense: 0" in out and "local-step syncs: none (no plan in local steps)" in out
 
 
 def test_plot_writes_a_png(run, tmp_path, capsys):

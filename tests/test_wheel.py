@@ -121,6 +121,9 @@ def _env() -> dict[str, str]:
 
 
 def test_the_wheel_holds_every_module_and_only_raycomp(wheel):
+    import raycomp
+
+    assert wheel.name.startswith(f"raycomp-{raycomp.__version__}-"), (wheel.name, raycomp.__version__)
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"raycomp"}, top
