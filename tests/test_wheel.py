@@ -7,7 +7,7 @@ so no stale ``build/`` folder can slip into it) with ``pip wheel --no-deps
 so the new environment sees the dependencies (torch, Ray, ...) of the environment running
 the tests through a path entry (``deps.pth``). A path entry adds that folder to
 ``sys.path`` without running its ``.pth`` files, so the checkout's editable install there
-stays invisible: ``raycomp`` can only come from the wheel, as the first test asserts.
+stays invisible: ``raycomp`` can only come from the wheel, as the quick-start test asserts.
 """
 
 from __future__ import annotations
@@ -27,48 +27,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
-
-#: a user's Ray Train script: two workers, the controller started by its callback, a static
-#: int8 plan that only the controller can hand the workers (the warm-up is dense)
-SCRIPT = """
-import json, sys
-import ray, torch
-from ray.train import RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-import raycomp.train
-from raycomp.config import CompressionSection, ControllerSection
-
-NAME = sys.argv[1]
-
-def train_func(config):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    options = raycomp.train.TrainOptions(
-        compression=CompressionSection.model_validate(
-            {"policy": "static", "static": {"compressor": {"name": "int8"}}, "warmup_steps": 4}),
-        controller=ControllerSection(name=NAME, interval_steps=2, metrics_enabled=False))
-    model = raycomp.train.prepare_model(model, optimizer, options=options)
-    loop = raycomp.train.current()
-    gen = torch.Generator().manual_seed(ray.train.get_context().get_world_rank())
-    for _ in loop.epochs(1, 30):
-        for _ in range(30):
-            x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            raycomp.train.step(loss, samples=len(y))
-    return raycomp.train.finish()
-
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-callback = raycomp.train.ControllerCallback(ControllerSection(name=NAME, metrics_enabled=False))
-result = TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=2),
-                      run_config=RunConfig(name=NAME, storage_path=sys.argv[2], callbacks=[callback])).fit()
-totals = result.return_value
-print("RESULT " + json.dumps({"raycomp": raycomp.__file__, "wire": totals["wire_bytes_total"],
-                              "dense": totals["dense_bytes_total"], "plan": totals["final_plan"],
-                              "switches": totals["plan_switches"]}))
-"""
-
 
 def _build(root: Path) -> Path:
     """Build the wheel from a copy of the checkout into ``root``; its path."""
@@ -135,19 +93,28 @@ def test_the_wheel_holds_every_module_and_only_raycomp(wheel):
     assert "raycomp = raycomp.cli:main" in entry
 
 
-def test_a_ray_train_script_outside_the_repository_trains_with_the_controller(installed, tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    out = subprocess.run([installed, str(script), f"wheel-{os.getpid()}", str(tmp_path / "storage")],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env())
+def test_the_quick_start_runs_outside_the_repository_and_raycomp_inspect_reads_it(installed, tmp_path):
+    """README's quick start (examples/quickstart.py, copied out of the repository) with the
+    wheel: two workers, the controller from its callback, the run's files under the storage
+    path, and the wheel's ``raycomp inspect`` reading them."""
+    where = subprocess.run([installed, "-c", "import raycomp; print(raycomp.__file__)"], capture_output=True,
+                           text=True, check=True, cwd=tmp_path, env=_env()).stdout.strip()
+    assert Path(where).is_relative_to(installed.parent.parent), where
+    script = tmp_path / "quickstart.py"
+    shutil.copy(REPO / "examples" / "quickstart.py", script)
+    storage = tmp_path / "storage"
+    out = subprocess.run([installed, str(script), "--epochs", "2", "--steps-per-epoch", "25", "--storage",
+                          str(storage), "--name", "quick"], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path, env=_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert Path(result["raycomp"]).is_relative_to(installed.parent.parent), result["raycomp"]
-    # the controller's int8 plan reached both workers: after the dense warm-up the wire
-    # carries about a quarter of the dense bytes
-    assert result["plan"]["default"]["name"] == "int8", result["plan"]
-    assert result["switches"] >= 1
-    assert result["wire"] < 0.5 * result["dense"], result
+    summary = json.loads((storage / "quick" / "summary.json").read_text())
+    assert summary["steps"] == 50 and summary["policy"]["name"] == "adaptive"
+    assert summary["policy"]["reports"] > 0  # the workers' statistics reached the controller
+    inspect = subprocess.run([installed.parent / "raycomp", "inspect", str(storage / "quick")], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path, env=_env())
+    assert inspect.returncode == 0, inspect.stderr
+    assert "50 steps, 2 ranks, policy adaptive" in inspect.stdout, inspect.stdout
+    assert "(equal to summary.json's totals)" in inspect.stdout, inspect.stdout
 
 
 def test_the_console_command_runs_from_the_wheel(installed, tmp_path):
