@@ -1,9 +1,20 @@
-"""Two Ray nodes over a throttled link: a head in namespace ``a`` and a worker node in ``b``,
-one CPU each, joined by :class:`~jobs.bench.netns.ThrottledLink`'s veth pair.
+"""Ray nodes over a namespace testbed, one per namespace, gloo bound to each node's device.
 
-Each training worker needs one CPU, so Ray Train places one on each node and every gradient
-byte crosses the link; gloo is bound to each node's veth (``GLOO_SOCKET_IFNAME``). The
+The benchmarks' two-node cluster: a head in namespace ``a`` and a worker node in ``b`` of a
+:class:`~jobs.bench.netns.ThrottledLink`, one CPU each. Each training worker needs one CPU,
+so Ray Train places one on each node and every gradient byte crosses the link. The
 end-to-end and tune benchmarks run their driver in namespace ``a`` against this cluster.
+
+The same functions take a :class:`~jobs.bench.netns.switch.SwitchedNetwork` of K nodes and
+``cpus`` = L CPUs per node: K Ray nodes, the head on node 0, K x L workers. The first key
+of the testbed's ``ns`` is the head's node (``"a"``, or ``0``).
+
+Every Ray node (and so every worker it starts) runs with ``GLOO_SOCKET_IFNAME`` = its
+namespace's veth, so gloo listens on and advertises that device's address. Two ranks on the
+same node therefore connect to the node's own address, which the kernel routes over the
+node's loopback (an address of one's own is in the ``local`` table): their traffic never
+touches the veth, unshaped and uncounted, as between two GPUs of one host. Only traffic
+between nodes crosses the switch.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from typing import Any
 
 from jobs.bench.report import eprint
 
-__all__ = ["RAY_ENV", "REPO", "driver_env", "measure_link", "pythonpath", "ray_nodes", "ray_temp",
+__all__ = ["RAY_ENV", "REPO", "driver_env", "head", "measure_link", "pythonpath", "ray_nodes", "ray_temp",
            "start_cluster"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,19 +64,24 @@ def measure_link(link: Any, seconds: float, work: Path, label: str = "e2e") -> d
     return check
 
 
-def ray_temp(link: Any) -> dict[str, Path]:
+def head(link: Any) -> Any:
+    """The key of the testbed's node that holds the Ray head (its first: ``"a"``, or ``0``)."""
+    return next(iter(link.ns))
+
+
+def ray_temp(link: Any) -> dict[Any, Path]:
     """Each node's Ray temporary directory (short: Ray's socket paths have a length limit)."""
-    return {side: Path(f"/tmp/rcb-{link.suffix}-{side}") for side in ("a", "b")}
+    return {side: Path(f"/tmp/rcb-{link.suffix}-{side}") for side in link.ns}
 
 
 @contextlib.contextmanager
-def ray_nodes(link: Any, work: Path) -> Iterator[str]:
-    """A Ray head (namespace a) and a worker node (b), one CPU each, for the body; yields the
-    GCS address. On the way out the link and both nodes are torn down and Ray's logs are kept
-    in ``work/ray-logs-{a,b}``."""
+def ray_nodes(link: Any, work: Path, cpus: int = 1) -> Iterator[str]:
+    """A Ray node in each of the testbed's namespaces, ``cpus`` CPUs each (the head in the
+    first), for the body; yields the GCS address. On the way out the testbed and every node
+    are torn down and Ray's logs are kept in ``work/ray-logs-<node>``."""
     temp = ray_temp(link)
     try:
-        yield f"{link.addr_a}:{start_cluster(link, temp, work)}"
+        yield f"{link.addr[head(link)]}:{start_cluster(link, temp, work, cpus=cpus)}"
     finally:
         link.close()
         for side, path in temp.items():  # keep Ray's logs with the run outputs
@@ -77,32 +93,32 @@ def ray_nodes(link: Any, work: Path) -> Iterator[str]:
 
 
 def driver_env(link: Any, address: str) -> dict[str, str]:
-    """The environment of a driver run in namespace a against :func:`ray_nodes`' cluster."""
+    """The environment of a driver run in the head's namespace against :func:`ray_nodes`' cluster."""
     return {**os.environ, **RAY_ENV, "PYTHONPATH": pythonpath(), "RAY_ADDRESS": address,
-            "GLOO_SOCKET_IFNAME": link.dev["a"]}
+            "GLOO_SOCKET_IFNAME": link.dev[head(link)]}
 
 
-def start_cluster(link: Any, temp: dict[str, Path], work: Path, port: int = 6379) -> int:
-    """``ray start --block`` in both namespaces; returns the GCS port (in namespace a)."""
+def start_cluster(link: Any, temp: dict[Any, Path], work: Path, port: int = 6379, cpus: int = 1) -> int:
+    """``ray start --block`` in every namespace of ``link``, ``cpus`` CPUs each, the head in
+    the first; returns the GCS port (at the head's address)."""
     ray = str(Path(sys.executable).with_name("ray"))
     if not Path(ray).exists():
         ray = shutil.which("ray") or "ray"
-    for side in ("a", "b"):
+    first = head(link)
+    for side in link.ns:
         shutil.rmtree(temp[side], ignore_errors=True)
-    common = ["--block", "--num-cpus", "1", "--disable-usage-stats", "--include-log-monitor=false",
+    common = ["--block", "--num-cpus", str(cpus), "--disable-usage-stats", "--include-log-monitor=false",
               "--object-store-memory", str(200 * 2**20)]
-    argv = {
-        "a": [ray, "start", "--head", "--node-ip-address", link.addr_a, "--port", str(port),
-              "--include-dashboard=false", "--temp-dir", str(temp["a"]), *common],
-        "b": [ray, "start", "--address", f"{link.addr_a}:{port}", "--node-ip-address", link.addr_b,
-              "--temp-dir", str(temp["b"]), *common],
-    }
-    for side in ("a", "b"):  # the worker node needs the head's GCS up
+    gcs = f"{link.addr[first]}:{port}"
+    for side in link.ns:  # the head first: the other nodes need its GCS up
+        role = (["--head", "--port", str(port), "--include-dashboard=false"] if side == first
+                else ["--address", gcs])
+        argv = [ray, "start", *role, "--node-ip-address", link.addr[side], "--temp-dir", str(temp[side]), *common]
         env = {**os.environ, **RAY_ENV, "PYTHONPATH": pythonpath(), "GLOO_SOCKET_IFNAME": link.dev[side]}
         env.pop("RAY_ADDRESS", None)
         log_path = work / f"ray-{side}.log"
         with open(log_path, "w") as log:
-            proc = link.popen(side, argv[side], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+            proc = link.popen(side, argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         _wait_for(log_path, "Ray runtime started", proc, timeout=240)
     return port
 

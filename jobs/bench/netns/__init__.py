@@ -26,15 +26,45 @@ on an exception or Ctrl-C — from an ``atexit`` hook, and on SIGTERM/SIGHUP (tu
 
 ``python -m jobs.bench.netns [--rate 50mbit] [--latency 0] [--seconds 2]`` builds a link,
 measures its throughput in both directions and its round-trip time, and tears it down.
+
+Many nodes: :class:`~jobs.bench.netns.switch.SwitchedNetwork` (``jobs/bench/netns/switch.py``)::
+
+    with SwitchedNetwork(nodes=4, rate="100mbit") as net:
+        net.popen(2, ["python", "server.py", net.addr[2]])   # runs inside node 2
+        print(net.counters(2), net.port_counters(2))          # its veth end, its bridge port
+
+* node namespaces ``rcbench-<sfx>-n<i>`` (``i`` = 0 .. K-1), ``lo`` up in each, and a switch
+  namespace ``rcbench-<sfx>-sw`` holding a Linux bridge ``rcb<sfx>br``;
+* per node one veth pair, created inside the namespaces (never in the root namespace):
+  ``rcb<sfx>n<i>`` in the node at ``10.77.<x>.<i+1>/24``, its peer ``rcb<sfx>p<i>`` a port
+  of the bridge;
+* each node's link shaped both ways with ``tbf`` at ``rate``: egress of the node's end
+  (node -> switch) and egress of its bridge port (switch -> node), so a node sends and
+  receives at most ``rate`` whoever it talks to, and two senders into one node share its
+  rate (unevenly: ``tbf`` is one FIFO queue, as a switch port is), as on a switched Ethernet
+  with one link per host. ``"fast"``: no shaping anywhere.
+  No added delay (no ``sch_netem`` here). Traffic a node sends to its own address stays on
+  its loopback, unshaped and outside the veth counters;
+* the same tear-down as the link's (process groups, then every process inside any of the
+  namespaces, the switch's included, then the namespaces; on exception, signal and exit),
+  through the shared process handling of :mod:`jobs.bench.netns.namespaced`.
+
+``python -m jobs.bench.netns --nodes 4 [--rate 100mbit]`` builds one, measures each node's
+flow to the next, all others into the last at once, and a loopback flow, and tears it down.
+
+:mod:`jobs.bench.cluster` starts one Ray node per namespace of either testbed
+(``ray_nodes(net, work, cpus=L)``: the head on node 0, L CPUs each) with gloo bound to each
+node's veth.
 """
 
 from __future__ import annotations
 
 from jobs.bench.netns.commands import NetnsError, namespaces
 from jobs.bench.netns.link import DEV_PREFIX, NS_PREFIX, SUBNET, ThrottledLink, throttled_link
+from jobs.bench.netns.switch import SwitchedNetwork
 from jobs.bench.netns.units import FAST, parse_latency, parse_rate, rate_label
 
 __all__ = [
-    "DEV_PREFIX", "FAST", "NS_PREFIX", "SUBNET", "NetnsError", "ThrottledLink", "namespaces", "parse_latency",
-    "parse_rate", "rate_label", "throttled_link",
+    "DEV_PREFIX", "FAST", "NS_PREFIX", "SUBNET", "NetnsError", "SwitchedNetwork", "ThrottledLink", "namespaces",
+    "parse_latency", "parse_rate", "rate_label", "throttled_link",
 ]

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-__all__ = ["NetnsError", "alive", "ip", "namespaces", "netem_available", "run", "tc"]
+__all__ = ["NetnsError", "alive", "ip", "namespaces", "netem_available", "run", "tbf_args", "tc"]
 
 
 class NetnsError(RuntimeError):
@@ -45,6 +45,16 @@ def netem_available(ns: str, dev: str) -> bool:
     if ok:
         run([tc(), "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
     return ok
+
+
+def tbf_args(rate_bps: float, mtu: int) -> list[str]:
+    """The ``tc`` arguments of a ``tbf`` limiting egress to ``rate_bps``: a burst of >= 1 ms
+    at the rate and a few full frames (the timer granularity), a queue of 100 ms at the rate
+    (no drops in normal use, a TCP flow just queues up)."""
+    rate_bytes = rate_bps / 8
+    burst = int(max(4 * (mtu + 14), rate_bytes * 1e-3))
+    limit = int(max(burst + 64 * 1024, rate_bytes * 0.1))
+    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "limit", str(limit)]
 
 
 def alive(pid: int) -> bool:

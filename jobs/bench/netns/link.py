@@ -9,16 +9,15 @@ import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Iterator
+from typing import Any
 
 from jobs.bench.netns import cleanup, probes
-from jobs.bench.netns.commands import NetnsError, alive, ip, namespaces, netem_available, run, tc
+from jobs.bench.netns.commands import NetnsError, ip, namespaces, netem_available, run, tbf_args, tc
+from jobs.bench.netns.namespaced import Namespaced, kill_group
 from jobs.bench.netns.units import parse_latency, parse_rate, rate_label
 
 __all__ = ["DEV_PREFIX", "NS_PREFIX", "SUBNET", "ThrottledLink", "throttled_link"]
@@ -28,8 +27,9 @@ DEV_PREFIX = "rcb"
 SUBNET = "10.77"
 
 
-class ThrottledLink:
-    """Namespaces ``a`` and ``b`` joined by a veth pair shaped to ``rate`` each way."""
+class ThrottledLink(Namespaced):
+    """Namespaces ``a`` and ``b`` joined by a veth pair shaped to ``rate`` each way; processes
+    inside them (``popen``, ``run``, ``pids``, ``counters``) as :class:`Namespaced` runs them."""
 
     def __init__(self, rate: str | float | None = "100mbit", latency: str | float = "0",
                  suffix: str | None = None, mtu: int = 1500) -> None:
@@ -38,11 +38,11 @@ class ThrottledLink:
         self.suffix = suffix or secrets.token_hex(3)
         if not re.fullmatch(r"[0-9a-z]{1,8}", self.suffix):
             raise ValueError(f"suffix {self.suffix!r}: 1-8 lowercase letters/digits")
-        self.ns = {"a": f"{NS_PREFIX}{self.suffix}-a", "b": f"{NS_PREFIX}{self.suffix}-b"}
-        self.dev = {"a": f"{DEV_PREFIX}{self.suffix}a", "b": f"{DEV_PREFIX}{self.suffix}b"}
+        self.ns: dict[Any, str] = {"a": f"{NS_PREFIX}{self.suffix}-a", "b": f"{NS_PREFIX}{self.suffix}-b"}
+        self.dev: dict[Any, str] = {"a": f"{DEV_PREFIX}{self.suffix}a", "b": f"{DEV_PREFIX}{self.suffix}b"}
         octet = int.from_bytes(self.suffix.encode(), "big") % 250 + 1
         self.subnet = f"{SUBNET}.{octet}.0/24"
-        self.addr = {"a": f"{SUBNET}.{octet}.1", "b": f"{SUBNET}.{octet}.2"}
+        self.addr: dict[Any, str] = {"a": f"{SUBNET}.{octet}.1", "b": f"{SUBNET}.{octet}.2"}
         self.mtu = mtu
         self.latency_applied = False
         self.qdisc: dict[str, str] = {}
@@ -113,12 +113,7 @@ class ThrottledLink:
         tc_, ns, dev = tc(), self.ns[side], self.dev[side]
         if self.rate_bps is None:
             return "none (unshaped veth)"
-        rate_bytes = self.rate_bps / 8
-        # burst: >= 1 ms at the rate and a few full frames (the timer granularity); queue:
-        # 100 ms at the rate (no drops in normal use, a TCP flow just queues up)
-        burst = int(max(4 * (self.mtu + 14), rate_bytes * 1e-3))
-        limit = int(max(burst + 64 * 1024, rate_bytes * 0.1))
-        tbf = ["tbf", "rate", f"{int(self.rate_bps)}bit", "burst", str(burst), "limit", str(limit)]
+        tbf = tbf_args(self.rate_bps, self.mtu)
         if self.latency_s > 0 and netem_available(ns, dev):
             delay = f"{self.latency_s * 1e6:.0f}us"
             run([tc_, "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
@@ -165,60 +160,9 @@ class ThrottledLink:
             "the kernel has no sch_netem: one-way delay not emulated (tbf only)",
         }
 
-    # --- processes inside the namespaces -------------------------------------------------
-    def argv(self, side: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` prefixed to run inside namespace ``side`` (``ip netns exec``)."""
-        return [ip(), "netns", "exec", self.ns[side], *argv]
-
-    def popen(self, side: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              cwd: str | os.PathLike[str] | None = None, stdout: int | IO[Any] | None = None,
-              stderr: int | IO[Any] | None = None, text: bool = False) -> subprocess.Popen[Any]:
-        """Start ``argv`` inside namespace ``side`` in its own process group (tracked)."""
-        self._check_open()
-        proc = subprocess.Popen(self.argv(side, argv), env=dict(env) if env is not None else None, cwd=cwd,
-                                stdout=stdout, stderr=stderr, text=text, start_new_session=True)
-        self._procs.append(proc)
-        return proc
-
-    def run(self, side: str, argv: Sequence[str], timeout: float = 60, check: bool = True,
-            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        """Run ``argv`` to completion inside namespace ``side``."""
-        proc = self.popen(side, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._kill(proc)
-            raise
-        finally:
-            with contextlib.suppress(ValueError):
-                self._procs.remove(proc)
-        result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-        if check and proc.returncode != 0:
-            raise NetnsError(f"{' '.join(argv)} in {self.ns[side]} failed ({proc.returncode}): "
-                             f"{err.strip()[-2000:]}")
-        return result
-
-    def pids(self, side: str) -> list[int]:
-        """Processes inside namespace ``side`` now."""
-        out = run([ip(), "netns", "pids", self.ns[side]], check=False).stdout
-        return [int(p) for p in out.split() if p.isdigit()]
-
-    def counters(self, side: str) -> dict[str, int]:
-        """The veth end's counters: tx/rx bytes and packets, drops (``ip -s link``)."""
-        out = run([ip(), "-n", self.ns[side], "-j", "-s", "link", "show", "dev", self.dev[side]]).stdout
-        stats = json.loads(out)[0]["stats64"]
-        return {"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
-                "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"],
-                "tx_dropped": stats["tx"]["dropped"], "rx_dropped": stats["rx"]["dropped"]}
-
     def qdisc_stats(self, side: str) -> list[dict[str, Any]]:
         out = run([tc(), "-n", self.ns[side], "-j", "-s", "qdisc", "show", "dev", self.dev[side]]).stdout
         return json.loads(out or "[]")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise NetnsError("the link has been torn down")
 
     # --- measurements --------------------------------------------------------------------
     def measure_throughput(self, seconds: float = 2.0, src: str = "a", port: int = 5201) -> dict[str, float]:
@@ -239,9 +183,8 @@ class ThrottledLink:
                      timeout=seconds + 30)
             out, err = receiver.communicate(timeout=30)
         finally:
-            self._kill(receiver)
-            with contextlib.suppress(ValueError):
-                self._procs.remove(receiver)
+            kill_group(receiver)
+            self._untrack(receiver)
         after = self.counters(src)
         got = json.loads(out)
         wire = after["tx_bytes"] - before["tx_bytes"]
@@ -259,42 +202,11 @@ class ThrottledLink:
                 raise NetnsError(f"echo server failed: {server.stderr.read()}")
             out = self.run("a", [sys.executable, "-c", probes.PING, self.addr_b, str(port), str(count)]).stdout
         finally:
-            self._kill(server)
-            with contextlib.suppress(ValueError):
-                self._procs.remove(server)
+            kill_group(server)
+            self._untrack(server)
         return json.loads(out)
 
     # --- tear-down -----------------------------------------------------------------------
-    def _kill(self, proc: subprocess.Popen[Any], grace: float = 5.0) -> None:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=grace)
-        for stream in (proc.stdout, proc.stderr, proc.stdin):
-            if stream is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    stream.close()
-
-    def kill_namespace_processes(self, grace: float = 5.0) -> None:
-        """SIGTERM then SIGKILL every process inside our namespaces (all started by us)."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            pids = [p for side in ("a", "b") if self.ns[side] in self._created for p in self.pids(side)]
-            pids = [p for p in pids if p != os.getpid()]
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(alive(p) for p in pids):
-                time.sleep(0.05)
-
     def close(self) -> None:
         """Kill our processes, delete both namespaces (and with them the veth). Idempotent."""
         with self._lock:
@@ -302,10 +214,7 @@ class ThrottledLink:
                 return
             self._closed = True
             try:
-                for proc in reversed(self._procs):
-                    self._kill(proc)
-                self._procs.clear()
-                self.kill_namespace_processes()
+                self.kill_all()
                 for ns in reversed(self._created):
                     run([ip(), "netns", "del", ns], check=False)
                 # if the pair was somehow created outside (it never is), remove our own name only
