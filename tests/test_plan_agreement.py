@@ -6,6 +6,8 @@ Ray Train run is a long check (``test_faults.py``)."""
 
 from __future__ import annotations
 
+import pytest
+
 from raycomp.plan import Plan
 from raycomp.train.plan_agreement import PlanAgreement, PlanMismatchError
 from raycomp.train.reporter import Outages
@@ -15,13 +17,14 @@ INSTALLED = Plan.uniform("int8", version=3, reason="installed")
 OFFER = Plan.uniform("int4", version=4, reason="the controller's newer plan")
 
 
-def boundary(rank: int, world_size: int, case: str) -> dict:
+def boundary(rank: int, world_size: int, case: str, odd: int = 1) -> dict:
+    """One boundary; in ``case`` "plan" or "guard" rank ``odd`` holds another plan or guard."""
     plans = PlanAgreement(rank, world_size, None, None, "run", Outages())
     installed, guard = INSTALLED, (0.0, 0.0, 0.0)
-    if rank == 1 and case == "plan":
+    if rank == odd and case == "plan":
         installed = Plan.uniform("int4", version=3, reason="installed")  # same version, other content
-    if rank == 1 and case == "guard":
-        guard = (1.0, 0.0, 0.0)  # rank 1 skipped a step the others did not
+    if rank == odd and case == "guard":
+        guard = (1.0, 0.0, 0.0)  # this rank skipped a step the others did not
     try:
         got = plans.agree(installed, guard, OFFER if rank == 0 else None, step=40)
     except PlanMismatchError as error:
@@ -46,3 +49,24 @@ def test_ranks_whose_guards_differ_both_fail_at_the_boundary():
     for result in results:
         assert result["error"].startswith("ranks' guards disagree at step 40"), result
         assert "rank 1: [1.0, 0.0, 0.0]" in result["error"]
+
+
+def three_boundaries(rank: int, world_size: int) -> list[dict]:
+    """Agreement, then the last rank alone on another plan, then alone with another guard
+    state: three boundaries in one process group (a mismatch fails every rank alike, so the
+    group stays usable)."""
+    last = world_size - 1
+    return [boundary(rank, world_size, "agree"), boundary(rank, world_size, "plan", last),
+            boundary(rank, world_size, "guard", last)]
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_past_two_ranks_every_rank_gets_the_offer_and_the_last_rank_out_of_step_fails_all(world_size):
+    """At W > 2 the check still covers every rank: the last one alone on another plan, or with
+    another guard state, fails every rank at the boundary (not only ranks 0 and 1)."""
+    results = run_distributed(three_boundaries, world_size)
+    assert [r[0] for r in results] == [{"plan": OFFER.to_json()}] * world_size
+    for _, plan, guard in results:
+        assert plan["error"].startswith("ranks disagree on the plan installed for step 40"), plan
+        assert guard["error"].startswith("ranks' guards disagree at step 40"), guard
+        assert f"rank {world_size - 1}: [1.0, 0.0, 0.0]" in guard["error"]

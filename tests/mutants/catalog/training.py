@@ -85,6 +85,23 @@ MUTANTS = (
         "ranks compare a constant instead of the plan's fingerprint: disagreement goes unnoticed",
     ),
     mutant(
+        "plan-agreement-skipped-past-two-ranks", "PlanAgreement.agree",
+        "        if self.world_size > 1:\n            rows = [torch.empty_like(row) for _ in range(self.world_size)]\n",
+        "        if self.world_size == 2:\n            rows = [torch.empty_like(row) for _ in range(self.world_size)]\n",
+        "tests/test_plan_agreement.py -k past_two_ranks",
+        "at W > 2 no rank compares its plan with the others' and only rank 0 gets the offer",
+        ("PlanAgreement.agree",
+         "        return self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer\n",
+         "        return self._receive(data, int(table[0][-1])) if self.world_size == 2 else offer\n"),
+    ),
+    mutant(
+        "plan-agreement-compares-two-ranks", "PlanAgreement.agree",
+        "        table = [r.tolist() for r in rows]\n",
+        "        table = [r.tolist() for r in rows[:2]]\n",
+        "tests/test_plan_agreement.py -k past_two_ranks",
+        "the boundary compares ranks 0 and 1 only: a third rank on another plan goes on under it",
+    ),
+    mutant(
         "kjv-lstm-builds-the-transformer", "_kjv",
         '    if config.model == "lstm":\n',
         '    if config.model == "gru":\n',
