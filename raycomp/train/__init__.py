@@ -42,11 +42,12 @@ import torch
 from raycomp.train.callback import ControllerCallback
 from raycomp.train.default_strategy import raycomp_strategy
 from raycomp.train.gradient_strategy import GradientStrategyFactory
-from raycomp.train.loop import SchedulerInterval, TrainLoop, check_scheduler
+from raycomp.train.loop import TrainLoop
 from raycomp.train.options import TrainOptions, resolve_options
 from raycomp.train.plan_agreement import PlanMismatchError
 from raycomp.train.resume import forget_finished_run
 from raycomp.train.scaler_check import refuse_scaler
+from raycomp.train.step_arguments import SchedulerInterval, check_scheduler
 
 if TYPE_CHECKING:
     import ray.train

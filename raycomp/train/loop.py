@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,30 +57,13 @@ from raycomp.train.ray_report import (
 )
 from raycomp.train.reporter import Outages, StatsReporter
 from raycomp.train.resume import restore, save_state
+from raycomp.train.step_arguments import SchedulerInterval, check_clip, check_scheduler
 from raycomp.train.step_judge import StepJudge
 from raycomp.train.step_log import StepLog
 
-__all__ = ["SchedulerInterval", "TrainLoop", "check_scheduler"]
+__all__ = ["TrainLoop"]
 
 log = logging.getLogger("raycomp.train")
-
-#: when a scheduler given to :func:`raycomp.train.prepare_model` steps
-SchedulerInterval = Literal["step", "epoch"]
-
-
-def check_scheduler(scheduler: Any, interval: Any) -> None:
-    """A one-line error for a scheduler without its interval, or an interval not allowed."""
-    if (scheduler is not None or interval is not None) and interval not in ("step", "epoch"):
-        raise ValueError(f"scheduler_interval: must be 'step' or 'epoch' when a scheduler is given, got {interval!r}")
-
-
-def check_clip(max_norm: Any) -> None:
-    """A one-line error for a ``clip_grad_norm`` that is not a positive finite number."""
-    if max_norm is None:
-        return
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not 0 < max_norm < math.inf:
-        raise ValueError(f"clip_grad_norm: must be a positive finite number or None, got {max_norm!r}")
-
 
 class TrainLoop:
     """raycomp inside one Ray Train worker; built by :func:`raycomp.train.prepare_model`.
