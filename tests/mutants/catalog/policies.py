@@ -11,6 +11,13 @@ MUTANTS = (
         "the adaptive policy prices int8 at two extra rounds where two ranks take one",
     ),
     mutant(
+        "cost-model-prices-allgather-as-at-two-ranks", "CostModel.predict",
+        "            per_byte = (w - 1) if compressor.transport is Transport.ALLGATHER else allreduce\n",
+        "            per_byte = 1 if compressor.transport is Transport.ALLGATHER else allreduce\n",
+        "tests/test_cost_model_ranks.py",
+        "an all-gather is priced at one payload per rank whatever W: Top-K looks cheap at any scale",
+    ),
+    mutant(
         "adaptive-quantizers-round-once-each", "family_rounds",
         "            rounds[found[0]] = found[1]\n",
         "            rounds[found[0]] = rounds.get(found[0], 0) + found[1]\n",
