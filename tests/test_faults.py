@@ -138,3 +138,28 @@ def test_controller_created_inside_a_placement_group_outlives_it(ray_cluster, tm
         assert ray.get(controller.health.remote(), timeout=30)
     finally:
         ray.kill(controller, no_restart=True)
+
+
+def test_the_injected_step_takes_what_the_loops_step_takes(tmp_path):
+    """raycomp.train.step calls ``loop.step(loss, samples, clip_grad_norm)``: a drill's wrapper
+    (jobs.faults) must take and pass on the same arguments, or every kill and hang drill dies
+    of a TypeError at its first step instead of the fault it injects."""
+    import inspect
+
+    from jobs.faults import FaultInjector, FaultsSection
+    from raycomp.train.loop import TrainLoop
+
+    calls = []
+
+    class Loop:
+        global_step = 0
+
+        def step(self, loss, samples=0, clip_grad_norm=None):
+            calls.append((loss, samples, clip_grad_norm))
+            return True
+
+    loop = Loop()
+    FaultInjector(FaultsSection(kill_rank_at_step=5, kill_rank=1), 0, tmp_path).install(loop)
+    assert loop.step(1.0, 32, 0.5) is True and calls == [(1.0, 32, 0.5)]
+    wrapper = list(inspect.signature(loop.step).parameters)
+    assert wrapper == list(inspect.signature(TrainLoop.step).parameters)[1:]  # less self

@@ -84,9 +84,9 @@ class FaultInjector:
             original_step = loop.step
 
             @functools.wraps(original_step)
-            def step(loss: torch.Tensor, samples: int = 0) -> bool:
+            def step(loss: torch.Tensor, samples: int = 0, clip_grad_norm: float | None = None) -> bool:
                 self.before_step(loop.global_step, loop)
-                return original_step(loss, samples)
+                return original_step(loss, samples, clip_grad_norm)
 
             loop.step = step
         if f.force_plan_mismatch_at_step is not None and self.rank == loop.world_size - 1:
