@@ -1,9 +1,10 @@
 """``raycomp.train`` on the switched testbed: K Ray nodes with L workers each
 (:func:`jobs.bench.cluster.ray_nodes` over a :class:`~jobs.bench.netns.switch.SwitchedNetwork`),
 gloo bound to each node's veth. A short run (tests/support/switch_train.py: dense, then Top-K
-over the all-gather, then int8 over the all-reduce) at W = 4 as 2 nodes x 2 workers, W = 3
-as 3 x 1, and W = 8 as 2 x 4 and 8 x 1 ends with bit-identical replicas on every rank, and
-every rank applied the same plan at every step.
+over the all-gather, then int8 over the scalable route: all-to-all, reduce, requantize,
+all-gather) at W = 4 as 2 nodes x 2 workers, W = 3 as 3 x 1, and W = 8 as 2 x 4 and 8 x 1
+ends with bit-identical replicas on every rank, and every rank applied the same plan at every
+step. The other transports, local steps and a killed worker's resume: tests/test_switch_modes.py.
 
 Long checks (scripts/long-checks.sh): each starts K Ray nodes and a Ray Train fit on 2 cores
 (71 s, 73 s, 100 s and 138 s).

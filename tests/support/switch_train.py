@@ -11,8 +11,8 @@ rank's step log (``<output>/steps/rank<r>.jsonl``: the plan version and digest o
 
 The model: a small MLP on synthetic, per-rank data (seeded by rank, so every rank's gradients
 differ and only the collectives make the replicas agree), SGD with momentum, the schedule
-policy: dense for ``WARMUP`` steps, Top-K 10 % (all-gather), then int8 (all-reduce) from step
-``INT8_FROM``: plan switches and both transports in one run.
+policy: dense for ``WARMUP`` steps, Top-K 10 % (all-gather), then int8 (the scalable route)
+from step ``INT8_FROM``: plan switches and both transports in one run.
 """
 
 from __future__ import annotations

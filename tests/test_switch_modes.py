@@ -1,0 +1,229 @@
+"""Correct past two ranks, for every transport and mode: ``raycomp.train`` on the switched
+testbed (tests/support/switch_runs.py) at W = 3 (3 nodes x 1 worker) and W = 4 (2 x 2).
+
+* Every transport per step, one schedule through all of them (dense, PowerSGD's low-rank
+  all-reduce, bf16 and Random-K over the summable all-reduce, sign, int4 and QSGD over the
+  scalable two-round route, DGC's Top-K and the threshold over the all-gather): every rank's
+  parameters and optimizer state bit-identical after every step, the same plan version and
+  digest at every step on every rank. (Top-K and int8 at W = 3, 4 and 8:
+  tests/test_switch_train.py.)
+* Local steps at W = 4 (``compression.local`` fixed, ``sync_every`` 4, int8 pseudo-gradients,
+  no delay): the replicas drift apart between syncs, are bit-identical right after each sync
+  and at the end (after finish's merge), and the ranks agree on the plans.
+* Checkpoint and resume at W = 4: step checkpoints every 5 steps, the rank on the second node
+  killed at step 12 (FailureConfig(max_failures=1)), resumed from step 10; the run ends, and
+  went through every step, bit-identical to the same schedule unbroken (every rank's
+  parameters, optimizer state and compression state: residuals, server residuals, PowerSGD).
+
+One cluster per topology and one Ray Train fit in it trains every run of that topology in
+turn (the killed run last: a restarted worker group skips the runs every rank finished).
+Long checks (scripts/long-checks.sh); times in docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.bench.cluster import REPO, driver_env, ray_nodes
+from jobs.bench.netns.switch import SwitchedNetwork
+from tests.test_netns import needs_netns
+from tests.test_switch import _assert_gone
+
+pytestmark = [needs_netns, pytest.mark.long]
+
+#: every transport but dense-only, a few steps each (warm-up: steps 0 and 1 dense)
+TRANSPORTS = {"name": "transports", "kind": "steps", "epochs": 4, "steps_per_epoch": 9, "warmup": 2, "max_error": 10.0,
+              "stages": [[0, "powersgd", {"rank": 2}], [8, "bf16", {}], [12, "randomk", {"ratio": 0.1}],
+                         [16, "sign", {}], [20, "int4", {}], [24, "qsgd", {}],
+                         [28, "dgc_topk", {"ratio": 0.1}], [32, "threshold", {"threshold": 1e-3}]]}
+#: which transport each carries (raycomp.compressors: ``transport``)
+CARRIED = {"none": "dense", "powersgd": "lowrank", "bf16": "allreduce", "randomk": "allreduce",
+           "sign": "scalable", "int4": "scalable", "qsgd": "scalable", "dgc_topk": "allgather",
+           "threshold": "allgather"}
+LOCAL = {"name": "local", "kind": "local", "epochs": 2, "steps_per_epoch": 9, "warmup": 2, "sync_every": 4,
+         "local_compressor": "int8"}
+#: resumed: PowerSGD, int4 (scalable: server residuals per rank), then DGC's Top-K; a stage's
+#: plan is in force two steps after its start (the boundary, then the next step), so int4
+#: runs from step 8 and the step-10 checkpoint holds its server residuals; rank 3 killed at
+#: step 12, resumed from step 10
+RESUMED = {"kind": "steps", "epochs": 2, "steps_per_epoch": 12, "warmup": 2, "every_steps": 5, "max_error": 10.0,
+           "stages": [[0, "powersgd", {"rank": 2}], [6, "int4", {}], [14, "dgc_topk", {"ratio": 0.1}]]}
+KILL_STEP, RESUME_STEP = 12, 10
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _run_testbed(work: Path, nodes: int, per_node: int, runs: list[dict], max_failures: int = 0) -> dict[str, Any]:
+    """Start the testbed and one fit of ``runs``; what the tests read."""
+    workers = nodes * per_node
+    output = work / "run"
+    spec = work / "spec.json"
+    spec.write_text(json.dumps({"output": str(output), "nodes": nodes, "workers": workers, "runs": runs,
+                                "max_failures": max_failures, "name": f"modes-{nodes}x{per_node}-{work.name}"[:60]}))
+    net = SwitchedNetwork(nodes, "100mbit")
+    started = time.monotonic()
+    with net, ray_nodes(net, work, cpus=per_node) as address:
+        up = time.monotonic()
+        node_of_inode = {os.stat(f"/run/netns/{ns}").st_ino: i for i, ns in net.ns.items()}
+        with open(work / "driver.log", "w") as log:
+            driver = net.popen(0, [sys.executable, "-m", "tests.support.switch_runs", str(spec)],
+                               env=driver_env(net, address), stdout=log, stderr=log, cwd=REPO)
+            code = driver.wait(timeout=900)
+    _assert_gone(net)
+    log_tail = (work / "driver.log").read_text(errors="replace")[-4000:]
+    assert code == 0, log_tail
+    report = json.loads((output / "driver.json").read_text())
+    assert report["status"] == "succeeded", (report, log_tail)
+    print(json.dumps({"topology": f"{nodes}x{per_node}", "cluster_up_s": round(up - started, 1),
+                      "fit_s": round(report["fit_seconds"], 1), "total_s": round(time.monotonic() - started, 1),
+                      "run_s": report["run_seconds"]}))  # the last worker group's runs
+    bed = {"workers": workers, "nodes": nodes, "per_node": per_node, "net": net, "node_of_inode": node_of_inode,
+           "runs": {}}
+    for run in runs:
+        d = output / run["name"]
+        bed["runs"][run["name"]] = {
+            "dir": d,
+            "ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(workers)],
+            "digests": [_read_jsonl(d / "digests" / f"rank{r}.jsonl") for r in range(workers)],
+            "steps": [_read_jsonl(d / "steps" / f"rank{r}.jsonl") for r in range(workers)],
+            "totals": json.loads((d / "totals.json").read_text()),
+        }
+    return bed
+
+
+@pytest.fixture(scope="module")
+def bed_3x1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run_testbed(tmp_path_factory.mktemp("modes3x1"), 3, 1, [TRANSPORTS])
+
+
+@pytest.fixture(scope="module")
+def bed_2x2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    killed = {**RESUMED, "name": "killed", "kill": {"rank": 3, "step": KILL_STEP}}
+    return _run_testbed(tmp_path_factory.mktemp("modes2x2"), 2, 2,
+                        [TRANSPORTS, LOCAL, {**RESUMED, "name": "unbroken"}, killed], max_failures=1)
+
+
+def last_per_step(records: list[dict]) -> dict[int, dict]:
+    """A rank's digest records by step; a replayed step's last record (what the run kept)."""
+    return {rec["step"]: rec for rec in records}
+
+
+def assert_spread(bed: dict[str, Any], ranks: list[dict]) -> None:
+    """The ranks sit per_node in each node's namespace, gloo bound to that node's veth."""
+    net = bed["net"]
+    node = [bed["node_of_inode"].get(r["netns_inode"]) for r in ranks]
+    assert Counter(node) == dict.fromkeys(range(bed["nodes"]), bed["per_node"]), ranks
+    assert [r["node_ip"] for r in ranks] == [net.addr[i] for i in node], ranks
+    assert [r["gloo_socket_ifname"] for r in ranks] == [net.dev[i] for i in node], ranks
+    assert all(r["world_size"] == bed["workers"] for r in ranks)
+
+
+def assert_plans_agree(logs: list[list[dict]], steps: int) -> None:
+    """Every rank logged every step once, with the same plan version and digest as rank 0."""
+    keys = ("step", "plan_version", "plan_digest", "dense", "applied")
+    for r, records in enumerate(logs):
+        assert [rec["step"] for rec in records] == list(range(steps)), r
+        assert [tuple(rec[k] for k in keys) for rec in records] == [tuple(rec[k] for k in keys) for rec in logs[0]], r
+    assert all(rec["applied"] and not rec["fallback"] for rec in logs[0])
+
+
+def assert_identical_after_every_step(digests: list[list[dict]], steps: int) -> None:
+    """Parameters and optimizer state bit-identical on every rank after every step."""
+    by_rank = [last_per_step(records) for records in digests]
+    for step in range(steps):
+        at = [rank[step] for rank in by_rank]
+        assert len({d["params"] for d in at}) == 1, (step, at)
+        assert len({d["optimizer"] for d in at}) == 1, (step, at)
+        assert len({d["plan"] for d in at}) == 1, (step, at)
+
+
+@pytest.mark.parametrize("topology", ["3x1", "2x2"])
+def test_every_transport_keeps_replicas_bit_identical_per_step(request: pytest.FixtureRequest, topology: str) -> None:
+    bed = request.getfixturevalue(f"bed_{topology}")
+    run = bed["runs"]["transports"]
+    steps = TRANSPORTS["epochs"] * TRANSPORTS["steps_per_epoch"]
+    assert_spread(bed, run["ranks"])
+    assert [r["steps"] for r in run["ranks"]] == [steps] * bed["workers"]
+    assert len({r["params"] for r in run["ranks"]}) == 1 and len({r["optimizer"] for r in run["ranks"]}) == 1
+    assert run["ranks"][0]["params"] != run["ranks"][0]["params_before"]
+    assert_identical_after_every_step(run["digests"], steps)
+    assert_plans_agree(run["steps"], steps)
+    # every compressor of the schedule ran, a step or more each: every transport at this W
+    ran = Counter(rec["plan"] for rec in run["digests"][0])
+    assert set(ran) == set(CARRIED), ran
+    assert set(CARRIED[name] for name in ran) == {"dense", "lowrank", "allreduce", "scalable", "allgather"}
+    assert len({rec["plan_digest"] for rec in run["steps"][0]}) >= len(CARRIED)
+    # and the replicas moved at every step (a step that changed nothing would prove nothing)
+    params = [rec["params"] for rec in run["digests"][0]]
+    assert len(set(params)) == steps
+    totals = run["totals"]
+    assert totals["wire_bytes_total"] < totals["dense_bytes_total"]
+    print(json.dumps({"topology": topology, "steps_per_compressor": dict(ran)}))
+
+
+def test_local_steps_drift_between_syncs_and_agree_after_each(bed_2x2: dict[str, Any]) -> None:
+    run = bed_2x2["runs"]["local"]
+    steps = LOCAL["epochs"] * LOCAL["steps_per_epoch"]
+    assert_spread(bed_2x2, run["ranks"])
+    # the end, after finish's merge: every rank holds the same weights
+    assert len({r["params"] for r in run["ranks"]}) == 1, run["ranks"]
+    assert run["ranks"][0]["params"] != run["ranks"][0]["params_before"]
+    assert_plans_agree(run["steps"], steps)
+    by_rank = [last_per_step(records) for records in run["digests"]]
+    syncs, drifted = [], []
+    for step in range(steps):
+        at = [rank[step] for rank in by_rank]
+        assert len({d["outer_steps"] for d in at}) == 1, (step, at)  # every rank synced at the same steps
+        same = len({d["params"] for d in at}) == 1
+        synced = at[0]["outer_steps"] > (by_rank[0][step - 1]["outer_steps"] if step else 0)
+        if synced or step < LOCAL["warmup"] or step == steps - 1:  # a sync, the dense warm-up, the merge
+            assert same, (step, at)
+        elif not same:
+            drifted.append(step)
+        if synced:
+            syncs.append(step)
+    # a sync every sync_every steps after the warm-up
+    assert len(syncs) >= (steps - LOCAL["warmup"]) // LOCAL["sync_every"], syncs
+    assert all(b - a <= LOCAL["sync_every"] for a, b in zip(syncs, syncs[1:], strict=False)), syncs
+    # between syncs each rank trained on its own data: the replicas did drift apart
+    assert len(drifted) >= len(syncs) - 1, (syncs, drifted)
+    assert run["ranks"][0]["outer_steps"] == by_rank[0][steps - 1]["outer_steps"] >= len(syncs)
+    print(json.dumps({"syncs_at": syncs, "drifted_at": drifted}))
+
+
+def test_a_killed_worker_resumes_bit_identical_to_the_unbroken_run(bed_2x2: dict[str, Any]) -> None:
+    unbroken, killed = bed_2x2["runs"]["unbroken"], bed_2x2["runs"]["killed"]
+    steps = RESUMED["epochs"] * RESUMED["steps_per_epoch"]
+    assert_spread(bed_2x2, killed["ranks"])
+    # the worker group restarted: every rank resumed from the step-10 checkpoint in new processes
+    assert [r["restored_from"] for r in killed["ranks"]] == [RESUME_STEP] * 4
+    assert [r["restored_from"] for r in unbroken["ranks"]] == [0] * 4
+    assert (killed["dir"] / "faults" / f"killed-at-{KILL_STEP}").exists()
+    # rank 3 logged up to its kill; the replayed steps were logged again
+    assert max(rec["step"] for rec in killed["digests"][3][:KILL_STEP]) == KILL_STEP - 1
+    assert len(killed["digests"][0]) > steps
+    for run in (unbroken, killed):
+        assert [r["steps"] for r in run["ranks"]] == [steps] * 4
+        assert_plans_agree(run["steps"], steps)
+        assert_identical_after_every_step(run["digests"], steps)
+    # bit for bit the unbroken run: at every step, and at the end each rank's parameters,
+    # optimizer state and compression state (error feedback, int4's server residuals, PowerSGD)
+    ref, got = last_per_step(unbroken["digests"][0]), last_per_step(killed["digests"][0])
+    for step in range(steps):
+        assert (got[step]["params"], got[step]["optimizer"], got[step]["plan"]) == \
+            (ref[step]["params"], ref[step]["optimizer"], ref[step]["plan"]), step
+    keys = ("params", "optimizer", "compression")
+    assert [[r[k] for k in keys] for r in killed["ranks"]] == [[r[k] for k in keys] for r in unbroken["ranks"]]
+    assert len({r["compression"] for r in unbroken["ranks"]}) == 4  # each rank's own residuals
+    assert [rec["dense"] for rec in killed["steps"][0]] == [rec["dense"] for rec in unbroken["steps"][0]]
+    assert {rec["plan"] for rec in killed["digests"][0]} == {"none", "powersgd", "int4", "dgc_topk"}
