@@ -5,7 +5,8 @@ The wheel is built from a copy of this checkout's files (git's tracked and not-i
 so no stale ``build/`` folder can slip into it) with ``pip wheel --no-deps
 --no-build-isolation``, and installed with ``--no-index --no-deps`` into a new venv; nothing is downloaded at run time,
 so the new environment sees the dependencies (torch, Ray, ...) of the environment running
-the tests through a path entry (``deps.pth``). A path entry adds that folder to
+the tests through a path entry (``deps.pth``); ``--ignore-installed`` keeps pip from taking the
+checkout's editable install of the same version, seen through it, for the wheel. A path entry adds that folder to
 ``sys.path`` without running its ``.pth`` files, so the checkout's editable install there
 stays invisible: ``raycomp`` can only come from the wheel, as the quick-start test asserts.
 """
@@ -68,7 +69,7 @@ def installed(wheel, tmp_path_factory) -> Path:
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index",
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index", "--ignore-installed",
                     "--no-deps", str(wheel)], check=True, timeout=300, cwd=root)
     return python
 
