@@ -145,7 +145,7 @@ def torch_baseline(benchmark: BenchmarkSection) -> GradientStrategyFactory:
         from raycomp.train.ddp_strategy import DdpStrategy, compression_state, wrap_ddp
 
         model = wrap_ddp(model, setup, options)
-        strategy = DdpStrategy(model, compression_state(model, setup))
+        strategy = DdpStrategy(model, compression_state(model, setup), hook=None)
         if strategy.ddp:
             register_torch_hook(model, benchmark)  # raycomp's hook stays out of the way
         return strategy

@@ -52,7 +52,7 @@ class PostLocalSgdStrategy(DdpStrategy):
     """DDP with ``post_localSGD_hook``; the parameters averaged every H optimizer steps."""
 
     def __init__(self, model: torch.nn.Module, state: LocalGuardState, averager: object | None) -> None:
-        super().__init__(model, state)  # type: ignore[arg-type]
+        super().__init__(model, state, hook=None)  # type: ignore[arg-type]
         self.averager = averager
         module = getattr(model, "module", model)
         self._params = list(module.parameters())

@@ -5,18 +5,20 @@ error profile to measure and no unused layers to settle (:meth:`PlainStep.ready`
 nothing to route, encode or remember: its gradients are all-reduced as flat buffers
 (:meth:`PlainStep.start_flat`: the same division, sum and control values as a dense layer
 of :class:`~raycomp.reducer.CompressedReducer`'s compressed path), as torch's all-reduce
-hook does. It goes
-one of two ways, which :class:`raycomp.hook.CompressionState` decides the same on every rank:
+hook does. It goes one
+of three ways, decided the same on every rank (:mod:`raycomp.ddp_sync` says which when):
 
-* **in the hook**, bucket by bucket (:meth:`PlainStep.reduce_bucket`): each bucket
-  all-reduced where it lies, a callback of the collective ending the step;
+* **in DDP** (:meth:`PlainStep.begin_in_ddp`, :meth:`PlainStep.end_in_ddp`): DDP's own
+  reduction carries the gradients; the step adds the control values' all-reduce and counts;
 * **after backward** (:meth:`PlainStep.reduce_after_backward`), for a step whose reduction
-  DDP left out (:class:`raycomp.train.ddp_strategy.DdpStrategy` switches
-  ``require_backward_grad_sync`` off before its forward): every gradient in one flat buffer
-  per dtype.
+  DDP left out (``require_backward_grad_sync`` switched off before its forward): every
+  gradient in one flat buffer per dtype;
+* **in the hook**, bucket by bucket (:meth:`PlainStep.reduce_bucket`), once raycomp's hook
+  is registered: each bucket all-reduced where it lies, a callback of the collective ending
+  the step.
 
-Either way the step counts every layer DDP's buckets hold once, and measures their norms on
-a statistics step.
+Every way counts every layer DDP's buckets hold once; the last two measure their norms on a
+statistics step (DDP's own reduction overwrites them before raycomp could read them).
 """
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ class PlainStep:
         self.reducer = reducer
         self._bucketed = list(bucketed)
         self._layers = [(name, p.numel() * p.element_size()) for name, p in bucketed]  # (name, gradient bytes)
+        self._wire: list[tuple[str, float]] | None = None  # (name, bytes on the wire) of each layer a step
         self._name_of = name_of
         self._end_step = end_step
         self._bucket_futures: list[torch.futures.Future] = []  # this step's buckets so far (in the hook)
         self._buckets_checked = False  # a step in the hook has seen every bucket hold the state's parameters
+        self._control_works: list = []  # a step in DDP: its control values' all-reduce
 
     def begin_step(self) -> None:
         """A new step: none of its buckets are in yet."""
@@ -97,9 +101,33 @@ class PlainStep:
 
     def count(self) -> None:
         """Count the step's bytes: every layer DDP's buckets hold, sent dense."""
-        for name, nbytes in self._layers:
-            dense = self.reducer.group.allreduce_bytes(nbytes)
-            self.reducer.ledger.add(name, dense, dense)
+        if self._wire is None:  # the same every step: the group's size does not change
+            self._wire = [(name, self.reducer.group.allreduce_bytes(nbytes)) for name, nbytes in self._layers]
+        add = self.reducer.ledger.add
+        for name, dense in self._wire:
+            add(name, dense, dense)
+
+    def begin_in_ddp(self, device: torch.device) -> None:
+        """A plain step that DDP's own reduction carries, begun before its forward: the
+        control values go now, in an all-reduce of their own that finishes beside forward
+        and backward (DDP's buckets take no extra values). Their non-finite flag stays
+        clear: a non-finite gradient anywhere shows in the mean every rank reads."""
+        reducer = self.reducer
+        reducer.begin_step()
+        control = reducer.signals.take(device)
+        self._control_works = [] if control is None else reducer.group.start_all_reduce(control)
+        if control is not None:
+            reducer.ledger.add(OVERHEAD, reducer.group.allreduce_bytes(control.numel() * control.element_size()))
+
+    def end_in_ddp(self, since: float) -> None:
+        """End a step begun by :meth:`begin_in_ddp`, after DDP's reduction in backward: the
+        control values are in, the layers counted; the wait since ``since`` (when backward
+        computed its last gradient) is the step's communication."""
+        works, self._control_works = self._control_works, []
+        for work in works:
+            work.wait()
+        self.count()
+        self._end_step(since)
 
     def reduce_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
         """A bucket of a plain step in the hook: all-reduced where it lies (its gradients'

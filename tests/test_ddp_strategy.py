@@ -1,7 +1,12 @@
-"""raycomp.train's DDP sync on real gloo processes: a dense step of a small model reduced
-after backward, with DDP's own reduction switched off for it (:class:`DdpStrategy`)."""
+"""raycomp.train's DDP sync on real gloo processes (:class:`DdpStrategy`,
+:mod:`raycomp.ddp_sync`): a dense step is DDP's own reduction, a dense statistics step is
+reduced after backward with DDP's switched off, and raycomp's hook joins at the first
+compressed step, the same step on every rank."""
 
 from __future__ import annotations
+
+import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -9,11 +14,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
-from raycomp.train.ddp_strategy import DdpStrategy, reduces_after_backward
+from raycomp.train.ddp_strategy import DdpStrategy
 from raycomp.transports import OVERHEAD
 from tests.distributed import run_distributed
 
 CONTROL = 2  # control values each rank stages per step
+LATE_S = 0.3  # how late one rank starts a backward
 
 
 def _model() -> nn.Module:
@@ -31,12 +37,11 @@ def _counted_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks real anno
     return compression_hook(state, bucket)
 
 
-def _synced(after_backward: bool, plan: Plan | None = None) -> tuple[DDP, CompressionState, DdpStrategy]:
-    ddp = DDP(_model())
-    state = CompressionState(ddp, plan or Plan(), min_compress_numel=0)
+def _synced(stats_every: int = 0, **ddp_options: bool) -> tuple[DDP, CompressionState, DdpStrategy]:
+    ddp = DDP(_model(), **ddp_options)
+    state = CompressionState(ddp, Plan(), min_compress_numel=0, stats_every=stats_every)
     state.hook_calls = 0
-    ddp.register_comm_hook(state, _counted_hook)
-    return ddp, state, DdpStrategy(ddp, state, after_backward=after_backward)
+    return ddp, state, DdpStrategy(ddp, state, hook=_counted_hook)
 
 
 class _Collectives:
@@ -57,22 +62,30 @@ class _Collectives:
         dist.all_reduce = self._original
 
 
-def _steps_against_plain_ddp(rank: int, world_size: int, plans: list[dict | None]) -> dict:
+def _steps_against_plain_ddp(rank: int, world_size: int, plans: list[dict | None], stats_every: int = 0,
+                             nan_at: int | None = None, late_at: int | None = None) -> dict:
     plain = DDP(_model())
-    ddp, state, sync = _synced(True)
-    out: dict = {"equal": [], "deferred": [], "hook_calls": [], "sizes": [], "rows": [], "flag_after": [], "grads": []}
+    ddp, state, strategy = _synced(stats_every)
+    out: dict = {"equal": [], "ways": [], "hook_calls": [], "sizes": [], "rows": [], "flag_after": [], "grads": [],
+                 "norms": [], "comm": []}
     for step, plan in enumerate(plans):
         if plan is not None:
             state.set_plan(Plan.from_dict(plan))
         x, y = _batch(rank, step)
         nn.functional.cross_entropy(plain(x), y).backward()
         state.stage_control([float(rank + 1), float(step)])
-        calls = state.hook_calls
+        calls, comm = state.hook_calls, state.comm_seconds
         with _Collectives() as issued:
             loss = nn.functional.cross_entropy(ddp(x), y)
-            out["deferred"].append(sync.deferred)
+            out["ways"].append(strategy.sync.way.value)
+            if step == nan_at and rank == 1:
+                loss = loss * float("nan")
+            if step == late_at and rank == 1:
+                time.sleep(LATE_S)  # rank 0's backward then waits for this rank's gradients
             loss.backward()
-            sync.end_backward()
+            strategy.end_backward()
+        out["comm"].append(state.comm_seconds - comm)
+        out["norms"].append(state.gradient_norm(list(ddp.parameters())))
         out["flag_after"].append(ddp.require_backward_grad_sync)
         out["hook_calls"].append(state.hook_calls - calls)
         out["sizes"].append(issued.sizes)
@@ -82,63 +95,98 @@ def _steps_against_plain_ddp(rank: int, world_size: int, plans: list[dict | None
                                                                              strict=True)))
         with torch.no_grad():
             for p in (*plain.parameters(), *ddp.parameters()):
-                p -= 0.1 * p.grad
+                p -= 0.1 * torch.nan_to_num(p.grad)
         plain.zero_grad()
         ddp.zero_grad()
     # the buffers each forward broadcast from rank 0, as plain DDP's forwards did
     out["buffers"] = all(torch.equal(a, b) for a, b in zip(plain.buffers(), ddp.buffers(), strict=True))
     out["ledger"] = dict(state.ledger.wire_bytes)
     out["params"] = sum(p.numel() for p in ddp.parameters())
+    out["steps"] = {way.value: n for way, n in strategy.sync.steps.items()}
+    out["hooked"] = strategy.sync.hooked
     state.close()
     return out
 
 
-def test_a_dense_step_of_a_small_model_is_reduced_after_backward_as_ddp_reduces_it():
-    results = run_distributed(_steps_against_plain_ddp, 2, [None] * 3)
+def _layer_bytes(steps: int) -> dict[str, int]:
+    return {name: steps * p.numel() * 4 for name, p in _model().named_parameters()}
+
+
+def test_a_dense_step_is_ddps_own_reduction_with_the_control_values_beside_it():
+    results = run_distributed(_steps_against_plain_ddp, 2, [None] * 3, 0, None, 2)
     for rank, out in enumerate(results):
-        assert out["deferred"] == [True] * 3  # DDP's reduction switched off before each backward
-        assert out["hook_calls"] == [0] * 3  # so its comm hook never ran
-        assert out["flag_after"] == [True] * 3  # and switched back on after the reduction
+        assert out["ways"] == ["ddp"] * 3 and not out["hooked"]
+        assert out["hook_calls"] == [0] * 3  # raycomp's hook is not even registered
+        assert out["flag_after"] == [True] * 3  # DDP's sync never switched off
         assert out["equal"] == [True] * 3, "the mean differs from DDP's own all-reduce"
         assert out["buffers"], "BatchNorm's buffers were not broadcast as DDP broadcasts them"
-        # one all-reduce a step: every gradient, one element for missing gradients, and the
-        # control rows of both ranks (a flag and two values each): nothing else on the wire
-        assert out["sizes"] == [[out["params"] + 1 + 2 * (1 + CONTROL)]] * 3, out["sizes"]
+        # raycomp's only collective: the control rows of both ranks (a flag and two values
+        # each); the gradients went through DDP's C++ all-reduce
+        assert out["sizes"] == [[2 * (1 + CONTROL)]] * 3, out["sizes"]
         for step, rows in enumerate(out["rows"]):
             assert rows == [[0.0, 1.0, float(step)], [0.0, 2.0, float(step)]], (rank, rows)
         # every layer counted at every step, dense (two ranks: a ring all-reduce sends its bytes once)
-        model = _model()
-        for name, p in model.named_parameters():
-            assert out["ledger"][name] == 3 * p.numel() * 4, (name, out["ledger"])
-        # and the rest of what went on the wire: the control rows and the missing count
-        assert out["ledger"][OVERHEAD] == 3 * (2 * (1 + CONTROL) + 1) * 4, out["ledger"]
+        assert {k: v for k, v in out["ledger"].items() if k != OVERHEAD} == _layer_bytes(3), out["ledger"]
+        assert out["ledger"][OVERHEAD] == 3 * 2 * (1 + CONTROL) * 4, out["ledger"]
+    # what DDP's all-reduce made backward wait for is the step's communication: rank 0 waited
+    # for the late rank after its last gradient was computed
+    assert results[0]["comm"][2] > LATE_S / 2, results[0]["comm"]
 
 
-def test_a_compressed_step_goes_back_to_ddps_hook_and_a_dense_one_after_it_comes_back():
+def test_a_dense_statistics_step_is_reduced_after_backward_from_the_ranks_own_gradients():
+    results = run_distributed(_steps_against_plain_ddp, 2, [None] * 4, 2)
+    for out in results:
+        # statistics at the step before each multiple of stats_every: steps 1 and 3
+        assert out["ways"] == ["ddp", "after_backward", "ddp", "after_backward"], out["ways"]
+        assert out["equal"] == [True] * 4 and out["flag_after"] == [True] * 4
+        params = sum(p.numel() for p in _model().parameters())
+        # after backward: every gradient, one element for missing gradients, and the rows
+        assert out["sizes"][1] == out["sizes"][3] == [params + 1 + 2 * (1 + CONTROL)], out["sizes"]
+        assert out["steps"] == {"ddp": 2, "after_backward": 2, "hook": 0}
+        assert out["buffers"], "BatchNorm's buffers were not broadcast as DDP broadcasts them"
+        for step, rows in enumerate(out["rows"]):
+            assert rows == [[0.0, 1.0, float(step)], [0.0, 2.0, float(step)]], rows
+        assert {k: v for k, v in out["ledger"].items() if k != OVERHEAD} == _layer_bytes(4), out["ledger"]
+        # the control rows at every step, and the missing-gradient count at each statistics step
+        assert out["ledger"][OVERHEAD] == 4 * 2 * (1 + CONTROL) * 4 + 2 * 4, out["ledger"]
+
+
+def test_a_compressed_step_registers_the_hook_at_the_same_step_on_every_rank_and_keeps_it():
     int8 = Plan.uniform("int8").to_dict()
     results = run_distributed(_steps_against_plain_ddp, 2, [None, int8, None, Plan().to_dict(), None])
     for out in results:
-        # int8 is lossy and leaves a residual in error feedback: the first dense step after
-        # it goes through the hook, which sends the residual; the next one after backward
-        assert out["deferred"] == [True, False, False, False, True], out["deferred"]
-        assert [calls > 0 for calls in out["hook_calls"]] == [False, True, True, True, False]
+        # DDP takes one comm hook for good: after the first compressed step every step is
+        # the hook's, the dense ones after it its plain step
+        assert out["ways"] == ["ddp", "hook", "hook", "hook", "hook"], out["ways"]
+        assert [calls > 0 for calls in out["hook_calls"]] == [False, True, True, True, True]
         assert out["equal"][0] and not out["equal"][1]  # DDP's mean, then int8's
-        assert out["flag_after"] == [True] * 5
+        assert out["flag_after"] == [True] * 5 and out["hooked"]
     # every rank holds the same mean and the same control rows, whichever way each step went
     assert results[0]["rows"] == results[1]["rows"]
     assert all(torch.equal(a, b) for a, b in zip(results[0]["grads"], results[1]["grads"], strict=True))
 
 
+def test_a_nan_on_one_rank_in_ddps_own_step_reaches_every_ranks_guard_at_that_step():
+    results = run_distributed(_steps_against_plain_ddp, 2, [None] * 3, 0, 1)
+    for out in results:
+        assert out["ways"] == ["ddp"] * 3
+        # the flag in the rows cannot see it (sent before backward); the mean's norm, which
+        # the guard reads on every rank, does
+        assert math.isfinite(out["norms"][0]) and not math.isfinite(out["norms"][1]), out["norms"]
+        assert math.isfinite(out["norms"][2])
+
+
 def _accumulated(rank: int, world_size: int) -> tuple[bool, bool, list[int], int]:
     plain = DDP(_model())
-    ddp, state, sync = _synced(True)
+    ddp, state, sync = _synced(1)  # a statistics step: reduced after backward
     for model in (plain, ddp):
         with _Collectives() as issued:
             with model.no_sync():  # the user's own accumulation: two micro-batches, then one synced
                 for micro in range(2):
                     x, y = _batch(rank, micro)
                     nn.functional.cross_entropy(model(x), y).backward()
-                inside = model.require_backward_grad_sync
+                # nothing decided inside, nothing switched: the synchronising forward decides
+                inside = model.require_backward_grad_sync or (model is ddp and sync.sync.way is not None)
             x, y = _batch(rank, 2)
             nn.functional.cross_entropy(model(x), y).backward()
             if model is ddp:
@@ -162,9 +210,8 @@ def _one_rank_leaves_a_layer_unused(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     model = nn.ModuleDict({"a": nn.Linear(8, 4), "b": nn.Linear(8, 4)})
     ddp = DDP(model)
-    state = CompressionState(ddp, Plan(), min_compress_numel=0)
-    ddp.register_comm_hook(state, compression_hook)
-    strategy = DdpStrategy(ddp, state, after_backward=True)
+    state = CompressionState(ddp, Plan(), min_compress_numel=0, stats_every=1)  # after backward
+    strategy = DdpStrategy(ddp, state)
 
     x = torch.randn(2, 8)
     ddp.module.forward = lambda x: ddp.module["a"](x) + (ddp.module["b"](x) if rank == 0 else 0)
@@ -185,57 +232,63 @@ def test_a_parameter_without_a_gradient_on_one_rank_fails_on_every_rank_instead_
     assert all("find_unused_parameters=True" in m for m in messages), messages
 
 
-def _eligibility(rank: int, world_size: int) -> dict[str, bool]:
-    cpu = torch.device("cpu")
-    small = nn.Linear(64, 64)  # 16.6 KB of gradients
-    big = nn.Linear(1024, 1024)  # 4.2 MB
-    return {
-        "small": reduces_after_backward(DDP(small), cpu),
-        "two buckets": reduces_after_backward(DDP(big, bucket_cap_mb=2.1), cpu),
-        "three buckets": reduces_after_backward(DDP(big, bucket_cap_mb=1.9), cpu),
-        "find_unused": reduces_after_backward(DDP(small, find_unused_parameters=True), cpu),
-        "static_graph": reduces_after_backward(DDP(small, static_graph=True), cpu),
-        "cuda": reduces_after_backward(DDP(small), torch.device("cuda")),
-        "not a DDP": reduces_after_backward(small, cpu),
-    }
+def _hooked_at_once(rank: int, world_size: int) -> dict[str, bool]:
+    out = {}
+    for name, options in {"plain": {}, "find_unused": {"find_unused_parameters": True},
+                          "static_graph": {"static_graph": True}}.items():
+        ddp, state, strategy = _synced(**options)
+        out[name] = strategy.sync.hooked
+        state.close()
+    return out
 
 
-def test_only_a_small_cpu_ddp_without_unused_parameters_is_reduced_after_backward():
-    eligible = run_distributed(_eligibility, 2)[0]
-    assert eligible == {"small": True, "two buckets": True, "three buckets": False, "find_unused": False,
-                        "static_graph": False, "cuda": False, "not a DDP": False}
+def test_ddp_with_its_own_bookkeeping_of_a_step_gets_the_hook_at_once():
+    assert run_distributed(_hooked_at_once, 2)[0] == {"plain": False, "find_unused": True, "static_graph": True}
 
 
 def test_a_forward_without_gradients_leaves_ddps_sync_alone():
     # evaluation under no_grad: DDP prepares nothing, and neither does the sync
     results = run_distributed(_eval_forward, 2)
-    assert results == [(False, True)] * 2
+    assert results == [(None, True)] * 2
 
 
-def _eval_forward(rank: int, world_size: int) -> tuple[bool, bool]:
-    ddp, state, sync = _synced(True)
+def _eval_forward(rank: int, world_size: int) -> tuple[object, bool]:
+    ddp, state, strategy = _synced(1)
     with torch.no_grad():
         ddp(_batch(rank, 0)[0])
-    deferred, flag = sync.deferred, ddp.require_backward_grad_sync
+    way, flag = strategy.sync.way, ddp.require_backward_grad_sync
     state.close()
-    return deferred, flag
+    return way, flag
 
 
-def test_without_after_backward_the_hook_reduces_every_dense_step():
-    # a framework's DDP (Lightning, the Hugging Face Trainer) keeps the hook on every step
-    for calls in run_distributed(_hook_only, 2):
-        assert calls == [1, 1]
+def test_a_strategy_without_raycomps_hook_leaves_ddp_to_the_hook_given():
+    # a benchmark's torch hook: raycomp registers nothing and switches nothing off
+    params = sum(p.numel() for p in _model().parameters())
+    for calls, sizes in run_distributed(_torch_hook_only, 2):
+        assert calls == [1, 1] and sizes == [[params], [params]]  # the torch hook's one bucket, nothing else
 
 
-def _hook_only(rank: int, world_size: int) -> list[int]:
-    ddp, state, sync = _synced(False)
-    calls = []
+def _counting_allreduce_hook(calls, bucket):  # noqa: ANN001, ANN202 - DDP checks real annotations
+    calls.append(1)
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _torch_hook_only(rank: int, world_size: int) -> tuple[list[int], list[list[int]]]:
+    ddp = DDP(_model())
+    state = CompressionState(ddp, Plan(), min_compress_numel=0)
+    strategy = DdpStrategy(ddp, state, hook=None)
+    torch_calls: list[int] = []
+    ddp.register_comm_hook(torch_calls, _counting_allreduce_hook)
+    counts, sizes = [], []
     for step in range(2):
-        before = state.hook_calls
+        before = len(torch_calls)
         x, y = _batch(rank, step)
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        sync.end_backward()
-        calls.append(state.hook_calls - before)
+        with _Collectives() as issued:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            strategy.end_backward()
+        counts.append(len(torch_calls) - before)
+        sizes.append(issued.sizes)
         ddp.zero_grad()
     state.close()
-    return calls
+    return counts, sizes

@@ -21,8 +21,8 @@ MUTANTS = (
     ),
     mutant(
         "framework-ddp-without-the-hook", "ddp_hook_strategy",
-        "        model.register_comm_hook(strategy.state, compression_hook)\n",
-        "        pass\n",
+        "    return DdpStrategy(model, compression_state(model, setup))\n",
+        "    return DdpStrategy(model, compression_state(model, setup), hook=None)\n",
         "tests/test_lightning.py -k every_gradient_byte",
         "the framework's DDP all-reduces dense gradients itself, raycomp's hook never runs",
         timeout_s=600,
