@@ -69,6 +69,14 @@ class Controller:
         if run_id in self.runs:
             run = self.runs[run_id]
             run.status, run.finished = "running", None
+            if world_size != run.world_size:  # an elastic restart at another size: re-measure, re-plan
+                log.info("run %s: %d -> %d workers; the link and compute are measured again",
+                         run_id, run.world_size, world_size)
+                run.resize(world_size)
+                for model in self.policies[run_id].cost_models():
+                    model.forget()
+                self._decide(run)
+                self._unsaved[run_id] = True
             return run.plan.to_dict()
         options = {**options, "min_compress_numel": min_compress_numel}
         self.policies[run_id] = make_policy(policy, options)

@@ -62,6 +62,7 @@ class Timing:
     samples_per_second: float
     wire_bytes: float  # all ranks, running total
     dense_bytes: float
+    world_size: int = 0  # the ranks that reported it (0: a snapshot from before it was kept)
 
 
 @dataclass
@@ -197,7 +198,7 @@ class RunState:
             _mean([r.compute_seconds for r in all_reports]),
             _mean([r.comm_seconds for r in all_reports]),
             sum(r.samples_per_second for r in all_reports),
-            wire, dense,
+            wire, dense, self.world_size,
         ))
         by_layer: dict[str, list[dict[str, Any]]] = {}
         for report in all_reports:
@@ -216,6 +217,20 @@ class RunState:
             profiles = [e.get("topk_errors") or {} for e in entries]
             keys = set.intersection(*(set(p) for p in profiles)) if profiles else set()
             history.topk_errors = {k: _mean([p[k] for p in profiles]) for k in sorted(keys)}
+
+    def resize(self, world_size: int) -> None:
+        """The run restarted on ``world_size`` workers (an elastic resize): reports are
+        expected from that many ranks. Byte totals come back from every new rank (the
+        workers fold the old ranks' totals into the new ones), so the old ranks' latest
+        totals are forgotten, as are steps half-reported by the old group."""
+        before, self.world_size = self.world_size, world_size
+        self._pending.clear()
+        self.per_rank_bytes.clear()
+        self._totals_step.clear()
+        self._step_evals.clear()
+        self.per_rank_outages = {r: n for r, n in self.per_rank_outages.items() if r < world_size}
+        self.events.append({"step": self.step, "kind": "resize", "reason": "elastic restart",
+                            "detail": f"{before} -> {world_size} workers"})
 
     # --- views for policies -------------------------------------------------------------
     @property

@@ -94,6 +94,8 @@ class BandwidthPolicy(Policy):
         if len(run.timings) < 2:
             return None
         t0, t1 = run.timings[-2], run.timings[-1]
+        if t0.world_size != t1.world_size:
+            return None  # an elastic resize between them: their totals do not subtract
         steps = t1.step - t0.step if t1.step > t0.step else run.interval_steps
         per = max(1, run.world_size) * max(1, steps)
         wire = (t1.wire_bytes - t0.wire_bytes) / per

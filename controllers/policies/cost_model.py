@@ -83,6 +83,9 @@ class CostModel:
         previous = run.timings[index - 1] if index > 0 else None
         per_rank = max(1, run.world_size)
         for t in timings:
+            if previous is not None and previous.world_size != t.world_size:
+                previous, s.seen_step = t, t.step  # a resize between them: no sample spans it
+                continue
             if previous is None:  # the run's first report: totals count from zero
                 steps, wire, dense = t.step + 1, t.wire_bytes, t.dense_bytes
             else:
@@ -153,6 +156,15 @@ class CostModel:
         if compressor is None:
             compressor = self._compressors[spec] = make_compressor(spec.name, **dict(spec.params))
         return compressor
+
+    def forget(self) -> None:
+        """Forget what was measured (the link's bandwidth unless it was given, the compute,
+        each family's round overhead): the run restarted at another world size, where a
+        step computes and a ring or an all-gather moves different amounts, so the figures
+        are measured again, as at a run's start (the chooser keeps the plan dense until a
+        dense interval has timed the link). Timings already seen stay seen."""
+        self.state.bw, self.state.compute = self.assumed_bw, None
+        self.state.overhead.clear()
 
     def skip_to(self, step: int) -> None:
         """Take no Timing report up to ``step`` into the estimates (they timed something

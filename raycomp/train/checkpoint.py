@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "META", "SHARDED", "SHARED", "atomic_write", "load", "load_sharded", "save_own", "save_sharded",
-    "save_shared"
+    "META", "SHARDED", "SHARED", "atomic_write", "load", "load_all_own", "load_sharded", "save_own",
+    "save_sharded", "save_shared"
 ]
 
 SHARED, META, SHARDED = "shared.pt", "meta.json", "sharded"
@@ -65,6 +65,16 @@ def load(directory: Path, rank: int, world_size: int, model: torch.nn.Module, op
     if meta["world_size"] != world_size or not own_path.exists():
         return meta, None
     return meta, torch.load(own_path, weights_only=False)
+
+
+def load_all_own(directory: Path, world_size: int) -> list[dict[str, Any]] | None:
+    """Every rank's own state of a checkpoint written by ``world_size`` workers, in rank
+    order (None when a rank's file is missing): what a resize merges
+    (:mod:`raycomp.train.resize`)."""
+    paths = [directory / f"rank{r}.pt" for r in range(world_size)]
+    if not all(p.exists() for p in paths):
+        return None
+    return [torch.load(p, weights_only=False) for p in paths]
 
 
 def save_sharded(directory: Path, model: torch.nn.Module, optimizer: Any) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raycomp.plan import Plan
-from raycomp.train import checkpoint
+from raycomp.train import checkpoint, resize
 
 if TYPE_CHECKING:
     from raycomp.train.loop import TrainLoop
@@ -45,11 +45,13 @@ def own_state(loop: TrainLoop) -> dict[str, Any]:
 
 
 def load_own(loop: TrainLoop, own: dict[str, Any]) -> None:
-    """Take back :func:`own_state`'s dictionary (the GradScaler's only if the loop holds one)."""
+    """Take back :func:`own_state`'s dictionary (the GradScaler's only if the loop holds one;
+    the RNG's only if it holds one: a rank added by a resize keeps its own)."""
     loop.state.load_state_dict(own["compression"])
     loop.guard.load_state_dict(own["guard"])
     loop.controller_plan = Plan.from_dict(own["controller_plan"])
-    torch.set_rng_state(own["rng"])
+    if own.get("rng") is not None:
+        torch.set_rng_state(own["rng"])
     counters = own["counters"]
     loop.plan_switches, loop.outages.count = counters["plan_switches"], counters["outages"]
     loop.skipped_steps, loop.lr_ramp.started_at = counters["skipped_steps"], counters["lr_ramp_from"]
@@ -73,8 +75,10 @@ def save_state(loop: TrainLoop, directory: Path) -> None:
 
 
 def restore(loop: TrainLoop) -> None:
-    """Take back ``ray.train.get_checkpoint()``'s state, if it holds raycomp's. From another
-    number of workers only the model, optimizer and step come back."""
+    """Take back ``ray.train.get_checkpoint()``'s state, if it holds raycomp's. From the same
+    number of workers every rank takes its own file back (bit for bit); from another number
+    (an elastic resize) every rank merges all the old ranks' files by
+    :mod:`raycomp.train.resize`'s rule (a sharded run's compression state starts fresh)."""
     import ray.train
 
     found = ray.train.get_checkpoint()
@@ -89,13 +93,40 @@ def restore(loop: TrainLoop) -> None:
             return
         meta, own = checkpoint.load(Path(directory), loop.rank, loop.world_size, loop.model,
                                     loop.optimizer, loop.scheduler, sharded=loop.sharded)
-        if own is None:
-            log.warning("checkpoint is from %d workers, now %d: compression state starts fresh",
-                        meta["world_size"], loop.world_size)
+        if own is None and meta["world_size"] != loop.world_size:
+            _resize(loop, Path(directory), meta)
+        elif own is None:
+            log.warning("checkpoint lacks rank %d's state: compression state starts fresh", loop.rank)
         else:
             load_own(loop, own)
     loop.global_step = loop.restored_from = meta["global_step"]
     log.info("resumed from step %d", loop.global_step)
+
+
+def _resize(loop: TrainLoop, directory: Path, meta: dict[str, Any]) -> None:
+    """Restore a checkpoint of ``meta["world_size"]`` workers on this loop's number."""
+    old = int(meta["world_size"])
+    olds = None if loop.sharded else checkpoint.load_all_own(directory, old)
+    if olds is None:
+        why = "a sharded run's residuals are laid out per shard" if loop.sharded else "a rank's file is missing"
+        log.warning("checkpoint is from %d workers, now %d (%s): compression state starts fresh",
+                    old, loop.world_size, why)
+        return
+    merged = resize.merge_own(olds, loop.rank, loop.world_size, loop.options.seed, loop.strategy.layers())
+    load_own(loop, merged)
+    if any(own.get("replica") is not None for own in olds):
+        _replica_from_global(loop)
+    if loop.rank == 0:
+        log.info("resized at step %d: %s", meta["global_step"], resize.summary(olds, loop.world_size))
+
+
+def _replica_from_global(loop: TrainLoop) -> None:
+    """Local steps were in force: this rank's weights become the global weights (the old
+    ranks' own replicas are not carried over; see :mod:`raycomp.train.resize`)."""
+    steps = loop.state.steps
+    with torch.no_grad():
+        for param, global_param in zip(steps.params, steps.global_params, strict=True):
+            param.copy_(global_param)
 
 
 def forget_finished_run() -> None:
