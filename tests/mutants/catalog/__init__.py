@@ -6,6 +6,7 @@ from . import (
     benchmarks,
     compressors,
     controller,
+    elastic,
     error_feedback,
     hook,
     integrations,
@@ -34,4 +35,5 @@ MUTANTS = (
     *sharded.MUTANTS,
     *local_steps.MUTANTS,
     *benchmarks.MUTANTS,
+    *elastic.MUTANTS,
 )
