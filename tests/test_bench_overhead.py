@@ -49,6 +49,7 @@ def test_the_hook_alone_is_reported_beside_the_verdict_when_measured(tmp_path):
     ("--pairs=0", "overhead: --pairs must be >= 1, got 0"),
     ("--block=0", "overhead: --block must be >= 1, got 0"),
     ("--warmup-pairs=-1", "overhead: --warmup-pairs must be >= 0, got -1"),
+    ("--model=gru", "overhead: --model must be one of cnn, lstm, got 'gru'"),
 ])
 def test_bad_options_stop_with_one_line_before_ray_starts(option, message):
     args = build_parser().parse_args(["overhead", option])
@@ -65,7 +66,13 @@ def test_the_report_states_the_set_up_and_the_verdict(tmp_path):
     json_path, md_path = overhead.write_report(result, meta, tmp_path, "overhead-test")
     assert json.loads(json_path.read_text())["summary"]["ratio_median"] == pytest.approx(1.02)
     text = md_path.read_text()
-    assert "| 50.0 | 51.0 | 1.020 |" in text  # 1 s blocks of 20 steps and "**1.020** — **PASS**" in text
+    assert "| 50.0 | 51.0 | 1.020 |" in text
+    assert "Its steps" not in text  # a report from before the ways were counted says nothing of them
+    result["ways"] = {"ddp": 54, "after_backward": 6, "hook": 0}
+    _, md_path = overhead.write_report(result, {**meta, "model": "lstm"}, tmp_path, "overhead-lstm")
+    text = md_path.read_text()
+    assert "Its steps: 54 by DDP's own reduction, 6 statistics steps reduced after backward, 0 by raycomp's hook." \
+        in text and "`jobs.models.char_lstm`" in text and "DDP's own all-reduce for the gradients" in text  # 1 s blocks of 20 steps and "**1.020** — **PASS**" in text
 
 
 @pytest.mark.benchmark

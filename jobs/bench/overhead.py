@@ -2,8 +2,10 @@
 nothing, against plain DDP, on a model whose step is well under 100 ms.
 
 One Ray Train fit on this machine's local Ray (2 workers, one thread each, loopback: a fast
-link). Each worker holds copies of the same small CNN (``jobs.models.fashion_cnn``,
-420k parameters, a batch of ``--batch`` Fashion-MNIST images per worker): one wrapped by
+link). Each worker holds copies of the same small model (``--model cnn``:
+``jobs.models.fashion_cnn``, 420k parameters, a batch of ``--batch`` Fashion-MNIST images
+per worker; ``--model lstm``: ``jobs.models.char_lstm`` of width 128, ``--batch`` windows of
+64 KJV characters): one wrapped by
 ``ray.train.torch.prepare_model`` and stepped as a user writes plain DDP (``backward``,
 ``optimizer.step``, ``zero_grad``), one by ``raycomp.train.prepare_model`` on a static dense
 plan and stepped by ``raycomp.train.step`` (raycomp's hook, the guard, the controller link,
@@ -39,8 +41,16 @@ from jobs.bench.report import (
     write_atomic,
 )
 
-HELP = "the raycomp.train step on a dense plan against plain DDP, a small CNN, blocks in turn"
+HELP = "the raycomp.train step on a dense plan against plain DDP, a small model, blocks in turn"
 GOAL = 1.03
+MODELS = ("cnn", "lstm")
+#: what each --model trains, for the report
+DESCRIPTIONS = {
+    "cnn": "`jobs.models.fashion_cnn` (420k parameters), {batch} Fashion-MNIST images per worker and step, "
+           "SGD with momentum",
+    "lstm": "`jobs.models.char_lstm` (width 128, two layers), {batch} windows of 64 KJV characters per worker "
+            "and step, SGD with momentum",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32, help="images per worker and step (default 32)")
     parser.add_argument("--bucket-cap-mb", default="auto",
                         help="raycomp's compression.bucket_cap_mb (default auto; plain DDP keeps torch's 25)")
+    parser.add_argument("--model", default="cnn", help=f"the model: {', '.join(MODELS)} (default cnn)")
     parser.add_argument("--output-dir", type=Path, default=Path("docs/benchmarks"))
-    parser.add_argument("--name", default="overhead-cnn-loopback", help="the report's file name")
+    parser.add_argument("--name", default=None, help="the report's file name (default overhead-<model>-loopback)")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -59,6 +70,8 @@ def check(args: argparse.Namespace) -> None:
     for name, low in (("pairs", 1), ("warmup_pairs", 0), ("block", 1), ("batch", 1)):
         if getattr(args, name) < low:
             raise SystemExit(f"overhead: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.model not in MODELS:
+        raise SystemExit(f"overhead: --model must be one of {', '.join(MODELS)}, got {args.model!r}")
 
 
 def train_func(config: dict[str, Any]) -> dict[str, Any]:
@@ -69,17 +82,48 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
 
     import raycomp
     import raycomp.train
-    from jobs.data import fashion_mnist
-    from jobs.models import fashion_cnn
+    from jobs.data import fashion_mnist, kjv_corpus
+    from jobs.models import char_lstm, fashion_cnn, lm_loss
     from raycomp.buckets import ddp_kwargs
     from raycomp.config import CompressionSection, ControllerSection
-    from raycomp.train.ddp_strategy import reduces_after_backward
 
     torch.set_num_threads(1)
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
+    block, batch = config["block"], config["batch"]
+    pairs = config["pairs"] + config["warmup_pairs"]
+    if config["model"] == "lstm":
+        corpus = kjv_corpus()
+
+        def build() -> nn.Module:
+            return char_lstm(len(corpus.vocab), d_model=128)
+
+        def batches(start: int):
+            for i in range(start, start + block):
+                x, y = corpus.batch_at("train", 0, i, rank, world, batch, 64)
+                yield x, y, len(y)
+
+        def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return lm_loss(model(x), y)
+    else:
+        train, _ = fashion_mnist()
+        train_x, train_y = train.x, train.y
+        per_step = batch * world
+
+        def build() -> nn.Module:
+            return fashion_cnn()
+
+        def batches(start: int):
+            for i in range(start, start + block):
+                lo = (i * per_step) % (len(train_y) - per_step)
+                x, y = train_x[lo + rank:lo + per_step:world], train_y[lo + rank:lo + per_step:world]
+                yield x, y, len(y)
+
+        def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(model(x), y)
+
     torch.manual_seed(0)
-    plain_model = fashion_cnn()
+    plain_model = build()
     own_model, hook_model = copy.deepcopy(plain_model), copy.deepcopy(plain_model)
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
     own_opt = torch.optim.SGD(own_model.parameters(), lr=0.01, momentum=0.9)
@@ -93,38 +137,26 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
         output_dir=config["output_dir"], progress_every=0)
     own = raycomp.train.prepare_model(own_model, own_opt, options=options)
     loop = raycomp.train.current()
-    after_backward = reduces_after_backward(own, torch.device("cpu"))
     # raycomp's hook alone, on raycomp's buckets: what the loop's control work comes on top of
     hook = ray.train.torch.prepare_model(hook_model, parallel_strategy_kwargs=ddp_kwargs(options.compression,
                                                                                           hook_model))
     hook_state = raycomp.CompressionState(hook, raycomp.Plan())
     hook.register_comm_hook(hook_state, raycomp.compression_hook)
 
-    train, _ = fashion_mnist()
-    train_x, train_y = train.x, train.y
-    block, batch = config["block"], config["batch"]
-    pairs = config["pairs"] + config["warmup_pairs"]
-    per_step = batch * world
-
-    def batches(start: int):
-        for i in range(start, start + block):
-            lo = (i * per_step) % (len(train_y) - per_step)
-            yield train_x[lo + rank:lo + per_step:world], train_y[lo + rank:lo + per_step:world]
-
     def ddp_block(model: nn.Module, optimizer: torch.optim.Optimizer, start: int) -> float:
         began = time.perf_counter()
-        for x, y in batches(start):
-            nn.functional.cross_entropy(model(x), y).backward()
+        for x, y, _ in batches(start):
+            loss_of(model, x, y).backward()
             optimizer.step()
             optimizer.zero_grad()
         return time.perf_counter() - began
 
     def own_block(start: int) -> float:
         began = time.perf_counter()
-        for x, y in batches(start):
-            loss = nn.functional.cross_entropy(own(x), y)
+        for x, y, samples in batches(start):
+            loss = loss_of(own, x, y)
             loss.backward()
-            raycomp.train.step(loss, samples=len(y))
+            raycomp.train.step(loss, samples=samples)
         return time.perf_counter() - began
 
     sides = {"plain_s": lambda start: ddp_block(plain, plain_opt, start),
@@ -135,9 +167,11 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
             order = list(sides) if pair % 2 == 0 else list(reversed(sides))
             times = {side: sides[side](pair * block) for side in order}
             rows.append({"pair": pair, **times, "counted": pair >= config["warmup_pairs"]})
+    sync = getattr(loop.strategy, "sync", None)  # how raycomp.train's steps travelled (raycomp.ddp_sync)
+    ways = {} if sync is None else {way.value: n for way, n in sync.steps.items()}
     totals = raycomp.train.finish()
     hook_state.close()
-    return {"rows": rows, "plan": totals["final_plan"], "steps": totals["steps"], "after_backward": after_backward,
+    return {"rows": rows, "plan": totals["final_plan"], "steps": totals["steps"], "ways": ways,
             "wire_bytes_total": totals["wire_bytes_total"], "dense_bytes_total": totals["dense_bytes_total"],
             "controller_outages": totals["controller_outages"], "stats_dropped": totals["stats_dropped"]}
 
@@ -165,10 +199,20 @@ def summarize(rows: list[dict[str, Any]], block: int) -> dict[str, Any]:
     return out
 
 
+def _ways_line(ways: dict[str, int]) -> str:
+    """How raycomp.train's steps travelled (:mod:`raycomp.ddp_sync`), in a sentence."""
+    if not ways:
+        return ""
+    return (f"Its steps: {ways.get('ddp', 0)} by DDP's own reduction, {ways.get('after_backward', 0)} statistics "
+            f"steps reduced after backward, {ways.get('hook', 0)} by raycomp's hook.")
+
+
 def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     s = result["summary"]
+    link = "DDP's own all-reduce for the gradients, the control values in one of their own" \
+        if (result.get("ways") or {}).get("ddp") else "the control values ride in the gradients' collectives"
     verdict = "PASS" if s["ok"] else "MISS"
     table = markdown_table(
         ["plain DDP step ms", "raycomp step ms", "ratio (median over pairs)", "quartiles"],
@@ -178,11 +222,8 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         "",
         f"For reference, raycomp's hook alone (no `raycomp.train` loop): {s['hook_step_ms']:.1f} ms a step, "
         f"{s['hook_ratio_median']:.3f}x plain DDP's (median over pairs)"
-        + ("; `raycomp.train` reduces this model's dense steps after backward instead (DDP's reduction off), "
-           "so what its step costs beyond plain DDP's is the loop's control work: the guard, statistics "
-           "reports, boundaries, the step log." if result.get("after_backward") else
-           "; the rest of the raycomp.train step's cost is the loop's control work: the guard, statistics "
-           "reports, boundaries, the step log."),
+        + "; `raycomp.train` leaves a dense step to DDP's own reduction instead, so what its step costs "
+          "beyond plain DDP's is the loop's control work: the guard, statistics, boundaries, the step log.",
     ]
     write_atomic(json_path, json.dumps({**meta, **result}, indent=2) + "\n")
     write_atomic(md_path, "\n".join([
@@ -203,21 +244,20 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         "## Set-up",
         "",
         "- One Ray Train fit, 2 workers on this machine's local Ray (loopback), one thread each.",
-        f"- `jobs.models.fashion_cnn` (420k parameters), {meta['batch']} Fashion-MNIST images per worker and "
-        "step, SGD with momentum; two copies of the same weights on each worker.",
+        f"- {DESCRIPTIONS[meta.get('model', 'cnn')].format(batch=meta['batch'])}; copies of the same weights "
+        "on each worker.",
         "- Plain DDP: `ray.train.torch.prepare_model`, then `backward`, `optimizer.step`, `zero_grad`.",
         "- raycomp: `raycomp.train.prepare_model` with `compression.policy=static`, compressor `none` "
         "(the dense plan) and no warm-up, then `backward` and `raycomp.train.step` (guard, "
-        "controller link, statistics, plan agreement at each boundary, step log); "
-        + ("its dense steps reduced after backward in one all-reduce, with DDP's reduction off for them."
-           if result.get("after_backward") else "its steps reduced in raycomp's comm hook."),
+        "controller link, statistics, plan agreement at each boundary, step log). "
+        + _ways_line(result.get("ways") or {}),
         "- For reference, a third copy carries raycomp's hook alone: `raycomp.CompressionState` on a dense "
         "plan, raycomp's buckets, stepped as plain DDP.",
         f"- Blocks of {s['block_steps']} steps in turn (plain, hook, raycomp, then the reverse), the same batches "
         f"for all; {meta['warmup_pairs']} warm-up pairs left out, {s['pairs']} pairs counted.",
         f"- raycomp's compression.bucket_cap_mb: {meta['bucket_cap_mb']}; plain DDP: torch's default (25).",
         f"- Final plan: {result['plan'].get('reason')!r}; wire bytes {result['wire_bytes_total']:,.0f} of "
-        f"{result['dense_bytes_total']:,.0f} dense (the control values ride in the gradients' collectives); "
+        f"{result['dense_bytes_total']:,.0f} dense ({link}); "
         f"controller outages {result['controller_outages']}, statistics reports dropped {result['stats_dropped']}.",
         "",
         "## Result",
@@ -251,7 +291,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         train_func,
         train_loop_config={"controller": controller, "output_dir": str(storage / "run"), "block": args.block,
                            "batch": args.batch, "pairs": args.pairs, "warmup_pairs": args.warmup_pairs,
-                           "bucket_cap_mb": args.bucket_cap_mb},
+                           "bucket_cap_mb": args.bucket_cap_mb, "model": args.model},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name="overhead", storage_path=str(storage),
                              callbacks=[raycomp.train.ControllerCallback(ControllerSection(
@@ -260,8 +300,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     result["summary"] = summarize(result["rows"], args.block)
     meta = {"command": command_line("jobs.bench", argv), "machine": machine_info(1),
             "seconds": time.time() - started, "batch": args.batch, "warmup_pairs": args.warmup_pairs,
-            "bucket_cap_mb": args.bucket_cap_mb}
-    json_path, md_path = write_report(result, meta, args.output_dir, args.name)
+            "bucket_cap_mb": args.bucket_cap_mb, "model": args.model}
+    json_path, md_path = write_report(result, meta, args.output_dir, args.name or f"overhead-{args.model}-loopback")
     s = result["summary"]
     print(f"overhead: wrote {json_path}, {md_path}")
     print(f"overhead: {'PASS' if s['ok'] else 'MISS'} {s['goal']}: {s['ratio_median']:.3f} "
