@@ -67,7 +67,7 @@ def _steps_against_plain_ddp(rank: int, world_size: int, plans: list[dict | None
     plain = DDP(_model())
     ddp, state, strategy = _synced(stats_every)
     out: dict = {"equal": [], "ways": [], "hook_calls": [], "sizes": [], "rows": [], "flag_after": [], "grads": [],
-                 "norms": [], "comm": []}
+                 "norms": [], "comm": [], "buffers_each": []}
     for step, plan in enumerate(plans):
         if plan is not None:
             state.set_plan(Plan.from_dict(plan))
@@ -87,6 +87,9 @@ def _steps_against_plain_ddp(rank: int, world_size: int, plans: list[dict | None
         out["comm"].append(state.comm_seconds - comm)
         out["norms"].append(state.gradient_norm(list(ddp.parameters())))
         out["flag_after"].append(ddp.require_backward_grad_sync)
+        # each forward broadcast rank 0's buffers first, as plain DDP's forward did
+        out["buffers_each"].append(all(torch.equal(a, b) for a, b in zip(plain.buffers(), ddp.buffers(),
+                                                                            strict=True)))
         out["hook_calls"].append(state.hook_calls - calls)
         out["sizes"].append(issued.sizes)
         out["rows"].append(None if state.control_rows is None else state.control_rows.tolist())
@@ -143,7 +146,8 @@ def test_a_dense_statistics_step_is_reduced_after_backward_from_the_ranks_own_gr
         # after backward: every gradient, one element for missing gradients, and the rows
         assert out["sizes"][1] == out["sizes"][3] == [params + 1 + 2 * (1 + CONTROL)], out["sizes"]
         assert out["steps"] == {"ddp": 2, "after_backward": 2, "hook": 0}
-        assert out["buffers"], "BatchNorm's buffers were not broadcast as DDP broadcasts them"
+        # the step after a statistics step broadcasts the buffers too, as after DDP's own
+        assert out["buffers_each"] == [True] * 4, "BatchNorm's buffers were not broadcast as DDP broadcasts them"
         for step, rows in enumerate(out["rows"]):
             assert rows == [[0.0, 1.0, float(step)], [0.0, 2.0, float(step)]], rows
         assert {k: v for k, v in out["ledger"].items() if k != OVERHEAD} == _layer_bytes(4), out["ledger"]

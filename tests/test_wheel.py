@@ -75,7 +75,9 @@ def installed(wheel, tmp_path_factory) -> Path:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    # a Ray of its own, as on a user's machine: without RAY_ADDRESS=local ray.init() joins
+    # any cluster already running on this machine (another test's), and num_cpus is refused there
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "RAY_ADDRESS": "local"}
     return {**env, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
 
