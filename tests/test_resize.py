@@ -385,3 +385,25 @@ def test_the_controller_learns_the_new_size_and_measures_the_link_again():
     _interval(controller, 3, 49, [t + new_per_step * 30 for t in folded], new_comm)
     assert cost.bw == pytest.approx(3e6)
     assert run.wire_bytes == pytest.approx(sum(folded) + 3 * new_per_step * 30)
+
+
+def test_under_local_steps_a_resize_restarts_every_replica_from_the_global_weights(tmp_path, monkeypatch):
+    import ray.train
+
+    olds = _olds(4, local=True)
+    _write_checkpoint(tmp_path, olds)
+    found = types.SimpleNamespace(path=str(tmp_path), as_directory=lambda: contextlib.nullcontext(str(tmp_path)))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: found)
+    rng = torch.get_rng_state()
+    try:
+        for world, replica_restarted in ((4, False), (2, True)):
+            loop = _fake_loop(1, world)
+            own_weights = torch.full((4, 5), -1.0)
+            loop.state.steps = types.SimpleNamespace(params=[own_weights], global_params=[torch.full((4, 5), 0.25)])
+            # the fake replica's keys are not the model's, nor its optimizer's
+            loop.model.load_state_dict = loop.optimizer.load_state_dict = lambda state: None
+            resume.restore(loop)
+            # the same size: this rank's own replica came back (its file's); another: the global weights
+            assert torch.equal(own_weights, torch.full((4, 5), 0.25)) == replica_restarted
+    finally:
+        torch.set_rng_state(rng)
