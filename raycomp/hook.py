@@ -21,8 +21,8 @@ order, which is the same on every rank), the other waits for them and decodes. S
 bucket is compressed while this one is on the wire, and the link is not idle while a
 thread encodes. A dense step (a plan that
 sends every layer dense) has nothing to encode: its all-reduces are issued from DDP's own
-thread, as torch's all-reduce hook does, and only the waiting is handed over; on the CPU,
-when nothing is held in error feedback or profiled (Top-K errors) either, it is a plain step
+thread, as torch's all-reduce hook does, and only the waiting is handed over; when
+nothing is held in error feedback or profiled (Top-K errors) either, it is a plain step
 and no thread is involved: each bucket is all-reduced in place and a callback of the
 collective ends the step (:mod:`raycomp.plain_step`). The overlap
 needs several buckets: DDP's default gives a model under 25 MB two,
@@ -226,16 +226,17 @@ class CompressionState:
             self._dense_plan = (self.plan, dense)
         return self._dense_plan[1]
 
-    def plain_in_hook(self, device: torch.device) -> bool:
-        """Whether this step is a plain step reduced in the hook, its buckets on ``device``
+    def plain_in_hook(self) -> bool:
+        """Whether this step is a plain step reduced in the hook, its buckets
         all-reduced where they lie (:meth:`raycomp.plain_step.PlainStep.reduce_bucket`):
         every layer dense, nothing held in error feedback, no Top-K error profile measured.
-        On the CPU only: on CUDA the threaded path, which keeps the stream semantics the GPU
-        tests check, stays. The threads and the general path cost a dense step of a small
-        model a few percent against a hook with the same collectives; decided when the step
+        Its collectives are issued on the caller's thread and stream, as torch's all-reduce
+        hook issues them, and their futures carry that stream's events on CUDA. The threads
+        and the general path cost a dense step of a small model a few percent against a hook
+        with the same collectives on the CPU, a fifth on an H200; decided when the step
         begins, the same on every rank."""
         self.begin_step()
-        return self._plain and device.type != "cuda"
+        return self._plain
 
     def next_step_plain(self) -> bool:
         """Whether the next step will be a plain step (:mod:`raycomp.plain_step`), asked
@@ -293,7 +294,7 @@ def compression_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's compressed mean, per parameter as the plan says."""
     buffer = bucket.buffer()
-    if state.plain_in_hook(buffer.device):
+    if state.plain_in_hook():
         return state.plain.reduce_bucket(bucket, buffer)
     names = [state.name_of(p) for p in bucket.parameters()]
     grads = bucket.gradients()

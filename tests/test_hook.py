@@ -874,7 +874,7 @@ def _flat_step_ends_after_every_bucket(rank: int, world_size: int) -> tuple[list
         returned.clear()
         ddp.zero_grad()
         ddp(torch.randn(2, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
-        flat = flat and state.plain_in_hook(torch.device("cpu"))
+        flat = flat and state.plain_in_hook()
     state.close()
     return seen[1:], state.comm_seconds, flat
 

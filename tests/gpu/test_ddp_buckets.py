@@ -147,7 +147,7 @@ print("cuda initialised:", torch.cuda.is_initialized())
 def test_a_cpu_run_of_the_hook_leaves_cuda_uninitialised(plan: str) -> None:
     """On a machine with CUDA, the hook's threads in a CPU run must not initialise it (a
     forked worker that did would fail; ``torch.cuda.stream`` does, even with ``None``). The
-    dense plan takes the CPU's plain step (``CompressionState.plain_in_hook``), int4 the threads."""
+    dense plan takes the plain step (``CompressionState.plain_in_hook``), int4 the threads."""
     out = subprocess.run([sys.executable, "-c", CPU_RUN % (free_port(), plan)], capture_output=True, text=True,
                          timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-400:]
