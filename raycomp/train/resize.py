@@ -128,7 +128,8 @@ def merge_reducer(states: list[dict[str, Any]], rank: int, world_size: int, seed
 
 def _mean_memory(memories: list[dict[str, Any]]) -> dict[str, Any]:
     """Per key and layer, the mean over the old ranks (absent = zero), summed in float64
-    and stored in the residuals' own dtype (fp32)."""
+    and stored in the residuals' own dtype (fp32), on the CPU (the reducer moves a residual
+    to its gradient's device when it uses it)."""
     merged: dict[str, Any] = {}
     for key in memories[0]:
         if key not in RESIDUAL_KEYS:
@@ -138,9 +139,9 @@ def _mean_memory(memories: list[dict[str, Any]]) -> dict[str, Any]:
         layers = {}
         for name in names:
             present = [m[key][name] for m in memories if name in m.get(key, {})]
-            total = torch.zeros(present[0].shape, dtype=torch.float64, device=present[0].device)
+            total = torch.zeros(present[0].shape, dtype=torch.float64)
             for tensor in present:
-                total += tensor.to(torch.float64)
+                total += tensor.detach().cpu().to(torch.float64)
             layers[name] = (total / len(memories)).to(present[0].dtype)
         merged[key] = layers
     return merged
@@ -157,7 +158,7 @@ def _full_server_residuals(servers: list[dict[str, torch.Tensor]], shapes: dict[
         pieces = []
         for r, size in enumerate(sizes):
             piece = servers[r].get(name)
-            pieces.append(torch.zeros(size) if piece is None else piece.reshape(-1).float())
+            pieces.append(torch.zeros(size) if piece is None else piece.detach().cpu().reshape(-1).float())
         full[name] = torch.cat(pieces)
     return full
 
