@@ -2,23 +2,18 @@
 :class:`~raycomp.hook.CompressionState`, decided before the step's forward.
 
 A plan that compresses nothing should cost what plain DDP costs. So the dense step is DDP's
-own, and raycomp's comm hook joins only when a plan needs it. Three ways; which one a step
+own, and raycomp's comm hook joins only when a plan needs it. Two ways; which one a step
 takes depends only on the plan, the step's number and what error feedback holds, which every
 rank holds alike, so every rank takes the same way at the same step:
 
 * **DDP's own reduction** (:attr:`Way.DDP`): a plain step (a plan that sends every layer
-  dense with nothing held in error feedback, :mod:`raycomp.plain_step`) that is not a
-  statistics step. DDP's buckets and C++ all-reduce, overlapped with backward, exactly as
-  without raycomp. raycomp adds only the guard's control values, in an all-reduce of their
-  own issued before the forward so that it finishes beside forward and backward, and counts
-  the bytes. The values' non-finite flag stays clear: a NaN or Inf on any rank makes the
-  mean non-finite, and the guard reads the mean's norm on every rank.
-* **after backward** (:attr:`Way.AFTER_BACKWARD`): a plain statistics step (one in
-  ``stats_every``). The controller needs each rank's own gradient norms, which DDP's
-  reduction overwrites in place; so DDP's reduction is switched off for that step
-  (``require_backward_grad_sync``, what ``no_sync()`` sets), and raycomp measures the
-  gradients and all-reduces them in one flat buffer with the control values
-  (:meth:`~raycomp.plain_step.PlainStep.reduce_after_backward`).
+  dense with nothing held in error feedback, :mod:`raycomp.plain_step`). DDP's buckets and
+  C++ all-reduce, overlapped with backward, exactly as without raycomp. raycomp adds only
+  the guard's control values, in an all-reduce of their own issued before the forward so
+  that it finishes beside forward and backward, and counts the bytes; on a statistics step
+  (one in ``stats_every``) a hook on each parameter reads the rank's own gradient norm as
+  backward hands it to DDP. The values' non-finite flag stays clear: a NaN or Inf on any
+  rank makes the mean non-finite, and the guard reads the mean's norm on every rank.
 * **raycomp's hook** (:attr:`Way.HOOK`): every other step. The comm hook is registered
   with DDP at the first step that needs it and stays: DDP takes one comm hook and cannot
   remove it. A dense plan after that (the guard's fallback, a link that got faster) is the
@@ -47,7 +42,6 @@ __all__ = ["DdpSync", "Way"]
 
 class Way(enum.Enum):
     DDP = "ddp"  #: DDP's own buckets and all-reduce
-    AFTER_BACKWARD = "after_backward"  #: DDP's reduction off; one flat all-reduce after backward
     HOOK = "hook"  #: raycomp's comm hook
 
 
@@ -107,24 +101,17 @@ class DdpSync:
             if not self.hooked:
                 self._register_hook()
             self.way = Way.HOOK
-        elif self.state.reducer.collecting_stats:
-            module.require_backward_grad_sync = False  # this step's reduction waits for end_backward
-            self.way = Way.AFTER_BACKWARD
         else:
             self.state.plain.begin_in_ddp(self._device)
             self.way = Way.DDP
 
     def end_backward(self) -> None:
-        """Finish the step after its backward: the control values' all-reduce (DDP's way),
-        the gradients' reduction (after backward), nothing more (the hook's)."""
+        """Finish the step after its backward: the control values' all-reduce, the count and
+        a statistics step's norms (DDP's way); nothing more (the hook's)."""
         way, self.way = self.way, None
         if way is None:
             return  # no forward with gradients decided this step: DDP reduced it on its own
         self.steps[way] += 1
         if way is Way.DDP:
             self.state.plain.end_in_ddp(self._grads_ready or time.perf_counter())
-        elif way is Way.AFTER_BACKWARD:
-            self.model.require_backward_grad_sync = True
-            self.model.require_forward_param_sync = True  # the next forward broadcasts buffers, as DDP's does
-            self.state.plain.reduce_after_backward()
         self._grads_ready = 0.0

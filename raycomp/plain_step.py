@@ -6,33 +6,32 @@ nothing to route, encode or remember: its gradients are all-reduced as flat buff
 (:meth:`PlainStep.start_flat`: the same division, sum and control values as a dense layer
 of :class:`~raycomp.reducer.CompressedReducer`'s compressed path), as torch's all-reduce
 hook does. It goes one
-of three ways, decided the same on every rank (:mod:`raycomp.ddp_sync` says which when):
+of two ways, decided the same on every rank (:mod:`raycomp.ddp_sync` says which when):
 
 * **in DDP** (:meth:`PlainStep.begin_in_ddp`, :meth:`PlainStep.end_in_ddp`): DDP's own
-  reduction carries the gradients; the step adds the control values' all-reduce and counts;
-* **after backward** (:meth:`PlainStep.reduce_after_backward`), for a step whose reduction
-  DDP left out (``require_backward_grad_sync`` switched off before its forward): every
-  gradient in one flat buffer per dtype;
+  reduction carries the gradients; the step adds the control values' all-reduce, counts
+  the bytes and, on a statistics step, reads each rank's own gradient norms as backward
+  hands the gradients to DDP;
 * **in the hook**, bucket by bucket (:meth:`PlainStep.reduce_bucket`), once raycomp's hook
   is registered: each bucket all-reduced where it lies, a callback of the collective ending
   the step.
 
-Every way counts every layer DDP's buckets hold once; the last two measure their norms on a
-statistics step (DDP's own reduction overwrites them before raycomp could read them).
+Either way the step counts every layer DDP's buckets hold once, and measures their norms
+on a statistics step.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from raycomp.reducer import CompressedReducer
-from raycomp.stats import layer_stats
+from raycomp.stats import LayerStats, layer_stats
 from raycomp.transports import OVERHEAD, mean_in_place
-from raycomp.transports.packing import by_dtype, split
 
 __all__ = ["PlainStep"]
 
@@ -54,12 +53,15 @@ class PlainStep:
         self.reducer = reducer
         self._bucketed = list(bucketed)
         self._layers = [(name, p.numel() * p.element_size()) for name, p in bucketed]  # (name, gradient bytes)
+        self._sizes = {name: (p.numel(), p.numel() * p.element_size()) for name, p in bucketed}
         self._wire: list[tuple[str, float]] | None = None  # (name, bytes on the wire) of each layer a step
         self._name_of = name_of
         self._end_step = end_step
         self._bucket_futures: list[torch.futures.Future] = []  # this step's buckets so far (in the hook)
         self._buckets_checked = False  # a step in the hook has seen every bucket hold the state's parameters
         self._control_works: list = []  # a step in DDP: its control values' all-reduce
+        self._watches: list = []  # a statistics step in DDP: the hooks reading each gradient
+        self._local_norms: dict[str, torch.Tensor] = {}  # what they read: this rank's norms
 
     def begin_step(self) -> None:
         """A new step: none of its buckets are in yet."""
@@ -118,16 +120,56 @@ class PlainStep:
         self._control_works = [] if control is None else reducer.group.start_all_reduce(control)
         if control is not None:
             reducer.ledger.add(OVERHEAD, reducer.group.allreduce_bytes(control.numel() * control.element_size()))
+        if reducer.collecting_stats:
+            self._watch_local_gradients()
+
+    def _watch_local_gradients(self) -> None:
+        """A statistics step in DDP: DDP's all-reduce overwrites each rank's own gradients in
+        place, so their norms are read as backward hands them over, by a hook on each
+        parameter's incoming gradient. What earlier micro-batches of the user's ``no_sync()``
+        accumulated in ``.grad`` is added: the rank's own gradient of the whole step."""
+        self._local_norms = {}
+
+        def watch(name: str, p: torch.Tensor) -> Any:
+            def note(grad: torch.Tensor) -> None:
+                local = grad if p.grad is None else p.grad + grad
+                self._local_norms[name] = torch.linalg.vector_norm(local.float())
+            return p.register_hook(note)
+
+        self._watches = [watch(name, p) for name, p in self._bucketed]
 
     def end_in_ddp(self, since: float) -> None:
         """End a step begun by :meth:`begin_in_ddp`, after DDP's reduction in backward: the
-        control values are in, the layers counted; the wait since ``since`` (when backward
-        computed its last gradient) is the step's communication."""
+        control values are in, the layers counted, a statistics step's norms recorded; the
+        wait since ``since`` (when backward computed its last gradient) is the step's
+        communication."""
         works, self._control_works = self._control_works, []
         for work in works:
             work.wait()
+        if self._watches:
+            for handle in self._watches:
+                handle.remove()
+            self._watches = []
+            self._record_local_norms()
         self.count()
         self._end_step(since)
+
+    def _record_local_norms(self) -> None:
+        """The statistics of a step in DDP: per layer this rank's own gradient norm, as
+        :meth:`measure` has it (nothing compressed, nothing held), one host read for all."""
+        reducer = self.reducer
+        read, self._local_norms = self._local_norms, {}
+        names = [name for name, _ in self._bucketed if name in read]
+        if not names:
+            return
+        norms = torch.stack([read[name] for name in names]).tolist()
+        unscale = reducer.loss_scale.unscale()
+        for name, norm in zip(names, norms, strict=True):
+            numel, nbytes = self._sizes[name]
+            dense = reducer.group.allreduce_bytes(nbytes)
+            reducer.stats.append(LayerStats(layer=name, compressor="none", numel=numel, grad_norm=norm / unscale,
+                                            compression_error=0.0, residual_norm=0.0, wire_bytes=dense,
+                                            dense_bytes=dense))
 
     def reduce_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
         """A bucket of a plain step in the hook: all-reduced where it lies (its gradients'
@@ -156,38 +198,3 @@ class PlainStep:
             return future.value()
 
         return torch.futures.collect_all(step_futures).then(after_every_bucket)
-
-    def reduce_after_backward(self) -> None:
-        """A plain step whose reduction DDP left out: every gradient DDP's buckets hold,
-        copied once into one flat buffer per dtype (with the control values) and all-reduced
-        there, then copied back. A parameter without a gradient on some rank (DDP without
-        ``find_unused_parameters`` needs one on every rank) sends zeros and is counted in the
-        buffer, so that every rank raises the same error instead of one rank waiting for
-        another."""
-        started = time.perf_counter()
-        self.reducer.begin_step()
-        missing = [name for name, p in self._bucketed if p.grad is None]
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for _, p in self._bucketed]
-        if self.reducer.collecting_stats:
-            self.measure([name for name, _ in self._bucketed], grads)
-        groups = by_dtype(grads)
-        sent = []
-        for i, members in enumerate(groups):
-            parts = [grads[j].reshape(-1) for j in members]
-            if i == 0:  # how many gradients this rank lacks, summed (after the division) over ranks
-                parts.append(torch.full((1,), float(len(missing)), dtype=parts[0].dtype, device=parts[0].device))
-                self.reducer.ledger.add(OVERHEAD, self.reducer.group.allreduce_bytes(parts[-1].element_size()))
-            sent.append((members, self.start_flat(parts, closes_step=i == len(groups) - 1)))
-        lacking = 0.0
-        for i, (members, future) in enumerate(sent):
-            mean = future.wait()
-            if i == 0:
-                lacking, mean = float(mean[-1]), mean[:-1]
-            torch._foreach_copy_([grads[j] for j in members], split(mean, [grads[j] for j in members]))
-        if lacking > 0:
-            where = f"{', '.join(missing[:3])} on this rank" if missing else "a parameter on another rank"
-            raise RuntimeError(f"no gradient this step for {where}: DDP reduces every parameter on every "
-                               "rank; a model that leaves parameters unused needs find_unused_parameters=True "
-                               "(TrainOptions.find_unused_parameters)")
-        self.count()
-        self._end_step(started)

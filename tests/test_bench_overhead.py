@@ -68,10 +68,10 @@ def test_the_report_states_the_set_up_and_the_verdict(tmp_path):
     text = md_path.read_text()
     assert "| 50.0 | 51.0 | 1.020 |" in text
     assert "Its steps" not in text  # a report from before the ways were counted says nothing of them
-    result["ways"] = {"ddp": 54, "after_backward": 6, "hook": 0}
+    result["ways"] = {"ddp": 60, "hook": 0}
     _, md_path = overhead.write_report(result, {**meta, "model": "lstm"}, tmp_path, "overhead-lstm")
     text = md_path.read_text()
-    assert "Its steps: 54 by DDP's own reduction, 6 statistics steps reduced after backward, 0 by raycomp's hook." \
+    assert "Its steps: 60 by DDP's own reduction, 0 by raycomp's hook." \
         in text and "`jobs.models.char_lstm`" in text and "DDP's own all-reduce for the gradients" in text  # 1 s blocks of 20 steps and "**1.020** — **PASS**" in text
 
 

@@ -203,8 +203,7 @@ def _ways_line(ways: dict[str, int]) -> str:
     """How raycomp.train's steps travelled (:mod:`raycomp.ddp_sync`), in a sentence."""
     if not ways:
         return ""
-    return (f"Its steps: {ways.get('ddp', 0)} by DDP's own reduction, {ways.get('after_backward', 0)} statistics "
-            f"steps reduced after backward, {ways.get('hook', 0)} by raycomp's hook.")
+    return f"Its steps: {ways.get('ddp', 0)} by DDP's own reduction, {ways.get('hook', 0)} by raycomp's hook."
 
 
 def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:

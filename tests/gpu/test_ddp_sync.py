@@ -1,7 +1,7 @@
 """raycomp.train's way of reducing a DDP model on CUDA (:mod:`raycomp.ddp_sync`): a dense
-step is DDP's own reduction, a dense statistics step is reduced after backward with DDP's
-switched off, the hook joins at the first compressed step; the means are DDP's own bit for
-bit where the plan is dense, and the same on every rank throughout."""
+step is DDP's own reduction (a statistics step reads each rank's own gradient norms on the
+way), the hook joins at the first compressed step; the means are DDP's own bit for bit where
+the plan is dense, and the same on every rank throughout."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ pytestmark = pytest.mark.gpu
 
 #: the plan installed before each step (None: keep the one in force) and the way expected;
 #: statistics every 3 steps fall at steps 2 and 5
-STEPS = [(None, "ddp"), (None, "ddp"), (None, "after_backward"), ("int8", "hook"), (None, "hook"),
-         ("dense", "hook")]
+STEPS = [(None, "ddp"), (None, "ddp"), (None, "ddp"), ("int8", "hook"), (None, "hook"), ("dense", "hook")]
 
 
 def _model(device: torch.device) -> nn.Module:
@@ -38,6 +37,7 @@ def ways(device: torch.device, rank: int, world: int) -> str:
     sync = DdpSync(ddp, state)
     gen = torch.Generator().manual_seed(rank)
     seen, equal = [], []
+    stats_checked = False
     for plan, _ in STEPS:
         if plan is not None:
             state.set_plan(Plan.uniform(plan) if plan != "dense" else Plan())
@@ -45,10 +45,16 @@ def ways(device: torch.device, rank: int, world: int) -> str:
         x = torch.randn(32, 64, generator=gen).to(device)
         y = torch.randint(0, 10, (32,), generator=gen).to(device)
         nn.functional.cross_entropy(plain(x), y).backward()
+        own = [float(g.norm()) for g in torch.autograd.grad(nn.functional.cross_entropy(ddp.module(x), y),
+                                                            list(ddp.module.parameters()))]
         loss = nn.functional.cross_entropy(ddp(x), y)
         seen.append(sync.way.value)
         loss.backward()
         sync.end_backward()
+        if state.stats_step == state.step - 1 and seen[-1] == "ddp":  # this rank's own norms, not the mean's
+            measured = [st.grad_norm for st in state.stats]
+            assert measured == pytest.approx(own, rel=1e-5), (measured, own)
+            stats_checked = True
         rows = state.control_rows.tolist()
         assert [row[1] for row in rows] == [float(r + 1) for r in range(world)], rows
         equal.append(all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ddp.parameters(),
@@ -61,6 +67,7 @@ def ways(device: torch.device, rank: int, world: int) -> str:
         ddp.zero_grad()
     state.close()
     assert seen == [way for _, way in STEPS], seen
+    assert stats_checked, "no statistics step went DDP's way"
     assert equal[:3] == [True] * 3 and not equal[3], equal  # DDP's mean while dense, then int8's
     return f"ways {seen}, comm {state.comm_seconds * 1e3:.2f} ms in all"
 

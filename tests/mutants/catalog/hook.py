@@ -143,7 +143,7 @@ MUTANTS = (
     ),
     mutant(
         "hook-flat-uncounted", "PlainStep.count",
-        "            self.reducer.ledger.add(name, dense, dense)\n",
+        "            add(name, dense, dense)\n",
         "            pass\n",
         "tests/test_hook.py -k as_it_lies",
         "the bytes of a flat dense step are not in the ledger: the wire looks idle",
@@ -177,33 +177,19 @@ MUTANTS = (
         "a flat dense step never ends: the step counter stands still and plans never install",
     ),
     mutant(
-        "ddp-sync-after-backward-keeps-buffers", "DdpSync.end_backward",
-        "            self.model.require_forward_param_sync = True  # the next forward broadcasts buffers, as DDP's does\n",
-        "",
-        "tests/test_ddp_strategy.py -k statistics_step",
-        "a dense step reduced after backward leaves each rank's BatchNorm statistics its own: DDP broadcasts rank 0's",
-    ),
-    mutant(
-        "ddp-sync-after-backward-never-resyncs", "DdpSync.end_backward",
-        "            self.model.require_backward_grad_sync = True\n",
-        "",
-        "tests/test_ddp_strategy.py -k statistics_step",
-        "DDP's sync stays off after a statistics step: the steps after it are never reduced",
-    ),
-    mutant(
         "ddp-sync-decides-inside-no-sync", "DdpSync._before_forward",
         "                or not module.require_backward_grad_sync):  # inside the user's no_sync()\n",
         "                ):\n",
         "tests/test_ddp_strategy.py -k no_sync",
-        "a micro-batch inside the user's no_sync() decides the step's way: a statistics step is then reduced "
-        "twice, by DDP after no_sync() and by raycomp after backward",
+        "a micro-batch inside the user's no_sync() decides the step's way: the step begins before the "
+        "accumulation ends",
     ),
     mutant(
         "ddp-sync-decides-in-eval", "DdpSync._before_forward",
         "                or not torch.is_grad_enabled()  # an evaluation\n",
         "",
         "tests/test_ddp_strategy.py -k without_gradients",
-        "an evaluation forward under no_grad decides a way: a statistics step's DDP sync is switched off by it",
+        "an evaluation forward under no_grad decides a way: a step begins that no backward ends",
     ),
     mutant(
         "ddp-sync-never-registers-the-hook", "DdpSync._before_forward",
@@ -236,38 +222,24 @@ MUTANTS = (
         "the bytes of DDP's own step are not in the ledger: the wire looks idle and the link unmeasured",
     ),
     mutant(
+        "ddp-stats-last-micro-batch-only", "PlainStep._watch_local_gradients.watch.note",
+        "                local = grad if p.grad is None else p.grad + grad\n",
+        "                local = grad\n",
+        "tests/test_ddp_strategy.py -k no_sync",
+        "a statistics step of an accumulated step measures its last micro-batch alone, not the rank's whole gradient",
+    ),
+    mutant(
+        "ddp-stats-never-recorded", "PlainStep.end_in_ddp",
+        "            self._record_local_norms()\n",
+        "",
+        "tests/test_ddp_strategy.py -k statistics_step",
+        "a dense run under DDP's own reduction sends the controller no layer statistics: its policies decide blind",
+    ),
+    mutant(
         "ddp-sync-ddp-way-wait-uncounted", "DdpSync.end_backward",
         "self._grads_ready or time.perf_counter()",
         "time.perf_counter()",
         "tests/test_ddp_strategy.py -k control_values_beside",
         "the wait for DDP's all-reduce at the end of backward counts as compute: the policy sees a free link",
-    ),
-    mutant(
-        "hook-reduce-flat-ignores-missing", "PlainStep.reduce_after_backward",
-        "        if lacking > 0:\n",
-        "        if False:\n",
-        "tests/test_ddp_strategy.py -k without_a_gradient",
-        "a parameter without a gradient on one rank is averaged as zeros: DDP would have failed, so must raycomp",
-    ),
-    mutant(
-        "hook-reduce-flat-drops-control", "PlainStep.reduce_after_backward",
-        "closes_step=i == len(groups) - 1)",
-        "closes_step=False)",
-        "tests/test_ddp_strategy.py -k statistics_step",
-        "the guard's control values do not ride with a dense step reduced after backward: the guard reads nothing",
-    ),
-    mutant(
-        "hook-reduce-flat-uncounted", "PlainStep.reduce_after_backward",
-        "        self.count()\n",
-        "",
-        "tests/test_ddp_strategy.py -k statistics_step",
-        "the bytes of a dense step reduced after backward are not in the ledger: the wire looks idle",
-    ),
-    mutant(
-        "hook-reduce-flat-missing-count-uncounted", "PlainStep.reduce_after_backward",
-        "                self.reducer.ledger.add(OVERHEAD, self.reducer.group.allreduce_bytes(parts[-1].element_size()))\n",
-        "",
-        "tests/test_ddp_strategy.py -k statistics_step",
-        "the element that counts missing gradients travels but is not in the ledger: the wire shows fewer bytes than it carries",
     ),
 )
