@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raycomp import CompressionState, compression_hook
+from raycomp import CompressionState
 from raycomp.compressors.base import mix_seed
 from raycomp.plan import CompressorSpec, Plan
 from raycomp.train import checkpoint, resize, resume
@@ -278,20 +277,20 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
-def _train(ddp, opt, rank: int, start: int, stop: int) -> None:
+def _train(model, state, opt, rank: int, start: int, stop: int) -> None:
     for step in range(start, stop):
         gen = torch.Generator().manual_seed(1000 * rank + step)
         x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 8, (8,), generator=gen)
         opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
+        nn.functional.cross_entropy(model(x), y).backward()
+        state.allreduce_gradients()  # the hook's reduction without DDP (whose start costs seconds here)
         opt.step()
 
 
-def _fresh(plan: dict):
-    ddp = DDP(_model(), bucket_cap_mb=0.001)
-    state = CompressionState(ddp, Plan.from_dict(plan), min_compress_numel=16, seed=SEED)
-    ddp.register_comm_hook(state, compression_hook)
-    return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+def _fresh(plan: dict, group=None):
+    model = _model()
+    state = CompressionState(model, Plan.from_dict(plan), process_group=group, min_compress_numel=16, seed=SEED)
+    return model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def _own(state) -> dict:
@@ -301,38 +300,47 @@ def _own(state) -> dict:
                          "loss_scale_overflows": 0, "outer_steps": 0, "local_skips": 0}}
 
 
-def _save_at_four(rank: int, world: int, plan: dict, directory: str) -> dict:
-    ddp, state, opt = _fresh(plan)
-    _train(ddp, opt, rank, 0, 4)
-    checkpoint.save_own(Path(directory), rank, _own(state))
+def _four_then_two_and_three(rank: int, world: int, plan: dict, directory: str) -> dict:
+    """Four ranks train and checkpoint; then ranks 0-1 and ranks 0-2 each resume it as a
+    group of their own (a new process group: what a restarted, smaller worker group has),
+    merging all four files, and train on."""
+    import torch.distributed as dist
+
+    directory = Path(directory)
+    groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}  # every rank takes part in creating each
+    model, state, opt = _fresh(plan)
+    _train(model, state, opt, rank, 0, 4)
+    checkpoint.save_own(directory, rank, _own(state))
     if rank == 0:
-        checkpoint.save_shared(Path(directory), ddp, opt, None, {"global_step": 4, "epoch": 0, "world_size": world})
+        checkpoint.save_shared(directory, model, opt, None, {"global_step": 4, "epoch": 0, "world_size": world})
+    out: dict = {"saved": state.state_dict()}
     state.close()
-    return state.state_dict()
-
-
-def _resume_smaller(rank: int, world: int, plan: dict, directory: str, old: int):
-    ddp, state, opt = _fresh(plan)
-    meta, own = checkpoint.load(Path(directory), rank, world, ddp, opt, None)
-    assert own is None and meta["world_size"] == old
-    olds = checkpoint.load_all_own(Path(directory), old)
-    shapes = {n: list(p.shape) for n, p in ddp.module.named_parameters()}
-    merged = resize.merge_own(olds, rank, world, SEED, shapes)
-    state.load_state_dict(merged["compression"])
-    loaded = state.state_dict()
-    _train(ddp, opt, rank, 4, 7)
-    state.close()
-    return loaded, [p.detach().clone() for p in ddp.parameters()], shapes
+    dist.barrier()
+    for new in (2, 3):
+        if rank < new:
+            model, state, opt = _fresh(plan, groups[new])
+            meta, own = checkpoint.load(directory, rank, new, model, opt, None)
+            assert own is None and meta["world_size"] == world
+            shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+            merged = resize.merge_own(checkpoint.load_all_own(directory, world), rank, new, SEED, shapes)
+            state.load_state_dict(merged["compression"])
+            loaded = state.state_dict()
+            _train(model, state, opt, rank, 4, 7)
+            state.close()
+            out[new] = (loaded, [p.detach().clone() for p in model.parameters()], shapes)
+        dist.barrier()
+    return out
 
 
 def test_real_ranks_resume_a_four_rank_checkpoint_on_two_and_three(tmp_path):
     # Top-K with error feedback on one layer, int4 over the scalable route (server
     # residuals at W = 4 and 3, none at 2) on the other
     plan = Plan.per_layer({"0.weight": CompressorSpec.of("topk", ratio=0.05), "2.weight": CompressorSpec.of("int4")})
-    saved = run_distributed(_save_at_four, 4, plan.to_dict(), str(tmp_path))
+    ranks = run_distributed(_four_then_two_and_three, 4, plan.to_dict(), str(tmp_path))
+    saved = [r["saved"] for r in ranks]
     assert all(s["memory"]["residuals"] for s in saved) and all(s["server_residuals"] for s in saved)
     for world in (2, 3):
-        results = run_distributed(_resume_smaller, world, plan.to_dict(), str(tmp_path), 4)
+        results = [r[world] for r in ranks[:world]]
         shapes = results[0][2]
         owed_before, owed_after = _owed(saved, shapes), _owed([r[0] for r in results], shapes)
         for name in ("0.weight", "2.weight"):
