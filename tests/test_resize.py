@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import types
 from pathlib import Path
 
@@ -413,5 +414,24 @@ def test_under_local_steps_a_resize_restarts_every_replica_from_the_global_weigh
             resume.restore(loop)
             # the same size: this rank's own replica came back (its file's); another: the global weights
             assert torch.equal(own_weights, torch.full((4, 5), 0.25)) == replica_restarted
+    finally:
+        torch.set_rng_state(rng)
+
+
+def test_the_framework_integrations_merge_a_checkpoint_of_another_size_too(tmp_path):
+    from raycomp.integrations import state_files
+
+    olds = _olds(4)
+    for r, own in enumerate(olds):
+        checkpoint.save_own(tmp_path, r, own)
+    (tmp_path / checkpoint.META).write_text(json.dumps({"global_step": 12, "world_size": 4}))
+    _assert_same(state_files.load_state(tmp_path, 2, 4), olds[2])  # the same size: its own file
+    rng = torch.get_rng_state()
+    try:
+        for rank in range(3):
+            loop = _fake_loop(rank, 3)
+            state_files.resume_with(state_files.load_state(tmp_path, rank, 3), 12)(loop)
+            assert loop.global_step == loop.restored_from == 12
+            _assert_same(loop.state.loaded, resize.merge_own(olds, rank, 3, SEED, SHAPES)["compression"])
     finally:
         torch.set_rng_state(rng)

@@ -24,11 +24,15 @@ from typing import Any
 import torch
 
 from raycomp.train import TrainLoop, checkpoint
-from raycomp.train.resume import load_own, own_state
+from raycomp.train.resume import load_merged, load_own, own_state
 
-__all__ = ["load_state", "resume_with", "save_state"]
+__all__ = ["OLD_RANKS", "load_state", "resume_with", "save_state"]
 
 log = logging.getLogger("raycomp.train")
+
+#: the key of :func:`load_state`'s answer for a checkpoint of another number of workers:
+#: every old rank's state, merged by :func:`resume_with`'s loop (raycomp.train.resize)
+OLD_RANKS = "old_ranks"
 
 
 def save_state(loop: TrainLoop, directory: Path) -> None:
@@ -44,14 +48,21 @@ def save_state(loop: TrainLoop, directory: Path) -> None:
 
 def load_state(directory: Path, rank: int, world_size: int) -> dict[str, Any] | None:
     """This rank's state from :func:`save_state`'s ``directory``; None (with a warning) when
-    the checkpoint holds none, or was written by another number of workers."""
+    the checkpoint holds none. Written by another number of workers (an elastic resize):
+    ``{OLD_RANKS: [every old rank's state]}``, which :func:`resume_with` merges."""
     own, meta = directory / f"rank{rank}.pt", directory / checkpoint.META
-    if not own.exists() or not meta.exists():
+    if not meta.exists():
         log.warning("the checkpoint holds no raycomp state in %s: compression state starts fresh", directory)
         return None
     written_by = json.loads(meta.read_text())["world_size"]
     if written_by != world_size:
-        log.warning("checkpoint is from %d workers, now %d: compression state starts fresh", written_by, world_size)
+        olds = checkpoint.load_all_own(directory, written_by)
+        if olds is None:
+            log.warning("checkpoint is from %d workers, now %d, and lacks a rank's state: compression state "
+                        "starts fresh", written_by, world_size)
+        return None if olds is None else {OLD_RANKS: olds}
+    if not own.exists():
+        log.warning("the checkpoint holds no raycomp state in %s: compression state starts fresh", directory)
         return None
     return torch.load(own, weights_only=False)
 
@@ -61,7 +72,9 @@ def resume_with(own: dict[str, Any] | None, global_step: int) -> Callable[[Train
     optimizer steps, which are raycomp's steps) with ``own`` (:func:`load_state`) if any."""
 
     def resume(loop: TrainLoop) -> None:
-        if own is not None:
+        if own is not None and OLD_RANKS in own:
+            load_merged(loop, own[OLD_RANKS], global_step)
+        elif own is not None:
             load_own(loop, own)
         loop.global_step = loop.restored_from = global_step
         log.info("resumed from step %d", global_step)

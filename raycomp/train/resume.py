@@ -16,7 +16,7 @@ from raycomp.train import checkpoint, resize
 if TYPE_CHECKING:
     from raycomp.train.loop import TrainLoop
 
-__all__ = ["forget_finished_run", "load_own", "own_state", "restore", "save_state"]
+__all__ = ["forget_finished_run", "load_merged", "load_own", "own_state", "restore", "save_state"]
 
 log = logging.getLogger("raycomp.train")
 
@@ -112,12 +112,19 @@ def _resize(loop: TrainLoop, directory: Path, meta: dict[str, Any]) -> None:
         log.warning("checkpoint is from %d workers, now %d (%s): compression state starts fresh",
                     old, loop.world_size, why)
         return
+    load_merged(loop, olds, meta["global_step"])
+
+
+def load_merged(loop: TrainLoop, olds: list[dict[str, Any]], step: int) -> None:
+    """Take back every old rank's :func:`own_state` (a checkpoint of ``len(olds)`` workers,
+    written at ``step``) on this loop's number of workers, by :mod:`raycomp.train.resize`'s
+    rule; rank 0 logs what was merged."""
     merged = resize.merge_own(olds, loop.rank, loop.world_size, loop.options.seed, loop.strategy.layers())
     load_own(loop, merged)
     if any(own.get("replica") is not None for own in olds):
         _replica_from_global(loop)
     if loop.rank == 0:
-        log.info("resized at step %d: %s", meta["global_step"], resize.summary(olds, loop.world_size))
+        log.info("resized at step %d: %s", step, resize.summary(olds, loop.world_size))
 
 
 def _replica_from_global(loop: TrainLoop) -> None:
