@@ -52,7 +52,7 @@ class PlainStep:
                  name_of: Callable[[torch.Tensor], str], end_step: Callable[[float], None]) -> None:
         self.reducer = reducer
         self._bucketed = list(bucketed)
-        self._layers = [(name, p.numel() * p.element_size()) for name, p in bucketed]  # (name, gradient bytes)
+        #: each layer's (elements, gradient bytes)
         self._sizes = {name: (p.numel(), p.numel() * p.element_size()) for name, p in bucketed}
         self._wire: list[tuple[str, float]] | None = None  # (name, bytes on the wire) of each layer a step
         self._name_of = name_of
@@ -101,12 +101,18 @@ class PlainStep:
             # sent as it is, nothing held back: compensated and sent are the gradient itself
             self.reducer.stats.append(layer_stats(name, "none", grad, grad, grad, None, dense, dense, unscale=unscale))
 
+    def _wire_bytes(self) -> list[tuple[str, float]]:
+        """Each layer's bytes on the wire a step, sent dense: the same every step (the
+        group's size does not change), so computed once."""
+        if self._wire is None:
+            group = self.reducer.group
+            self._wire = [(name, group.allreduce_bytes(nbytes)) for name, (_, nbytes) in self._sizes.items()]
+        return self._wire
+
     def count(self) -> None:
         """Count the step's bytes: every layer DDP's buckets hold, sent dense."""
-        if self._wire is None:  # the same every step: the group's size does not change
-            self._wire = [(name, self.reducer.group.allreduce_bytes(nbytes)) for name, nbytes in self._layers]
         add = self.reducer.ledger.add
-        for name, dense in self._wire:
+        for name, dense in self._wire_bytes():
             add(name, dense, dense)
 
     def begin_in_ddp(self, device: torch.device) -> None:
@@ -164,12 +170,11 @@ class PlainStep:
             return
         norms = torch.stack([read[name] for name in names]).tolist()
         unscale = reducer.loss_scale.unscale()
+        wire = dict(self._wire_bytes())
         for name, norm in zip(names, norms, strict=True):
-            numel, nbytes = self._sizes[name]
-            dense = reducer.group.allreduce_bytes(nbytes)
-            reducer.stats.append(LayerStats(layer=name, compressor="none", numel=numel, grad_norm=norm / unscale,
-                                            compression_error=0.0, residual_norm=0.0, wire_bytes=dense,
-                                            dense_bytes=dense))
+            reducer.stats.append(LayerStats(layer=name, compressor="none", numel=self._sizes[name][0],
+                                            grad_norm=norm / unscale, compression_error=0.0, residual_norm=0.0,
+                                            wire_bytes=wire[name], dense_bytes=wire[name]))
 
     def reduce_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
         """A bucket of a plain step in the hook: all-reduced where it lies (its gradients'

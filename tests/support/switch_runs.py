@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from tests.support.switch_train import _optimizer_tensors, digest
+from tests.support.switch_train import _optimizer_tensors, digest, join_cluster
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -159,7 +159,6 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(spec_path: str) -> int:
-    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -167,14 +166,7 @@ def main(spec_path: str) -> int:
     from raycomp.config import ControllerSection
 
     spec = json.loads(Path(spec_path).read_text())
-    output = Path(spec["output"])
-    output.mkdir(parents=True, exist_ok=True)
-    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    deadline = time.time() + 180
-    while sum(n["Alive"] for n in ray.nodes()) < spec["nodes"]:
-        if time.time() > deadline:
-            raise RuntimeError(f"only {sum(n['Alive'] for n in ray.nodes())} of {spec['nodes']} Ray nodes joined")
-        time.sleep(0.5)
+    output = join_cluster(spec)
     name = spec["name"]
     callback = raycomp.train.ControllerCallback(ControllerSection(name=name, metrics_enabled=False))
     trainer = TorchTrainer(

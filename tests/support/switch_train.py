@@ -93,15 +93,11 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     return totals
 
 
-def main(spec_path: str) -> int:
+def join_cluster(spec: dict[str, Any]) -> Path:
+    """Connect to the cluster in ``RAY_ADDRESS`` and wait (3 minutes at most) until the
+    spec's ``nodes`` Ray nodes are alive; the spec's ``output`` directory, created."""
     import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    import raycomp.train
-    from raycomp.config import ControllerSection
-
-    spec = json.loads(Path(spec_path).read_text())
     output = Path(spec["output"])
     output.mkdir(parents=True, exist_ok=True)
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
@@ -110,6 +106,18 @@ def main(spec_path: str) -> int:
         if time.time() > deadline:
             raise RuntimeError(f"only {sum(n['Alive'] for n in ray.nodes())} of {spec['nodes']} Ray nodes joined")
         time.sleep(0.5)
+    return output
+
+
+def main(spec_path: str) -> int:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    import raycomp.train
+    from raycomp.config import ControllerSection
+
+    spec = json.loads(Path(spec_path).read_text())
+    output = join_cluster(spec)
     name = spec["name"]
     callback = raycomp.train.ControllerCallback(ControllerSection(name=name, metrics_enabled=False))
     trainer = TorchTrainer(
