@@ -1,7 +1,9 @@
 """The adaptive policy's cost model prices the number of ranks W: per rank and step an
 all-gather (Top-K) receives W-1 payloads, the all-reduce-shaped transports (dense, the
 casts, the scalable quantized route, PowerSGD's factors) send 2(W-1)/W of theirs, so a
-low-rank payload stays the same size at every W while a sparse one grows with it."""
+low-rank payload stays the same size at every W while a sparse one grows with it. With a
+``decode_rate`` an all-gather's decode of W payloads is priced too, and taken out of what
+a measured interval teaches the round overheads."""
 
 from __future__ import annotations
 
@@ -10,18 +12,21 @@ import math
 import pytest
 
 from raycomp.controllers.policies.cost_model import CostModel
-from raycomp.controllers.state import RunState
-from raycomp.plan import CompressorSpec
+from raycomp.controllers.state import RunState, Timing
+from raycomp.plan import CompressorSpec, Plan
 
 ROWS, COLS = 1024, 1024
 N = ROWS * COLS
 
 
-def priced(world_size: int, name: str, **params) -> float:
+TOPK_PAYLOAD = math.ceil(0.01 * N) * 8  # values and int32 indices
+
+
+def priced(world_size: int, name: str, decode_rate: float | None = None, **params) -> float:
     """The predicted seconds of one 1024x1024 layer on ``name``, at 1 byte/s, no compute and
-    no round cost: its bytes per rank and step."""
+    no round cost: its bytes per rank and step (plus, with ``decode_rate``, its decode)."""
     run = RunState("r", world_size, {"w": [ROWS, COLS]}, "adaptive", {})
-    model = CostModel(round_seconds=0.0, bandwidth=1.0)
+    model = CostModel(round_seconds=0.0, bandwidth=1.0, decode_rate=decode_rate)
     model.state.compute = 0.0
     return model.predict(run, {"w": CompressorSpec.of(name, **params)})[0]
 
@@ -46,3 +51,67 @@ def test_top_k_one_percent_crosses_dense_near_a_hundred_ranks():
 def test_from_two_to_four_ranks_the_low_rank_bytes_grow_as_a_ring_while_the_sparse_triple():
     assert priced(4, "powersgd", rank=2) / priced(2, "powersgd", rank=2) == pytest.approx(1.5 / 1.0)
     assert priced(4, "topk", ratio=0.01) / priced(2, "topk", ratio=0.01) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("w", [2, 8, 64, 1024])
+def test_an_all_gather_decodes_w_payloads_and_the_all_reduce_transports_none(w):
+    rate = 0.5  # bytes of payload decoded per second, against the link's 1 byte/s
+    decode = priced(w, "topk", rate, ratio=0.01) - priced(w, "topk", ratio=0.01)
+    assert decode == pytest.approx(w * TOPK_PAYLOAD / rate)
+    for name, params in (("none", {}), ("int8", {}), ("powersgd", {"rank": 2})):
+        assert priced(w, name, rate, **params) == pytest.approx(priced(w, name, **params)), name
+
+
+def test_the_decode_grows_linearly_with_w():
+    def decode(w: int) -> float:
+        return priced(w, "topk", 1.0, ratio=0.01) - priced(w, "topk", ratio=0.01)
+
+    assert decode(64) / decode(2) == pytest.approx(32.0)
+    assert decode(1024) / decode(64) == pytest.approx(16.0)
+
+
+def test_a_slow_decode_makes_top_k_dearer_than_dense_at_fewer_ranks_than_bytes_alone():
+    """Decoding as slowly as the link moves bytes, Top-K 1% pays (W-1) + W payloads against
+    dense's ring: it crosses near W = 50 instead of 100."""
+    assert priced(64, "topk", ratio=0.01) < priced(64, "none")  # bytes alone: still cheaper
+    assert priced(64, "topk", 1.0, ratio=0.01) > priced(64, "none", 1.0)
+    assert priced(32, "topk", 1.0, ratio=0.01) < priced(32, "none", 1.0)
+
+
+def _top_k_interval(world: int, bandwidth: float, decode_s: float) -> RunState:
+    """A run whose one 1M-element vector went on Top-K 1% for steps 10-19, its communication
+    exactly its bytes at ``bandwidth`` plus ``decode_s`` a step."""
+    run = RunState("r", world, {"v": [N]}, "adaptive", {})
+    run.plan = Plan.uniform("topk", ratio=0.01)
+    run.layers["v"].compressor = "topk"
+    wire, dense = (world - 1) * TOPK_PAYLOAD, 2 * (world - 1) / world * 4 * N  # per rank and step
+    comm = wire / bandwidth + decode_s
+    for step, steps in ((9, 10), (19, 20)):
+        run.timings.append(Timing(step, 0.1 + comm, 0.1, comm, 1.0, wire * world * steps,
+                                  dense * world * steps, world))
+    return run
+
+
+def test_a_measured_interval_does_not_count_the_decode_twice():
+    """The interval's residual beyond its bytes is exactly the decode the model predicts:
+    with a decode_rate it leaves the Top-K family's round overhead at 0 and the model
+    predicts the measured step; without one the overhead holds the decode."""
+    world, bandwidth, rate = 8, 12.5e6, 30e6
+    decode_s = world * TOPK_PAYLOAD / rate
+    run = _top_k_interval(world, bandwidth, decode_s)
+    model = CostModel(round_seconds=0.001, bandwidth=bandwidth, decode_rate=rate)
+    model.measure(run)
+    assert model.overhead["topk"] == pytest.approx(0.0, abs=1e-9)
+    predicted, _ = model.predict(run, {"v": CompressorSpec.of("topk", ratio=0.01)})
+    assert predicted == pytest.approx(run.timings[-1].step_seconds)
+
+    plain = CostModel(round_seconds=0.001, bandwidth=bandwidth)
+    plain.measure(run)
+    assert plain.overhead["topk"] == pytest.approx(decode_s)
+
+
+def test_a_residual_smaller_than_the_predicted_decode_is_clipped_at_zero():
+    run = _top_k_interval(8, 12.5e6, 0.0)
+    model = CostModel(round_seconds=0.001, bandwidth=12.5e6, decode_rate=30e6)
+    model.measure(run)
+    assert model.overhead["topk"] == 0.0

@@ -52,7 +52,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, options: AdaptiveOptions, min_compress_numel: int = 1024) -> None:
         super().__init__(options, min_compress_numel)
-        self.cost = CostModel(options.round_seconds, options.bandwidth, options.sharded)
+        self.cost = CostModel(options.round_seconds, options.bandwidth, options.sharded, options.decode_rate)
         self.choice = Chooser(options, self.cost, self.min_numel)
         # the warm-up's own choice: the same measurements, the near-lossless rungs and dense
         near = options.warmup == "near_lossless" and bool(options.near_lossless)

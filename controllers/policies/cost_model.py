@@ -7,7 +7,11 @@ seconds an extra round costs on compressed intervals. A plan is priced from what
 compressor declares (:class:`raycomp.compressors.Cost` and ``payload_bytes``)::
 
     predicted = compute + sum over layers of sent(layer) / bandwidth
+                + sum over all-gather layers of W * payload(layer) / decode_rate
                 + sum over the plan's families of rounds_f * overhead_f
+
+(the decode term only with a ``decode_rate``; without one a family's measured round
+overhead holds its decode, at the run's own W).
 
 The derivation and its measured grounds: ``docs/cost-model.md``.
 """
@@ -44,12 +48,27 @@ class CostModel:
         bandwidth: bytes per second per rank to plan for (None: measured on dense steps).
         sharded: the run reduce-scatters (FSDP): each element is sent (W-1)/W times instead
             of an all-reduce's 2(W-1)/W, in one all-to-all a unit whatever it carries.
+        decode_rate: bytes of all-gathered payload one rank decodes per second. With W
+            ranks an all-gather layer (Top-K, DGC) hands every rank W payloads to decode
+            (scatter-add each rank's sparse values into one dense tensor), so its decode
+            grows with W as its bytes do; given, each all-gather layer adds
+            ``W * payload / decode_rate`` seconds, and what a measured interval's
+            all-gather layers are predicted to decode is taken out of its residual before
+            the families' round overheads are learned from it, so it is not counted
+            twice. Set it from a benchmark of the decompressor (payload bytes over
+            decompress seconds, ``docs/benchmarks/kernels.json``) to price a W the run
+            is not at, as ``python -m jobs.plan`` does. None: no term of its own; the
+            decode is then part of the family's measured round overhead, measured at the
+            run's own W and forgotten on a resize (:meth:`forget`), so the run's own
+            predictions stay consistent but do not extrapolate to another W.
     """
 
-    def __init__(self, round_seconds: float, bandwidth: float | None = None, sharded: bool = False) -> None:
+    def __init__(self, round_seconds: float, bandwidth: float | None = None, sharded: bool = False,
+                 decode_rate: float | None = None) -> None:
         self.prior = float(round_seconds)
         self.assumed_bw = bandwidth
         self.sharded = sharded
+        self.decode_rate = decode_rate
         #: what it measured; part of its policy's state (the policy hands it a loaded one)
         self.state = CostState(bw=bandwidth)
         self._compressors: dict[CompressorSpec, Compressor] = {}
@@ -107,14 +126,16 @@ class CostModel:
                 # the layers' compressor names are those of this (the latest) interval
                 rounds = self.rounds({h.compressor for h in run.layers.values()}, run.world_size)
                 if rounds:
-                    self.measure_rounds(rounds, max(0.0, t.comm_seconds - wire / s.bw))
+                    decode = self._traffic(run, self._in_force(run))[1] if self.decode_rate else 0.0
+                    self.measure_rounds(rounds, max(0.0, t.comm_seconds - wire / s.bw - decode))
 
     def measure_rounds(self, rounds: dict[str, int], residual: float) -> None:
         """Share one interval's communication beyond its bytes (``residual``) among the
         collective families that ran in it (``rounds``: family -> extra rounds), in
         proportion to what each is expected to cost. A family not measured yet is expected
         to cost what a round of the measured ones does on average (``round_seconds`` before
-        any), so that one arriving beside measured ones is not taken for free."""
+        any), so that one arriving beside measured ones is not taken for free. With a
+        ``decode_rate`` the caller has taken the predicted decode out of ``residual``."""
         seed = mean(list(self.overhead.values())) or self.prior
         expected = {f: r * self.overhead.get(f, seed) for f, r in rounds.items()}
         total = sum(expected.values())
@@ -126,21 +147,43 @@ class CostModel:
     def predict(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[float, dict[str, int]]:
         """The predicted step of the plan that puts each layer on ``chosen`` (dense where it
         names none), and its collective families' extra rounds."""
+        total, decode = self._traffic(run, chosen)
+        assert self.bw is not None and self.compute is not None
+        rounds = self.rounds({chosen.get(name, DENSE).name for name in run.layers}, run.world_size)
+        seconds = sum(r * self.overhead.get(f, self.prior) for f, r in rounds.items())
+        return self.compute + total / self.bw + decode + seconds, rounds
+
+    def _traffic(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[float, float]:
+        """One rank's bytes on the wire per step under ``chosen``, and its seconds decoding
+        all-gathered payloads (0 without a ``decode_rate``)."""
         w = max(1, run.world_size)
         allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w  # times each element is sent
-        families = set()
-        total = 0.0
+        total = decoded = 0.0
         for name, h in run.layers.items():
-            spec = chosen.get(name, DENSE)
-            compressor = self._compressor(spec)
-            families.add(spec.name)
+            compressor = self._compressor(chosen.get(name, DENSE))
             per_byte = (w - 1) if compressor.transport is Transport.ALLGATHER else allreduce
             shape = h.shape if h.shape is not None else matrix(h)
-            total += per_byte * compressor.payload_bytes(h.numel, shape, element_bytes(h, w, allreduce))
-        assert self.bw is not None and self.compute is not None
-        rounds = self.rounds(families, w)
-        seconds = sum(r * self.overhead.get(f, self.prior) for f, r in rounds.items())
-        return self.compute + total / self.bw + seconds, rounds
+            payload = compressor.payload_bytes(h.numel, shape, element_bytes(h, w, allreduce))
+            total += per_byte * payload
+            if compressor.transport is Transport.ALLGATHER:
+                decoded += w * payload  # every rank's payload, its own included
+        return total, decoded / self.decode_rate if self.decode_rate else 0.0
+
+    def _in_force(self, run: RunState) -> dict[str, CompressorSpec]:
+        """Each layer's compressor in the latest interval: the plan's spec where the layer
+        reported that compressor, else the reported name at its default parameters (dense
+        for a name this process cannot resolve)."""
+        chosen = {}
+        for name, h in run.layers.items():
+            spec = run.plan.spec_for(name)
+            if spec.name != h.compressor:
+                try:
+                    compressor_class(h.compressor)
+                    spec = CompressorSpec.of(h.compressor)
+                except ValueError:
+                    spec = DENSE
+            chosen[name] = spec
+        return chosen
 
     def rounds(self, families: set[str], world_size: int) -> dict[str, int]:
         """Collective rounds beyond dense's per family; none on the sharded path (one

@@ -195,6 +195,9 @@ class AdaptiveOptions(PolicyOptions):
     round_seconds: Annotated[float, Field(ge=0, le=10)] = 0.001
     #: link bandwidth in bytes per second per rank to plan for instead of measuring it
     bandwidth: Annotated[float, Field(gt=0)] | None = None
+    #: bytes of all-gathered payload one rank decodes per second, to price an all-gather's
+    #: decode of W payloads on its own (null: part of the measured round overhead)
+    decode_rate: Annotated[float, Field(gt=0)] | None = None
 
     @field_validator("ranks", "topk_ratios")
     @classmethod

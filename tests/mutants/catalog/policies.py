@@ -11,11 +11,18 @@ MUTANTS = (
         "the adaptive policy prices int8 at two extra rounds where two ranks take one",
     ),
     mutant(
-        "cost-model-prices-allgather-as-at-two-ranks", "CostModel.predict",
+        "cost-model-prices-allgather-as-at-two-ranks", "CostModel._traffic",
         "            per_byte = (w - 1) if compressor.transport is Transport.ALLGATHER else allreduce\n",
         "            per_byte = 1 if compressor.transport is Transport.ALLGATHER else allreduce\n",
         "tests/test_cost_model_ranks.py",
         "an all-gather is priced at one payload per rank whatever W: Top-K looks cheap at any scale",
+    ),
+    mutant(
+        "cost-model-decodes-allgather-as-at-two-ranks", "CostModel._traffic",
+        "                decoded += w * payload\n",
+        "                decoded += 2 * payload\n",
+        "tests/test_cost_model_ranks.py",
+        "the cost model decodes an all-gather's payloads as at W = 2: Top-K's decode looks free at scale",
     ),
     mutant(
         "adaptive-quantizers-round-once-each", "family_rounds",
@@ -201,7 +208,7 @@ MUTANTS = (
         "lossy: never still offers PowerSGD and Top-K",
     ),
     mutant(
-        "adaptive-sharded-priced-as-allreduce", "CostModel.predict",
+        "adaptive-sharded-priced-as-allreduce", "CostModel._traffic",
         "        allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w",
         "        allreduce = 2 * (w - 1) / w",
         "tests/test_adaptive_policy.py",
