@@ -9,8 +9,8 @@ controller runs) on a simulated run: the workload's layers at ``--workers`` rank
 of ``--link`` per rank that the policy plans for (as ``compression.adaptive.bandwidth``),
 a step that computes for ``--compute-ms``, an extra collective round that costs
 ``--round-ms``, and an all-gather's decode at ``--decode-rate`` bytes of payload per second
-(as ``compression.adaptive.decode_rate``; by default Top-K's decompress rate at the largest
-size in ``docs/benchmarks/kernels.json``). Each control interval the simulated ranks run the
+(as ``compression.adaptive.decode_rate``; by default Top-K's fastest decompress rate
+of the sizes in ``docs/benchmarks/kernels.json``). Each control interval the simulated ranks run the
 plan the controller published and report what real workers report, their communication
 priced by the same traffic the cost model assumes (an all-gather receives W-1 payloads and
 decodes W, the all-reduce-shaped transports send 2(W-1)/W); gradient norms stay constant,
@@ -47,9 +47,9 @@ from raycomp.plan import Plan
 MIN_COMPRESS_NUMEL = 1024
 INTERVAL = 10
 KERNELS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "kernels.json"
-#: bytes/s of Top-K payload decoded when ``KERNELS`` cannot be read: its 16,777,216-element
-#: row (1,342,184 payload bytes decompressed in 39.9 ms, one thread)
-DECODE_RATE_FALLBACK = 33.6e6
+#: bytes/s of Top-K payload decoded when ``KERNELS`` cannot be read: its 1,048,576-element
+#: row (83,888 payload bytes decompressed in 0.73 ms, one thread)
+DECODE_RATE_FALLBACK = 114.8e6
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,11 @@ class Setting:
 
 
 def default_decode_rate(path: Path = KERNELS) -> tuple[float, str]:
-    """Top-K's measured decode rate, payload bytes over decompress seconds at the largest
-    element count in the kernel benchmark ``path``, and where it came from;
+    """Top-K's measured decode rate, payload bytes over decompress seconds, the fastest of the
+    kernel benchmark ``path``'s sizes, and where it came from. Each decompress there also
+    zero-fills a dense tensor, which a decode of W payloads does once, not W times: the
+    size where that fill weighs least is the closest to a payload's own decode (and still a
+    pessimistic one);
     :data:`DECODE_RATE_FALLBACK` if the file is missing or holds no Top-K row."""
     try:
         rows = [r for r in json.loads(path.read_text()) if r.get("compressor") == "topk"
@@ -76,7 +79,7 @@ def default_decode_rate(path: Path = KERNELS) -> tuple[float, str]:
         rows = []
     if not rows:
         return DECODE_RATE_FALLBACK, f"{path.name} unreadable, the fallback constant"
-    row = max(rows, key=lambda r: r["numel"])
+    row = max(rows, key=lambda r: r["wire_bytes"] / r["decompress_s"])
     return row["wire_bytes"] / row["decompress_s"], f"topk at {row['numel']:,} elements in {path.name}"
 
 
