@@ -24,6 +24,7 @@ from jobs.bench.e2e.methods import (
     methods_of,
     warmup_of,
 )
+from jobs.bench.e2e.predictions import plan_predictions
 from jobs.bench.e2e.stats import median, median_with_misses, ratio, spread
 from jobs.bench.e2e.traces import (
     CONSECUTIVE,
@@ -46,7 +47,7 @@ def analyze_run(run: dict[str, Any], raw: dict[str, Any], settings: dict[str, An
                 idle_rate: float) -> dict[str, Any]:
     """One run's numbers (target-independent)."""
     name, summary, steps = run["method"], run["summary"], run["steps"]
-    world = 1 if name == COMPUTE else 2
+    world = 1 if name == COMPUTE else settings.get("workers", 2)
     metric = raw["metric"]
     series = eval_series(run["evals"], metric)
     eval_steps = [e["step"] for e in series]
@@ -92,6 +93,8 @@ def analyze_run(run: dict[str, Any], raw: dict[str, Any], settings: dict[str, An
         "first_compressed_step": first, "control_share": control,
         "controller_cpu_s": run.get("controller_cpu_s"), "fit_s": run["t_end"] - run["t_start"],
         "placement": run.get("placement"), "load_average": run.get("load_average"),
+        "plan_predictions": plan_predictions(run.get("plans") or [], steps, eval_steps, raw["interval_steps"])
+        if raycomp_plan else [],
     }
 
 
@@ -248,9 +251,10 @@ def analyze(raw: dict[str, Any], settings: dict[str, Any], shaping: dict[str, An
         "workload": {"name": settings["workload"], "parameters": sum(math.prod(s) for s in raw["layers"].values()),
                      "config": settings["config"], "steps": settings["steps"],
                      "eval_every_steps": settings["eval_every"], "localsgd_start": settings.get("localsgd_start"),
-                     "world_size": 2, "adaptive_policy": raw.get("default_policy"),
+                     "world_size": settings.get("workers", 2), "adaptive_policy": raw.get("default_policy"),
                      "torch_powersgd_bucket_cap_mb": raw.get("bucket_cap_mb"),
                      "ddp_bucket_cap_mb": raw.get("ddp_bucket_cap_mb")},
+        "topology": settings.get("topology", "2x1"),
         "link": {"rate": settings["link"], "measured_mbit_s": min(measured) if measured else None,
                  "shaping": shaping, "check": check, "idle_ray_bytes_per_s": idle_rate},
         "target": {"metric": raw["metric"], "value": target["value"], "lower_is_better": lower,

@@ -1,4 +1,4 @@
-"""End-to-end benchmark: time to target of every method, 2 Ray nodes over a veth link.
+"""End-to-end benchmark: time to target of every method, Ray nodes over shaped links.
 
 Two network namespaces joined by a veth pair (:mod:`jobs.bench.netns`) each hold one Ray node
 (:mod:`jobs.bench.cluster`) with one CPU: the head in ``a``, a worker node in ``b``. The driver runs inside ``a``. Each
@@ -53,7 +53,12 @@ physical limit, ``compute_bound_time_to_target_s``: dense's steps to target x th
 without communication (torch's ``noop_hook``, each seed's own run). The goals
 (:mod:`jobs.bench.e2e.goals`, a table) are judged on the medians over seeds.
 
-Output: ``<output-dir>/e2e-<workload>-<link>.json``, ``.md`` and ``.png``; raw traces of every
+Topology (``--topology KxL``, :mod:`jobs.bench.e2e.topology`): ``2x1`` (the default) is the
+two-node veth link above; ``4x1``, ``2x2`` and the like are K Ray nodes of L workers behind a
+switch, each node's link shaped both ways, the workers of one node meeting over its loopback.
+
+Output: ``<output-dir>/e2e-<workload>-<link>.json`` (``e2e-<workload>-<KxL>-<link>`` for
+another topology), ``.md`` and ``.png``; raw traces of every
 run stay in ``--work-dir`` (``--reanalyze WORK_DIR`` rebuilds the reports from them; several
 directories merge the phases of one benchmark, :mod:`jobs.bench.e2e.merge`).
 """
@@ -70,7 +75,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jobs.bench.cluster import REPO, driver_env, measure_link, ray_nodes, ray_temp
+from jobs.bench.cluster import REPO, driver_env, head, measure_link, ray_nodes, ray_temp
 from jobs.bench.e2e.analysis import analyze
 from jobs.bench.e2e.merge import merge_work
 from jobs.bench.e2e.methods import (
@@ -82,12 +87,13 @@ from jobs.bench.e2e.methods import (
     parse_methods,
 )
 from jobs.bench.e2e.report import show, write_reports
-from jobs.bench.netns import ThrottledLink, parse_rate, rate_label
+from jobs.bench.e2e.topology import FLAT, check_switch, parse_topology
+from jobs.bench.netns import parse_rate, rate_label
 from jobs.bench.report import command_line, eprint, machine_info
 
 __all__ = ["HELP", "NAME", "add_arguments", "results_from", "run", "settings_from"]
 
-HELP = "time to target of dense, torch, local-step and raycomp methods over a 2-node link (network namespaces)"
+HELP = "time to target of dense, torch, local-step and raycomp methods over shaped links between Ray nodes (network namespaces)"
 NAME = "e2e"
 DRIVER_TIMEOUT_S = {"quick": 1200, "full": 4 * 3600}
 
@@ -99,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "LSTM, SGD), mlp (digits smoke)")
     parser.add_argument("--link", "--bandwidth", dest="link", default="100mbit",
                         help="link rate each way in tc units (default 100mbit), or 'fast' (unshaped veth)")
+    parser.add_argument("--topology", default="2x1",
+                        help="KxL: K Ray nodes of L workers each (default 2x1, the two-node veth link; any other "
+                             "shape is a switch of K nodes, each node's link shaped, e.g. 4x1 or 2x2)")
     parser.add_argument("--latency", default="0",
                         help="one-way delay added with netem when the kernel has it (default 0)")
     parser.add_argument("--quick", action="store_true",
@@ -152,6 +161,10 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"error: --target-step must be in 1..{steps} (the budget), got {args.target_step}")
     if args.localsgd_start is not None and not 0 <= args.localsgd_start < steps:
         raise SystemExit(f"error: --localsgd-start must be in 0..{steps - 1}, got {args.localsgd_start}")
+    try:
+        topology = parse_topology(args.topology)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     methods = parse_methods(args.methods, args.quick, args.strategy, args.workload, args.all_methods)
     periods = sorted({grid_setting(m) for grid in GRIDS.values() for m in grid if m in methods})
     if any(eval_every % h for h in periods):
@@ -165,7 +178,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     return {"workload": args.workload, "config": spec["config"], "extra": spec.get("overrides", []),
             "mode": mode, "steps": steps, "eval_every": eval_every, "seeds": seeds, "target": target,
             "target_step": args.target_step, "localsgd_start": args.localsgd_start,
-            "methods": methods, "strategy": args.strategy,
+            "methods": methods, "strategy": args.strategy, "topology": topology.label,
+            "workers": topology.workers,
             "link": rate_label(parse_rate(args.link)), "idle_s": 3.0 if args.quick else 10.0,
             "link_check_s": 1.0 if args.quick else 2.0}
 
@@ -199,19 +213,30 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _run(args: argparse.Namespace, argv: Sequence[str], settings: dict[str, Any], started: float,
          info: dict[str, Any], load_start: tuple[float, float, float]) -> int:
     rate = None if settings["link"] == "fast" else args.link
-    with ThrottledLink(rate, args.latency) as link:
+    topology = parse_topology(settings["topology"])
+    try:
+        network = topology.network(rate, args.latency)
+    except ValueError as error:
+        eprint(f"e2e: {error}")
+        return 2
+    with network as link:
+        tag = "" if topology.label == FLAT else f"{topology.label}-"
         work = Path(args.work_dir or REPO / "outputs" / "e2e" /
-                    f"{settings['workload']}-{settings['link']}-{link.suffix}").resolve()
+                    f"{settings['workload']}-{tag}{settings['link']}-{link.suffix}").resolve()
         work.mkdir(parents=True, exist_ok=True)
-        check = measure_link(link, settings["link_check_s"], work)
-        with ray_nodes(link, work) as address:
-            spec = {"settings": settings, "work": str(work), "dev": link.dev["a"], "address": address,
-                    "netns_inodes": {s: os.stat(f"/run/netns/{link.ns[s]}").st_ino for s in ("a", "b")},
-                    "ray_temp_a": str(ray_temp(link)["a"]), "addresses": dict(link.addr)}
+        check = (measure_link(link, settings["link_check_s"], work) if topology.label == FLAT
+                 else check_switch(link, settings["link_check_s"]))
+        first = head(link)
+        with ray_nodes(link, work, cpus=topology.per_node) as address:
+            spec = {"settings": settings, "work": str(work), "dev": link.dev[first], "address": address,
+                    "nodes": topology.nodes,
+                    "netns_inodes": {str(s): os.stat(f"/run/netns/{ns}").st_ino for s, ns in link.ns.items()},
+                    "ray_temp_a": str(ray_temp(link)[first]),
+                    "addresses": {str(s): a for s, a in link.addr.items()}}
             (work / "spec.json").write_text(json.dumps(spec, indent=2))
             # written now and again at the end: a run stopped early can still be re-analysed
             _write_meta(work, settings, link.shaping(), check, argv, info, None, load_start)
-            driver = link.popen("a", [sys.executable, "-m", "jobs.bench.e2e.driver", str(work / "spec.json")],
+            driver = link.popen(first, [sys.executable, "-m", "jobs.bench.e2e.driver", str(work / "spec.json")],
                                 env=driver_env(link, address), cwd=REPO)
             timeout = DRIVER_TIMEOUT_S[settings["mode"]]
             try:

@@ -96,7 +96,7 @@ def _node_of(pid: int | None, inodes: dict[str, int]) -> str | None:
 
 
 def driver(spec_path: str) -> int:
-    """Inside namespace a: every seed x method on the 2-node cluster; writes raw.json."""
+    """Inside the head's namespace: every seed x method on the cluster; writes raw.json."""
     import logging
 
     import ray
@@ -112,13 +112,13 @@ def driver(spec_path: str) -> int:
     inodes = {k: int(v) for k, v in spec["netns_inodes"].items()}
     ray.init(address=spec["address"], log_to_driver=False)
     deadline = time.time() + 180
-    while sum(n["Alive"] for n in ray.nodes()) < 2:
+    while sum(n["Alive"] for n in ray.nodes()) < spec.get("nodes", 2):
         if time.time() > deadline:
-            raise RuntimeError(f"the worker node never joined: {ray.nodes()}")
+            raise RuntimeError(f"not every node joined: {ray.nodes()}")
         time.sleep(0.5)
     config_file = str(REPO / settings["config"])
     base = load_config(config_file, [*settings["extra"], f"compression.policy={policy_default()}"])
-    workload = build(base.workload, 0, 2, 0)
+    workload = build(base.workload, 0, settings.get("workers", 2), 0)
     layers = {n: list(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad}
     cap = one_bucket_cap_mb(workload.model)
     raw: dict[str, Any] = {"spec": spec, "layers": layers, "metric": workload.metric,
@@ -204,7 +204,7 @@ def _run_one(name: str, seed: int, settings: dict[str, Any], spec: dict[str, Any
         "method": name, "seed": seed, "run_id": run_id, "output": str(output), "overrides": overrides,
         "summary": {k: v for k, v in summary.items() if k not in ("config", "final_plan")},
         "t_start": t_start, "t_end": t_end, "nic": sampler.samples,
-        "evals": read_jsonl(output / "evals.jsonl"),
+        "evals": read_jsonl(output / "evals.jsonl"), "plans": read_jsonl(output / "plans.jsonl"),
         "steps": [{k: r.get(k) for k in ("time", "step", "wire_bytes", "dense_bytes", "loss")}
                   for r in read_jsonl(output / "steps" / "rank0.jsonl")],
         "controller_cpu_s": None if cpu_before is None or cpu_after is None else cpu_after - cpu_before,

@@ -2,7 +2,8 @@
 reads, how it compares and against what.
 
 A report is judged by the goals of the first scope in :data:`SCOPES` whose conditions it
-meets (FSDP before the fast link before the transformer before any other workload), and only
+meets (FSDP before the fast link before more than two workers before the transformer before
+any other workload), and only
 when ``raycomp_adaptive`` ran. :mod:`jobs.bench.e2e.judge` holds the measures (each a number
 read off the results, with the physical limit of a time ratio beside it) and applies the
 table; a goal's text is what the report prints, with ``{threshold}``, ``{margin}``
@@ -38,6 +39,7 @@ class Goal:
 SCOPES: tuple[tuple[str, dict[str, str]], ...] = (
     ("fsdp", {"strategy": "fsdp"}),
     ("fast link", {"link": "fast"}),
+    ("many workers", {"ranks": "many"}),
     ("transformer", {"workload": "gpt"}),
     ("other workloads", {}),
 )
@@ -59,6 +61,12 @@ GOALS: tuple[Goal, ...] = (
     # an unshaped link: compression must not cost time
     Goal("fast link", "fast link: adaptive time to target within {margin:.0%} of the fastest other "
          "method{best} (ratio)", "time_vs_best_other", "<=", 1.05),
+    # more than two workers (a K x L topology) over a slow link, every workload
+    Goal("many workers", "adaptive time to target not slower than the best other method of any "
+         "kind{best} (ratio)", "time_vs_best_other", "<=", 1.0),
+    Goal("many workers", _FINAL, "final_metric_vs_dense", "<=", 0.01, needs=("dense",)),
+    Goal("many workers", "adaptive's predicted step within {threshold:.0%} of the step measured, for every plan it "
+         "ran (the largest |predicted / measured - 1| over the plans and seeds)", "prediction_error", "<=", 0.15),
     # the transformer over a slow link (issue 41), on the medians over seeds
     Goal("transformer", "adaptive time to target >= {threshold:g}x faster than dense",
          "speedup_vs_dense", ">=", 5.0),

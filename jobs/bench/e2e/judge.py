@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.bench.e2e.goals import GOALS, LOCAL_METHODS, SCOPES, Goal
+from jobs.bench.e2e.predictions import worst_error
 from jobs.bench.e2e.stats import median, ratio
 
 __all__ = ["COMPARISONS", "MEASURES", "Measure", "judge", "scope_of"]
@@ -127,6 +128,11 @@ def _nic_per_step_reduction_vs_dense(r: _Rows) -> Measure:
     return Measure(ratio(r.dense.get("nic_bytes_per_step"), r.ada["nic_bytes_per_step"]))
 
 
+def _prediction_error(r: _Rows) -> Measure:
+    worst, detail = worst_error(r.ada.get("runs") or [])
+    return Measure(worst, detail=detail)
+
+
 #: measure name (a goal's ``measure``) -> how it reads the results
 MEASURES: dict[str, Callable[[_Rows], Measure]] = {
     "speedup_vs_dense": _speedup_vs_dense,
@@ -137,6 +143,7 @@ MEASURES: dict[str, Callable[[_Rows], Measure]] = {
     "final_metric_vs_dense": _final_metric_vs_dense,
     "nic_reduction_vs_dense": _nic_reduction_vs_dense,
     "nic_per_step_reduction_vs_dense": _nic_per_step_reduction_vs_dense,
+    "prediction_error": _prediction_error,
 }
 #: a goal's ``comparison`` -> (value, threshold) -> pass
 COMPARISONS: dict[str, Callable[[float, Any], bool]] = {
@@ -147,7 +154,8 @@ COMPARISONS: dict[str, Callable[[float, Any], bool]] = {
 def scope_of(results: dict[str, Any]) -> str:
     """The first scope of :data:`~jobs.bench.e2e.goals.SCOPES` whose conditions ``results`` meets."""
     fields = {"strategy": results.get("strategy") or "ddp", "link": results.get("link", {}).get("rate"),
-              "workload": results.get("workload", {}).get("name")}
+              "workload": results.get("workload", {}).get("name"),
+              "ranks": "two" if results.get("workload", {}).get("world_size", 2) <= 2 else "many"}
     return next(name for name, when in SCOPES if all(fields[k] == v for k, v in when.items()))
 
 

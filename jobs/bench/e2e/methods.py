@@ -127,7 +127,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
                           "workload.momentum=0.9", "workload.lr_schedule=cosine"],
             "eval_every": 16, "quick": {"steps": 64, "eval_every": 16}, "powersgd_rank": 4},
 }
-COMMON = ["scaling.num_workers=2", "scaling.cpus_per_worker=1", "checkpoint.every_epochs=10000",
+COMMON = ["scaling.cpus_per_worker=1", "checkpoint.every_epochs=10000",
           "checkpoint.max_failures=0", "scaling.placement_strategy=SPREAD",
           "scaling.collective_timeout_s=120", "controller.metrics_enabled=false"]
 
@@ -220,7 +220,7 @@ def method_overrides(name: str, settings: dict[str, Any], seed: int, interval: i
     steps, every = settings["steps"], settings["eval_every"]
     # the epoch is the evaluation cadence, so a loop that evaluates once per epoch evaluates at
     # the same steps as one that honours workload.eval_every_steps
-    overrides = [*settings["extra"], *COMMON, f"run.seed={seed}", f"workload.steps_per_epoch={every}",
+    overrides = [*settings["extra"], *COMMON, f"scaling.num_workers={settings.get('workers', 2)}", f"run.seed={seed}", f"workload.steps_per_epoch={every}",
                  f"workload.epochs={steps // every}", f"workload.eval_every_steps={every}"]
     if settings.get("target") is not None and name not in REFERENCES:
         overrides += [f"workload.stop_at_target={settings['target']}", f"workload.stop_consecutive={CONSECUTIVE}"]
