@@ -88,3 +88,45 @@ def test_the_command_prints_the_choice_and_the_gain(capsys):
     out = capsys.readouterr().out
     assert "W=8, 10mbit per rank" in out and "chooses:" in out and "against dense" in out
     assert "all-gather decode at " in out and "elements in kernels.json)" in out
+
+
+# --- the projection's step model against a report's measured steps ----------------------
+def _report(tmp_path, world=4, methods=("dense", "raycomp_int4")):
+    steps = {"dense": 0.5, "raycomp_int4": 0.2}
+    report = {"workload": {"name": "mlp", "config": "jobs/configs/digits.yaml", "world_size": world},
+              "topology": f"{world}x1", "link": {"measured_mbit_s": 80.0}, "no_comm_step_s": 0.1,
+              "methods": [{"name": m, "step_s": steps[m]} for m in methods]}
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(report))
+    return report, path
+
+
+def test_plan_check_prices_the_reports_static_plans_from_what_it_measured(tmp_path):
+    from jobs import plan_check
+    from jobs.plan import _workload
+
+    report, _ = _report(tmp_path)
+    rows = plan_check.check(report)
+    assert [r[2] for r in rows[:2]] == ["dense (static)", "raycomp_int4 (static)"]
+    shapes, _ = _workload("jobs/configs/digits.yaml")
+    numel = sum(math.prod(s) for s in shapes.values())
+    dense_ms = (0.1 + 2 * 3 / 4 * 4 * numel / 10e6) * 1e3  # the ring at W = 4 over 80 Mbit/s
+    assert rows[0][3] == pytest.approx(dense_ms) and rows[0][4] == pytest.approx(500.0)
+    assert rows[0][5] == pytest.approx(dense_ms / 500.0 - 1)
+    assert rows[1][3] < rows[0][3] and rows[1][4] == pytest.approx(200.0)
+    assert rows[2][2].startswith("the projection's choice") and rows[2][4] is None
+    # at two ranks the ring moves (W-1)/W of what it moves at four, per byte: 1 against 1.5
+    two = plan_check.check(_report(tmp_path, world=2)[0])
+    assert (two[0][3] - 100.0) == pytest.approx((rows[0][3] - 100.0) / 1.5)
+    assert [r[2] for r in plan_check.check(_report(tmp_path, methods=("dense",))[0])][:1] == ["dense (static)"]
+
+
+def test_plan_check_prints_a_table_and_a_bad_report_is_one_line(tmp_path, capsys):
+    from jobs import plan_check
+
+    _, path = _report(tmp_path)
+    assert plan_check.main([str(path)]) == 0
+    assert "| mlp 4x1 | 4 | dense (static) |" in capsys.readouterr().out
+    assert plan_check.main([str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m jobs.plan_check: ") and "\n" not in err
