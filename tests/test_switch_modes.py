@@ -1,5 +1,6 @@
 """Correct past two ranks, for every transport and mode: ``raycomp.train`` on the switched
-testbed (tests/support/switch_runs.py) at W = 3 (3 nodes x 1 worker) and W = 4 (2 x 2).
+testbed (tests/support/switch_runs.py) at W = 3 (3 nodes x 1 worker), W = 4 (2 x 2) and
+W = 8 (2 x 4).
 
 * Every transport per step, one schedule through all of them (dense, PowerSGD's low-rank
   all-reduce, bf16 and Random-K over the summable all-reduce, sign, int4 and QSGD over the
@@ -7,10 +8,10 @@ testbed (tests/support/switch_runs.py) at W = 3 (3 nodes x 1 worker) and W = 4 (
   parameters and optimizer state bit-identical after every step, the same plan version and
   digest at every step on every rank. (Top-K and int8 at W = 3, 4 and 8:
   tests/test_switch_train.py.)
-* Local steps at W = 4 (``compression.local`` fixed, ``sync_every`` 4, int8 pseudo-gradients,
+* Local steps at W = 4 and 8 (``compression.local`` fixed, ``sync_every`` 4, int8 pseudo-gradients,
   no delay): the replicas drift apart between syncs, are bit-identical right after each sync
   and at the end (after finish's merge), and the ranks agree on the plans.
-* Checkpoint and resume at W = 4: step checkpoints every 5 steps, the rank on the second node
+* Checkpoint and resume at W = 4 and 8: step checkpoints every 5 steps, the rank on the second node
   killed at step 12 (FailureConfig(max_failures=1)), resumed from step 10; the run ends, and
   went through every step, bit-identical to the same schedule unbroken (every rank's
   parameters, optimizer state and compression state: residuals, server residuals, PowerSGD).
@@ -106,11 +107,21 @@ def bed_3x1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _run_testbed(tmp_path_factory.mktemp("modes3x1"), 3, 1, [TRANSPORTS])
 
 
+def _every_mode(tmp_path_factory: pytest.TempPathFactory, nodes: int, per_node: int) -> dict[str, Any]:
+    """Every transport, local steps, and the resume drill (rank 3 killed) in one fit."""
+    killed = {**RESUMED, "name": "killed", "kill": {"rank": 3, "step": KILL_STEP}}
+    return _run_testbed(tmp_path_factory.mktemp(f"modes{nodes}x{per_node}"), nodes, per_node,
+                        [TRANSPORTS, LOCAL, {**RESUMED, "name": "unbroken"}, killed], max_failures=1)
+
+
 @pytest.fixture(scope="module")
 def bed_2x2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    killed = {**RESUMED, "name": "killed", "kill": {"rank": 3, "step": KILL_STEP}}
-    return _run_testbed(tmp_path_factory.mktemp("modes2x2"), 2, 2,
-                        [TRANSPORTS, LOCAL, {**RESUMED, "name": "unbroken"}, killed], max_failures=1)
+    return _every_mode(tmp_path_factory, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def bed_2x4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _every_mode(tmp_path_factory, 2, 4)
 
 
 def last_per_step(records: list[dict]) -> dict[int, dict]:
@@ -147,7 +158,7 @@ def assert_identical_after_every_step(digests: list[list[dict]], steps: int) -> 
         assert len({d["plan"] for d in at}) == 1, (step, at)
 
 
-@pytest.mark.parametrize("topology", ["3x1", "2x2"])
+@pytest.mark.parametrize("topology", ["3x1", "2x2", "2x4"])
 def test_every_transport_keeps_replicas_bit_identical_per_step(request: pytest.FixtureRequest, topology: str) -> None:
     bed = request.getfixturevalue(f"bed_{topology}")
     run = bed["runs"]["transports"]
@@ -171,10 +182,12 @@ def test_every_transport_keeps_replicas_bit_identical_per_step(request: pytest.F
     print(json.dumps({"topology": topology, "steps_per_compressor": dict(ran)}))
 
 
-def test_local_steps_drift_between_syncs_and_agree_after_each(bed_2x2: dict[str, Any]) -> None:
-    run = bed_2x2["runs"]["local"]
+@pytest.mark.parametrize("topology", ["2x2", "2x4"])
+def test_local_steps_drift_between_syncs_and_agree_after_each(request: pytest.FixtureRequest, topology: str) -> None:
+    bed = request.getfixturevalue(f"bed_{topology}")
+    run = bed["runs"]["local"]
     steps = LOCAL["epochs"] * LOCAL["steps_per_epoch"]
-    assert_spread(bed_2x2, run["ranks"])
+    assert_spread(bed, run["ranks"])
     # the end, after finish's merge: every rank holds the same weights
     assert len({r["params"] for r in run["ranks"]}) == 1, run["ranks"]
     assert run["ranks"][0]["params"] != run["ranks"][0]["params_before"]
@@ -201,19 +214,22 @@ def test_local_steps_drift_between_syncs_and_agree_after_each(bed_2x2: dict[str,
     print(json.dumps({"syncs_at": syncs, "drifted_at": drifted}))
 
 
-def test_a_killed_worker_resumes_bit_identical_to_the_unbroken_run(bed_2x2: dict[str, Any]) -> None:
-    unbroken, killed = bed_2x2["runs"]["unbroken"], bed_2x2["runs"]["killed"]
-    steps = RESUMED["epochs"] * RESUMED["steps_per_epoch"]
-    assert_spread(bed_2x2, killed["ranks"])
+@pytest.mark.parametrize("topology", ["2x2", "2x4"])
+def test_a_killed_worker_resumes_bit_identical_to_the_unbroken_run(request: pytest.FixtureRequest,
+                                                                  topology: str) -> None:
+    bed = request.getfixturevalue(f"bed_{topology}")
+    unbroken, killed = bed["runs"]["unbroken"], bed["runs"]["killed"]
+    steps, workers = RESUMED["epochs"] * RESUMED["steps_per_epoch"], bed["workers"]
+    assert_spread(bed, killed["ranks"])
     # the worker group restarted: every rank resumed from the step-10 checkpoint in new processes
-    assert [r["restored_from"] for r in killed["ranks"]] == [RESUME_STEP] * 4
-    assert [r["restored_from"] for r in unbroken["ranks"]] == [0] * 4
+    assert [r["restored_from"] for r in killed["ranks"]] == [RESUME_STEP] * workers
+    assert [r["restored_from"] for r in unbroken["ranks"]] == [0] * workers
     assert (killed["dir"] / "faults" / f"killed-at-{KILL_STEP}").exists()
     # rank 3 logged up to its kill; the replayed steps were logged again
     assert max(rec["step"] for rec in killed["digests"][3][:KILL_STEP]) == KILL_STEP - 1
     assert len(killed["digests"][0]) > steps
     for run in (unbroken, killed):
-        assert [r["steps"] for r in run["ranks"]] == [steps] * 4
+        assert [r["steps"] for r in run["ranks"]] == [steps] * workers
         assert_plans_agree(run["steps"], steps)
         assert_identical_after_every_step(run["digests"], steps)
     # bit for bit the unbroken run: at every step, and at the end each rank's parameters,
@@ -224,6 +240,6 @@ def test_a_killed_worker_resumes_bit_identical_to_the_unbroken_run(bed_2x2: dict
             (ref[step]["params"], ref[step]["optimizer"], ref[step]["plan"]), step
     keys = ("params", "optimizer", "compression")
     assert [[r[k] for k in keys] for r in killed["ranks"]] == [[r[k] for k in keys] for r in unbroken["ranks"]]
-    assert len({r["compression"] for r in unbroken["ranks"]}) == 4  # each rank's own residuals
+    assert len({r["compression"] for r in unbroken["ranks"]}) == workers  # each rank's own residuals
     assert [rec["dense"] for rec in killed["steps"][0]] == [rec["dense"] for rec in unbroken["steps"][0]]
     assert {rec["plan"] for rec in killed["digests"][0]} == {"none", "powersgd", "int4", "dgc_topk"}
