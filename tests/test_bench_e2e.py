@@ -637,11 +637,13 @@ def test_a_run_stopped_early_reports_the_seeds_that_ran(tmp_path):
                     _raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.45, 2.4], 0.3, 8.0)]}  # stopped here
     check = {"a_to_b": {"bits_per_s": 95.7e6}, "b_to_a": {"bits_per_s": 95.6e6}, "rtt": {"median_s": 2e-5}}
     results = analysis.analyze(raw, settings, {"qdisc": {"a": "tbf"}, "rate": "100mbit"}, check)
-    assert results["seeds"] == [0, 1] and results["seeds_requested"] == [0, 1, 2]
+    # dense ran seeds 0 and 1, adaptive seed 0 only: one seed ran every method
+    assert results["seeds"] == [0] and results["seeds_requested"] == [0, 1, 2]
     assert results["methods"][1]["time_to_target_s_seeds"] == [pytest.approx(0.3 * 29)]
+    assert len(results["methods"][0]["time_to_target_s_seeds"]) == 2  # dense: each seed it ran
     text = report.render_markdown({**results, "command": "x"})
-    assert "over a 100mbit link, 2 seeds" in text
-    assert "**Stopped early: 2 of the 3 requested seeds (0, 1, 2) ran**" in text
+    assert "over a 100mbit link, 1 seed\n" in text
+    assert "**Stopped early: 1 of the 3 requested seeds (0, 1, 2) ran every method**" in text
 
 
 # --- a tiny real run ------------------------------------------------------------------------------

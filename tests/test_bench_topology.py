@@ -133,3 +133,11 @@ def test_four_workers_are_judged_by_the_many_worker_goals(gap, ok, tmp_path):
     two = analysis.analyze(_four_workers_raw(gap), {**settings, "topology": "2x1", "workers": 2},
                            {"qdisc": {"a": "tbf"}, "rate": "100mbit"}, check)
     assert judge.scope_of(two) == "transformer" and report.report_stem(two) == "e2e-gpt-100mbit"
+
+
+def test_a_benchmark_stopped_after_denses_phase_counts_only_the_seeds_every_method_ran():
+    runs = [{"method": "dense", "seed": s} for s in (0, 1, 2)]
+    runs += [{"method": m, "seed": s} for s in (0, 1) for m in ("raycomp_adaptive", "raycomp_int4")]
+    runs += [{"method": "raycomp_local_h4", "seed": 0}]  # a grid merged from a phase on seed 0
+    assert analysis.ran_seeds(runs, [0, 1, 2]) == [0, 1]
+    assert analysis.ran_seeds(runs[:3], [0, 1, 2]) == [0, 1, 2]

@@ -211,6 +211,15 @@ def _grid_rank(row: dict[str, Any], lower_is_better: bool) -> tuple[float, float
     return (math.inf if t is None else t, math.inf if f is None else (f if lower_is_better else -f))
 
 
+def ran_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> list[int]:
+    """The seeds every method outside the grids ran (dense runs first on every seed, so a
+    benchmark stopped early holds dense's later seeds without the other methods'; a grid
+    may have run on fewer seeds, merged from a phase of its own)."""
+    methods = {r["method"] for r in runs if family(r["method"]) == r["method"]}
+    return [s for s in seeds if any(r["seed"] == s for r in runs)
+            and all(any(r["seed"] == s and r["method"] == m for r in runs) for m in methods)]
+
+
 def compute_bound(dense: dict[str, Any] | None, no_comm_step_s: float | None) -> float | None:
     """The physical limit of time to target: dense's (median) steps to target x the step
     without communication; None where either is missing."""
@@ -260,7 +269,7 @@ def analyze(raw: dict[str, Any], settings: dict[str, Any], shaping: dict[str, An
         "target": {"metric": raw["metric"], "value": target["value"], "lower_is_better": lower,
                    "step": target["step"], "source": target["source"], "consecutive": CONSECUTIVE,
                    "stopped_runs_at": raw.get("stop_target", settings["target"])},
-        "seeds": [s for s in settings["seeds"] if any(r["seed"] == s for r in runs)],
+        "seeds": ran_seeds(runs, settings["seeds"]),
         "seeds_requested": settings["seeds"],
         "compute_step_s": compute[0]["step_s"] if compute else None,
         "no_comm_step_s": no_comm_step,

@@ -110,7 +110,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"```\n{results.get('command', '')}\n```",
         "",
         *([f"**Stopped early: {len(results['seeds'])} of the {len(requested)} requested seeds "
-            f"({', '.join(map(str, requested))}) ran**; the medians below are over those.", ""]
+            f"({', '.join(map(str, requested))}) ran every method**; the medians below are over those, dense's "
+            "(which ran first on every seed and sets the target) over each seed it ran.", ""]
           if len(results["seeds"]) < len(requested) else []),
         f"Mode **{results['mode']}**; the whole benchmark took {show(results.get('benchmark_seconds'), '{:.0f}')} s "
         f"(load average {show((load.get('start') or [None])[0], '{:.1f}')} at the start, "
