@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jobs.bench.e2e.traces import steady_step_s
+
 __all__ = ["MIN_STEPS", "plan_predictions", "predicted_of", "worst_error"]
 
 MIN_STEPS = 5
@@ -40,8 +42,6 @@ def plan_predictions(plans: list[dict[str, Any]], steps: list[dict[str, Any]], e
                      interval: int) -> list[dict[str, Any]]:
     """Each priced plan of a run: the step it was published at, the steps it held, its
     predicted and measured step (seconds) and the error (predicted / measured - 1)."""
-    times = {int(r["step"]): float(r["time"]) for r in steps if r.get("time") is not None}
-    evals = set(eval_steps)
     events = sorted((p for p in plans if p.get("kind") in ("start", "plan")), key=lambda p: int(p["step"]))
     out = []
     for index, event in enumerate(events):
@@ -49,13 +49,11 @@ def plan_predictions(plans: list[dict[str, Any]], steps: list[dict[str, Any]], e
         if predicted is None:
             continue
         begin = int(event["step"]) + 1 + interval
-        end = int(events[index + 1]["step"]) if index + 1 < len(events) else max(times, default=0)
-        gaps = [times[s] - times[s - 1] for s in range(begin + 1, end + 1)
-                if s in times and s - 1 in times and s not in evals]
-        if len(gaps) < MIN_STEPS:
+        end = int(events[index + 1]["step"]) if index + 1 < len(events) else None
+        measured, gaps = steady_step_s(steps, eval_steps, begin + 1, end)
+        if measured is None or gaps < MIN_STEPS:
             continue
-        measured = sum(gaps) / len(gaps)
-        out.append({"step": int(event["step"]), "steps": len(gaps), "rule": (event.get("why") or {}).get("rule"),
+        out.append({"step": int(event["step"]), "steps": gaps, "rule": (event.get("why") or {}).get("rule"),
                     "reason": event.get("reason"), "predicted_s": predicted, "measured_s": measured,
                     "error": predicted / measured - 1})
     return out

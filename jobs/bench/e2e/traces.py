@@ -78,13 +78,15 @@ def training_clock(steps: list[dict[str, Any]], eval_steps: Sequence[int],
     return clock
 
 
-def steady_step_s(steps: list[dict[str, Any]], eval_steps: Sequence[int], start: int) -> tuple[float | None, int]:
-    """Mean seconds per step over the gaps from step ``start`` on, evaluation gaps excluded
-    (control boundaries included: they are part of the cost of a step)."""
+def steady_step_s(steps: list[dict[str, Any]], eval_steps: Sequence[int], start: int,
+                  end: int | None = None) -> tuple[float | None, int]:
+    """Mean seconds per step over the gaps from step ``start`` on (to step ``end``, included,
+    when given), evaluation gaps excluded (control boundaries included: they are part of the
+    cost of a step); and how many gaps."""
     times = {int(r["step"]): float(r["time"]) for r in steps if r.get("time") is not None}
     evals = set(eval_steps)
     gaps = [times[s] - times[s - 1] for s in sorted(times) if s >= max(start, 1) and s - 1 in times
-            and s not in evals]
+            and s not in evals and (end is None or s <= end)]
     return (sum(gaps) / len(gaps) if gaps else None), len(gaps)
 
 
