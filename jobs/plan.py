@@ -46,6 +46,7 @@ from raycomp.plan import Plan
 
 MIN_COMPRESS_NUMEL = 1024
 INTERVAL = 10
+ROUND_MS = 1.0  # --round-ms's default: an extra collective round, until measured
 KERNELS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "kernels.json"
 #: bytes/s of Top-K payload decoded when ``KERNELS`` cannot be read: its 1,048,576-element
 #: row (83,888 payload bytes decompressed in 0.73 ms, one thread)
@@ -116,6 +117,14 @@ def layer_traffic(spec_name: str, params: dict[str, Any], numel: int, shape: tup
     return 2 * (world - 1) / world * payload, 0.0
 
 
+def comm_seconds(setting: Setting, wire: float, decoded: float, kinds: set[str]) -> float:
+    """One rank's communication a step: ``wire`` bytes over the link, ``decoded`` bytes of
+    all-gathered payload at the decode rate, and the extra rounds of the compressors ``kinds``."""
+    decode = decoded / setting.decode_rate if setting.decode_rate else 0.0
+    rounds = family_rounds(kinds, setting.workers)
+    return wire / setting.bandwidth + decode + sum(rounds.values()) * setting.round_seconds
+
+
 def project(shapes: dict[str, tuple[int, ...]], setting: Setting, intervals: int = 30) -> dict[str, Any]:
     """The adaptive policy's settled plan for ``shapes`` on ``setting``, its predicted step and
     dense's, after ``intervals`` simulated control intervals."""
@@ -143,9 +152,7 @@ def project(shapes: dict[str, tuple[int, ...]], setting: Setting, intervals: int
             layers.append({"layer": name, "compressor": kind, "numel": n, "grad_norm": 1.0,
                            "compression_error": setting.error if lossy else 0.0, "residual_norm": 0.0,
                            "wire_bytes": sent * w, "dense_bytes": layer_bytes("none", {}, n, shape, w)})
-        rounds = family_rounds(kinds, w)
-        decode = decoded / setting.decode_rate if setting.decode_rate else 0.0
-        comm = wire / setting.bandwidth + decode + sum(rounds.values()) * setting.round_seconds
+        comm = comm_seconds(setting, wire, decoded, kinds)
         wire_total += wire * INTERVAL
         dense_total += dense_step * INTERVAL
         for rank in range(w):
@@ -184,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, required=True, help="ranks W (2 or more)")
     parser.add_argument("--link", required=True, help="per-rank link rate, e.g. 100mbit, 25gbit")
     parser.add_argument("--compute-ms", type=float, required=True, help="a step's compute without communication")
-    parser.add_argument("--round-ms", type=float, default=1.0, help="an extra collective round (default 1 ms)")
+    parser.add_argument("--round-ms", type=float, default=ROUND_MS, help=f"an extra collective round (default {ROUND_MS:g} ms)")
     parser.add_argument("--decode-rate", help="bytes/s of all-gathered payload a rank decodes, e.g. 3.4e7 or "
                         "30mbps (default: Top-K's rate in docs/benchmarks/kernels.json)")
     parser.add_argument("--lossy", choices=("auto", "always", "never"), default="auto",

@@ -26,32 +26,29 @@ from typing import Any
 from jobs.bench.report import markdown_table
 from jobs.plan import (
     MIN_COMPRESS_NUMEL,
+    ROUND_MS,
     Setting,
     _workload,
+    comm_seconds,
     default_decode_rate,
     layer_traffic,
     project,
 )
-from raycomp.controllers.policies.cost_model import family_rounds
 
 __all__ = ["check", "main", "static_step"]
-
-ROUND_S = 0.001  # jobs.plan's --round-ms default
-
 
 def static_step(shapes: dict[str, tuple[int, ...]], setting: Setting, compressor: str) -> float:
     """The projection's step (seconds) of a static plan: ``compressor`` on every layer of at
     least ``MIN_COMPRESS_NUMEL`` elements, dense on the rest."""
-    w, wire, decode, kinds = setting.workers, 0.0, 0.0, set()
+    wire, decoded, kinds = 0.0, 0.0, set()
     for shape in shapes.values():
         n = math.prod(shape)
         kind = compressor if n >= MIN_COMPRESS_NUMEL else "none"
         kinds.add(kind)
-        sent, decodes = layer_traffic(kind, {}, n, shape, w)
+        sent, decodes = layer_traffic(kind, {}, n, shape, setting.workers)
         wire += sent
-        decode += decodes / setting.decode_rate if setting.decode_rate else 0.0
-    rounds = family_rounds(kinds, w)
-    return setting.compute + wire / setting.bandwidth + decode + sum(rounds.values()) * setting.round_seconds
+        decoded += decodes
+    return setting.compute + comm_seconds(setting, wire, decoded, kinds)
 
 
 def _method(report: dict[str, Any], name: str) -> dict[str, Any] | None:
@@ -63,7 +60,7 @@ def check(report: dict[str, Any]) -> list[list[Any]]:
     config, w = report["workload"]["config"], int(report["workload"].get("world_size", 2))
     mbit, compute = report["link"]["measured_mbit_s"], report["no_comm_step_s"]
     shapes, lossy = _workload(config)
-    setting = Setting(w, mbit * 1e6 / 8, compute, ROUND_S, lossy, decode_rate=default_decode_rate()[0])
+    setting = Setting(w, mbit * 1e6 / 8, compute, ROUND_MS / 1000, lossy, decode_rate=default_decode_rate()[0])
     label = f"{report['workload']['name']} {report.get('topology', '2x1')}"
     rows = []
     for method, compressor in (("dense", "none"), ("raycomp_int4", "int4")):
