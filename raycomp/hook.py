@@ -63,7 +63,9 @@ from raycomp.overlap import BucketThreads
 from raycomp.plain_step import PlainStep
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
+from raycomp.topology import Topology, node_groups
 from raycomp.transports import Pending, flat_view
+from raycomp.two_level import TwoLevelReducer
 
 __all__ = ["CompressionState", "compression_hook"]
 
@@ -91,6 +93,14 @@ class CompressionState:
         grad_scaler: your ``torch.amp.GradScaler`` when you train in fp16 with loss
             scaling: the gradients the hook sees are scaled, and error feedback must follow
             the scale as it changes (``raycomp.loss_scale``). Not needed for bf16.
+        topology: this rank's place, node and local rank (``raycomp.topology.discover()``
+            finds it from Ray Train or torchrun). With several nodes of several ranks each,
+            compressed steps reduce in two levels (:mod:`raycomp.two_level`): dense inside
+            the node, and only each node's mean crosses nodes, compressed, cut into one piece
+            per rank of the node, so a node's slow link carries what one flat rank would.
+            Every rank passes its own (the state gathers them to build the groups). ``None``
+            (the default) or one level: every rank is its own node, as before. A dense plan's
+            plain step stays one flat all-reduce either way.
         memory, min_compress_numel, seed, stats_every, profile_ratios: as
             in :class:`CompressedReducer`. In short: ``memory="residual"`` is error
             feedback, which every biased compressor needs to keep dense accuracy;
@@ -102,14 +112,16 @@ class CompressionState:
         self, model: torch.nn.Module, plan: Plan | None = None, *, async_comm: bool = True,
         process_group: Any = None, memory: str | Memory = "residual", min_compress_numel: int = 1024,
         seed: int = 0, stats_every: int = 0, profile_ratios: tuple[float, ...] = (),
-        grad_scaler: torch.amp.GradScaler | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None, topology: Topology | None = None,
     ) -> None:
         refuse_sparse_gradients(model)  # before the group: nothing to undo
         check_scaler(grad_scaler)
-        self.reducer = CompressedReducer(
-            plan, process_group=hook_group(model, process_group), memory=memory,
-            min_compress_numel=min_compress_numel, seed=seed, stats_every=stats_every,
-            profile_ratios=profile_ratios, grad_scaler=grad_scaler)
+        group = hook_group(model, process_group)
+        levels = node_groups(topology) if topology is not None else None
+        options = dict(process_group=group, memory=memory, min_compress_numel=min_compress_numel, seed=seed,
+                       stats_every=stats_every, profile_ratios=profile_ratios, grad_scaler=grad_scaler)
+        self.reducer = CompressedReducer(plan, **options) if levels is None else \
+            TwoLevelReducer(levels, plan, **options)
         module = getattr(model, "module", model)
         #: seconds the steps waited for their reductions (the adaptive policy's "comm"): a
         #: reduction run inline is waited for whole; with the background thread, only what is

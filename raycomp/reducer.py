@@ -83,6 +83,9 @@ class CompressedReducer:
             raise ValueError(f"stats_every: expected an integer >= 0, got {stats_every!r}")
         self.loss_scale = ScaleFollower(grad_scaler)
         self.group = Group(process_group)
+        #: the group the compressed reduction's collectives travel on: the reducer's own (a
+        #: two-level reducer's is the cross-node group of its position on the node)
+        self.send_group = self.group
         self.memory = make_memory(memory, self.group.size) if isinstance(memory, str) else memory
         self.router = Router(self.group, min_compress_numel, seed)  # each layer's compressor and transport
         self.stats_every = stats_every
@@ -176,20 +179,30 @@ class CompressedReducer:
         in the order started.
         """
         self.begin_step()
+        return self._send(names, grads, closes_step=closes_step, overwrite=overwrite)
+
+    def _send(self, names: Sequence[str], grads: Sequence[torch.Tensor], *, closes_step: bool, overwrite: bool,
+              control: torch.Tensor | None = None,
+              dense_bytes: Sequence[float] | None = None) -> Pending[list[torch.Tensor]]:
+        """Steps 1-5 over the reducer's own group, in an open step. ``control``: a control
+        tensor to carry instead of the staged one (a two-level reduction relays its
+        node's sum); ``dense_bytes``: each layer's dense equivalent in the ledger (default:
+        the all-reduce of ``grads`` over the group)."""
         compressors, kinds = self.router.route(self._plan, names, grads, self.loss_scale.scale)  # 1. route
         compensated = [self.memory.compensate(n, g) for n, g in zip(names, grads, strict=True)]  # 2. compensate
         self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is not Transport.DENSE])
         used = [g.any() for g in grads] if self.defer_unused else []  # before an in-place reduction
-        control = self.signals.take(grads[0].device if grads else torch.device("cpu")) if closes_step else None
+        if control is None and closes_step:
+            control = self.signals.take(grads[0].device if grads else torch.device("cpu"))
         measuring = self.collecting_stats  # statistics read the gradients: never overwrite them then
         overwritable = [overwrite and not measuring and c is g for c, g in zip(compensated, grads, strict=True)]
         batch = Batch(list(names), compensated, compressors, overwritable, control)
-        sending = communicate(kinds, batch, self.communicators, self.group)  # 3. compress, communicate
+        sending = communicate(kinds, batch, self.communicators, self.send_group)  # 3. compress, communicate
 
         def finish() -> list[torch.Tensor]:
             reduced, overhead = sending.finish()  # 4. decompress: the mean, and what this rank sent
             self._update_memory(names, compressors, compensated, reduced, used)  # 5. update memory
-            self._count_bytes(names, grads, reduced, overhead)
+            self._count_bytes(names, grads, reduced, overhead, dense_bytes)
             if measuring:
                 self._measure(names, compressors, grads, compensated, reduced)
             return [r.mean for r in reduced]
@@ -203,12 +216,14 @@ class CompressedReducer:
         return self.router.transport_for(self._plan, layer, shape)
 
     def _count_bytes(self, names: Sequence[str], grads: Sequence[torch.Tensor], reduced: Sequence[Reduced],
-                     overhead: float) -> None:
+                     overhead: float, dense_bytes: Sequence[float] | None = None) -> None:
         """Wire bytes into the ledger, each layer beside its dense all-reduce's."""
         if overhead:
             self.ledger.add(OVERHEAD, overhead)
-        for name, grad, result in zip(names, grads, reduced, strict=True):
-            self.ledger.add(name, result.wire_bytes, self.group.allreduce_bytes(grad.numel() * grad.element_size()))
+        if dense_bytes is None:
+            dense_bytes = [self.send_group.allreduce_bytes(g.numel() * g.element_size()) for g in grads]
+        for name, dense, result in zip(names, dense_bytes, reduced, strict=True):
+            self.ledger.add(name, result.wire_bytes, dense)
 
     def _update_memory(self, names: Sequence[str], compressors: Sequence[Compressor],
                        compensated: Sequence[torch.Tensor], reduced: Sequence[Reduced],
@@ -233,7 +248,7 @@ class CompressedReducer:
         for i, name in enumerate(names):
             result, grad = reduced[i], grads[i]
             kind = compressors[i].name if result.sent is not compensated[i] else "none"
-            dense = self.group.allreduce_bytes(grad.numel() * grad.element_size())
+            dense = self.send_group.allreduce_bytes(grad.numel() * grad.element_size())
             self.stats.append(layer_stats(name, kind, grad, compensated[i], result.sent, self.memory.residual(name),
                                           result.wire_bytes, dense, self.profile_ratios, unscale))
 
@@ -307,6 +322,9 @@ class CompressedReducer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("levels") is not None and type(self) is CompressedReducer:
+            raise ValueError(f"compression.levels: this checkpoint was written by a two-level run "
+                             f"{state['levels']}; allowed: resume it with two levels at the same nodes x ranks")
         self.step = int(state["step"])
         self._plan = Plan.from_dict(state["plan"])
         self._pending = None if state["pending_plan"] is None else Plan.from_dict(state["pending_plan"])

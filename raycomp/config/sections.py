@@ -211,6 +211,12 @@ class CompressionSection(_Strict):
     memory: Literal["residual", "dgc", "none"] = "residual"
     #: layers with fewer elements always go dense (latency dominates their cost)
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
+    #: "auto": where Ray Train places several workers on each of several nodes, compressed
+    #: steps reduce in two levels, dense inside each node and compressed across nodes, one
+    #: piece per worker of the node (raycomp.two_level); "flat": every worker is its own
+    #: node. Elastic resizes need "flat" (a two-level checkpoint restores only at its own
+    #: nodes x workers), and local steps sync flat either way
+    levels: Literal["flat", "auto"] = "flat"
     #: the dense fallback: see :class:`GuardSection`
     guard: GuardSection = GuardSection()
     #: the LR ramp after a dense -> compressed switch: see :class:`LrScalingSection`

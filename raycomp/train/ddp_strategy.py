@@ -12,6 +12,7 @@ import torch
 from raycomp.buckets import ddp_kwargs
 from raycomp.ddp_sync import DdpSync
 from raycomp.hook import CompressionState, compression_hook
+from raycomp.topology import discover
 from raycomp.plan import Plan
 from raycomp.train.gradient_strategy import StrategySetup
 
@@ -79,7 +80,8 @@ def compression_state(model: torch.nn.Module, setup: StrategySetup) -> Compressi
         if c.policy == "error_budget" else ()
     return CompressionState(model, Plan(), memory=c.memory, min_compress_numel=c.min_compress_numel,
                             seed=setup.options.seed, stats_every=setup.options.controller.interval_steps,
-                            profile_ratios=profile, grad_scaler=setup.grad_scaler)
+                            profile_ratios=profile, grad_scaler=setup.grad_scaler,
+                            topology=discover() if c.levels == "auto" else None)
 
 
 def ddp_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> DdpStrategy:

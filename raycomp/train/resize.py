@@ -35,7 +35,9 @@ all W of them and builds its own state by this rule:
 
 A checkpoint from the same number of workers is restored rank for rank, bit for bit, and
 never passes through here. A sharded (FSDP) run's residuals are laid out per shard of W;
-they are not merged (its compression state starts fresh at a new size).
+they are not merged (its compression state starts fresh at a new size). A two-level run's
+residuals are pieces of its nodes x ranks layout (:mod:`raycomp.two_level`); restoring one
+at another size is refused with an error, not merged.
 """
 
 from __future__ import annotations
@@ -104,6 +106,9 @@ def merge_reducer(states: list[dict[str, Any]], rank: int, world_size: int, seed
     """A :class:`~raycomp.reducer.CompressedReducer` state for new rank ``rank``: memory
     merged (and server residuals folded in), agreed state from old rank 0, byte totals folded."""
     first = states[0]
+    if first.get("levels") is not None:  # residuals of pieces of one nodes x ranks layout
+        raise ValueError(f"compression.levels: a two-level checkpoint {first['levels']} cannot be restored at "
+                         "another size; allowed: compression.levels=flat for elastic runs")
     memory = _mean_memory([s["memory"] for s in states])
     merged = {key: copy.deepcopy(value) for key, value in first.items()
               if key not in ("memory", "server_residuals", "compressors", "ledger")}
