@@ -10,6 +10,7 @@ from . import (
     error_feedback,
     hook,
     integrations,
+    levels,
     local_steps,
     loss_scale,
     policies,
@@ -36,4 +37,5 @@ MUTANTS = (
     *local_steps.MUTANTS,
     *benchmarks.MUTANTS,
     *elastic.MUTANTS,
+    *levels.MUTANTS,
 )

@@ -107,8 +107,8 @@ MUTANTS = (
     ),
     mutant(
         "train-memory-ignores-scaler", "compression_state",
-        "                            profile_ratios=profile, grad_scaler=setup.grad_scaler)\n",
-        "                            profile_ratios=profile, grad_scaler=None)\n",
+        "                            profile_ratios=profile, grad_scaler=setup.grad_scaler,\n",
+        "                            profile_ratios=profile, grad_scaler=None,\n",
         "tests/test_train_loss_scale.py -k resumes",
         "raycomp.train's hook is not told the scaler: the memory mixes scales, the controller gets scaled norms",
         timeout_s=300,

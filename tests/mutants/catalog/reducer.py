@@ -38,14 +38,14 @@ MUTANTS = (
         "the step's non-finite flag misses -inf (it reads only the maximum)",
     ),
     mutant(
-        "dense-in-place-on-statistics-steps", "CompressedReducer.start",
+        "dense-in-place-on-statistics-steps", "CompressedReducer._send",
         "        overwritable = [overwrite and not measuring and c is g for c, g in zip(compensated, grads, strict=True)]\n",
         "        overwritable = [overwrite and c is g for c, g in zip(compensated, grads, strict=True)]\n",
         "tests/test_hook.py",
         "a statistics step reduces the bucket in place: the layers' gradient norms are the mean's",
     ),
     mutant(
-        "dense-in-place-in-memory-buffer", "CompressedReducer.start",
+        "dense-in-place-in-memory-buffer", "CompressedReducer._send",
         "        overwritable = [overwrite and not measuring and c is g for c, g in zip(compensated, grads, strict=True)]\n",
         "        overwritable = [overwrite and not measuring for c, g in zip(compensated, grads, strict=True)]\n",
         "tests/test_hook.py",
@@ -80,7 +80,7 @@ MUTANTS = (
         "updates no callback settled stay held back: the next step compensates with a stale residual",
     ),
     mutant(
-        "finite-flag-checks-dense-layers-only", "CompressedReducer.start",
+        "finite-flag-checks-dense-layers-only", "CompressedReducer._send",
         "        self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is not Transport.DENSE])\n",
         "        self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is Transport.DENSE])\n",
         "tests/test_hook.py -k covers_compressed",
