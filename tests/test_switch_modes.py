@@ -49,6 +49,8 @@ TRANSPORTS = {"name": "transports", "kind": "steps", "epochs": 4, "steps_per_epo
 CARRIED = {"none": "dense", "powersgd": "lowrank", "bf16": "allreduce", "randomk": "allreduce",
            "sign": "scalable", "int4": "scalable", "qsgd": "scalable", "dgc_topk": "allgather",
            "threshold": "allgather"}
+#: the same schedule in two levels (compression.levels=auto: the topology from Ray Train)
+TWO_LEVEL = {**TRANSPORTS, "name": "two_level", "levels": "auto"}
 LOCAL = {"name": "local", "kind": "local", "epochs": 2, "steps_per_epoch": 9, "warmup": 2, "sync_every": 4,
          "local_compressor": "int8"}
 #: resumed: PowerSGD, int4 (scalable: server residuals per rank), then DGC's Top-K; a stage's
@@ -111,7 +113,7 @@ def _every_mode(tmp_path_factory: pytest.TempPathFactory, nodes: int, per_node: 
     """Every transport, local steps, and the resume drill (rank 3 killed) in one fit."""
     killed = {**RESUMED, "name": "killed", "kill": {"rank": 3, "step": KILL_STEP}}
     return _run_testbed(tmp_path_factory.mktemp(f"modes{nodes}x{per_node}"), nodes, per_node,
-                        [TRANSPORTS, LOCAL, {**RESUMED, "name": "unbroken"}, killed], max_failures=1)
+                        [TRANSPORTS, TWO_LEVEL, LOCAL, {**RESUMED, "name": "unbroken"}, killed], max_failures=1)
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +182,26 @@ def test_every_transport_keeps_replicas_bit_identical_per_step(request: pytest.F
     totals = run["totals"]
     assert totals["wire_bytes_total"] < totals["dense_bytes_total"]
     print(json.dumps({"topology": topology, "steps_per_compressor": dict(ran)}))
+
+
+@pytest.mark.parametrize("topology", ["2x2", "2x4"])
+def test_two_levels_keep_replicas_bit_identical_per_step(request: pytest.FixtureRequest, topology: str) -> None:
+    """Ray Train's context gives the topology; every transport across nodes, dense inside,
+    replicas bit-identical after every step, and fewer bytes per rank than the flat run."""
+    bed = request.getfixturevalue(f"bed_{topology}")
+    run, flat = bed["runs"]["two_level"], bed["runs"]["transports"]
+    steps = TWO_LEVEL["epochs"] * TWO_LEVEL["steps_per_epoch"]
+    assert_spread(bed, run["ranks"])
+    assert [r["reducer"] for r in run["ranks"]] == ["TwoLevelReducer"] * bed["workers"]
+    assert [r["reducer"] for r in flat["ranks"]] == ["CompressedReducer"] * bed["workers"]
+    assert [r["steps"] for r in run["ranks"]] == [steps] * bed["workers"]
+    assert_identical_after_every_step(run["digests"], steps)
+    assert_plans_agree(run["steps"], steps)
+    assert set(Counter(rec["plan"] for rec in run["digests"][0])) == set(CARRIED)
+    assert run["ranks"][0]["params"] != flat["ranks"][0]["params"]  # it took its own path
+    assert run["totals"]["wire_bytes_total"] < flat["totals"]["wire_bytes_total"]
+    print(json.dumps({"topology": topology, "wire_two_level": run["totals"]["wire_bytes_total"],
+                      "wire_flat": flat["totals"]["wire_bytes_total"]}))
 
 
 @pytest.mark.parametrize("topology", ["2x2", "2x4"])

@@ -12,8 +12,8 @@ import torch
 from raycomp.buckets import ddp_kwargs
 from raycomp.ddp_sync import DdpSync
 from raycomp.hook import CompressionState, compression_hook
-from raycomp.topology import discover
 from raycomp.plan import Plan
+from raycomp.topology import discover
 from raycomp.train.gradient_strategy import StrategySetup
 
 __all__ = ["DdpStrategy", "compression_state", "ddp_hook_strategy", "ddp_strategy", "parameter_shapes", "wrap_ddp"]

@@ -80,13 +80,20 @@ def _options(run: dict[str, Any], controller: str, run_dir: Path) -> Any:
                   for start, name, params in run["stages"]]
         # the guard stays on, but a coarse quantizer's error (QSGD's: 1.19 at W = 3) is no fallback
         compression = CompressionSection(policy="schedule", warmup_steps=run["warmup"], min_compress_numel=0,
-                                         schedule=ScheduleOptions(stages=stages),
+                                         schedule=ScheduleOptions(stages=stages), levels=run.get("levels", "flat"),
                                          guard=GuardSection(max_compression_error=run.get("max_error", 0.999)))
     return raycomp.train.TrainOptions(
         compression=compression,
         controller=ControllerSection(name=controller, interval_steps=2, metrics_enabled=False),
         checkpoint=CheckpointSection(every_steps=run.get("every_steps")),
         output_dir=str(run_dir), run_id=f"{run['name']}-{controller}"[:80], progress_every=0)
+
+
+def _reducer(state: Any) -> Any:
+    """The reducer inside a gradient strategy (DDP: its CompressionState's)."""
+    while state is not None and not hasattr(state, "send_group"):
+        state = getattr(state, "reducer", None) or getattr(state, "state", None)
+    return state
 
 
 def train_one(run: dict[str, Any], controller: str, run_dir: Path) -> dict[str, Any]:
@@ -135,7 +142,8 @@ def train_one(run: dict[str, Any], controller: str, run_dir: Path) -> dict[str, 
             "params_before": before, "params": digest(list(model.parameters())),
             "optimizer": digest(_optimizer_tensors(optimizer)), "compression": compression,
             "restored_from": restored_from, "steps": totals["steps"], "outer_steps": loop.outer_steps,
-            "world_size": ray.train.get_context().get_world_size(), "pid": os.getpid()}
+            "world_size": ray.train.get_context().get_world_size(), "pid": os.getpid(),
+            "reducer": type(_reducer(loop.state)).__name__}
     (run_dir / f"rank{rank}.json").write_text(json.dumps(mine))
     if rank == 0:
         (run_dir / "totals.json").write_text(json.dumps(totals, default=str))

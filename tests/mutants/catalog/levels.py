@@ -1,0 +1,37 @@
+"""Two-level reduction (raycomp.two_level): the node's exchange, the pieces across nodes, the
+all-gather back, and what rides with them."""
+
+from ..mutant import mutant
+
+TESTS = "tests/test_two_level.py"
+
+MUTANTS = (
+    mutant(
+        "two-level-piece-reduced-on-one-level-only", "TwoLevelReducer.start",
+        "            if mean.data_ptr() != piece.data_ptr():\n                piece.copy_(mean)\n",
+        "            pass\n",
+        TESTS,
+        "a compressed piece's cross-node mean is dropped: every node keeps its own node mean",
+    ),
+    mutant(
+        "two-level-rank-syncs-another-ranks-piece", "TwoLevelReducer.start",
+        "        mine = layout.mine(segment, intra.rank)\n",
+        "        mine = layout.mine(segment, 0)\n",
+        TESTS,
+        "a rank reduces across nodes the pieces of position 0, not its own",
+    ),
+    mutant(
+        "two-level-node-sum-not-mean", "_node_mean",
+        "    return segments.sum(0).div_(segments.shape[0])\n",
+        "    return segments.sum(0)\n",
+        TESTS,
+        "the node's pieces are summed, not averaged: the mean is L times too large",
+    ),
+    mutant(
+        "two-level-control-summed-in-the-node-only", "TwoLevelReducer.start",
+        "            control=control, dense_bytes=",
+        "            control=None, dense_bytes=",
+        TESTS,
+        "control values (non-finite flags) never cross nodes: a node cannot see another's NaN",
+    ),
+)
