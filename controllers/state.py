@@ -90,6 +90,8 @@ class RunState:
                  eval_kind: str = "accuracy") -> None:
         self.run_id = run_id
         self.world_size = world_size
+        #: ranks per node of a two-level run (raycomp.two_level), 1 when every rank is its own node
+        self.per_node = 1
         self.policy = policy
         self.options = options
         self.warmup_steps = warmup_steps
@@ -262,7 +264,7 @@ class RunState:
     # --- snapshots ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "run_id": self.run_id, "world_size": self.world_size, "policy": self.policy,
+            "run_id": self.run_id, "world_size": self.world_size, "per_node": self.per_node, "policy": self.policy,
             "options": self.options, "warmup_steps": self.warmup_steps,
             "interval_steps": self.interval_steps, "step": self.step, "epoch": self.epoch,
             "layers": {
@@ -296,6 +298,7 @@ class RunState:
                   data["policy"], data["options"], data["warmup_steps"], data["interval_steps"],
                   data["eval_kind"])
         run.step, run.epoch = data["step"], data["epoch"]
+        run.per_node = int(data.get("per_node", 1))
         for name, v in data["layers"].items():
             h = run.layers[name]
             h.grad_norm.extend(tuple(x) for x in v["grad_norm"])

@@ -156,6 +156,9 @@ class CompressionState:
     ledger: WireLedger = property(lambda self: self.reducer.ledger)  # type: ignore[assignment]
     memory: Memory = property(lambda self: self.reducer.memory)  # type: ignore[assignment]
     local_nonfinite = property(lambda self: self.reducer.local_nonfinite)
+    #: the ranks of a node when compressed steps reduce in two levels (raycomp.two_level), else 1
+    per_node = property(lambda self: self.reducer.levels.intra.size if isinstance(self.reducer, TwoLevelReducer)
+                        else 1)
     defer_unused = property(lambda self: self.reducer.defer_unused)
 
     @property

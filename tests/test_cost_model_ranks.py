@@ -22,10 +22,12 @@ N = ROWS * COLS
 TOPK_PAYLOAD = math.ceil(0.01 * N) * 8  # values and int32 indices
 
 
-def priced(world_size: int, name: str, decode_rate: float | None = None, **params) -> float:
+def priced(world_size: int, name: str, decode_rate: float | None = None, per_node: int = 1, **params) -> float:
     """The predicted seconds of one 1024x1024 layer on ``name``, at 1 byte/s, no compute and
-    no round cost: its bytes per rank and step (plus, with ``decode_rate``, its decode)."""
+    no round cost: its bytes per rank and step (plus, with ``decode_rate``, its decode);
+    ``per_node``: ranks per node of a two-level run."""
     run = RunState("r", world_size, {"w": [ROWS, COLS]}, "adaptive", {})
+    run.per_node = per_node
     model = CostModel(round_seconds=0.0, bandwidth=1.0, decode_rate=decode_rate)
     model.state.compute = 0.0
     return model.predict(run, {"w": CompressorSpec.of(name, **params)})[0]
@@ -115,3 +117,24 @@ def test_a_residual_smaller_than_the_predicted_decode_is_clipped_at_zero():
     model = CostModel(round_seconds=0.001, bandwidth=12.5e6, decode_rate=30e6)
     model.measure(run)
     assert model.overhead["topk"] == 0.0
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (4, 2), (2, 4), (8, 8)])
+def test_two_levels_price_the_nodes_link_with_l_pieces_at_k_ranks(nodes, per_node):
+    """A compressed plan of a two-level run sends, per node, L pieces of 1/L of each layer
+    across K nodes (its rounds and decode at K); a dense plan stays the flat ring at W."""
+    w = nodes * per_node
+    rows = ROWS // per_node  # a piece: whole rows
+    reduce_k = 2 * (nodes - 1) / nodes
+    assert priced(w, "none", per_node=per_node) == pytest.approx(2 * (w - 1) / w * 4 * N)
+    assert priced(w, "topk", per_node=per_node, ratio=0.01) == pytest.approx(
+        per_node * (nodes - 1) * math.ceil(0.01 * rows * COLS) * 8)
+    assert priced(w, "powersgd", per_node=per_node, rank=2) == pytest.approx(
+        per_node * reduce_k * 4 * (rows + COLS) * 2)
+    assert priced(w, "int8", per_node=per_node) == pytest.approx(
+        per_node * reduce_k * (rows * COLS + 8 * math.ceil(rows * COLS / 2048)))
+    decode = priced(w, "topk", 0.5, per_node=per_node, ratio=0.01) - priced(w, "topk", per_node=per_node, ratio=0.01)
+    assert decode == pytest.approx(nodes * math.ceil(0.01 * rows * COLS) * 8 / 0.5)
+    # the point of it: an all-gather's node bytes fall by (W - 1) / (K - 1) against flat
+    assert priced(w, "topk", ratio=0.01) / priced(w, "topk", per_node=per_node, ratio=0.01) == \
+        pytest.approx((w - 1) / (nodes - 1), rel=1e-3)

@@ -13,6 +13,11 @@ compressor declares (:class:`raycomp.compressors.Cost` and ``payload_bytes``)::
 (the decode term only with a ``decode_rate``; without one a family's measured round
 overhead holds its decode, at the run's own W).
 
+A two-level run (``RunState.per_node`` = L > 1: ``raycomp.two_level``) sends a compressed
+plan's layers across nodes as L pieces, one per rank of the node, over K = W / L nodes: its
+bytes are the node's, L pieces of each layer at K ranks, on the node's one slow link, and
+its rounds and decode are at K. A plan dense everywhere stays one flat all-reduce at W.
+
 The derivation and its measured grounds: ``docs/cost-model.md``.
 """
 
@@ -124,10 +129,13 @@ class CostModel:
                     s.bw = 1 / per_byte
             elif s.bw is not None and t is run.timings[-1]:
                 # the layers' compressor names are those of this (the latest) interval
-                rounds = self.rounds({h.compressor for h in run.layers.values()}, run.world_size)
+                in_force = self._in_force(run)
+                ranks, per_node = self.levels(run, in_force)
+                rounds = self.rounds({h.compressor for h in run.layers.values()}, ranks)
                 if rounds:
-                    decode = self._traffic(run, self._in_force(run))[1] if self.decode_rate else 0.0
-                    self.measure_rounds(rounds, max(0.0, t.comm_seconds - wire / s.bw - decode))
+                    decode = self._traffic(run, in_force)[1] if self.decode_rate else 0.0
+                    # a two-level rank's bytes share its node's link with the node's other ranks
+                    self.measure_rounds(rounds, max(0.0, t.comm_seconds - per_node * wire / s.bw - decode))
 
     def measure_rounds(self, rounds: dict[str, int], residual: float) -> None:
         """Share one interval's communication beyond its bytes (``residual``) among the
@@ -149,24 +157,35 @@ class CostModel:
         names none), and its collective families' extra rounds."""
         total, decode = self._traffic(run, chosen)
         assert self.bw is not None and self.compute is not None
-        rounds = self.rounds({chosen.get(name, DENSE).name for name in run.layers}, run.world_size)
+        rounds = self.rounds({chosen.get(name, DENSE).name for name in run.layers}, self.levels(run, chosen)[0])
         seconds = sum(r * self.overhead.get(f, self.prior) for f, r in rounds.items())
         return self.compute + total / self.bw + decode + seconds, rounds
 
+    def levels(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[int, int]:
+        """(ranks a layer's collectives span, ranks sharing one slow link): (K, L) for a
+        two-level run's compressed plan, else (W, 1)."""
+        w, per_node = max(1, run.world_size), max(1, run.per_node)
+        if per_node == 1 or self.sharded or all(chosen.get(name, DENSE).name == DENSE.name for name in run.layers):
+            return w, 1
+        return max(1, w // per_node), per_node
+
     def _traffic(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[float, float]:
-        """One rank's bytes on the wire per step under ``chosen``, and its seconds decoding
-        all-gathered payloads (0 without a ``decode_rate``)."""
+        """One rank's bytes on the wire per step under ``chosen`` (a two-level run: its
+        node's, the bytes of the slow link it shares), and its seconds decoding all-gathered
+        payloads (0 without a ``decode_rate``)."""
         w = max(1, run.world_size)
         allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w  # times each element is sent
+        ranks, parts = self.levels(run, chosen)
+        over = 2 * (ranks - 1) / ranks if parts > 1 else allreduce  # at the ranks the collectives span
         total = decoded = 0.0
         for name, h in run.layers.items():
             compressor = self._compressor(chosen.get(name, DENSE))
-            per_byte = (w - 1) if compressor.transport is Transport.ALLGATHER else allreduce
-            shape = h.shape if h.shape is not None else matrix(h)
-            payload = compressor.payload_bytes(h.numel, shape, element_bytes(h, w, allreduce))
-            total += per_byte * payload
+            per_byte = (ranks - 1) if compressor.transport is Transport.ALLGATHER else over
+            numel, shape = piece(h, parts)
+            payload = compressor.payload_bytes(numel, shape, element_bytes(h, w, allreduce))
+            total += parts * per_byte * payload
             if compressor.transport is Transport.ALLGATHER:
-                decoded += w * payload  # every rank's payload, its own included
+                decoded += ranks * payload  # every rank's payload, its own included
         return total, decoded / self.decode_rate if self.decode_rate else 0.0
 
     def _in_force(self, run: RunState) -> dict[str, CompressorSpec]:
@@ -257,6 +276,19 @@ def matrix(h: LayerHistory) -> tuple[int, int]:
     return h.shape[0], h.numel // max(1, h.shape[0])
 
 
+def piece(h: LayerHistory, parts: int) -> tuple[int, tuple[int, ...]]:
+    """(elements, matrix shape) of one of ``parts`` pieces of a layer, as
+    ``raycomp.two_level`` cuts it: whole rows where it has ``parts`` rows, else flat."""
+    shape = h.shape if h.shape is not None else matrix(h)
+    if parts == 1:
+        return h.numel, shape
+    numel = -(-h.numel // parts)  # the largest piece
+    if h.shape is not None and len(h.shape) and h.shape[0] >= parts:
+        rows = -(-h.shape[0] // parts)
+        return rows * (h.numel // max(1, h.shape[0])), (rows, *h.shape[1:])
+    return numel, (numel,)
+
+
 def element_bytes(h: LayerHistory, world_size: int, allreduce: float) -> float:
     """Bytes per gradient element from the measured dense bytes (the sum over the ranks of
     one step), rounded to 2, 4 or 8; 4 (fp32) before any measurement."""
@@ -266,4 +298,4 @@ def element_bytes(h: LayerHistory, world_size: int, allreduce: float) -> float:
     return min((2.0, 4.0, 8.0), key=lambda size: abs(size - measured))
 
 
-__all__ = ["CostModel", "element_bytes", "family_rounds", "matrix"]
+__all__ = ["CostModel", "element_bytes", "family_rounds", "matrix", "piece"]

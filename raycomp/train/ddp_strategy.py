@@ -43,6 +43,11 @@ class DdpStrategy:
     def layers(self) -> dict[str, list[int]]:
         return parameter_shapes(self.model)
 
+    @property
+    def per_node(self) -> int:
+        """The ranks of a node when compressed steps reduce in two levels, else 1."""
+        return self.state.per_node
+
     def end_backward(self) -> None:
         if not self.ddp:  # one process: no hook ran; local compression + memory
             self.state.allreduce_gradients()

@@ -35,3 +35,14 @@ MUTANTS = (
         "control values (non-finite flags) never cross nodes: a node cannot see another's NaN",
     ),
 )
+
+MUTANTS = (
+    *MUTANTS,
+    mutant(
+        "cost-model-prices-two-levels-as-flat", "CostModel.levels",
+        "        if per_node == 1 or self.sharded",
+        "        if True or self.sharded",
+        "tests/test_cost_model_ranks.py",
+        "a two-level run's compressed plan is priced as W flat ranks: all-gathers look (W-1)/(K-1) times dearer",
+    ),
+)
