@@ -113,7 +113,8 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
 
     def evaluate() -> float:
         nonlocal evaluated_at
-        value = workload.evaluate(getattr(model, "module", model))
+        value = evaluated_once(lambda: workload.evaluate(getattr(model, "module", model)), loop.rank,
+                               loop.control_group, sharded=config.scaling.strategy == "fsdp")
         raycomp.train.record_eval({name: value}, value)
         evaluated_at = loop.global_step
         return value
@@ -137,6 +138,21 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     totals = raycomp.train.finish()
     return {**totals, "epochs": config.workload.epochs, "world_size": context.get_world_size(),
             f"final_eval_{workload.metric}": metric}
+
+
+def evaluated_once(evaluate: Any, rank: int, group: Any, *, sharded: bool) -> float:
+    """The evaluation metric on every rank, computed once: rank 0 evaluates its replica and
+    broadcasts the value (TargetStop and the reports follow rank 0's anyway). Workers that
+    share a machine's cores no longer each evaluate the whole validation set. A sharded
+    model (FSDP) needs every rank in its forward: there every rank evaluates."""
+    import torch
+    import torch.distributed as dist
+
+    if sharded or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return evaluate()
+    value = torch.tensor([evaluate() if rank == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(value, src=0, group=group)
+    return float(value.item())
 
 
 class Precision:

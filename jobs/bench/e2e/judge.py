@@ -128,6 +128,16 @@ def _nic_per_step_reduction_vs_dense(r: _Rows) -> Measure:
     return Measure(ratio(r.dense.get("nic_bytes_per_step"), r.ada["nic_bytes_per_step"]))
 
 
+def _time_vs_flat(r: _Rows) -> Measure:
+    flat = (r.by.get("raycomp_adaptive_flat") or {}).get("time_to_target_s")
+    return Measure(ratio(r.time, flat))
+
+
+def _nic_per_step_flat_vs_levels(r: _Rows) -> Measure:
+    flat, levels = r.by.get("raycomp_int4") or {}, r.by.get("raycomp_int4_levels") or {}
+    return Measure(ratio(flat.get("nic_bytes_per_step"), levels.get("nic_bytes_per_step")))
+
+
 def _prediction_error(r: _Rows) -> Measure:
     worst, detail = worst_error(r.ada.get("runs") or [])
     return Measure(worst, detail=detail)
@@ -144,6 +154,8 @@ MEASURES: dict[str, Callable[[_Rows], Measure]] = {
     "nic_reduction_vs_dense": _nic_reduction_vs_dense,
     "nic_per_step_reduction_vs_dense": _nic_per_step_reduction_vs_dense,
     "prediction_error": _prediction_error,
+    "time_vs_flat": _time_vs_flat,
+    "nic_per_step_flat_vs_levels": _nic_per_step_flat_vs_levels,
 }
 #: a goal's ``comparison`` -> (value, threshold) -> pass
 COMPARISONS: dict[str, Callable[[float, Any], bool]] = {

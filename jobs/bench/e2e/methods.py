@@ -34,8 +34,11 @@ DILOCO_SYNC_EVERY = (4, 8, 16)
 #: raycomp's own local steps at a fixed H (``compression.local.mode=fixed``, int4
 #: pseudo-gradients, plain averaging: the section's defaults): the H tried
 RAYCOMP_LOCAL_SYNC_EVERY = (4, 8, 16)
-#: ``raycomp_adaptive``: the shipped default with the one local-steps switch on, nothing tuned
-ADAPTIVE = ["compression.local.mode=auto"]
+#: ``raycomp_adaptive``: the shipped default with the one local-steps switch on and two levels
+#: where the topology has them (several workers on each of several nodes), nothing tuned;
+#: ``raycomp_adaptive_flat``: the same with every worker its own node (the ablation)
+ADAPTIVE = ["compression.local.mode=auto", "compression.levels=auto"]
+ADAPTIVE_FLAT = ["compression.local.mode=auto", "compression.levels=flat"]
 #: method name -> config overrides (on top of the workload's config and the shared ones)
 METHODS: dict[str, list[str]] = {
     "dense": ["benchmark.baseline=torch_allreduce"],
@@ -54,12 +57,16 @@ METHODS: dict[str, list[str]] = {
     "raycomp_sign": ["compression.policy=static", "compression.static.compressor={name: sign}"],
     "raycomp_int8": ["compression.policy=static", "compression.static.compressor={name: int8}"],
     "raycomp_int4": ["compression.policy=static", "compression.static.compressor={name: int4}"],
+    # the same in two levels where the topology has them: what crosses nodes, same compressor
+    "raycomp_int4_levels": ["compression.policy=static", "compression.static.compressor={name: int4}",
+                            "compression.levels=auto"],
     # the dense plan through raycomp's hook, controller and statistics, beside ``dense``
     # (torch's allreduce_hook in the same loop)
     "raycomp_dense": ["compression.policy=static", "compression.static.compressor={name: none}"],
     **{f"raycomp_local_h{h}": ["compression.local.mode=fixed", f"compression.local.sync_every={h}"]
        for h in RAYCOMP_LOCAL_SYNC_EVERY},
     "raycomp_adaptive": ADAPTIVE,
+    "raycomp_adaptive_flat": ADAPTIVE_FLAT,
 }
 #: a method run at several settings -> its variants; the report shows the family under its
 #: own name with the best variant's numbers (and every variant's in ``grid``)
