@@ -103,7 +103,8 @@ def _row(name, t, final=2.0, nic=1e6, step=0.3, control=0.005, steps_to=None):
     """One method's medians; its one seed's curve ends at step 320 with ``final``."""
     runs = [{"seed": 0, "curve": [] if final is None else [{"step": 320, "value": final}]}]
     return {"name": name, "time_to_target_s": t, "final_metric": final, "nic_bytes_to_stop": nic,
-            "nic_bytes_per_step": None if nic is None else nic / 100, "step_s": step, "control_share": control,
+            "nic_bytes_per_step": None if nic is None else nic / 100,
+            "nic_bytes_per_steady_step": None if nic is None else nic / 100, "step_s": step, "control_share": control,
             "steps_to_target": steps_to, "runs": runs}
 
 

@@ -82,6 +82,11 @@ def analyze_run(run: dict[str, Any], raw: dict[str, Any], settings: dict[str, An
     own = first if raycomp_plan and first is not None else warmup_of(name, settings)
     steady_from = own + raw["interval_steps"] if name not in ("dense", *REFERENCES) else 2
     step_s, step_n = steady_step_s(steps, eval_steps, steady_from)
+    steady_nic = None  # NIC bytes per step once the method's own plan held (warm-up left out)
+    at_step = {int(r["step"]): float(r["time"]) for r in steps if r.get("time") is not None}
+    last = max(at_step, default=-1)
+    if run["nic"] and steady_from in at_step and last > steady_from:
+        steady_nic = _nic_between(run["nic"], at_step[steady_from], at_step[last], idle_rate) / (last - steady_from)
     control = summary.get("control_overhead")
     return {
         "method": name, "seed": run["seed"], "status": summary.get("status"), "error": summary.get("error"),
@@ -89,7 +94,7 @@ def analyze_run(run: dict[str, Any], raw: dict[str, Any], settings: dict[str, An
         "final_metric": series[-1]["value"] if series else None,
         "wire_bytes": wire, "dense_bytes": dense, "nic_bytes": nic, "nic_bytes_at_eval": nic_at,
         "nic_bytes_per_step": nic / (done - 1) if nic is not None and done > 1 else None,
-        "step_s": step_s, "step_s_steps": step_n, "steady_from_step": steady_from,
+        "nic_bytes_per_steady_step": steady_nic, "step_s": step_s, "step_s_steps": step_n, "steady_from_step": steady_from,
         "first_compressed_step": first, "control_share": control,
         "controller_cpu_s": run.get("controller_cpu_s"), "fit_s": run["t_end"] - run["t_start"],
         "placement": run.get("placement"), "load_average": run.get("load_average"),
@@ -153,6 +158,7 @@ def aggregate(per_seed: list[dict[str, Any]], target: float | None, lower_is_bet
         "nic_bytes_to_stop": median(to_stop),
         "nic_bytes_to_stop_seeds": to_stop,
         "nic_bytes_per_step": median([r["nic_bytes_per_step"] for r in per_seed]),
+        "nic_bytes_per_steady_step": median([r.get("nic_bytes_per_steady_step") for r in per_seed]),
         "step_s": median([r["step_s"] for r in per_seed]),
         "control_share": median([r["control_share"] for r in per_seed]),
         "first_compressed_step_seeds": [r["first_compressed_step"] for r in per_seed],

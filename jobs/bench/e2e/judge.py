@@ -135,7 +135,7 @@ def _time_vs_flat(r: _Rows) -> Measure:
 
 def _nic_per_step_flat_vs_levels(r: _Rows) -> Measure:
     flat, levels = r.by.get("raycomp_int4") or {}, r.by.get("raycomp_int4_levels") or {}
-    return Measure(ratio(flat.get("nic_bytes_per_step"), levels.get("nic_bytes_per_step")))
+    return Measure(ratio(flat.get("nic_bytes_per_steady_step"), levels.get("nic_bytes_per_steady_step")))
 
 
 def _prediction_error(r: _Rows) -> Measure:
