@@ -47,10 +47,13 @@ from raycomp.routing import Router
 from raycomp.topology import Levels
 from raycomp.transports import Pending
 
-__all__ = ["INTRA", "ShardLayout", "TwoLevelReducer"]
+__all__ = ["INTRA", "PER_LAYER_MEMORY", "ShardLayout", "TwoLevelReducer", "cut", "piece_of"]
 
 #: the intra-node ledger's one entry: the bytes of the node's exchange and all-gather
 INTRA = "(intra-node)"
+#: the memory state's per-layer tensors (error feedback's residuals; DGC's velocity and
+#: accumulation): what a two-level rank holds a piece of
+PER_LAYER_MEMORY = ("residuals", "velocity", "accumulated")
 
 
 class ShardLayout:
@@ -71,7 +74,7 @@ class ShardLayout:
         spans: list[tuple[int, int, int, int]] = []  # (start in the flat layers, size, position, offset)
         start = 0
         for layer, shape in enumerate(self.shapes):
-            for position, (offset, size, piece) in enumerate(_cut(shape, parts)):
+            for position, (offset, size, piece) in enumerate(cut(shape, parts)):
                 if size:
                     self.pieces[position].append((layer, cursor[position], piece))
                     spans.append((start + offset, size, position, cursor[position]))
@@ -106,7 +109,7 @@ class ShardLayout:
                 for layer, offset, piece in self.pieces[position]]
 
 
-def _cut(shape: torch.Size, parts: int) -> list[tuple[int, int, torch.Size]]:
+def cut(shape: torch.Size, parts: int) -> list[tuple[int, int, torch.Size]]:
     """(offset, size, shape) of each of ``parts`` contiguous pieces of a layer: whole rows
     where it has at least ``parts`` rows, else flat; the first pieces one larger."""
     by_rows = len(shape) > 0 and shape[0] >= parts
@@ -117,6 +120,12 @@ def _cut(shape: torch.Size, parts: int) -> list[tuple[int, int, torch.Size]]:
         out.append((offset, count * row, torch.Size((count, *shape[1:])) if by_rows else torch.Size((count,))))
         offset += count * row
     return out
+
+
+def piece_of(tensor: torch.Tensor, parts: int, position: int) -> torch.Tensor | None:
+    """Position's piece of a whole layer's tensor (a copy), None where it is empty."""
+    offset, size, shape = cut(tensor.shape, parts)[position]
+    return tensor.reshape(-1)[offset:offset + size].view(shape).clone() if size else None
 
 
 class TwoLevelReducer(CompressedReducer):
@@ -203,21 +212,42 @@ class TwoLevelReducer(CompressedReducer):
 
     @property
     def place(self) -> dict[str, int]:
-        """This reducer's layout: its residuals are pieces of it, valid nowhere else."""
+        """This reducer's layout: its residuals are pieces of it (and the scalable route's
+        server residuals chunks of those at its cross-node rank), valid nowhere else."""
         t = self.levels.topology
-        return {"nodes": t.nodes, "per_node": t.per_node, "position": self.levels.intra.rank}
+        return {"nodes": t.nodes, "per_node": t.per_node, "position": self.levels.intra.rank,
+                "cross_rank": self.levels.cross.rank}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "levels": self.place, "intra_ledger": self.intra_ledger.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume bit for bit at the same place; a checkpoint of another layout (flat, or
-        other nodes x ranks) is refused, since its residuals are other pieces."""
+        """Resume bit for bit at the same place. A merged state (``merged``:
+        :mod:`raycomp.train.resize`, every rank the same owed mean over whole layers) is cut
+        to this rank's pieces. Any other layout (flat, other nodes x ranks) is refused: its
+        residuals are other pieces, or one rank's own share of the mean."""
+        if state.get("merged"):
+            state = self._cut_merged(state)
         if state.get("levels") != self.place:
             raise ValueError(f"compression.levels: this checkpoint's layout {state.get('levels') or 'flat'} is not "
                              f"this rank's {self.place}; allowed: resume at the same nodes x ranks per node")
         super().load_state_dict(state)
         self.intra_ledger.load_state_dict(state["intra_ledger"])
+
+    def _cut_merged(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A merged state at this place: each per-layer memory tensor cut to this position's
+        piece (the cross-node mean of equal pieces is that piece, so the owed mean is kept);
+        server residuals were folded into the memory by the merge."""
+        parts, position = self.levels.intra.size, self.levels.intra.rank
+        memory = {}
+        for key, value in state["memory"].items():
+            if key in PER_LAYER_MEMORY:
+                pieces = {name: piece_of(t, parts, position) for name, t in value.items()}
+                value = {name: p for name, p in pieces.items() if p is not None}
+            memory[key] = value
+        servers = {c.state_key: {} for c in self.communicators.values() if c.state_key}
+        return {**state, **servers, "memory": memory, "levels": self.place,
+                "intra_ledger": state.get("intra_ledger") or WireLedger().state_dict()}
 
 
 def _node_mean(segments: torch.Tensor) -> torch.Tensor:

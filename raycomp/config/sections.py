@@ -214,8 +214,8 @@ class CompressionSection(_Strict):
     #: "auto": where Ray Train places several workers on each of several nodes, compressed
     #: steps reduce in two levels, dense inside each node and compressed across nodes, one
     #: piece per worker of the node (raycomp.two_level); "flat": every worker is its own
-    #: node. Elastic resizes need "flat" (a two-level checkpoint restores only at its own
-    #: nodes x workers), and local steps sync flat either way
+    #: node. A checkpoint restored at another size or layout merges every worker's pieces
+    #: (raycomp.train.resize); local steps sync flat either way
     levels: Literal["flat", "auto"] = "flat"
     #: the dense fallback: see :class:`GuardSection`
     guard: GuardSection = GuardSection()

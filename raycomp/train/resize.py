@@ -35,9 +35,15 @@ all W of them and builds its own state by this rule:
 
 A checkpoint from the same number of workers is restored rank for rank, bit for bit, and
 never passes through here. A sharded (FSDP) run's residuals are laid out per shard of W;
-they are not merged (its compression state starts fresh at a new size). A two-level run's
-residuals are pieces of its nodes x ranks layout (:mod:`raycomp.two_level`); restoring one
-at another size is refused with an error, not merged.
+they are not merged (its compression state starts fresh at a new size).
+
+**Two levels** (:mod:`raycomp.two_level`): a rank holds its position's piece of each layer's
+residual, and the scalable route's server residuals are chunks of those pieces. Merged, they
+become the owed correction over whole layers, the mean over nodes
+(:mod:`raycomp.train.resize_levels`); a flat new rank keeps it, a two-level one cuts out its
+own piece. A checkpoint of the same size restores rank for rank only where each rank's
+layout (flat, or nodes x ranks, position and cross-node rank) is the old rank's; otherwise
+it is merged by this rule too.
 """
 
 from __future__ import annotations
@@ -49,8 +55,9 @@ from typing import Any
 import torch
 
 from raycomp.plan import CompressorSpec
+from raycomp.train import resize_levels
 
-__all__ = ["RESIDUAL_KEYS", "merge_compression", "merge_own", "merge_reducer", "summary"]
+__all__ = ["RESIDUAL_KEYS", "layout_of", "merge_compression", "merge_own", "merge_reducer", "summary"]
 
 #: memory state keys that hold per-layer tensors the ranks' mean is taken of
 RESIDUAL_KEYS = ("residuals", "velocity", "accumulated")
@@ -106,15 +113,18 @@ def merge_reducer(states: list[dict[str, Any]], rank: int, world_size: int, seed
     """A :class:`~raycomp.reducer.CompressedReducer` state for new rank ``rank``: memory
     merged (and server residuals folded in), agreed state from old rank 0, byte totals folded."""
     first = states[0]
-    if first.get("levels") is not None:  # residuals of pieces of one nodes x ranks layout
-        raise ValueError(f"compression.levels: a two-level checkpoint {first['levels']} cannot be restored at "
-                         "another size; allowed: compression.levels=flat for elastic runs")
-    memory = _mean_memory([s["memory"] for s in states])
     merged = {key: copy.deepcopy(value) for key, value in first.items()
-              if key not in ("memory", "server_residuals", "compressors", "ledger")}
-    servers = [s["server_residuals"] for s in states if "server_residuals" in s]
-    if "server_residuals" in first:
-        full = _full_server_residuals(servers, shapes)
+              if key not in ("memory", "server_residuals", "compressors", "ledger", "levels", "intra_ledger")}
+    if first.get("levels") is not None:  # pieces of a two-level layout: owed means over whole layers
+        memory = resize_levels.owed_memory(states, shapes)
+        full = resize_levels.owed_server_residuals(states, shapes) if "server_residuals" in first else None
+        merged["intra_ledger"] = _fold_ledgers([s["intra_ledger"] for s in states], rank, world_size)
+    else:
+        memory = _mean_memory([s["memory"] for s in states])
+        servers = [s["server_residuals"] for s in states if "server_residuals" in s]
+        full = _full_server_residuals(servers, shapes) if "server_residuals" in first else None
+    merged["merged"] = True  # every new rank the same owed means: a two-level rank cuts out its pieces
+    if full is not None:
         slot = next((key for key in _FOLD_INTO if key in memory), None)
         if slot is not None:
             for name, owed in full.items():
@@ -224,6 +234,12 @@ def summary(olds: list[dict[str, Any]], world_size: int) -> str:
             f"(every new rank holds the old ranks' mean), {len(servers)} server residuals folded in, "
             f"compressor state, guard and plan from old rank 0, byte totals folded by rank mod {world_size}"
             + ("; replicas restarted from the global weights" if local else ""))
+
+
+def layout_of(compression: dict[str, Any]) -> list[Any]:
+    """The two-level places (nodes, ranks per node, position, cross-node rank) of the
+    reducers in a gradient state's ``state_dict``; [] when every one is flat."""
+    return [reducer["levels"] for reducer in _reducers(compression) if reducer.get("levels") is not None]
 
 
 def _reducers(compression: dict[str, Any]) -> list[dict[str, Any]]:

@@ -93,7 +93,12 @@ def restore(loop: TrainLoop) -> None:
             return
         meta, own = checkpoint.load(Path(directory), loop.rank, loop.world_size, loop.model,
                                     loop.optimizer, loop.scheduler, sharded=loop.sharded)
-        if own is None and meta["world_size"] != loop.world_size:
+        relaid = own is not None and not loop.sharded and \
+            resize.layout_of(own["compression"]) != resize.layout_of(loop.state.state_dict())
+        if relaid:  # the same size, laid out otherwise (two levels, or other places): merged
+            log.info("checkpoint rank %d's layout is not this rank's: merging every rank's state", loop.rank)
+            own = None
+        if own is None and (meta["world_size"] != loop.world_size or relaid):
             _resize(loop, Path(directory), meta)
         elif own is None:
             log.warning("checkpoint lacks rank %d's state: compression state starts fresh", loop.rank)

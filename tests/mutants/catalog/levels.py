@@ -46,3 +46,21 @@ MUTANTS = (
         "a two-level run's compressed plan is priced as W flat ranks: all-gathers look (W-1)/(K-1) times dearer",
     ),
 )
+
+MUTANTS = (
+    *MUTANTS,
+    mutant(
+        "two-level-resize-drops-a-position", "owed_memory",
+        "            for name, piece in state[\"memory\"].get(key, {}).items():\n",
+        "            for name, piece in state[\"memory\"].get(key, {}).items() if state[\"levels\"][\"position\"] == 0 else ():\n",
+        "tests/test_two_level_resize.py",
+        "a rank's residual lost in a two-level resize: only position 0's pieces are merged",
+    ),
+    mutant(
+        "two-level-resize-means-over-ranks", "owed_memory",
+        "        nodes = states[0][\"levels\"][\"nodes\"]\n",
+        "        nodes = len(states)\n",
+        "tests/test_two_level_resize.py",
+        "the pieces' sum is divided by the old ranks, not the nodes: a two-level resize owes L times too little",
+    ),
+)
