@@ -10,11 +10,12 @@ not configured (:func:`discover`): from Ray Train's context inside a Ray Train w
 level) and one across nodes per position on a node (the cross-node level: the ``i``-th
 rank of every node), as Horovod's hierarchical all-reduce and INTELLECT-1 lay them out. Every node must
 hold the same number of ranks; a cluster that does not is run flat, one level, and
-:func:`node_groups` says why.
+:func:`node_groups` logs why.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from raycomp.transports import Group
 
 __all__ = ["Levels", "Topology", "discover", "node_groups"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,9 +107,9 @@ def node_groups(topology: Topology) -> Levels | None:
     """Both levels' process groups, or None when the topology has one level.
 
     Collective: every rank calls it at the same point (it creates ``nodes + per_node`` groups,
-    each rank in the same order). Every rank's place is gathered first; raises ValueError
-    when the places do not tile nodes x ranks per node (two ranks claim one place, or ranks
-    disagree on the shape), naming what each rank said.
+    each rank in the same order). Every rank's place is gathered first; where the places do
+    not tile nodes x ranks per node (nodes of unequal size, two ranks claiming one place)
+    every rank sees the same and runs flat, with a warning naming what each rank said.
     """
     places = [topology]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -115,9 +118,10 @@ def node_groups(topology: Topology) -> Levels | None:
     shapes = {(p.nodes, p.per_node) for p in places}
     seats = {(p.node, p.local_rank) for p in places}
     if len(shapes) != 1 or len(seats) != len(places) or len(places) != topology.nodes * topology.per_node:
-        raise ValueError("topology: the ranks' places do not tile nodes x ranks per node; "
-                         f"each rank's (nodes, per_node, node, local_rank): "
-                         f"{[(p.nodes, p.per_node, p.node, p.local_rank) for p in places]}")
+        log.warning("topology: the ranks' places do not tile nodes x ranks per node, so every rank is its "
+                    "own node (flat); each rank's (nodes, per_node, node, local_rank): %s",
+                    [(p.nodes, p.per_node, p.node, p.local_rank) for p in places])
+        return None
     if not topology.two_level:
         return None
     # torch orders a group's ranks by global rank: position i of a node is its i-th lowest

@@ -151,3 +151,13 @@ def test_layout_round_trips_and_cuts_rows():
     assert first == torch.Size((22, 33))  # whole rows of the matrix
     tiny = [piece for position in range(3) for layer, _, piece in layout.pieces[position] if layer == 2]
     assert tiny == [torch.Size((1,))] * 3
+
+
+def _uneven(rank: int, world: int) -> bool:
+    # 3 ranks: two on node 0, one on node 1, as Ray Train reports an uneven placement
+    place = [Topology(1, 1, 0, 0), Topology(1, 1, 0, 0), Topology(3, 1, 1, 0)][rank]
+    return node_groups(place) is None
+
+
+def test_places_that_do_not_tile_run_flat_on_every_rank():
+    assert run_distributed(_uneven, 3) == [True, True, True]
