@@ -24,7 +24,12 @@ import torch
 
 from raycomp.loss_scale import rescale
 
-__all__ = ["MEMORIES", "DGCMemory", "Memory", "NoMemory", "ResidualMemory", "make_memory"]
+__all__ = ["MEMORIES", "PER_LAYER_STATE", "DGCMemory", "Memory", "NoMemory", "ResidualMemory", "make_memory"]
+
+#: the keys of a memory's ``state_dict`` that hold one tensor per layer (error feedback's
+#: residuals; DGC's velocity and accumulation): what a resize merges and a two-level rank
+#: holds a piece of
+PER_LAYER_STATE = ("residuals", "velocity", "accumulated")
 
 #: The memory kinds :func:`make_memory` builds.
 MEMORIES = ("residual", "dgc", "none")

@@ -40,20 +40,17 @@ import torch
 import torch.distributed as dist
 
 from raycomp.ledger import WireLedger
-from raycomp.memory import Memory, make_memory
+from raycomp.memory import PER_LAYER_STATE, Memory, make_memory
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
 from raycomp.routing import Router
 from raycomp.topology import Levels
 from raycomp.transports import Pending
 
-__all__ = ["INTRA", "PER_LAYER_MEMORY", "ShardLayout", "TwoLevelReducer", "cut", "piece_of"]
+__all__ = ["INTRA", "ShardLayout", "TwoLevelReducer", "cut", "piece_of"]
 
 #: the intra-node ledger's one entry: the bytes of the node's exchange and all-gather
 INTRA = "(intra-node)"
-#: the memory state's per-layer tensors (error feedback's residuals; DGC's velocity and
-#: accumulation): what a two-level rank holds a piece of
-PER_LAYER_MEMORY = ("residuals", "velocity", "accumulated")
 
 
 class ShardLayout:
@@ -241,7 +238,7 @@ class TwoLevelReducer(CompressedReducer):
         parts, position = self.levels.intra.size, self.levels.intra.rank
         memory = {}
         for key, value in state["memory"].items():
-            if key in PER_LAYER_MEMORY:
+            if key in PER_LAYER_STATE:  # what this rank holds a piece of
                 pieces = {name: piece_of(t, parts, position) for name, t in value.items()}
                 value = {name: p for name, p in pieces.items() if p is not None}
             memory[key] = value

@@ -26,9 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from raycomp.compressors import Compressor, Transport, compressor_class, make_compressor
 from raycomp.controllers.state import LayerHistory, RunState
 from raycomp.plan import DENSE, CompressorSpec
+from raycomp.two_level import cut
 
 SMOOTHING = 0.5  # EMA weight of the newest measurement
 DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
@@ -277,16 +280,12 @@ def matrix(h: LayerHistory) -> tuple[int, int]:
 
 
 def piece(h: LayerHistory, parts: int) -> tuple[int, tuple[int, ...]]:
-    """(elements, matrix shape) of one of ``parts`` pieces of a layer, as
-    ``raycomp.two_level`` cuts it: whole rows where it has ``parts`` rows, else flat."""
-    shape = h.shape if h.shape is not None else matrix(h)
+    """(elements, shape) of the largest of ``parts`` pieces of a layer, as
+    :func:`raycomp.two_level.cut` cuts it (whole rows where it can, else flat)."""
     if parts == 1:
-        return h.numel, shape
-    numel = -(-h.numel // parts)  # the largest piece
-    if h.shape is not None and len(h.shape) and h.shape[0] >= parts:
-        rows = -(-h.shape[0] // parts)
-        return rows * (h.numel // max(1, h.shape[0])), (rows, *h.shape[1:])
-    return numel, (numel,)
+        return h.numel, h.shape if h.shape is not None else matrix(h)
+    _, size, shape = cut(torch.Size(h.shape if h.shape is not None else (h.numel,)), parts)[0]
+    return size, tuple(shape)
 
 
 def element_bytes(h: LayerHistory, world_size: int, allreduce: float) -> float:

@@ -54,13 +54,15 @@ from typing import Any
 
 import torch
 
+from raycomp.memory import PER_LAYER_STATE
 from raycomp.plan import CompressorSpec
 from raycomp.train import resize_levels
+from raycomp.transports.packing import chunk_sizes
 
 __all__ = ["RESIDUAL_KEYS", "layout_of", "merge_compression", "merge_own", "merge_reducer", "summary"]
 
 #: memory state keys that hold per-layer tensors the ranks' mean is taken of
-RESIDUAL_KEYS = ("residuals", "velocity", "accumulated")
+RESIDUAL_KEYS = PER_LAYER_STATE
 #: memory state keys a server residual can be folded into (the error-feedback residual)
 _FOLD_INTO = ("residuals", "accumulated")
 #: counters summed over ranks (the rest agree across ranks)
@@ -169,7 +171,7 @@ def _full_server_residuals(servers: list[dict[str, torch.Tensor]], shapes: dict[
     full = {}
     for name in sorted({n for s in servers for n in s}):
         numel = _numel(shapes[name])
-        sizes = _chunk_sizes(numel, w)
+        sizes = chunk_sizes(numel, w)
         pieces = []
         for r, size in enumerate(sizes):
             piece = servers[r].get(name)
@@ -178,14 +180,8 @@ def _full_server_residuals(servers: list[dict[str, torch.Tensor]], shapes: dict[
     return full
 
 
-def _chunk_sizes(numel: int, parts: int) -> list[int]:
-    """The sizes :func:`raycomp.transports.packing.chunks` splits ``numel`` elements into."""
-    base, extra = divmod(numel, parts)
-    return [base + (1 if j < extra else 0) for j in range(parts)]
-
-
 def _chunk(flat: torch.Tensor, parts: int, index: int) -> torch.Tensor:
-    return flat.split(_chunk_sizes(flat.numel(), parts))[index]
+    return flat.split(chunk_sizes(flat.numel(), parts))[index]
 
 
 def _numel(shape: Any) -> int:

@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-from raycomp.two_level import PER_LAYER_MEMORY, cut
+from raycomp.memory import PER_LAYER_STATE
+from raycomp.transports.packing import chunk_sizes
+from raycomp.two_level import cut
 
 __all__ = ["owed_memory", "owed_server_residuals"]
 
@@ -29,8 +31,8 @@ def owed_memory(states: list[dict[str, Any]], shapes: dict[str, Any]) -> dict[st
     sums, stored as fp32, on the CPU); the rest (DGC's settings) from old rank 0."""
     first = states[0]["memory"]
     memory: dict[str, Any] = {key: copy.deepcopy(value) for key, value in first.items()
-                              if key not in PER_LAYER_MEMORY}
-    for key in PER_LAYER_MEMORY:
+                              if key not in PER_LAYER_STATE}
+    for key in PER_LAYER_STATE:
         if not any(key in s["memory"] for s in states):
             continue
         totals: dict[str, torch.Tensor] = {}
@@ -56,14 +58,8 @@ def owed_server_residuals(states: list[dict[str, Any]], shapes: dict[str, Any]) 
         for name, chunk in (state.get("server_residuals") or {}).items():
             shape = torch.Size(shapes[name])
             offset, size, _ = cut(shape, place["per_node"])[place["position"]]
-            sizes = _chunk_sizes(size, place["nodes"])
+            sizes = chunk_sizes(size, place["nodes"])
             start = offset + sum(sizes[:place["cross_rank"]])
             target = full.setdefault(name, torch.zeros(shape.numel()))
             target[start:start + sizes[place["cross_rank"]]] = chunk.detach().cpu().reshape(-1).float()
     return full
-
-
-def _chunk_sizes(numel: int, parts: int) -> list[int]:
-    """The sizes :func:`raycomp.transports.packing.chunks` splits ``numel`` elements into."""
-    base, extra = divmod(numel, parts)
-    return [base + (1 if j < extra else 0) for j in range(parts)]

@@ -15,7 +15,7 @@ from raycomp.compressors import Compressor
 from raycomp.payload import Payload, pack, unpack_like
 from raycomp.transports.work import Group, Pending
 
-__all__ = ["by_dtype", "chunks", "flat_view", "gather_payloads", "split", "to_device"]
+__all__ = ["by_dtype", "chunk_sizes", "chunks", "flat_view", "gather_payloads", "split", "to_device"]
 
 
 def by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -41,10 +41,15 @@ def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor
     return out
 
 
+def chunk_sizes(numel: int, parts: int) -> list[int]:
+    """The sizes of :func:`chunks`: near-equal, the first ones one larger."""
+    base, extra = divmod(numel, parts)
+    return [base + (1 if j < extra else 0) for j in range(parts)]
+
+
 def chunks(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     """``parts`` contiguous near-equal pieces (sizes differ by at most one)."""
-    base, extra = divmod(flat.numel(), parts)
-    return list(flat.split([base + (1 if j < extra else 0) for j in range(parts)]))
+    return list(flat.split(chunk_sizes(flat.numel(), parts)))
 
 
 def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
