@@ -297,12 +297,18 @@ def _train_skipping_a_head(config: dict) -> dict:
         output_dir=config["output_dir"], run_id=config.get("run_id"), find_unused_parameters=True)
     model = raycomp.train.prepare_model(model, optimizer, options=options)
     gen = torch.Generator().manual_seed(rank)
-    for _ in raycomp.train.current().epochs(1, 12):
-        for step in range(12):
+    loop, compressed = raycomp.train.current(), 0
+    # the plan arrives from the controller asynchronously (a loaded machine: many steps
+    # later); train until 8 steps ran on it, the same step on every rank
+    for _ in loop.epochs(1, 400):
+        for step in range(400):
             x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
             loss = torch.nn.functional.cross_entropy(model(x, both=step % 2 == 0), y)
             loss.backward()
+            compressed += not loop.state.plan.dense and not loop.state.plan.default.is_dense
             raycomp.train.step(loss, samples=len(y))
+            if compressed == 8:
+                break
     return raycomp.train.finish()
 
 
@@ -313,7 +319,13 @@ def test_a_model_that_skips_parameters_trains_compressed_with_find_unused_parame
     # DDP's all-reduce of the used-parameter map runs during backward; the hook's compressed
     # collectives beside it on one group could cross (gloo: a size mismatch, or a hang)
     totals, out = in_turn["skips"]["value"], in_turn["skips"]["output_dir"]
-    assert totals["steps"] == 12 and totals["skipped_steps"] == 0
-    assert totals["wire_bytes_total"] < 0.5 * totals["dense_bytes_total"]  # Top-K 5% after 2 dense steps
+    assert totals["skipped_steps"] == 0
     logs = step_logs(out)
     assert len(logs) == 2 and [r["plan_version"] for r in logs[0]] == [r["plan_version"] for r in logs[1]]
+    log = logs[0]
+    assert totals["steps"] == len(log) < 400  # stopped after 8 steps on the Top-K plan
+    top_k = [i for i, r in enumerate(log) if not r["dense"]]
+    assert len(top_k) == 8 and top_k == list(range(top_k[0], len(log)))
+    before = log[top_k[0] - 1]
+    wire, dense = (log[-1][k] - before[k] for k in ("wire_bytes", "dense_bytes"))
+    assert 0 < wire < 0.15 * dense  # Top-K 5%: values and indices, on layers large enough
