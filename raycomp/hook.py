@@ -65,7 +65,7 @@ from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
 from raycomp.topology import Topology, node_groups
 from raycomp.transports import Pending, flat_view
-from raycomp.two_level import TwoLevelReducer
+from raycomp.two_level import INTRA, TwoLevelReducer
 
 __all__ = ["CompressionState", "compression_hook"]
 
@@ -147,6 +147,9 @@ class CompressionState:
         self.plain = PlainStep(self.reducer, [(self._names[id(p)], p) for p in bucketed], self.name_of,
                                self._end_step_waited)
         self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
+        #: reduce each bucket inside the node only, dense (local steps between nodes: a node
+        #: is one replica, its ranks data-parallel among themselves; :mod:`raycomp.train.local_strategy`)
+        self.inside_node = False
 
     # --- the reducer's face: what the training loop reads and calls --------------------
     plan = property(lambda self: self.reducer.plan)
@@ -208,6 +211,18 @@ class CompressionState:
                 "a gradient bucket holds a parameter that is not in the model given to "
                 "CompressionState; build the state from the same model that DDP wraps"
             ) from None
+
+    def reduce_inside_node(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The node's mean of a bucket (a dense all-reduce over the node's group, as torch's
+        all-reduce hook runs it), counted in the intra-node ledger; no step of the reducer."""
+        if not isinstance(self.reducer, TwoLevelReducer):
+            raise RuntimeError("CompressionState.inside_node needs two levels (a topology of several "
+                               "nodes of several ranks)")
+        intra = self.reducer.levels.intra
+        buffer.div_(intra.size)
+        work = dist.all_reduce(buffer, group=intra.handle, async_op=True)
+        self.reducer.intra_ledger.add(INTRA, intra.allreduce_bytes(buffer.numel() * buffer.element_size()))
+        return work.get_future().then(lambda fut: fut.value()[0])
 
     def allreduce_gradients(self) -> None:
         """Replace every parameter's ``.grad`` by its compressed mean across ranks."""
@@ -309,6 +324,8 @@ def compression_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's compressed mean, per parameter as the plan says."""
     buffer = bucket.buffer()
+    if state.inside_node:
+        return state.reduce_inside_node(buffer)
     if state.plain_in_hook():
         return state.plain.reduce_bucket(bucket, buffer)
     names = [state.name_of(p) for p in bucket.parameters()]

@@ -11,6 +11,9 @@ W = 8 (2 x 4).
 * Local steps at W = 4 and 8 (``compression.local`` fixed, ``sync_every`` 4, int8 pseudo-gradients,
   no delay): the replicas drift apart between syncs, are bit-identical right after each sync
   and at the end (after finish's merge), and the ranks agree on the plans.
+* The same local steps between nodes (``compression.levels`` auto): the ranks of a node
+  bit-identical after every step, the nodes drifting apart between syncs, and fewer bytes
+  per rank crossing nodes than the flat run's.
 * Checkpoint and resume at W = 4 and 8: step checkpoints every 5 steps, the rank on the second node
   killed at step 12 (FailureConfig(max_failures=1)), resumed from step 10; the run ends, and
   went through every step, bit-identical to the same schedule unbroken (every rank's
@@ -53,6 +56,8 @@ CARRIED = {"none": "dense", "powersgd": "lowrank", "bf16": "allreduce", "randomk
 TWO_LEVEL = {**TRANSPORTS, "name": "two_level", "levels": "auto"}
 LOCAL = {"name": "local", "kind": "local", "epochs": 2, "steps_per_epoch": 9, "warmup": 2, "sync_every": 4,
          "local_compressor": "int8"}
+#: the same local steps between nodes: a node is one replica, data-parallel inside
+NODE_REPLICAS = {**LOCAL, "name": "node_replicas", "levels": "auto"}
 #: resumed: PowerSGD, int4 (scalable: server residuals per rank), then DGC's Top-K; a stage's
 #: plan is in force two steps after its start (the boundary, then the next step), so int4
 #: runs from step 8 and the step-10 checkpoint holds its server residuals; rank 3 killed at
@@ -113,7 +118,8 @@ def _every_mode(tmp_path_factory: pytest.TempPathFactory, nodes: int, per_node: 
     """Every transport, local steps, and the resume drill (rank 3 killed) in one fit."""
     killed = {**RESUMED, "name": "killed", "kill": {"rank": 3, "step": KILL_STEP}}
     return _run_testbed(tmp_path_factory.mktemp(f"modes{nodes}x{per_node}"), nodes, per_node,
-                        [TRANSPORTS, TWO_LEVEL, LOCAL, {**RESUMED, "name": "unbroken"}, killed], max_failures=1)
+                        [TRANSPORTS, TWO_LEVEL, LOCAL, NODE_REPLICAS, {**RESUMED, "name": "unbroken"}, killed],
+                        max_failures=1)
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +240,32 @@ def test_local_steps_drift_between_syncs_and_agree_after_each(request: pytest.Fi
     assert len(drifted) >= len(syncs) - 1, (syncs, drifted)
     assert run["ranks"][0]["outer_steps"] == by_rank[0][steps - 1]["outer_steps"] >= len(syncs)
     print(json.dumps({"syncs_at": syncs, "drifted_at": drifted}))
+
+
+@pytest.mark.parametrize("topology", ["2x2", "2x4"])
+def test_local_steps_between_nodes_keep_each_node_one_replica(request: pytest.FixtureRequest, topology: str) -> None:
+    bed = request.getfixturevalue(f"bed_{topology}")
+    run, flat = bed["runs"]["node_replicas"], bed["runs"]["local"]
+    steps, per_node = NODE_REPLICAS["epochs"] * NODE_REPLICAS["steps_per_epoch"], bed["per_node"]
+    assert_spread(bed, run["ranks"])
+    assert [r["reducer"] for r in run["ranks"]] == ["TwoLevelReducer"] * bed["workers"]
+    assert [r["reducer"] for r in flat["ranks"]] == ["CompressedReducer"] * bed["workers"]
+    assert len({r["params"] for r in run["ranks"]}) == 1, run["ranks"]  # merged at the end
+    assert_plans_agree(run["steps"], steps)
+    by_rank = [last_per_step(records) for records in run["digests"]]
+    nodes = {ip: [r["rank"] for r in run["ranks"] if r["node_ip"] == ip] for ip in {r["node_ip"] for r in run["ranks"]}}
+    assert sorted(len(ranks) for ranks in nodes.values()) == [per_node] * bed["nodes"]
+    drifted = 0
+    for step in range(steps):
+        at = [rank[step] for rank in by_rank]
+        for ip, ranks in nodes.items():
+            assert len({at[r]["params"] for r in ranks}) == 1, (step, ip)
+        drifted += len({d["params"] for d in at}) > 1
+    assert drifted >= (steps - NODE_REPLICAS["warmup"]) // 2, drifted  # the nodes did train apart
+    assert run["ranks"][0]["outer_steps"] == flat["ranks"][0]["outer_steps"] > 0
+    assert run["totals"]["wire_bytes_total"] < flat["totals"]["wire_bytes_total"]
+    print(json.dumps({"topology": topology, "wire_node_replicas": run["totals"]["wire_bytes_total"],
+                      "wire_flat_local": flat["totals"]["wire_bytes_total"], "drifted_steps": drifted}))
 
 
 @pytest.mark.parametrize("topology", ["2x2", "2x4"])

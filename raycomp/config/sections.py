@@ -215,7 +215,8 @@ class CompressionSection(_Strict):
     #: steps reduce in two levels, dense inside each node and compressed across nodes, one
     #: piece per worker of the node (raycomp.two_level); "flat": every worker is its own
     #: node. A checkpoint restored at another size or layout merges every worker's pieces
-    #: (raycomp.train.resize); local steps sync flat either way
+    #: (raycomp.train.resize). Under local steps a replica is then a node: inner steps
+    #: data-parallel inside it, syncs across nodes in pieces
     levels: Literal["flat", "auto"] = "flat"
     #: the dense fallback: see :class:`GuardSection`
     guard: GuardSection = GuardSection()

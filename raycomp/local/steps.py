@@ -9,6 +9,13 @@ gradient; every rank then continues from the same new global weights.
 With ``fragments > 1`` the model is synced in staggered pieces (Streaming DiLoCo), and with
 ``delay > 0`` a sync stays on the wire while that many inner steps run; the local weights
 then keep the progress those steps made on top of the new global weights.
+
+With ``levels`` (:func:`raycomp.topology.node_groups`) a replica is a whole node: its ranks
+train data-parallel among themselves (their gradients all-reduced inside the node every
+inner step, so they hold the same weights), and a sync reduces in two levels
+(:class:`raycomp.two_level.TwoLevelReducer`): each rank of a node sends its ``1/L`` piece
+of the node's pseudo-gradient across nodes, compressed, in parallel with the node's other
+ranks. DiLoCo with data parallelism inside each worker, as INTELLECT-1 runs it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from raycomp.local.schedule import FragmentSchedule, split_fragments
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
 from raycomp.signals import all_finite
+from raycomp.topology import Levels
+from raycomp.two_level import TwoLevelReducer
 
 __all__ = ["BUFFER_MODES", "LocalSteps", "nesterov_outer"]
 
@@ -72,6 +81,9 @@ class LocalSteps:
         buffers: ``"average"`` (floating-point buffers such as BatchNorm's running statistics
             are averaged, densely, whenever fragment 0 syncs) or ``"local"`` (each rank keeps
             its own; evaluate on one rank then).
+        levels: the node's group and this rank's cross-node group, when a replica is a
+            node (the caller keeps the node's ranks equal: DDP over the node's group, as
+            :mod:`raycomp.train.local_strategy` sets up). ``None``: every rank is a replica.
         process_group, seed, min_compress_numel: as for :class:`~raycomp.reducer.CompressedReducer`.
     """
 
@@ -89,6 +101,7 @@ class LocalSteps:
         process_group: Any = None,
         seed: int = 0,
         min_compress_numel: int = 1024,
+        levels: Levels | None = None,
     ) -> None:
         if buffers not in BUFFER_MODES:
             raise ValueError(f"buffers: must be one of {', '.join(BUFFER_MODES)}, got {buffers!r}")
@@ -98,8 +111,9 @@ class LocalSteps:
         self.params = [p for _, p in named]
         self._broadcast_start()
         self._outer_factory = outer_optimizer
-        self.reducer = CompressedReducer(plan, process_group=process_group, memory=memory, seed=seed,
-                                         min_compress_numel=min_compress_numel)
+        options = dict(process_group=process_group, memory=memory, seed=seed, min_compress_numel=min_compress_numel)
+        self.reducer = CompressedReducer(plan, **options) if levels is None else \
+            TwoLevelReducer(levels, plan, **options)
         self.inner_steps = 0
         self.outer_steps = 0
         self.skipped_outer = 0  # syncs whose mean pseudo-gradient was not finite

@@ -14,6 +14,13 @@ again before DDP resumes; entering them starts a fresh schedule from the current
 weights. A run that ends in local steps syncs every fragment once more (:meth:`LocalStepsStrategy.merge`),
 so that the model every rank holds at the end is the merged one, not its own replica.
 
+With two levels (``compression.levels: auto`` on several nodes of several workers) a
+replica is a whole node: during local steps DDP keeps reducing every inner step's gradients,
+inside the node only (the hook's :attr:`~raycomp.hook.CompressionState.inside_node`, dense
+on the fast link), and each sync's pseudo-gradient crosses nodes in pieces, one per rank of
+the node, compressed (:class:`~raycomp.local.LocalSteps` with ``levels``). DDP's broadcast of
+buffers stays off, as for flat local steps: buffers are averaged at syncs.
+
 The guard cannot judge each inner step as it does per step (the gradients differ per rank
 and nothing is exchanged); instead each rank skips its own non-finite inner steps, and the
 loss every rank saw since the previous sync rides in the sync's collective, so the guard
@@ -40,6 +47,7 @@ from raycomp.plan import LocalMode, Plan
 from raycomp.stats import LayerStats
 from raycomp.train.ddp_strategy import compression_state, parameter_shapes, wrap_ddp
 from raycomp.train.gradient_strategy import StrategySetup
+from raycomp.two_level import TwoLevelReducer
 
 __all__ = ["LocalState", "LocalStepsStrategy", "local_hook_strategy", "local_strategy", "outer_sgd"]
 
@@ -59,6 +67,10 @@ class LocalState:
         self.model, self.hook, self.steps, self.options = model, hook, steps, options
         self.ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         steps.reducer.ledger = hook.reducer.ledger  # pseudo-gradient bytes count with the rest
+        #: a replica is a node (two levels): inner steps stay data-parallel inside it
+        self.node_replicas = isinstance(steps.reducer, TwoLevelReducer)
+        if self.node_replicas:
+            steps.reducer.intra_ledger = hook.reducer.intra_ledger  # type: ignore[attr-defined]
         self.mode: LocalMode | None = None  # the local steps in force, or None (per step)
         self.local_seconds = 0.0  # time spent in syncs of local steps
 
@@ -110,10 +122,11 @@ class LocalState:
         self.steps.restart(mode.sync_every, mode.fragments,
                            resolve_delay(self.options.delay, mode.sync_every, mode.fragments))
 
-    def _ddp_strategy(self, on: bool) -> None:
+    def _ddp_strategy(self, per_step: bool) -> None:
         if self.ddp:  # what DDP's no_sync() sets, kept: no reduction, no buffer broadcast
-            self.model.require_backward_grad_sync = on
-            self.model.require_forward_param_sync = on
+            self.model.require_backward_grad_sync = per_step or self.node_replicas
+            self.model.require_forward_param_sync = per_step
+            self.hook.inside_node = self.node_replicas and not per_step  # the node's own mean
 
     # --- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -245,5 +258,6 @@ def local_hook_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                        memory="none" if c.memory == "none" else "residual", fragments=local.fragments,
                        delay=resolve_delay(local.delay, local.sync_every, local.fragments),
                        buffers=local.buffers, process_group=setup.control_group, seed=options.seed,
-                       min_compress_numel=c.min_compress_numel)
+                       min_compress_numel=c.min_compress_numel,
+                       levels=hook.reducer.levels if isinstance(hook.reducer, TwoLevelReducer) else None)
     return LocalStepsStrategy(model, LocalState(model, hook, steps, local))

@@ -74,7 +74,7 @@ def _options(run: dict[str, Any], controller: str, run_dir: Path) -> Any:
             policy="static", warmup_steps=run["warmup"], min_compress_numel=0,
             static=StaticOptions(compressor=compressor("int8")),
             local=LocalSection(mode="fixed", sync_every=run["sync_every"], compressor=run["local_compressor"],
-                               delay=0))
+                               delay=0), levels=run.get("levels", "flat"))
     else:
         stages = [ScheduleStage(start_step=start, compressor=compressor(name, **params))
                   for start, name, params in run["stages"]]
@@ -90,9 +90,10 @@ def _options(run: dict[str, Any], controller: str, run_dir: Path) -> Any:
 
 
 def _reducer(state: Any) -> Any:
-    """The reducer inside a gradient strategy (DDP: its CompressionState's)."""
+    """The reducer inside a gradient strategy (DDP: its CompressionState's; local steps:
+    the one their syncs use)."""
     while state is not None and not hasattr(state, "send_group"):
-        state = getattr(state, "reducer", None) or getattr(state, "state", None)
+        state = getattr(state, "reducer", None) or getattr(state, "steps", None) or getattr(state, "state", None)
     return state
 
 

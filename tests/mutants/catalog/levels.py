@@ -64,3 +64,30 @@ MUTANTS = (
         "the pieces' sum is divided by the old ranks, not the nodes: a two-level resize owes L times too little",
     ),
 )
+
+LOCAL_TESTS = "tests/test_two_level_local.py"
+
+MUTANTS = (
+    *MUTANTS,
+    mutant(
+        "node-replica-inner-step-not-reduced", "LocalState._ddp_strategy",
+        "            self.model.require_backward_grad_sync = per_step or self.node_replicas\n",
+        "            self.model.require_backward_grad_sync = per_step\n",
+        LOCAL_TESTS,
+        "local steps between nodes switch DDP off: a node's ranks drift apart instead of training as one replica",
+    ),
+    mutant(
+        "node-replica-inner-step-sums", "CompressionState.reduce_inside_node",
+        "        buffer.div_(intra.size)\n",
+        "",
+        LOCAL_TESTS,
+        "an inner step's gradient is the node's sum, not its mean",
+    ),
+    mutant(
+        "node-replica-sync-on-every-rank", "LocalSteps.__init__",
+        "            TwoLevelReducer(levels, plan, **options)",
+        "            CompressedReducer(plan, **options)",
+        LOCAL_TESTS,
+        "a sync between node replicas goes flat: every rank sends the whole pseudo-gradient across nodes",
+    ),
+)
