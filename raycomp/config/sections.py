@@ -211,13 +211,13 @@ class CompressionSection(_Strict):
     memory: Literal["residual", "dgc", "none"] = "residual"
     #: layers with fewer elements always go dense (latency dominates their cost)
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
-    #: "auto": where Ray Train places several workers on each of several nodes, compressed
-    #: steps reduce in two levels, dense inside each node and compressed across nodes, one
-    #: piece per worker of the node (raycomp.two_level); "flat": every worker is its own
-    #: node. A checkpoint restored at another size or layout merges every worker's pieces
+    #: "auto" (default): where Ray Train places several workers on each of several nodes,
+    #: compressed steps reduce in two levels, dense inside each node and compressed across
+    #: nodes, one piece per worker of the node (raycomp.two_level); one node, or one worker
+    #: per node, is the flat path. "flat": every worker is its own node. A checkpoint restored at another size or layout merges every worker's pieces
     #: (raycomp.train.resize). Under local steps a replica is then a node: inner steps
     #: data-parallel inside it, syncs across nodes in pieces
-    levels: Literal["flat", "auto"] = "flat"
+    levels: Literal["flat", "auto"] = "auto"
     #: the dense fallback: see :class:`GuardSection`
     guard: GuardSection = GuardSection()
     #: the LR ramp after a dense -> compressed switch: see :class:`LrScalingSection`

@@ -64,7 +64,7 @@ def _options(config: dict[str, Any]) -> Any:
 
     name, params = config["compressor"]
     return raycomp.train.TrainOptions(
-        compression=CompressionSection(policy="static", warmup_steps=2, min_compress_numel=256,
+        compression=CompressionSection(policy="static", warmup_steps=2, min_compress_numel=256, levels="flat",
                                        static=StaticOptions(compressor=compressor(name, **params))),
         controller=ControllerSection(name=config["controller"], interval_steps=5, metrics_enabled=False),
         checkpoint=CheckpointSection(every_steps=config["every_steps"]),

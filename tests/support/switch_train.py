@@ -64,7 +64,7 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     before = digest(list(model.parameters()))
     options = raycomp.train.TrainOptions(
         compression=CompressionSection(
-            policy="schedule", warmup_steps=WARMUP, min_compress_numel=0,
+            policy="schedule", warmup_steps=WARMUP, min_compress_numel=0, levels="flat",
             schedule=ScheduleOptions(stages=[ScheduleStage(start_step=0, compressor=compressor("topk", ratio=0.1)),
                                              ScheduleStage(start_step=INT8_FROM, compressor=compressor("int8"))])),
         controller=ControllerSection(name=config["controller"], interval_steps=2, metrics_enabled=False),

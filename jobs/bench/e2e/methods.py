@@ -56,7 +56,8 @@ METHODS: dict[str, list[str]] = {
        for r in (1, 2, 4)},
     "raycomp_sign": ["compression.policy=static", "compression.static.compressor={name: sign}"],
     "raycomp_int8": ["compression.policy=static", "compression.static.compressor={name: int8}"],
-    "raycomp_int4": ["compression.policy=static", "compression.static.compressor={name: int4}"],
+    "raycomp_int4": ["compression.policy=static", "compression.static.compressor={name: int4}",
+                     "compression.levels=flat"],
     # the same in two levels where the topology has them: what crosses nodes, same compressor
     "raycomp_int4_levels": ["compression.policy=static", "compression.static.compressor={name: int4}",
                             "compression.levels=auto"],
@@ -65,6 +66,10 @@ METHODS: dict[str, list[str]] = {
     "raycomp_dense": ["compression.policy=static", "compression.static.compressor={name: none}"],
     **{f"raycomp_local_h{h}": ["compression.local.mode=fixed", f"compression.local.sync_every={h}"]
        for h in RAYCOMP_LOCAL_SYNC_EVERY},
+    # the same with every worker its own replica (where the topology has two levels, each
+    # node is one replica above, data-parallel inside)
+    **{f"raycomp_local_flat_h{h}": ["compression.local.mode=fixed", f"compression.local.sync_every={h}",
+                                    "compression.levels=flat"] for h in RAYCOMP_LOCAL_SYNC_EVERY},
     "raycomp_adaptive": ADAPTIVE,
     "raycomp_adaptive_flat": ADAPTIVE_FLAT,
 }
@@ -74,6 +79,7 @@ GRIDS: dict[str, list[str]] = {
     "torch_postlocalsgd": [f"torch_postlocalsgd_h{h}" for h in LOCALSGD_PERIODS],
     "torchft_diloco": [f"torchft_diloco_h{h}" for h in DILOCO_SYNC_EVERY],
     "raycomp_local": [f"raycomp_local_h{h}" for h in RAYCOMP_LOCAL_SYNC_EVERY],
+    "raycomp_local_flat": [f"raycomp_local_flat_h{h}" for h in RAYCOMP_LOCAL_SYNC_EVERY],
 }
 #: torch baselines: which communication (for the byte model); raycomp's own plan stays dense
 #: and unused
@@ -169,6 +175,8 @@ def default_methods(workload: str) -> list[str]:
     spec = WORKLOADS[workload]
     best, local = spec.get("best_h", {}), []
     for grid, variants in GRIDS.items():
+        if grid == "raycomp_local_flat":  # an ablation, run where asked
+            continue
         local += [f"{grid}_h{best[grid]}"] if grid in best else variants
     names = ["dense", "torch_bf16", f"torch_powersgd_r{spec['powersgd_rank']}", "raycomp_int4", *local,
              "raycomp_adaptive"]
