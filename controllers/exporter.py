@@ -79,6 +79,8 @@ class ControllerCollector:
         for rank, (wire, dense) in sorted(run.per_rank_bytes.items()):
             f["raycomp_wire_bytes_total"].add_metric([rid, str(rank)], wire)
             f["raycomp_dense_bytes_total"].add_metric([rid, str(rank)], dense)
+        for rank, intra in sorted(run.per_rank_intra.items()):
+            f["raycomp_intra_node_bytes_total"].add_metric([rid, str(rank)], intra)
         if run.wire_bytes > 0:
             f["raycomp_compression_ratio"].add_metric([rid], run.dense_bytes / run.wire_bytes)
         sizes = {name: h.numel for name, h in run.layers.items()}

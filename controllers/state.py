@@ -116,6 +116,8 @@ class RunState:
         self.finished: float | None = None  # wall time when the run finished
         self.status = "running"
         self.per_rank_bytes: dict[int, tuple[float, float]] = {}
+        #: rank -> bytes it sent inside its node (two levels; per_rank_bytes: across nodes)
+        self.per_rank_intra: dict[int, float] = {}
         self.per_rank_outages: dict[int, int] = {}
         self.skipped_steps = 0  # the optimizer steps skipped (the same on every rank)
         self.outer_steps = 0  # outer steps of local steps applied (the same on every rank)
@@ -143,6 +145,7 @@ class RunState:
         if stats.step >= self._totals_step.get(stats.rank, -1):
             self._totals_step[stats.rank] = stats.step
             self.per_rank_bytes[stats.rank] = (stats.wire_bytes, stats.dense_bytes)
+            self.per_rank_intra[stats.rank] = stats.intra_bytes
         self.per_rank_outages[stats.rank] = max(stats.outages, self.per_rank_outages.get(stats.rank, 0))
         self.skipped_steps = max(self.skipped_steps, stats.skipped_steps)
         self.outer_steps = max(self.outer_steps, stats.outer_steps)
@@ -228,6 +231,7 @@ class RunState:
         before, self.world_size = self.world_size, world_size
         self._pending.clear()
         self.per_rank_bytes.clear()
+        self.per_rank_intra.clear()
         self._totals_step.clear()
         self._step_evals.clear()
         self.per_rank_outages = {r: n for r, n in self.per_rank_outages.items() if r < world_size}
@@ -283,6 +287,7 @@ class RunState:
             "events": list(self.events), "fallback_events": self.fallback_events,
             "reports": self.reports, "status": self.status,
             "per_rank_bytes": {str(k): list(v) for k, v in self.per_rank_bytes.items()},
+            "per_rank_intra": {str(k): v for k, v in self.per_rank_intra.items()},
             "per_rank_outages": {str(k): v for k, v in self.per_rank_outages.items()},
             "skipped_steps": self.skipped_steps, "loss_scale": self.loss_scale, "outer_steps": self.outer_steps,
             "lr": self.lr, "peak_lr": self.peak_lr,
@@ -315,6 +320,7 @@ class RunState:
         run.events.extend(data["events"])
         run.reports, run.status = data["reports"], data["status"]
         run.per_rank_bytes = {int(k): (v[0], v[1]) for k, v in data["per_rank_bytes"].items()}
+        run.per_rank_intra = {int(k): v for k, v in data.get("per_rank_intra", {}).items()}
         run.per_rank_outages = {int(k): v for k, v in data["per_rank_outages"].items()}
         run.skipped_steps, run.loss_scale = data.get("skipped_steps", 0), data.get("loss_scale")
         run.outer_steps = data.get("outer_steps", 0)

@@ -73,6 +73,10 @@ class LocalGuardState:
         return self.inner.ledger
 
     @property
+    def intra_bytes(self) -> float:
+        return self.inner.intra_bytes
+
+    @property
     def stats(self) -> list[LayerStats]:
         return self.inner.stats
 

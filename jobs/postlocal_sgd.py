@@ -8,18 +8,23 @@ parameters after every H-th optimizer step (what ``PostLocalSGDOptimizer.step`` 
 :meth:`PostLocalSgdStrategy.after_optimizer_step`, called by raycomp's loop after each optimizer
 step). Optimizer state stays local.
 
-One departure, and why: after its warm-up torch's hook keeps all-reducing gradients inside a
-*subgroup*, by default the ranks of one machine (``dist.new_subgroups()``, sized by the CUDA
-device count: it raises on a CPU-only host). That intra-machine all-reduce is meant for GPUs
-that share a fast interconnect. Here every rank stands for a machine of its own (the
-benchmark puts each worker on its own Ray node), so its subgroup would hold one rank and
-reduce nothing: the state is built with ``post_local_gradient_allreduce=False``, which is
-exactly that, without a subgroup, on one host too. After the warm-up the ranks exchange no
-gradients; only the parameter average every H steps crosses the link (and DDP's broadcast
-of a model's buffers, if it has any, at every forward, as under torch's own recipe).
+After its warm-up torch's hook keeps all-reducing gradients inside a *subgroup*, by default
+the ranks of one machine (``dist.new_subgroups()``, sized by the CUDA device count: it
+raises on a CPU-only host), meant for GPUs that share a fast interconnect. Where the workers
+sit several to a node on several nodes (``compression.levels`` auto and a topology of two
+levels, :mod:`raycomp.topology`), the subgroup is the node's group: torch's two-level
+recipe, gradients all-reduced inside the node every step and parameters averaged across all
+ranks every H steps. Where every worker is its own node (one per Ray node, or flat), its
+subgroup would hold one rank and reduce nothing: the state is then built with
+``post_local_gradient_allreduce=False``, which is exactly that, without a subgroup, on one
+host too; after the warm-up only the parameter average every H steps crosses the link (and
+DDP's broadcast of a model's buffers, if it has any, at every forward, as under torch's own
+recipe).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -31,10 +36,11 @@ from raycomp.train.gradient_strategy import StrategySetup
 __all__ = ["PostLocalSgdStrategy", "post_local_sgd", "register_post_local_sgd"]
 
 
-def register_post_local_sgd(model: torch.nn.parallel.DistributedDataParallel,
-                            benchmark: BenchmarkSection) -> torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager:
-    """``post_localSGD_hook`` on ``model`` (gradient all-reduce for ``localsgd_start_iter``
-    steps, none after) and the averager to call after every optimizer step."""
+def register_post_local_sgd(model: torch.nn.parallel.DistributedDataParallel, benchmark: BenchmarkSection,
+                            node_group: Any = None) -> torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager:
+    """``post_localSGD_hook`` on ``model`` (gradient all-reduce over all ranks for
+    ``localsgd_start_iter`` steps; after them over ``node_group`` if given, else none) and the
+    averager to call after every optimizer step."""
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
         PostLocalSGDState,
         post_localSGD_hook,
@@ -42,8 +48,8 @@ def register_post_local_sgd(model: torch.nn.parallel.DistributedDataParallel,
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
     start = benchmark.localsgd_start_iter
-    state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start,
-                              post_local_gradient_allreduce=False)
+    state = PostLocalSGDState(process_group=None, subgroup=node_group, start_localSGD_iter=start,
+                              post_local_gradient_allreduce=node_group is not None)
     model.register_comm_hook(state, post_localSGD_hook)
     return PeriodicModelAverager(period=benchmark.localsgd_period, warmup_steps=start)
 
@@ -72,7 +78,9 @@ def post_local_sgd(model: torch.nn.Module, setup: StrategySetup, benchmark: Benc
     model = wrap_ddp(model, setup, ddp_options)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    state = LocalGuardState(compression_state(model, setup), rank, world, setup.control_group)
+    compression = compression_state(model, setup)  # its topology: the node's group, where there are two levels
+    state = LocalGuardState(compression, rank, world, setup.control_group)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    averager = register_post_local_sgd(model, benchmark) if ddp else None
+    levels = getattr(compression.reducer, "levels", None)
+    averager = register_post_local_sgd(model, benchmark, levels.intra.handle if levels else None) if ddp else None
     return PostLocalSgdStrategy(model, state, averager)

@@ -148,7 +148,7 @@ class CompressionState:
                                self._end_step_waited)
         self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
         #: reduce each bucket inside the node only, dense (local steps between nodes: a node
-        #: is one replica, its ranks data-parallel among themselves; :mod:`raycomp.train.local_strategy`)
+        #: is one replica; :mod:`raycomp.train.local_strategy`)
         self.inside_node = False
 
     # --- the reducer's face: what the training loop reads and calls --------------------
@@ -163,6 +163,8 @@ class CompressionState:
     per_node = property(lambda self: self.reducer.levels.intra.size if isinstance(self.reducer, TwoLevelReducer)
                         else 1)
     defer_unused = property(lambda self: self.reducer.defer_unused)
+    #: bytes sent inside the node so far (two levels), 0 when flat
+    intra_bytes = property(lambda self: getattr(self.reducer, "intra_ledger", WireLedger()).wire_total)
 
     @property
     def control_rows(self) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ _STATS_FLOATS = (
     "loss", "step_seconds", "compute_seconds", "comm_seconds", "samples_per_second",
     "wire_bytes", "dense_bytes",
 )
+_OPTIONAL_FLOATS = ("intra_bytes",)  # absent: 0
 _LAYER_FLOATS = ("grad_norm", "compression_error", "residual_norm", "wire_bytes", "dense_bytes")
 _LAYER_KEYS = frozenset(("layer", "compressor", "numel", *_LAYER_FLOATS, "topk_errors"))
 MAX_LAYERS = 10_000
@@ -55,6 +56,9 @@ class GradStats:
     loss_scale: float | None = None  # the GradScaler's scale at the boundary (fp16; None without one)
     outer_steps: int = 0  # outer steps (syncs of local steps) this rank applied so far
     lr: float | None = None  # the optimizer's learning rate at the boundary (its largest group's)
+    #: bytes this rank sent inside its node so far (two levels, raycomp.two_level; 0 when flat):
+    #: ``wire_bytes`` then counts what crossed nodes
+    intra_bytes: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -86,6 +90,10 @@ class GradStats:
                 raise ValueError(f"stats.{key}: expected an integer >= 0, got {value!r}")
         for key in _STATS_FLOATS:
             _finite(f"stats.{key}", data.get(key))
+        for key in _OPTIONAL_FLOATS:
+            _finite(f"stats.{key}", data.get(key, 0.0))
+            if data.get(key, 0.0) < 0:
+                raise ValueError(f"stats.{key}: expected a number >= 0, got {data[key]!r}")
         if data.get("eval_metric") is not None:
             _finite("stats.eval_metric", data["eval_metric"])
         if data.get("lr") is not None:

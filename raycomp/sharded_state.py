@@ -111,6 +111,7 @@ class ShardedState:
                 model.get_submodule("" if name == ROOT else name).set_custom_reduce_scatter(comm)
             self.comms[name] = comm
         self.ledger = WireLedger()
+        self.intra_bytes = 0.0  # one level: every rank its own node
         self.step = 0
         self.stats: list[LayerStats] = []
         self.stats_step = -1

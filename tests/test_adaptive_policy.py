@@ -766,3 +766,18 @@ def test_digits_job_on_a_slow_link_starts_on_int4_tries_powersgd_and_keeps_accur
     assert details["bandwidth_assumed"] and details["round_overhead_measured"]  # learned from the run
     assert summary["compression_ratio"] > 3.5  # 3.98 measured (dense warm-up included); int8: 3.05
     assert summary["final_eval_accuracy"] >= DENSE_ACCURACY - 0.015
+
+
+def test_a_two_level_decision_says_what_each_level_does(monkeypatch):
+    """Two nodes of two ranks: the node's link is the one measured and priced (the ranks
+    of a node share it); inside each node the exchange is dense."""
+    import tests.test_adaptive_policy as here
+
+    monkeypatch.setattr(here, "W", 4)
+    sim = Sim(near_lossless=AdaptiveOptions().near_lossless)
+    sim.controller.runs["run"].per_node = 2
+    plan = sim.run(4, SLOW)
+    assert plan.reason.startswith("2 nodes x 2, inside each node dense; across nodes: slow node link "), plan.reason
+    assert plan.why["levels"] == [2, 2]
+    flat = Sim(near_lossless=AdaptiveOptions().near_lossless).run(4, SLOW)
+    assert flat.reason.startswith("slow link") and flat.why["levels"] is None

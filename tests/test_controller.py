@@ -70,6 +70,9 @@ def test_malformed_reports_are_rejected_counted_and_harmless():
         {**report("r1", 0, 4), "loss_scale": 0.0},
         {**report("r1", 0, 4), "lr": -0.1},
         {**report("r1", 0, 4), "lr": float("nan")},
+        {**report("r1", 0, 4), "intra_bytes": -1.0},
+        {**report("r1", 0, 4), "intra_bytes": float("inf")},
+        {**report("r1", 0, 4), "intra_bytes": "4096"},
     ]
     for item in bad:
         assert controller.ingest(item) is False

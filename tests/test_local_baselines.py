@@ -70,6 +70,43 @@ def test_post_local_sgd_all_reduces_for_the_warmup_then_only_averages_every_h_st
     assert torch.allclose(ranks[0][5]["params"], ranks[1][5]["params"], rtol=1e-6, atol=1e-7)
 
 
+def _two_level_post_local_sgd(rank: int, world: int, period: int, start: int, steps: int) -> list[dict[str, Any]]:
+    """2 nodes x 2 ranks: torch's two-level recipe, the node's group as the hook's subgroup."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from jobs.postlocal_sgd import PostLocalSgdStrategy, register_post_local_sgd
+    from raycomp.topology import Topology, node_groups
+
+    levels = node_groups(Topology.of_rank(rank, 2, 2))
+    model = _model()
+    ddp = DDP(model)
+    benchmark = BenchmarkSection(baseline="torch_postlocalsgd", localsgd_period=period, localsgd_start_iter=start)
+    sync = PostLocalSgdStrategy(ddp, None, register_post_local_sgd(ddp, benchmark, levels.intra.handle))  # type: ignore[arg-type]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        ddp(_batch(step, rank)).square().mean().backward()
+        grad = _flat(model, grads=True)
+        optimizer.step()
+        sync.after_optimizer_step(True, 0.0)
+        out.append({"grad": grad, "params": _flat(model)})
+    return out
+
+
+def test_two_level_post_local_sgd_reduces_inside_the_node_every_step_and_averages_every_h():
+    period, start, steps = 3, 2, 8
+    ranks = run_distributed(_two_level_post_local_sgd, 4, period, start, steps)
+    for step in range(steps):
+        grads, params = [r[step]["grad"] for r in ranks], [r[step]["params"] for r in ranks]
+        assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-7), step  # node 0's mean
+        assert torch.allclose(grads[2], grads[3], rtol=1e-6, atol=1e-7), step  # node 1's
+        across = torch.allclose(grads[0], grads[2], rtol=1e-3, atol=1e-5)
+        assert across == (step < start), step  # all four ranks' mean only in the warm-up
+        averaged = step < start or (step - start) % period == 0
+        assert all(torch.allclose(p, params[0], rtol=1e-6, atol=1e-7) for p in params) == averaged, step
+
+
 # --- the guard's agreement -------------------------------------------------------------------
 def _guard_decisions(rank: int, world: int) -> list[tuple[bool, float, list[list[float]]]]:
     from jobs.local_guard import LocalGuardState

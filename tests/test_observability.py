@@ -20,6 +20,7 @@ from jobs.faults import DrillConfig
 from jobs.train import prepare, run
 from raycomp.controllers.exporter import Exporter
 from raycomp.controllers.service import Controller
+from raycomp.controllers.state import RunState
 from raycomp.metrics import CATALOGUE, series_names
 from tests.conftest import REPO
 from tests.distributed import free_port
@@ -262,5 +263,23 @@ def test_the_plan_s_local_steps_are_exported_as_their_interval(tmp_path):
         assert 'raycomp_local_sync_every{run="per-step"} 0.0' in text
         assert 'raycomp_outer_steps_total{run="local"} 3.0' in text
         assert 'raycomp_outer_steps_total{run="per-step"} 0.0' in text
+    finally:
+        exporter.close()
+
+
+def test_the_bytes_inside_nodes_are_exported_per_rank_beside_those_across(tmp_path):
+    controller = Controller()
+    exporter = Exporter(controller, "127.0.0.1", 0, str(tmp_path / "targets.json"))
+    try:
+        controller.register_run("levels", 4, {"fc1.weight": 4096}, "static", {}, 0, 5, 1024, per_node=2)
+        for rank in range(4):
+            controller.ingest({**report("levels", rank, 4), "layers": [], "intra_bytes": 1000.0 * (rank + 1)})
+        text = scrape(exporter.url)
+        assert 'raycomp_intra_node_bytes_total{rank="3",run="levels"} 4000.0' in text
+        assert 'raycomp_wire_bytes_total{rank="3",run="levels"} 4000.0' in text
+        restored = RunState.from_dict(controller.runs["levels"].to_dict())  # a controller restart keeps them
+        assert restored.per_rank_intra == {0: 1000.0, 1: 2000.0, 2: 3000.0, 3: 4000.0}
+        restored.resize(2)  # an elastic restart: the new ranks report their own totals
+        assert restored.per_rank_intra == {}
     finally:
         exporter.close()

@@ -206,6 +206,7 @@ def test_two_levels_keep_replicas_bit_identical_per_step(request: pytest.Fixture
     assert set(Counter(rec["plan"] for rec in run["digests"][0])) == set(CARRIED)
     assert run["ranks"][0]["params"] != flat["ranks"][0]["params"]  # it took its own path
     assert run["totals"]["wire_bytes_total"] < flat["totals"]["wire_bytes_total"]
+    assert run["totals"]["intra_node_bytes_total"] > 0 == flat["totals"]["intra_node_bytes_total"]
     print(json.dumps({"topology": topology, "wire_two_level": run["totals"]["wire_bytes_total"],
                       "wire_flat": flat["totals"]["wire_bytes_total"]}))
 

@@ -137,9 +137,10 @@ def _inbox(fail: bool):
 
 
 def _state():
-    # the reporter reads a CompressionState's plan version, byte ledger and layer statistics
+    # the reporter reads a CompressionState's plan version, byte ledger, bytes inside the
+    # node (two levels) and layer statistics
     return SimpleNamespace(plan=SimpleNamespace(version=3), ledger=SimpleNamespace(wire_total=10.0, dense_total=40.0),
-                           stats=[])
+                           intra_bytes=30.0, stats=[])
 
 
 def test_the_final_report_is_taken_before_send_returns_and_only_once(ray_cluster):
@@ -154,7 +155,7 @@ def test_the_final_report_is_taken_before_send_returns_and_only_once(ray_cluster
     reporter.send(_state(), 19, 3, False, final=True)
     # finish() relies on it: rank 0 summarises the run only after every rank's last report is in
     [taken] = ray.get(inbox.taken.remote())
-    assert (taken["step"], taken["eval_metric"], taken["wire_bytes"]) == (19, 0.4, 10.0)
+    assert (taken["step"], taken["eval_metric"], taken["wire_bytes"], taken["intra_bytes"]) == (19, 0.4, 10.0, 30.0)
     reporter.send(_state(), 19, 3, False, final=True)  # close() after finish(): nothing new
     assert len(ray.get(inbox.taken.remote())) == 1 and reporter.outages.count == 0
     ray.kill(inbox)

@@ -115,7 +115,7 @@ class Chooser:
             s.rungs[name] = rung
             if not ladders[name][rung].is_dense:
                 chosen[name] = ladders[name][rung]
-        decision = Decision.of(Plan.per_layer(chosen), self._why(rule, layers, chosen, menu, current))
+        decision = Decision.of(Plan.per_layer(chosen), self._why(run, rule, layers, chosen, menu, current))
         record = ChoiceRecord(run.step, current if current < menu.top else "dense", decision.plan.reason)
         s.history = [*s.history, record][-HISTORY:]
         return decision
@@ -225,8 +225,8 @@ class Chooser:
                 raised = max(raised, first)
             self.state.error_floor[name], self.state.rung_since[name] = raised, run.step  # judge anew from here
 
-    def _why(self, rule: str, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec], menu: Menu,
-             shift: int) -> AdaptiveWhy:
+    def _why(self, run: RunState, rule: str, layers: dict[str, LayerHistory], chosen: dict[str, CompressorSpec],
+             menu: Menu, shift: int) -> AdaptiveWhy:
         bw, compute = self.cost.bw, self.cost.compute
         assert bw is not None and compute is not None
         groups: dict[str, list[str]] = {}
@@ -241,7 +241,8 @@ class Chooser:
             dense_layers=len(layers) - len(chosen), lossy_off=not self.lossy and not self.sharded,
             prior_band=PRIOR_BAND * self.slack if menu.best_on_prior else None,
             # a faster plan with a lossy layer fell short of lossy_margin
-            passed_over_margin=self.margin if min(menu.predicted) < menu.best else None)
+            passed_over_margin=self.margin if min(menu.predicted) < menu.best else None,
+            levels=(run.world_size // run.per_node, run.per_node) if run.per_node > 1 and not self.sharded else None)
 
 
 __all__ = ["ERROR_SAMPLES", "PATIENCE", "PRIOR_BAND", "ChoiceRecord", "Chooser", "ChooserState"]

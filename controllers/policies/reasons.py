@@ -75,11 +75,17 @@ class AdaptiveWhy:
     lossy_off: bool  # lossy rungs not offered
     prior_band: float | None  # the fastest plan was priced on the assumed round overhead: its band
     passed_over_margin: float | None  # a lossy plan was faster, but not by this margin
+    #: (nodes, ranks per node) of a two-level run (raycomp.two_level); None: flat
+    levels: tuple[int, int] | None = None
 
     def text(self) -> str:
         dense_s, best_s = self.predicted[self.top], self.predicted[self.shift]
         ratio = (dense_s - self.compute) / self.compute if self.compute > 0 else math.inf
         link = f"{'slow' if ratio >= 1 else 'fast'} link {self.bandwidth / 1e6:.3g} MB/s, comm {ratio:.2g}x compute"
+        if self.levels is not None:  # what each level does: the node's link is the one measured
+            nodes, per_node = self.levels
+            link = (f"{nodes} nodes x {per_node}, inside each node dense; across nodes: "
+                    f"{link.replace(' link', ' node link', 1)}")
         if not self.groups:
             lightest = min(self.predicted[:self.top]) if self.top else dense_s
             prior = (f" (within {self.prior_band:.0%} on the assumed round overhead)"

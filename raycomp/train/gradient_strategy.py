@@ -33,6 +33,7 @@ class GradientState(Protocol):
     (FSDP2)."""
 
     ledger: WireLedger
+    intra_bytes: float  # bytes sent inside the node so far (two levels; 0 when flat)
     stats: list[LayerStats]
     stats_step: int  # the step the statistics were measured at
     step: int  # steps reduced so far

@@ -80,6 +80,7 @@ class LocalState:
     stats_step: int = property(lambda self: self.hook.stats_step)  # type: ignore[assignment]
     step: int = property(lambda self: self.hook.step)  # type: ignore[assignment]
     plan: Plan = property(lambda self: self.hook.plan)  # type: ignore[assignment]
+    intra_bytes: float = property(lambda self: self.hook.intra_bytes)  # type: ignore[assignment]
 
     @property
     def comm_seconds(self) -> float:

@@ -95,12 +95,14 @@ def eval_value(name: str, value: Any) -> float:
 def run_totals(loop: TrainLoop) -> dict[str, Any]:
     """The run's totals over all ranks (a collective: every rank calls it)."""
     sums = torch.tensor([loop.state.ledger.wire_total, loop.state.ledger.dense_total,
-                         float(loop.outages.count)], dtype=torch.float64)
+                         float(loop.outages.count), loop.state.intra_bytes], dtype=torch.float64)
     if loop.world_size > 1:
         dist.all_reduce(sums, group=loop.control_group)
     loop.log.flush()
     return {
         "wire_bytes_total": float(sums[0]), "dense_bytes_total": float(sums[1]),
+        # two levels: wire_bytes_total is what crossed nodes, this what stayed inside them
+        "intra_node_bytes_total": float(sums[3]),
         "controller_outages": int(sums[2]), "steps": loop.global_step, "stats_dropped": loop.reporter.dropped,
         "plan_switches": loop.plan_switches, "skipped_steps": loop.skipped_steps,
         "local_skipped_steps": loop.local_skips, "outer_steps": loop.outer_steps,

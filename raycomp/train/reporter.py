@@ -83,7 +83,7 @@ class StatsReporter:
             loss=loss, step_seconds=step_s, compute_seconds=max(0.0, step_s - comm_s), comm_seconds=comm_s,
             samples_per_second=samples_per_second,
             wire_bytes=state.ledger.wire_total, dense_bytes=state.ledger.dense_total,
-            fallback_active=fallback_active,
+            intra_bytes=state.intra_bytes, fallback_active=fallback_active,
             layers=tuple(s.to_dict() for s in state.stats if _finite_stats(s)),
             events=tuple(self.events), eval_metric=self.eval_metric, outages=self.outages.count,
             skipped_steps=skipped_steps, loss_scale=loss_scale, outer_steps=outer_steps, lr=lr,

@@ -91,3 +91,30 @@ MUTANTS = (
         "a sync between node replicas goes flat: every rank sends the whole pseudo-gradient across nodes",
     ),
 )
+
+MUTANTS = (
+    *MUTANTS,
+    mutant(
+        "two-level-decision-says-flat", "Chooser._why",
+        "            levels=(run.world_size // run.per_node, run.per_node) if run.per_node > 1",
+        "            levels=None if run.per_node > 1",
+        "tests/test_adaptive_policy.py",
+        "a two-level run's decision reads as a flat one: what each level does goes unsaid",
+    ),
+    mutant(
+        "intra-node-bytes-not-reported", "StatsReporter.send",
+        "            intra_bytes=state.intra_bytes, fallback_active",
+        "            intra_bytes=0.0, fallback_active",
+        "tests/test_train_report.py",
+        "the bytes sent inside nodes never reach the controller: the dashboard shows one level",
+    ),
+    mutant(
+        "post-local-sgd-ignores-the-node-group", "register_post_local_sgd",
+        "    state = PostLocalSGDState(process_group=None, subgroup=node_group, start_localSGD_iter=start,\n"
+        "                              post_local_gradient_allreduce=node_group is not None)",
+        "    state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start,\n"
+        "                              post_local_gradient_allreduce=False)",
+        "tests/test_local_baselines.py",
+        "torch's two-level post-local SGD runs flat: a node's ranks drift apart between averages",
+    ),
+)
