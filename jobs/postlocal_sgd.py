@@ -81,6 +81,6 @@ def post_local_sgd(model: torch.nn.Module, setup: StrategySetup, benchmark: Benc
     compression = compression_state(model, setup)  # its topology: the node's group, where there are two levels
     state = LocalGuardState(compression, rank, world, setup.control_group)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    levels = getattr(compression.reducer, "levels", None)
+    levels = compression.levels
     averager = register_post_local_sgd(model, benchmark, levels.intra.handle if levels else None) if ddp else None
     return PostLocalSgdStrategy(model, state, averager)

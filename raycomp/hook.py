@@ -159,12 +159,14 @@ class CompressionState:
     ledger: WireLedger = property(lambda self: self.reducer.ledger)  # type: ignore[assignment]
     memory: Memory = property(lambda self: self.reducer.memory)  # type: ignore[assignment]
     local_nonfinite = property(lambda self: self.reducer.local_nonfinite)
-    #: the ranks of a node when compressed steps reduce in two levels (raycomp.two_level), else 1
-    per_node = property(lambda self: self.reducer.levels.intra.size if isinstance(self.reducer, TwoLevelReducer)
-                        else 1)
+    #: the node's group and this rank's cross-node group when compressed steps reduce in two
+    #: levels (raycomp.two_level), else None
+    levels = property(lambda self: self.reducer.levels if isinstance(self.reducer, TwoLevelReducer) else None)
+    #: the ranks of a node in two levels, else 1
+    per_node = property(lambda self: self.levels.intra.size if self.levels else 1)
     defer_unused = property(lambda self: self.reducer.defer_unused)
     #: bytes sent inside the node so far (two levels), 0 when flat
-    intra_bytes = property(lambda self: getattr(self.reducer, "intra_ledger", WireLedger()).wire_total)
+    intra_bytes = property(lambda self: self.reducer.intra_ledger.wire_total if self.levels else 0.0)
 
     @property
     def control_rows(self) -> torch.Tensor | None:
@@ -217,10 +219,10 @@ class CompressionState:
     def reduce_inside_node(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """The node's mean of a bucket (a dense all-reduce over the node's group, as torch's
         all-reduce hook runs it), counted in the intra-node ledger; no step of the reducer."""
-        if not isinstance(self.reducer, TwoLevelReducer):
+        if self.levels is None:
             raise RuntimeError("CompressionState.inside_node needs two levels (a topology of several "
                                "nodes of several ranks)")
-        intra = self.reducer.levels.intra
+        intra = self.levels.intra
         buffer.div_(intra.size)
         work = dist.all_reduce(buffer, group=intra.handle, async_op=True)
         self.reducer.intra_ledger.add(INTRA, intra.allreduce_bytes(buffer.numel() * buffer.element_size()))

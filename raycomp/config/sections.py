@@ -214,7 +214,8 @@ class CompressionSection(_Strict):
     #: "auto" (default): where Ray Train places several workers on each of several nodes,
     #: compressed steps reduce in two levels, dense inside each node and compressed across
     #: nodes, one piece per worker of the node (raycomp.two_level); one node, or one worker
-    #: per node, is the flat path. "flat": every worker is its own node. A checkpoint restored at another size or layout merges every worker's pieces
+    #: per node, is the flat path. "flat": every worker is its own node. A checkpoint
+    #: restored at another size or layout merges every worker's pieces
     #: (raycomp.train.resize). Under local steps a replica is then a node: inner steps
     #: data-parallel inside it, syncs across nodes in pieces
     levels: Literal["flat", "auto"] = "auto"

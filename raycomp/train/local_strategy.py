@@ -260,5 +260,5 @@ def local_hook_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                        delay=resolve_delay(local.delay, local.sync_every, local.fragments),
                        buffers=local.buffers, process_group=setup.control_group, seed=options.seed,
                        min_compress_numel=c.min_compress_numel,
-                       levels=hook.reducer.levels if isinstance(hook.reducer, TwoLevelReducer) else None)
+                       levels=hook.levels)
     return LocalStepsStrategy(model, LocalState(model, hook, steps, local))

@@ -59,10 +59,8 @@ from raycomp.plan import CompressorSpec
 from raycomp.train import resize_levels
 from raycomp.transports.packing import chunk_sizes
 
-__all__ = ["RESIDUAL_KEYS", "layout_of", "merge_compression", "merge_own", "merge_reducer", "summary"]
+__all__ = ["layout_of", "merge_compression", "merge_own", "merge_reducer", "summary"]
 
-#: memory state keys that hold per-layer tensors the ranks' mean is taken of
-RESIDUAL_KEYS = PER_LAYER_STATE
 #: memory state keys a server residual can be folded into (the error-feedback residual)
 _FOLD_INTO = ("residuals", "accumulated")
 #: counters summed over ranks (the rest agree across ranks)
@@ -149,7 +147,7 @@ def _mean_memory(memories: list[dict[str, Any]]) -> dict[str, Any]:
     to its gradient's device when it uses it)."""
     merged: dict[str, Any] = {}
     for key in memories[0]:
-        if key not in RESIDUAL_KEYS:
+        if key not in PER_LAYER_STATE:
             merged[key] = copy.deepcopy(memories[0][key])
             continue
         names = sorted({name for m in memories for name in m.get(key, {})})
@@ -222,7 +220,7 @@ def summary(olds: list[dict[str, Any]], world_size: int) -> str:
     servers: set[str] = set()
     for own in olds:
         for reducer in _reducers(own["compression"]):
-            for key in RESIDUAL_KEYS:
+            for key in PER_LAYER_STATE:
                 layers.update(reducer.get("memory", {}).get(key, {}))
             servers.update(reducer.get("server_residuals", {}))
     local = any(own.get("replica") is not None for own in olds)

@@ -33,7 +33,7 @@ MUTANTS = (
     ),
     mutant(
         "local-ddp-keeps-reducing-gradients", "LocalState._ddp_strategy",
-        "            self.model.require_backward_grad_sync = on\n",
+        "            self.model.require_backward_grad_sync = per_step or self.node_replicas\n",
         "            self.model.require_backward_grad_sync = True\n",
         "tests/test_local_train.py -k inner_steps_send_nothing",
         "during local steps DDP still all-reduces every step's gradients: nothing is saved on the wire",
