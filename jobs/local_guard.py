@@ -47,7 +47,10 @@ class LocalGuardState:
         self.control_rows: torch.Tensor | None = None
 
     # --- what the guard reads ------------------------------------------------------------
-    def stage_control(self, values: Sequence[float]) -> None:
+    #: every step carries the control values, in the norm's own all-reduce
+    control_skipped = False
+
+    def stage_control(self, values: Sequence[float], skippable: bool = False) -> None:
         self._carry = [float(v) for v in values]
 
     def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:

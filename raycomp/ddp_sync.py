@@ -10,7 +10,8 @@ rank holds alike, so every rank takes the same way at the same step:
   dense with nothing held in error feedback, :mod:`raycomp.plain_step`). DDP's buckets and
   C++ all-reduce, overlapped with backward, exactly as without raycomp. raycomp adds only
   the guard's control values, in an all-reduce of their own issued before the forward so
-  that it finishes beside forward and backward, and counts the bytes; on a statistics step
+  that it finishes beside forward and backward (none when they were staged skippable:
+  ``controller.dense_control: at_boundaries``), and counts the bytes; on a statistics step
   (one in ``stats_every``) a hook on each parameter reads the rank's own gradient norm as
   backward hands it to DDP. The values' non-finite flag stays clear: a NaN or Inf on any
   rank makes the mean non-finite, and the guard reads the mean's norm on every rank.

@@ -179,8 +179,12 @@ class CompressionState:
     def set_plan(self, plan: Plan) -> None:
         self.reducer.set_plan(plan)
 
-    def stage_control(self, values: Sequence[float]) -> None:
-        self.reducer.stage_control(values)
+    def stage_control(self, values: Sequence[float], skippable: bool = False) -> None:
+        self.reducer.stage_control(values, skippable)
+
+    @property
+    def control_skipped(self) -> bool:
+        return self.reducer.control_skipped
 
     def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
         return self.reducer.gradient_norm(parameters)

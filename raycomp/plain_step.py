@@ -118,11 +118,12 @@ class PlainStep:
     def begin_in_ddp(self, device: torch.device) -> None:
         """A plain step that DDP's own reduction carries, begun before its forward: the
         control values go now, in an all-reduce of their own that finishes beside forward
-        and backward (DDP's buckets take no extra values). Their non-finite flag stays
-        clear: a non-finite gradient anywhere shows in the mean every rank reads."""
+        and backward (DDP's buckets take no extra values), unless they were staged as
+        skippable: then the step has no collective of raycomp's at all. Their non-finite
+        flag stays clear: a non-finite gradient anywhere shows in the mean every rank reads."""
         reducer = self.reducer
         reducer.begin_step()
-        control = reducer.signals.take(device)
+        control = None if reducer.signals.drop() else reducer.signals.take(device)
         self._control_works = [] if control is None else reducer.group.start_all_reduce(control)
         if control is not None:
             reducer.ledger.add(OVERHEAD, reducer.group.allreduce_bytes(control.numel() * control.element_size()))

@@ -253,11 +253,17 @@ class CompressedReducer:
                                           result.wire_bytes, dense, self.profile_ratios, unscale))
 
     # --- control values ---------------------------------------------------------------
-    def stage_control(self, values: Sequence[float]) -> None:
+    def stage_control(self, values: Sequence[float], skippable: bool = False) -> None:
         """Sum ``[local non-finite flag, *values]`` of every rank in the next step's last
         reduction; after it, :attr:`control_rows` holds one row per rank
-        (:meth:`raycomp.signals.StepSignals.stage`)."""
-        self.signals.stage(values)
+        (:meth:`raycomp.signals.StepSignals.stage`). ``skippable``: a plain step that DDP's
+        own reduction carries leaves them out (:attr:`control_skipped`)."""
+        self.signals.stage(values, skippable)
+
+    @property
+    def control_skipped(self) -> bool:
+        """Whether this step left the staged values out (no :attr:`control_rows` after it)."""
+        return self.signals.skipped
 
     @property
     def control_rows(self) -> torch.Tensor | None:
@@ -274,7 +280,12 @@ class CompressedReducer:
         grads = [p.grad for p in parameters if p.grad is not None]
         if not grads:
             return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+        # fp32 gradients (the usual case) in one multi-tensor kernel: every op hands the GIL
+        # over, and a worker's other threads make each handover cost; others in fp32, in turn
+        fp32 = [g for g in grads if g.dtype == torch.float32]
+        norms = list(torch._foreach_norm(fp32)) if fp32 else []
+        norms += [torch.linalg.vector_norm(g.float()) for g in grads if g.dtype != torch.float32]
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
 
     # --- held-back and discarded memory ------------------------------------------------
     @property

@@ -190,8 +190,12 @@ class ShardedState:
             comm.residual = None
 
     # --- control rows (the guard's) ----------------------------------------------------
-    def stage_control(self, values: Sequence[float]) -> None:
-        """Carry ``[non-finite flag, *values, squared norm]`` of every rank with the next step."""
+    #: every step carries the control values: they ride in the all-to-all that runs anyway
+    control_skipped = False
+
+    def stage_control(self, values: Sequence[float], skippable: bool = False) -> None:
+        """Carry ``[non-finite flag, *values, squared norm]`` of every rank with the next
+        step (``skippable`` or not: the step's all-to-all runs anyway)."""
         self._control = [float(v) for v in values]
 
     def _take_rows(self, rows: torch.Tensor) -> None:

@@ -10,7 +10,9 @@ DGC's sampled Top-K is false for NaN) or hide which rank sent it.
 Control values ride inside the last reduction of the next step — appended to its dense
 fp32 all-reduce, or a tiny all-reduce of their own — so that a caller can learn a few
 numbers from every rank without a collective of its own. Each rank's row also carries its
-local non-finite flag, first. The callers' layouts are named in :mod:`raycomp.control_rows`.
+local non-finite flag, first. Values staged as skippable are left out of a step that DDP's
+own reduction carries (:meth:`StepSignals.drop`): there they would need that tiny
+all-reduce, a collective round a step. The callers' layouts are named in :mod:`raycomp.control_rows`.
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ class StepSignals:
         self.group = group
         self.finite: torch.Tensor | None = None  # all compressed gradients of this step finite so far
         self.staged: torch.Tensor | None = None  # rides with the next step's last reduction
+        self.skippable = False  # whether the staged values may stay home (:meth:`drop`)
         self.rows: torch.Tensor | None = None  # (world, n) rows of every rank, after that
+        self.skipped = False  # this step carried no values: they were dropped
 
     def begin_step(self) -> None:
         self.finite = None
         self.rows = None
+        self.skipped = False
 
     def watch(self, compressed: Sequence[torch.Tensor]) -> None:
         """Fold the finiteness of compressed layers' gradients into the step's flag (no
@@ -69,13 +74,16 @@ class StepSignals:
         """Whether a gradient watched this step held NaN/Inf (the step's one host sync for it)."""
         return self.finite is not None and not bool(self.finite)
 
-    def stage(self, values: Sequence[float]) -> None:
+    def stage(self, values: Sequence[float], skippable: bool = False) -> None:
         """Sum ``[local non-finite flag, *values]`` of every rank in the next step's last reduction.
 
         After that step :attr:`rows` holds one row per rank (rank ``r``'s values in row
         ``r``: a sum of one-hot rows is an all-gather). Every rank must stage the same
         number of values, every step it wants them; nothing staged, nothing carried.
+        ``skippable``: a step that would need a collective of their own may leave them out
+        (:meth:`drop`); every rank must pass the same.
         """
+        self.skippable = skippable
         n = 1 + len(values)
         row = [0.0] * (self.group.size * n)
         start = self.group.rank * n
@@ -88,9 +96,18 @@ class StepSignals:
         if self.staged is None:
             return None
         control, self.staged = self.staged, None
+        self.skippable = False
         control = to_device(control, device)  # no host sync on the hot path
         n = control.numel() // self.group.size
         if self.finite is not None:
             control[self.group.rank * n] = (~self.finite).to(control.dtype)
         self.rows = control.view(self.group.size, n)
         return control
+
+    def drop(self) -> bool:
+        """Leave this step's staged values out if they are skippable (then :attr:`rows`
+        stays None and :attr:`skipped` is True). Returns whether they were dropped."""
+        if self.staged is None or not self.skippable:
+            return False
+        self.staged, self.skippable, self.skipped = None, False, True
+        return True

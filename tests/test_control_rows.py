@@ -33,13 +33,18 @@ class _OneRank:
     def __init__(self) -> None:
         self.control_rows: torch.Tensor | None = None
         self.staged: list[list[float]] = []
+        self.skippable: list[bool] = []
+        self.norm = 1.0
         self.stats, self.stats_step, self.step = [], -1, 0
 
-    def stage_control(self, values) -> None:
+    control_skipped = False
+
+    def stage_control(self, values, skippable: bool = False) -> None:
         self.staged.append(list(values))
+        self.skippable.append(skippable)
 
     def gradient_norm(self, parameters) -> float:
-        return 1.0
+        return self.norm
 
 
 def test_the_guard_reads_the_offer_and_leaves_a_skipped_step_s_loss_unjudged():
@@ -58,3 +63,21 @@ def test_a_checkpoint_from_before_the_plan_offer_stages_none():
     guard = StepJudge(Guard(), state, rank=0, world_size=1)
     guard.load_state_dict({"guard": Guard().state_dict(), "carry": [1.5, 1.0, 0.25], "inner_norms": []})
     assert state.staged[-1] == [1.5, 1.0, 0.25, 0.0] and guard.state_dict()["carry"] == [1.5, 1.0, 0.25, 0.0]
+
+
+def test_at_boundaries_a_dense_step_may_go_without_the_values_until_the_guard_falls_back():
+    state = _OneRank()
+    judge = StepJudge(Guard(), state, rank=0, world_size=1, every_step=False)
+    assert state.skippable == [False]  # the first step's values: not yet judged skippable
+    judge.offer = 5
+    judge.stage(2.0, applied=True)
+    assert state.skippable[-1] and state.staged[-1] == [2.0, 1.0, -1.0, 5.0]
+    state.control_skipped = True  # DDP's own step went without them: nothing read, nothing announced
+    assert not judge.decide(1, []).skip_update and judge.announced == 0
+    state.norm = math.nan  # a non-finite mean is caught all the same, and the guard falls back
+    assert judge.decide(2, []).skip_update and judge.guard.active
+    judge.stage(2.0, applied=False)
+    assert state.skippable[-1] is False  # in fallback every step carries them: recovery reads losses
+    every = StepJudge(Guard(), _OneRank(), rank=0, world_size=1)
+    every.stage(2.0, applied=True)
+    assert every.state.skippable == [False, False]

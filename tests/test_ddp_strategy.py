@@ -65,11 +65,11 @@ class _Collectives:
 
 
 def _steps_against_plain_ddp(rank: int, world_size: int, plans: list[dict | None], stats_every: int = 0,
-                             nan_at: int | None = None, late_at: int | None = None) -> dict:
+                             nan_at: int | None = None, late_at: int | None = None, skippable: bool = False) -> dict:
     plain = DDP(_model())
     ddp, state, strategy = _synced(stats_every)
     out: dict = {"equal": [], "ways": [], "hook_calls": [], "sizes": [], "rows": [], "flag_after": [], "grads": [],
-                 "norms": [], "comm": [], "buffers_each": [], "own_norms": [], "stats": []}
+                 "norms": [], "comm": [], "buffers_each": [], "own_norms": [], "stats": [], "skipped": []}
     for step, plan in enumerate(plans):
         if plan is not None:
             state.set_plan(Plan.from_dict(plan))
@@ -78,7 +78,7 @@ def _steps_against_plain_ddp(rank: int, world_size: int, plans: list[dict | None
         own = copy.deepcopy(ddp.module)  # this rank's own gradients, before any reduction
         nn.functional.cross_entropy(own(x), y).backward()
         out["own_norms"].append({name: float(p.grad.norm()) for name, p in own.named_parameters()})
-        state.stage_control([float(rank + 1), float(step)])
+        state.stage_control([float(rank + 1), float(step)], skippable=skippable)
         calls, comm = state.hook_calls, state.comm_seconds
         with _Collectives() as issued:
             loss = nn.functional.cross_entropy(ddp(x), y)
@@ -98,6 +98,7 @@ def _steps_against_plain_ddp(rank: int, world_size: int, plans: list[dict | None
         out["hook_calls"].append(state.hook_calls - calls)
         out["sizes"].append(issued.sizes)
         out["rows"].append(None if state.control_rows is None else state.control_rows.tolist())
+        out["skipped"].append(state.control_skipped)
         fresh = state.stats_step == state.step - 1
         out["stats"].append({st.layer: st.grad_norm for st in state.stats} if fresh else None)
         out["grads"].append(torch.cat([p.grad.reshape(-1) for p in ddp.parameters()]))
@@ -141,6 +142,26 @@ def test_a_dense_step_is_ddps_own_reduction_with_the_control_values_beside_it():
     # what DDP's all-reduce made backward wait for is the step's communication: rank 0 waited
     # for the late rank after its last gradient was computed
     assert results[0]["comm"][2] > LATE_S / 2, results[0]["comm"]
+
+
+def test_skippable_control_values_leave_ddps_own_step_without_a_collective_but_ride_the_hooks():
+    # controller.dense_control: at_boundaries. DDP's own steps 0 and 1 go without them (and
+    # a NaN on one rank at step 1 still reaches every rank's guard, through the mean's norm);
+    # the compressed step 2 and the hook's dense step 3 carry them in collectives that run anyway
+    int8 = Plan.uniform("int8").to_dict()
+    results = run_distributed(_steps_against_plain_ddp, 2, [None, None, int8, Plan().to_dict()], 0, 1, None, True)
+    for out in results:
+        assert out["ways"] == ["ddp", "ddp", "hook", "hook"], out["ways"]
+        assert out["sizes"][:2] == [[], []], out["sizes"]  # no collective of raycomp's at all
+        assert out["rows"][:2] == [None, None] and out["skipped"] == [True, True, False, False]
+        assert math.isfinite(out["norms"][0]) and not math.isfinite(out["norms"][1]), out["norms"]
+        assert out["equal"][0], "the mean differs from DDP's own all-reduce"
+        for step in (2, 3):
+            assert out["rows"][step] == [[0.0, 1.0, float(step)], [0.0, 2.0, float(step)]], out["rows"]
+        # the control values' bytes: steps 2 and 3 only, inside the hook's own collectives
+        assert out["ledger"][OVERHEAD] == 2 * 2 * (1 + CONTROL) * 4, out["ledger"]
+    first, second = results[0]["grads"], results[1]["grads"]  # every rank the same mean (NaN at step 1)
+    assert all(torch.equal(first[step], second[step]) for step in (0, 2, 3))
 
 
 def test_a_dense_statistics_step_reads_each_ranks_own_gradients_on_the_way_to_ddp():

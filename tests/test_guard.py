@@ -82,7 +82,9 @@ def test_an_inner_step_is_judged_on_its_own_norms_and_a_bad_one_never_enters_the
     class OneRank:  # during local steps the norm is this rank's own gradient's
         norm = 1.0
 
-        def stage_control(self, values) -> None:
+        control_skipped = False
+
+        def stage_control(self, values, skippable: bool = False) -> None:
             pass
 
         def gradient_norm(self, parameters) -> float:

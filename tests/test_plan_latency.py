@@ -1,7 +1,8 @@
 """A plan the controller decides at a control boundary is in force on every rank a few steps
 later, not one control interval later: rank 0 checks for the answer every step, and its
 version rides to every rank inside the next step's gradient collective (real Ray, 2 gloo
-workers)."""
+workers). With ``controller.dense_control: at_boundaries`` a dense step sends no control
+values, so the plan waits for the next boundary, and is in force there on every rank."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.test_train_job import step_logs
 K, WARMUP = 10, 4
 
 
-def _train(config: dict) -> dict:
+def _train(config: dict, dense_control: str = "every_step") -> dict:
     import ray.train
 
     import raycomp.train
@@ -28,7 +29,7 @@ def _train(config: dict) -> dict:
     options = raycomp.train.TrainOptions(
         compression=CompressionSection(policy="static", warmup_steps=WARMUP,
                                        static=StaticOptions(compressor=compressor("int8"))),
-        controller=ControllerSection(name=config["controller"], interval_steps=K),
+        controller=ControllerSection(name=config["controller"], interval_steps=K, dense_control=dense_control),
         output_dir=config["output_dir"], run_id=config.get("run_id"))
     model = raycomp.train.prepare_model(model, optimizer, options=options)
     gen = torch.Generator().manual_seed(rank)
@@ -42,8 +43,12 @@ def _train(config: dict) -> dict:
     return raycomp.train.finish()
 
 
+def _train_at_boundaries(config: dict) -> dict:
+    return _train(config, "at_boundaries")
+
+
 #: trained in the session's shared fit (tests/support/runs_in_turn.py)
-IN_TURN = {"latency": _train}
+IN_TURN = {"latency": _train, "at_boundaries": _train_at_boundaries}
 
 
 def test_a_plan_decided_at_a_boundary_is_in_force_within_a_few_steps_on_every_rank(in_turn):
@@ -55,5 +60,15 @@ def test_a_plan_decided_at_a_boundary_is_in_force_within_a_few_steps_on_every_ra
     # the plan then reaches every rank at the same step, well before the next boundary (2K)
     assert first[0] == first[1]
     assert K < first[0] <= K + 4, first
+    for mine, theirs in zip(*logs, strict=True):
+        assert mine["plan_digest"] == theirs["plan_digest"]
+
+
+def test_at_boundaries_the_plan_waits_for_the_next_boundary_and_starts_there_on_every_rank(in_turn):
+    assert in_turn["at_boundaries"]["value"]["steps"] == 3 * K
+    logs = step_logs(in_turn["at_boundaries"]["output_dir"])
+    first = [next(r["step"] for r in records if not r["dense"]) for records in logs]
+    # decided after the boundary at K as above; no dense step announces it, the boundary at 2K hands it out
+    assert first == [2 * K, 2 * K], first
     for mine, theirs in zip(*logs, strict=True):
         assert mine["plan_digest"] == theirs["plan_digest"]

@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32, help="images per worker and step (default 32)")
     parser.add_argument("--bucket-cap-mb", default="auto",
                         help="raycomp's compression.bucket_cap_mb (default auto; plain DDP keeps torch's 25)")
+    parser.add_argument("--dense-control", default="every_step", choices=("every_step", "at_boundaries"),
+                        help="raycomp's controller.dense_control (default every_step)")
     parser.add_argument("--model", default="cnn", help=f"the model: {', '.join(MODELS)} (default cnn)")
     parser.add_argument("--output-dir", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--name", default=None, help="the report's file name (default overhead-<model>-loopback)")
@@ -133,7 +135,8 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
         compression=CompressionSection.model_validate(
             {"policy": "static", "warmup_steps": 0, "static": {"compressor": {"name": "none"}},
              "bucket_cap_mb": config["bucket_cap_mb"]}),
-        controller=ControllerSection(name=config["controller"], metrics_enabled=False),
+        controller=ControllerSection(name=config["controller"], metrics_enabled=False,
+                                     dense_control=config["dense_control"]),
         output_dir=config["output_dir"], progress_every=0)
     own = raycomp.train.prepare_model(own_model, own_opt, options=options)
     loop = raycomp.train.current()
@@ -210,7 +213,8 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     s = result["summary"]
-    link = "DDP's own all-reduce for the gradients, the control values in one of their own" \
+    own = "none" if meta.get("dense_control") == "at_boundaries" else "in one of their own"
+    link = f"DDP's own all-reduce for the gradients, the control values {own}" \
         if (result.get("ways") or {}).get("ddp") else "the control values ride in the gradients' collectives"
     verdict = "PASS" if s["ok"] else "MISS"
     table = markdown_table(
@@ -255,6 +259,11 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         f"- Blocks of {s['block_steps']} steps in turn (plain, hook, raycomp, then the reverse), the same batches "
         f"for all; {meta['warmup_pairs']} warm-up pairs left out, {s['pairs']} pairs counted.",
         f"- raycomp's compression.bucket_cap_mb: {meta['bucket_cap_mb']}; plain DDP: torch's default (25).",
+        f"- raycomp's controller.dense_control: {meta.get('dense_control', 'every_step')} ("
+        + ("a dense step's control values in a tiny all-reduce of their own, each step"
+           if meta.get("dense_control", "every_step") == "every_step" else
+           "no collective of raycomp's on a dense step while the guard is not in fallback; "
+           "a new plan waits for the next boundary") + ").",
         f"- Final plan: {result['plan'].get('reason')!r}; wire bytes {result['wire_bytes_total']:,.0f} of "
         f"{result['dense_bytes_total']:,.0f} dense ({link}); "
         f"controller outages {result['controller_outages']}, statistics reports dropped {result['stats_dropped']}.",
@@ -290,7 +299,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         train_func,
         train_loop_config={"controller": controller, "output_dir": str(storage / "run"), "block": args.block,
                            "batch": args.batch, "pairs": args.pairs, "warmup_pairs": args.warmup_pairs,
-                           "bucket_cap_mb": args.bucket_cap_mb, "model": args.model},
+                           "bucket_cap_mb": args.bucket_cap_mb, "model": args.model,
+                           "dense_control": args.dense_control},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name="overhead", storage_path=str(storage),
                              callbacks=[raycomp.train.ControllerCallback(ControllerSection(
@@ -299,8 +309,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     result["summary"] = summarize(result["rows"], args.block)
     meta = {"command": command_line("jobs.bench", argv), "machine": machine_info(1),
             "seconds": time.time() - started, "batch": args.batch, "warmup_pairs": args.warmup_pairs,
-            "bucket_cap_mb": args.bucket_cap_mb, "model": args.model}
-    json_path, md_path = write_report(result, meta, args.output_dir, args.name or f"overhead-{args.model}-loopback")
+            "bucket_cap_mb": args.bucket_cap_mb, "model": args.model, "dense_control": args.dense_control}
+    default_name = f"overhead-{args.model}-loopback" + ("" if args.dense_control == "every_step" else "-at-boundaries")
+    json_path, md_path = write_report(result, meta, args.output_dir, args.name or default_name)
     s = result["summary"]
     print(f"overhead: wrote {json_path}, {md_path}")
     print(f"overhead: {'PASS' if s['ok'] else 'MISS'} {s['goal']}: {s['ratio_median']:.3f} "

@@ -39,6 +39,7 @@ class GradientState(Protocol):
     step: int  # steps reduced so far
     comm_seconds: float  # time spent communicating, whole run
     control_rows: torch.Tensor | None  # every rank's control row of this step, or None
+    control_skipped: bool  # this step left skippable control values out (no rows after it)
 
     @property
     def plan(self) -> Plan: ...
@@ -46,8 +47,10 @@ class GradientState(Protocol):
     def set_plan(self, plan: Plan) -> None:
         """Install ``plan`` from the next step on (the same step on every rank)."""
 
-    def stage_control(self, values: Sequence[float]) -> None:
-        """Carry these floats of this rank to every rank with the next step's reduction."""
+    def stage_control(self, values: Sequence[float], skippable: bool = False) -> None:
+        """Carry these floats of this rank to every rank with the next step's reduction;
+        ``skippable``: unless that step would need a collective of their own for them
+        (then :attr:`control_skipped` is True after it)."""
 
     def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
         """The norm of the reduced gradient the guard watches (the same on every rank)."""

@@ -94,8 +94,12 @@ class LocalState:
     def control_rows(self, rows: torch.Tensor | None) -> None:
         self.hook.control_rows = rows
 
-    def stage_control(self, values: Sequence[float]) -> None:
-        self.hook.stage_control(values)
+    def stage_control(self, values: Sequence[float], skippable: bool = False) -> None:
+        self.hook.stage_control(values, skippable)
+
+    @property
+    def control_skipped(self) -> bool:
+        return self.hook.control_skipped
 
     def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
         return self.hook.gradient_norm(parameters)

@@ -123,7 +123,8 @@ class TrainLoop:
         self.outages = Outages()
         self.plans = PlanAgreement(self.rank, self.world_size, self.control_group, controller, self.run_id, self.outages)
         self.guard = StepJudge(Guard(**options.compression.guard.model_dump()), self.state, self.rank,
-                               self.world_size, self.control_group, self.grad_scaler)
+                               self.world_size, self.control_group, self.grad_scaler,
+                               every_step=options.controller.dense_control == "every_step")
         self.reporter = StatsReporter(controller, self.run_id, self.rank, self.outages)
         self.log = StepLog(self.output_dir, self.rank, options.progress_every)
         self.global_step = self.epoch = self.plan_switches = self.skipped_steps = 0

@@ -17,6 +17,14 @@ Non-finite gradients and norm explosions, which skip the step, are judged in the
 step. The alternative, a control all-gather per step, costs a collective round a step. Ranks that
 nevertheless decided differently are caught at the next control boundary
 (:meth:`raycomp.train.plan_agreement.PlanAgreement.check_agreement` compares guard states).
+
+A dense step that DDP's own reduction carries has no collective of raycomp's to ride in:
+its values take a tiny all-reduce of their own. With ``every_step=False``
+(``controller.dense_control: at_boundaries``) they are staged skippable while the guard
+is not in fallback, and such a step goes without them: its non-finite gradient is still
+caught (the mean's norm), but its loss is not judged and rank 0's new plan waits for the
+next control boundary's agreement, which hands it out. In fallback every step carries them:
+recovery is judged on losses.
 """
 
 from __future__ import annotations
@@ -47,11 +55,15 @@ class StepJudge:
             skipped (the scaler backs off) without a fallback. At a scale of 1 or below
             the unscaled gradient itself overflows, and the guard falls back as without a
             scaler. Every rank holds the same scale: it follows the same reduced gradient.
+        every_step: whether the values ride with every step (True), or may stay home on a
+            dense step that would need a collective of their own for them, while the guard
+            is not in fallback (False; see the module docstring). The same on every rank.
     """
 
     def __init__(self, guard: Guard, state: Any, rank: int, world_size: int, group: Any = None,
-                 grad_scaler: Any = None) -> None:
+                 grad_scaler: Any = None, every_step: bool = True) -> None:
         self.guard, self.state = guard, state
+        self.every_step = every_step
         self.rank, self.world_size, self.group = rank, world_size, group
         self.grad_scaler = grad_scaler
         self.overflows = 0  # steps skipped for the loss scaler
@@ -110,10 +122,12 @@ class StepJudge:
         worst = max((s.compression_error for s in self.state.stats), default=None) if fresh else None
         self.carry = GuardRow(loss=loss if applied else None, plan_offer=self.offer,
                               worst_error=worst if worst is not None and math.isfinite(worst) else None)
-        self.state.stage_control(self.carry.staged())
+        self.state.stage_control(self.carry.staged(), skippable=not (self.every_step or self.guard.active))
 
     def _rows(self) -> list[GuardRow]:
         rows = self.state.control_rows
+        if rows is None and self.state.control_skipped:  # left out on purpose: nothing to read
+            return [GuardRow() for _ in range(self.world_size)]
         if rows is None:  # nothing carried this step: one small all-reduce instead
             rows = torch.zeros(self.world_size, GuardRow.WIDTH, dtype=torch.float32)
             rows[self.rank] = torch.tensor(self.carry.to_row())  # no flag: only a reduction sets it

@@ -4,6 +4,27 @@ from ..mutant import mutant
 
 MUTANTS = (
     mutant(
+        "dense-control-skipped-in-fallback", "StepJudge.stage",
+        "skippable=not (self.every_step or self.guard.active)",
+        "skippable=not self.every_step",
+        "tests/test_control_rows.py",
+        "at_boundaries, a dense step in fallback also goes without the losses: recovery is never judged",
+    ),
+    mutant(
+        "dense-control-skipped-step-pays-a-collective", "StepJudge._rows",
+        "        if rows is None and self.state.control_skipped:",
+        "        if False:",
+        "tests/test_control_rows.py",
+        "a step that left its values out on purpose takes the fallback all-reduce instead: the collective it saves comes back",
+    ),
+    mutant(
+        "dense-control-never-dropped", "PlainStep.begin_in_ddp",
+        "control = None if reducer.signals.drop() else reducer.signals.take(device)",
+        "control = reducer.signals.take(device)",
+        "tests/test_ddp_strategy.py",
+        "controller.dense_control: at_boundaries changes nothing: DDP's own step still issues the control all-reduce",
+    ),
+    mutant(
         "hook-never-ends-step", "compression_hook.receive",
         "        if last:\n            state.end_step()\n",
         "        if False:\n            state.end_step()\n",
