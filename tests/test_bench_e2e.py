@@ -354,6 +354,18 @@ def test_phases_of_one_benchmark_merge_into_one_report(tmp_path):
                                       str(out)]), []) == 2
 
 
+def test_merged_phases_are_judged_at_the_target_their_runs_stopped_at():
+    def dense(value):
+        return {"method": "dense", "curve": [{"step": 30, "value": value}]}
+
+    settings = {"steps": 40, "target": None}
+    # a later phase's dense seed moves the median from 2.45 (the first phase's two seeds) to 2.5
+    target = analysis.resolve_target([dense(2.4), dense(2.5), dense(2.5)], settings, "loss", stopped_at=2.45)
+    assert target["value"] == 2.45 and "every run stopped at (over every seed: 2.5)" in target["source"]
+    assert analysis.resolve_target([dense(2.4), dense(2.5)], settings, "loss", stopped_at=2.45)["value"] == 2.45
+    assert analysis.resolve_target([dense(2.4), dense(2.5), dense(2.5)], settings, "loss")["value"] == 2.5
+
+
 def test_the_byte_models_of_the_local_step_baselines():
     layers = {"w": [10, 10]}
     dense = 2 * (2 - 1) / 2 * 4 * 100

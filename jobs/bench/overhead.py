@@ -213,7 +213,7 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     s = result["summary"]
-    own = "none" if meta.get("dense_control") == "at_boundaries" else "in one of their own"
+    own = "left out" if meta.get("dense_control") == "at_boundaries" else "in one of their own"
     link = f"DDP's own all-reduce for the gradients, the control values {own}" \
         if (result.get("ways") or {}).get("ddp") else "the control values ride in the gradients' collectives"
     verdict = "PASS" if s["ok"] else "MISS"

@@ -120,15 +120,23 @@ def auto_target(raw_runs: list[dict[str, Any]], metric: str, settings: dict[str,
     return median([_value_at(eval_series(r["evals"], metric), at) for r in raw_runs if r["method"] == "dense"])
 
 
-def resolve_target(runs: list[dict[str, Any]], settings: dict[str, Any], metric: str) -> dict[str, Any]:
+def resolve_target(runs: list[dict[str, Any]], settings: dict[str, Any], metric: str,
+                   stopped_at: float | None = None) -> dict[str, Any]:
     """The fixed ``--target``, or 'auto': dense's median metric at the first evaluation at or
-    after :func:`target_step` (the same value :func:`auto_target` gave the driver)."""
+    after :func:`target_step` (the same value :func:`auto_target` gave the driver). Where the
+    runs stopped at another value (``stopped_at``: phases merged, whose later dense seeds
+    move the median), the value they stopped at: a run stopped there cannot show a target
+    beyond it."""
     at = target_step(settings)
     if settings["target"] is not None:
         return {"value": settings["target"], "source": "fixed (--target)", "step": None}
     value = median([_value_at(r["curve"], at) for r in runs if r["method"] == "dense"])
-    return {"value": value, "step": at, "source": f"auto: median over seeds of dense's validation {metric} at the "
-            f"first evaluation at or after step {at} of the {settings['steps']}-step budget"}
+    source = (f"auto: median over seeds of dense's validation {metric} at the first evaluation at or after "
+              f"step {at} of the {settings['steps']}-step budget")
+    if stopped_at is not None and value is not None and not math.isclose(value, stopped_at, rel_tol=1e-4):
+        return {"value": stopped_at, "step": at, "source": f"{source}, over the first phase's seeds: the value "
+                f"every run stopped at (over every seed: {value:.4g})"}
+    return {"value": value, "step": at, "source": source}
 
 
 def aggregate(per_seed: list[dict[str, Any]], target: float | None, lower_is_better: bool) -> dict[str, Any]:
@@ -247,7 +255,7 @@ def analyze(raw: dict[str, Any], settings: dict[str, Any], shaping: dict[str, An
     compute = [r for r in runs if r["method"] == COMPUTE]
     no_comm = {r["seed"]: r["step_s"] for r in runs if r["method"] == NO_COMM and r["step_s"]}
     runs = [r for r in runs if r["method"] not in REFERENCES]
-    target = resolve_target(runs, settings, raw["metric"])
+    target = resolve_target(runs, settings, raw["metric"], raw.get("stop_target"))
     strategy = settings.get("strategy", "ddp")
     methods = [aggregate([r for r in runs if r["method"] == name], target["value"], lower)
                for name in methods_of(strategy) if any(r["method"] == name for r in runs)]

@@ -230,7 +230,7 @@ MUTANTS = (
     ),
     mutant(
         "ddp-sync-ddp-way-drops-control", "PlainStep.begin_in_ddp",
-        "        control = reducer.signals.take(device)\n",
+        "        control = None if reducer.signals.drop() else reducer.signals.take(device)\n",
         "        control = None\n",
         "tests/test_ddp_strategy.py -k control_values_beside",
         "the guard's control values do not travel with DDP's own step: no loss, no plan offer reaches the guard",
