@@ -159,6 +159,8 @@ class CompressionState:
     ledger: WireLedger = property(lambda self: self.reducer.ledger)  # type: ignore[assignment]
     memory: Memory = property(lambda self: self.reducer.memory)  # type: ignore[assignment]
     local_nonfinite = property(lambda self: self.reducer.local_nonfinite)
+    #: this step left skippable control values out (raycomp.signals.StepSignals.drop)
+    control_skipped = property(lambda self: self.reducer.control_skipped)
     #: the node's group and this rank's cross-node group when compressed steps reduce in two
     #: levels (raycomp.two_level), else None
     levels = property(lambda self: self.reducer.levels if isinstance(self.reducer, TwoLevelReducer) else None)
@@ -181,10 +183,6 @@ class CompressionState:
 
     def stage_control(self, values: Sequence[float], skippable: bool = False) -> None:
         self.reducer.stage_control(values, skippable)
-
-    @property
-    def control_skipped(self) -> bool:
-        return self.reducer.control_skipped
 
     def gradient_norm(self, parameters: Sequence[torch.Tensor]) -> float:
         return self.reducer.gradient_norm(parameters)
