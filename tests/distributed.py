@@ -4,9 +4,12 @@ Functions must live at module level (they are pickled by reference into the new
 processes). Any exception on any rank fails the caller with that rank's traceback; a
 rank that does not finish within ``timeout`` fails it too (no silent hang).
 
-The processes are forked from a forkserver that has imported torch once (importing it is
-~2.5 s of CPU per process, most of a two-rank test's cost on 2 cores); each gets the
-caller's environment as it is at the call. A run with ``env_per_rank`` starts fresh
+The processes are forked from a forkserver that has imported once what each rank would
+otherwise import on its own: torch (~2.5 s of CPU per process), what DDP's constructor
+imports the first time it runs (``torch._dynamo`` and with it sympy: ~2.7 s, which made a
+four-rank DDP test spend 5 s of its 6 building a tiny model) and Ray Train's API
+(``raycomp.train`` imports it for its callback: ~2.7 s). Each rank gets the caller's
+environment as it is at the call. A run with ``env_per_rank`` starts fresh
 interpreters instead (``spawn``), for settings that must be in place before the
 interpreter or torch starts (``PYTHONHASHSEED``, torch's flight recorder).
 
@@ -44,8 +47,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: what the forkserver imports before it forks the ranks: the heavy, environment-free part
-PRELOAD = ["torch", "torch.distributed", "numpy"]
+#: what the forkserver imports before it forks the ranks: the heavy third-party part (Ray
+#: reads its settings from the environment at import: the server starts with the session's,
+#: tests/conftest.py's, which every rank has too). Importing starts no thread in any of them.
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "numpy", "ray.train"]
 
 
 def _context(fresh_interpreters: bool) -> mp.context.BaseContext:
