@@ -70,7 +70,8 @@ def _reports(config: dict) -> dict:
     model = torch.nn.Linear(32, 32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     options = TrainOptions(controller=ControllerSection(name=config["controller"], interval_steps=config["interval"]),
-                           checkpoint=CheckpointSection(every_steps=10), output_dir=config["output_dir"])
+                           checkpoint=CheckpointSection(every_steps=10), output_dir=config["output_dir"],
+                           run_id=config["run_id"])
     model = raycomp.train.prepare_model(model, optimizer, options=options)
     loop = raycomp.train.current()
     for epoch in loop.epochs(EPOCHS, STEPS):
@@ -91,11 +92,27 @@ def _reports(config: dict) -> dict:
     return raycomp.train.finish()
 
 
-@pytest.mark.parametrize("interval", [3, 5])
-def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_documented(ray_cluster, tmp_path,
-                                                                                       interval):
-    fit_with_controller(lambda config: _reports({**config, "interval": interval}), tmp_path, "report")
-    output = tmp_path / "out"
+INTERVALS = (3, 5)  # the controller's K: step 20 is a boundary of the second only
+
+
+def _reports_in_turn(config: dict) -> list[dict]:
+    """:func:`_reports` at each of :data:`INTERVALS`, one run after the other in one worker
+    group (a fit's start-up costs more than both runs), each its own run id and directory."""
+    return [_reports({**config, "interval": k, "output_dir": f"{config['output_dir']}-k{k}",
+                      "run_id": f"{config['controller']}-k{k}"}) for k in INTERVALS]
+
+
+@pytest.fixture(scope="module")
+def report_runs(ray_cluster, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("report")
+    fit_with_controller(_reports_in_turn, tmp_path, "report")
+    return tmp_path
+
+
+@pytest.mark.parametrize("interval", INTERVALS)
+def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_documented(report_runs, interval):
+    tmp_path = report_runs
+    output = tmp_path / f"out-k{interval}"
     evals = [json.loads(line) for line in (output / "evals.jsonl").read_text().splitlines()]
     assert [(e["step"], e["epoch"], e["accuracy"]) for e in evals] == [
         (5, 0, 0.1), (10, 1, 0.2), (15, 2, pytest.approx(0.3)), (20, 3, 0.4)]
@@ -108,11 +125,12 @@ def test_report_records_the_evaluation_for_the_controller_and_checkpoints_as_doc
     assert (summary["policy"]["eval_metric"], summary["policy"]["eval_kind"]) == (pytest.approx(0.4), "accuracy")
     # and the optimizer's learning rate, the latest and the largest (local steps' H follows it)
     assert (summary["policy"]["lr"], summary["policy"]["peak_lr"]) == (pytest.approx(0.0025), pytest.approx(0.01))
-    # checkpoints: step 10 (every_steps, at an epoch end), 15 (checkpoint=True), 20 (the last epoch)
+    # checkpoints: step 10 (every_steps, at an epoch end), 15 (checkpoint=True), 20 (the last
+    # epoch), each run's in turn in the fit's directory (their names sort by the time taken)
     run_dir = tmp_path / f"report-{tmp_path.name}"[:60]  # RunConfig(name=...) of fit_with_controller
-    steps = sorted(json.loads((p / "meta.json").read_text())["global_step"]
-                   for p in run_dir.glob("checkpoint_*") if p.is_dir())
-    assert steps == [10, 15, 20]
+    steps = [json.loads((p / "meta.json").read_text())["global_step"]
+             for p in sorted(run_dir.glob("checkpoint_*")) if p.is_dir()]
+    assert steps == [10, 15, 20] * len(INTERVALS)
 
 
 def _inbox(fail: bool):
