@@ -53,6 +53,16 @@ def test_bad_config_is_rejected_naming_the_key(overrides, message):
         prepare(["--config", DIGITS, *overrides])
 
 
+def test_local_mode_off_unquoted_is_the_word_yaml_reads_as_false():
+    config, _, _ = prepare(["--config", DIGITS, "compression.local.mode=fixed", "compression.local.mode=off"])
+    assert config.compression.local.mode == "off"
+    config = load_config(REPO / "jobs/configs/digits.yaml", ["compression.local={mode: off, sync_every: 4}"])
+    assert (config.compression.local.mode, config.compression.local.sync_every) == ("off", 4)
+    # only False is taken for the word; YAML's other booleans are refused as before
+    with pytest.raises(ConfigError, match=r"^compression.local.mode: must be one of 'off', 'fixed' or 'auto', got True$"):
+        prepare(["--config", DIGITS, "compression.local.mode=on"])
+
+
 def test_a_fault_drill_loads_the_faults_section():
     from jobs.faults import DrillConfig, FaultsSection
 

@@ -104,6 +104,14 @@ class LocalSection(_Strict):
     #: off (every step's gradients reduced), fixed (local steps after the warm-up) or auto
     #: (the controller chooses per-step compression or local steps): see above
     mode: Literal["off", "fixed", "auto"] = "off"
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _off_as_yaml_reads_it(cls, value: Any) -> Any:
+        """YAML 1.1 (PyYAML, in config files and ``key=value`` overrides) reads an unquoted
+        ``off`` as False: take it as the word meant."""
+        return "off" if value is False else value
+
     #: H, inner steps between two syncs of the model (``mode: fixed``); with ``auto`` the
     #: controller chooses it
     sync_every: Annotated[int, Field(ge=1, le=100_000)] = 8

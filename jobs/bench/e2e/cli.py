@@ -25,7 +25,8 @@ Methods (:mod:`jobs.bench.e2e.methods`). The default run: ``dense`` (torch ``all
 local steps, ``compression.local.mode=fixed``), each a grid over H in {4, 8, 16} run at the
 workload's best H where an earlier run of the whole grid found it (``WORKLOADS[...]["best_h"]``,
 as the PowerSGD rank), else at every H -- and ``raycomp_adaptive`` (the shipped default with
-``compression.local.mode=auto``, nothing else tuned). A grid's name in ``--methods`` runs
+``compression.local.mode=auto``, nothing else tuned; ``raycomp_adaptive_per_step`` runs it with
+local steps off, the library's own default, when named). A grid's name in ``--methods`` runs
 every H; a grid is reported under its name with its best H. ``raycomp_dense``
 (raycomp's hook and controller on a static dense plan) runs when named; what the path costs
 a step where it compresses nothing is measured more finely, in alternating blocks within

@@ -170,7 +170,7 @@ def _run_one(name: str, seed: int, settings: dict[str, Any], spec: dict[str, Any
     from jobs import train
 
     overrides = method_overrides(name, settings, seed, base.controller.interval_steps, cap)
-    if name in ("raycomp_adaptive", "raycomp_adaptive_flat") or name == COMPUTE:
+    if name.startswith("raycomp_adaptive") or name == COMPUTE:
         overrides.append(f"compression.policy={policy_default()}")  # a config file may pin one
     run_id = f"e2e-{name.replace('_', '-')}-s{seed}-{os.urandom(3).hex()}"
     output = work / run_id

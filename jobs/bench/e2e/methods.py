@@ -36,9 +36,12 @@ DILOCO_SYNC_EVERY = (4, 8, 16)
 RAYCOMP_LOCAL_SYNC_EVERY = (4, 8, 16)
 #: ``raycomp_adaptive``: the shipped default with the one local-steps switch on and two levels
 #: where the topology has them (several workers on each of several nodes), nothing tuned;
-#: ``raycomp_adaptive_flat``: the same with every worker its own node (the ablation)
+#: ``raycomp_adaptive_flat``: the same with every worker its own node (the ablation);
+#: ``raycomp_adaptive_per_step``: the same with local steps off (the library's own default
+#: ``compression.local.mode``), so that what local steps add or cost shows beside it
 ADAPTIVE = ["compression.local.mode=auto", "compression.levels=auto"]
 ADAPTIVE_FLAT = ["compression.local.mode=auto", "compression.levels=flat"]
+ADAPTIVE_PER_STEP = ["compression.local.mode=off", "compression.levels=auto"]
 #: method name -> config overrides (on top of the workload's config and the shared ones)
 METHODS: dict[str, list[str]] = {
     "dense": ["benchmark.baseline=torch_allreduce"],
@@ -72,6 +75,7 @@ METHODS: dict[str, list[str]] = {
                                     "compression.levels=flat"] for h in RAYCOMP_LOCAL_SYNC_EVERY},
     "raycomp_adaptive": ADAPTIVE,
     "raycomp_adaptive_flat": ADAPTIVE_FLAT,
+    "raycomp_adaptive_per_step": ADAPTIVE_PER_STEP,
 }
 #: a method run at several settings -> its variants; the report shows the family under its
 #: own name with the best variant's numbers (and every variant's in ``grid``)
