@@ -361,6 +361,32 @@ def test_a_lossy_plan_must_be_lossy_margin_faster_than_the_fastest_plan_without_
     assert ranks(Sim(lossy_margin=default).run(12, Link(bandwidth=8e6)))["fc2.weight"] == 4
 
 
+def test_a_dense_choice_is_explained_by_the_compressed_plan_it_could_have_taken():
+    from raycomp.controllers.policies.reasons import AdaptiveWhy
+
+    # a lossy plan (286 ms) lost the lossy margin, and the fastest that may be chosen (343
+    # ms) is within the slack of dense (361 ms): dense, weighed against 343, not 286
+    why = AdaptiveWhy(rule="adaptive.first", bandwidth=192e6, compute=0.283, predicted=(0.286, 0.286, 0.343, 0.361),
+                      shift=3, top=3, groups=(), critical=4, raised=0, dense_layers=4, lossy_off=False,
+                      prior_band=None, passed_over_margin=0.3, best_compressed=0.343, slack=0.1)
+    assert why.text() == ("fast link 192 MB/s, comm 0.28x compute → dense: compressed 343 ms vs dense 361 ms "
+                          "(within 10%, lossy not 30% faster)")
+    # compression slower than dense: no band to name
+    slower = AdaptiveWhy(rule="adaptive.first", bandwidth=192e6, compute=0.283, predicted=(0.4, 0.361), shift=1,
+                         top=1, groups=(), critical=0, raised=0, dense_layers=4, lossy_off=True, prior_band=None,
+                         passed_over_margin=None, best_compressed=0.4, slack=0.1)
+    assert slower.text().endswith("→ dense: compressed 400 ms vs dense 361 ms")
+
+
+def test_the_chooser_records_the_fastest_compressed_plan_it_may_choose():
+    sim = Sim(lossy_margin=AdaptiveOptions().lossy_margin)
+    sim.run(12, Link(bandwidth=12e6))  # PowerSGD about a quarter under int8: not by the margin
+    why = sim.plan.why
+    predicted = why["predicted"]
+    assert why["best_compressed"] == min(predicted[4:-1]) > min(predicted[:4])  # int8 or bf16, not PowerSGD
+    assert why["slack"] == AdaptiveOptions().slack
+
+
 def test_fast_link_does_not_compress():
     sim = Sim()
     plan = sim.run(12, FAST)

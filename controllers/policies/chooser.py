@@ -71,6 +71,7 @@ class Menu:
     within: list[int]
     best: float
     best_on_prior: bool
+    best_compressed: float | None  # the fastest eligible shift other than all dense
 
 
 class Chooser:
@@ -138,7 +139,9 @@ class Chooser:
         best_on_prior = bool(self.cost.on_prior(priced[fastest][1]))
         if best_on_prior and predicted[top] <= (1 + PRIOR_BAND * self.slack) * best:
             within.append(top)  # on the assumed overhead compression must save more to be used
-        return Menu(candidates, predicted, [rounds for _, rounds in priced], top, within, best, best_on_prior)
+        compressed = [predicted[s] for s in eligible if s != top]
+        return Menu(candidates, predicted, [rounds for _, rounds in priced], top, within, best, best_on_prior,
+                    min(compressed) if compressed else None)
 
     def _hysteresis(self, menu: Menu, floors: dict[str, int]) -> tuple[int, str]:
         """The shift to take, and the rule that took it: the lightest within the band, unless
@@ -242,7 +245,8 @@ class Chooser:
             prior_band=PRIOR_BAND * self.slack if menu.best_on_prior else None,
             # a faster plan with a lossy layer fell short of lossy_margin
             passed_over_margin=self.margin if min(menu.predicted) < menu.best else None,
-            levels=(run.world_size // run.per_node, run.per_node) if run.per_node > 1 and not self.sharded else None)
+            levels=(run.world_size // run.per_node, run.per_node) if run.per_node > 1 and not self.sharded else None,
+            best_compressed=menu.best_compressed, slack=self.slack)
 
 
 __all__ = ["ERROR_SAMPLES", "PATIENCE", "PRIOR_BAND", "ChoiceRecord", "Chooser", "ChooserState"]

@@ -77,6 +77,11 @@ class AdaptiveWhy:
     passed_over_margin: float | None  # a lossy plan was faster, but not by this margin
     #: (nodes, ranks per node) of a two-level run (raycomp.two_level); None: flat
     levels: tuple[int, int] | None = None
+    #: the fastest compressed plan that may be chosen (a lossy one only if lossy_margin faster
+    #: than any without), and the band around the fastest plan within which the lightest is
+    #: taken: what a dense choice is weighed against. None: not recorded (min of predicted)
+    best_compressed: float | None = None
+    slack: float | None = None
 
     def text(self) -> str:
         dense_s, best_s = self.predicted[self.top], self.predicted[self.shift]
@@ -87,10 +92,14 @@ class AdaptiveWhy:
             link = (f"{nodes} nodes x {per_node}, inside each node dense; across nodes: "
                     f"{link.replace(' link', ' node link', 1)}")
         if not self.groups:
-            lightest = min(self.predicted[:self.top]) if self.top else dense_s
-            prior = (f" (within {self.prior_band:.0%} on the assumed round overhead)"
-                     if lightest < dense_s and self.prior_band is not None else "")
-            return f"{link} → dense: compressed {lightest * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms{prior}"
+            lightest = self.best_compressed if self.best_compressed is not None else \
+                min(self.predicted[:self.top]) if self.top else dense_s
+            notes = [f"within {self.prior_band:.0%} on the assumed round overhead"] \
+                if lightest < dense_s and self.prior_band is not None else \
+                [f"within {self.slack:.0%}"] if lightest < dense_s and self.slack is not None else []
+            notes += [f"lossy not {self.passed_over_margin:.0%} faster"] if self.passed_over_margin is not None else []
+            tail = f" ({', '.join(notes)})" if notes else ""
+            return f"{link} → dense: compressed {lightest * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms{tail}"
         parts = [f"{label} on {count}" for label, count in self.groups]
         extras = [f"{self.critical} critical"] if self.critical else []
         extras += [f"{self.raised} lighter for error"] if self.raised else []
