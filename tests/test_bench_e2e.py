@@ -455,8 +455,8 @@ def test_every_method_gets_the_same_budget_seed_cadence_and_its_own_warmup():
         # raycomp's local steps: fixed H over the grid; adaptive is the default with the switch on
         assert (c.local.mode, c.local.sync_every) == (
             ("fixed", methods.grid_setting(name)) if name.startswith("raycomp_local") else
-            ("off", 8) if name == "raycomp_adaptive_per_step" else
-            ("auto", 8) if name.startswith("raycomp_adaptive") else ("off", 8)), name
+            ("auto", 8) if name.startswith("raycomp_adaptive") and name != "raycomp_adaptive_per_step" else
+            ("off", 8)), name
         # two levels by default; the flat ablations say so
         flat = name in ("raycomp_int4", "raycomp_adaptive_flat") or name.startswith("raycomp_local_flat")
         assert c.levels == ("flat" if flat else "auto"), name

@@ -79,7 +79,8 @@ class AdaptiveWhy:
     levels: tuple[int, int] | None = None
     #: the fastest compressed plan that may be chosen (a lossy one only if lossy_margin faster
     #: than any without), and the band around the fastest plan within which the lightest is
-    #: taken: what a dense choice is weighed against. None: not recorded (min of predicted)
+    #: taken: what a dense choice is weighed against. None: no compressed plan may be chosen
+    #: (a dense choice then quotes the fastest of all)
     best_compressed: float | None = None
     slack: float | None = None
 
@@ -94,10 +95,13 @@ class AdaptiveWhy:
         if not self.groups:
             lightest = self.best_compressed if self.best_compressed is not None else \
                 min(self.predicted[:self.top]) if self.top else dense_s
-            notes = [f"within {self.prior_band:.0%} on the assumed round overhead"] \
-                if lightest < dense_s and self.prior_band is not None else \
-                [f"within {self.slack:.0%}"] if lightest < dense_s and self.slack is not None else []
-            notes += [f"lossy not {self.passed_over_margin:.0%} faster"] if self.passed_over_margin is not None else []
+            notes = []
+            if lightest < dense_s and self.prior_band is not None:
+                notes.append(f"within {self.prior_band:.0%} on the assumed round overhead")
+            elif lightest < dense_s and self.slack is not None:
+                notes.append(f"within {self.slack:.0%}")
+            if self.passed_over_margin is not None:
+                notes.append(f"lossy not {self.passed_over_margin:.0%} faster")
             tail = f" ({', '.join(notes)})" if notes else ""
             return f"{link} → dense: compressed {lightest * 1e3:.3g} ms vs dense {dense_s * 1e3:.3g} ms{tail}"
         parts = [f"{label} on {count}" for label, count in self.groups]
