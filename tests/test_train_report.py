@@ -186,6 +186,7 @@ def test_an_evaluation_after_a_final_boundary_goes_with_that_interval_sent_again
 
     inbox = _inbox(fail=False)
     reporter = StatsReporter(inbox, "r", 0, Outages())
+    reporter.record(2.0, 5.0, 1.0, 8)  # the fit's first step: its loss counts, its time does not
     reporter.record(1.0, 0.1, 0.02, 8)
     reporter.record(3.0, 0.3, 0.04, 8)
     reporter.send(_state(), 19, 3, False)  # the last step was a boundary
@@ -215,4 +216,33 @@ def test_a_final_report_the_controller_refuses_is_one_outage(ray_cluster):
     assert reporter.outages.count == 1
     reporter.send(_state(), 19, 3, False, final=True)  # the second call must not count it again
     assert reporter.outages.count == 1
+    ray.kill(inbox)
+
+
+def test_only_the_first_interval_leaves_out_its_first_step_and_only_beside_others(ray_cluster):
+    """The fit's first step (DDP building its buckets) would inflate the compute the cost
+    model prices every plan with; an interval of that one step still reports it."""
+    import ray
+
+    from raycomp.train.reporter import Outages, StatsReporter
+
+    inbox = _inbox(fail=False)
+    lone = StatsReporter(inbox, "r", 0, Outages())
+    lone.record(1.0, 0.5, 0.1, 8)
+    lone.send(_state(), 0, 0, False)  # a one-step interval: its step is all there is
+    lone.record(1.0, 0.2, 0.1, 8)
+    lone.record(1.0, 0.4, 0.1, 8)
+    lone.send(_state(), 2, 0, False)  # the first interval is past: every step counts
+    reporter = StatsReporter(inbox, "r", 1, Outages())
+    reporter.record(1.0, 0.9, 0.1, 8)
+    reporter.record(1.0, 0.3, 0.1, 8)
+    reporter.send(_state(), 1, 0, False)
+    reporter.record(1.0, 0.7, 0.1, 8)
+    reporter.record(1.0, 0.3, 0.1, 8)
+    reporter.send(_state(), 3, 0, False)
+    lone.reap(wait_s=10)
+    reporter.reap(wait_s=10)
+    seconds = {(r["rank"], r["step"]): r["step_seconds"] for r in ray.get(inbox.taken.remote())}
+    assert seconds == {(0, 0): pytest.approx(0.5), (0, 2): pytest.approx(0.3),
+                       (1, 1): pytest.approx(0.3), (1, 3): pytest.approx(0.5)}
     ray.kill(inbox)

@@ -2,8 +2,9 @@
 of a candidate plan.
 
 It learns three things from the controller's Timing reports (per rank and step): the
-link's bandwidth on dense intervals, the compute time, and per collective family the
-seconds an extra round costs on compressed intervals. A plan is priced from what each
+link's bandwidth and the compute time on dense intervals, and per collective family the
+seconds an extra round costs on compressed intervals (all of their step that the compute
+and the bytes do not explain). A plan is priced from what each
 compressor declares (:class:`raycomp.compressors.Cost` and ``payload_bytes``)::
 
     predicted = compute + sum over layers of sent(layer) / bandwidth
@@ -123,22 +124,32 @@ class CostModel:
             if steps <= 0 or wire < 0 or dense <= 0:
                 continue  # a restart reset the totals, or nothing was sent: no sample
             wire, dense = wire / (per_rank * steps), dense / (per_rank * steps)
-            s.compute = ema(s.compute, max(0.0, t.compute_seconds))
             if wire >= DENSE_SHARE * dense:
+                # the compute is a dense step's: what a compressed step adds to it (its
+                # codec, the overlap it loses, its rounds) is its families' overhead
+                s.compute = ema(s.compute, max(0.0, t.compute_seconds))
                 if self.assumed_bw is None and t.comm_seconds > 0:
                     # average seconds per byte, not bytes per second: one slow interval
                     # after a fast one must weigh as much as the other way round
                     per_byte = ema(None if s.bw is None else 1 / s.bw, t.comm_seconds / wire)
                     s.bw = 1 / per_byte
-            elif s.bw is not None and t is run.timings[-1]:
+                continue
+            if s.compute is None:  # until a dense interval times it, this interval's own compute
+                s.compute = max(0.0, t.compute_seconds)
+            if s.bw is not None and t is run.timings[-1]:
                 # the layers' compressor names are those of this (the latest) interval
                 in_force = self._in_force(run)
                 ranks, per_node = self.levels(run, in_force)
                 rounds = self.rounds({h.compressor for h in run.layers.values()}, ranks)
                 if rounds:
                     decode = self._traffic(run, in_force)[1] if self.decode_rate else 0.0
-                    # a two-level rank's bytes share its node's link with the node's other ranks
-                    self.measure_rounds(rounds, max(0.0, t.comm_seconds - per_node * wire / s.bw - decode))
+                    # the whole step beyond a dense step's compute and this plan's bytes (a
+                    # two-level rank's share its node's link with the node's other ranks):
+                    # the codec runs in what the rank counts as compute, so the
+                    # communication's wait alone would price a compressed plan too cheap
+                    # where the link is fast and go back and forth between it and dense
+                    extra = t.step_seconds - s.compute - per_node * wire / s.bw - decode
+                    self.measure_rounds(rounds, max(0.0, extra))
 
     def measure_rounds(self, rounds: dict[str, int], residual: float) -> None:
         """Share one interval's communication beyond its bytes (``residual``) among the

@@ -38,6 +38,10 @@ class StatsReporter:
         self.eval_metric: float | None = None  # the latest evaluation, not yet reported
         self._losses: list[float] = []
         self._timings: list[tuple[float, float, int]] = []  # (step s, comm s, samples)
+        #: the first interval not sent yet: its first step (DDP building its buckets, the
+        #: allocator warming up) is left out of its timing where the interval has others,
+        #: so it does not inflate the compute the adaptive policy prices every plan with
+        self._first = True
         self._pending: list[Any] = []
         # the last interval sent: (step, loss, step s, comm s, samples/s); a final call with
         # nothing new but an evaluation or events sends it again, carrying them
@@ -57,6 +61,9 @@ class StatsReporter:
         self._timings, self._losses = [], []
         if self.controller is None:
             return
+        if self._first and len(timings) > 1:
+            timings = timings[1:]
+        self._first = self._first and not timings
         if timings:
             step_s = sum(t for t, _, _ in timings) / len(timings)
             finite = [v for v in losses if math.isfinite(v)]
