@@ -138,3 +138,29 @@ def test_two_levels_price_the_nodes_link_with_l_pieces_at_k_ranks(nodes, per_nod
     # the point of it: an all-gather's node bytes fall by (W - 1) / (K - 1) against flat
     assert priced(w, "topk", ratio=0.01) / priced(w, "topk", per_node=per_node, ratio=0.01) == \
         pytest.approx((w - 1) / (nodes - 1), rel=1e-3)
+
+
+def test_a_two_level_runs_dense_price_keeps_the_element_size_a_dense_step_measured():
+    """A two-level compressed step counts only its piece's dense bytes; priced from those,
+    fp32 read as 2 bytes an element and a dense step as half its cost after every
+    compressed interval."""
+    world, per_node, bandwidth = 4, 2, 1e8
+    run = RunState("r", world, {"w": [ROWS, COLS]}, "adaptive", {})
+    run.per_node = per_node
+    flat = 2 * (world - 1) / world * 4 * N  # a rank's dense bytes of a step
+    layer = run.layers["w"]
+    layer.compressor, layer.dense_bytes = "none", world * flat
+    run.timings.append(Timing(9, 0.1 + flat / bandwidth, 0.1, flat / bandwidth, 1.0,
+                              world * flat * 10, world * flat * 10, world))
+    model = CostModel(round_seconds=0.0)
+    model.measure(run)
+    dense = model.predict(run, {})[0]
+    assert dense == pytest.approx(0.1 + flat / bandwidth)
+    run.plan = Plan.uniform("int8")
+    layer.compressor, layer.dense_bytes = "int8", world * flat / per_node  # the piece's, as the ledger counts
+    wire = flat / 4 / per_node
+    run.timings.append(Timing(19, 0.2, 0.15, 0.05, 1.0, world * (flat * 10 + wire * 10),
+                              world * (flat * 10 + flat / per_node * 10), world))
+    model.measure(run)
+    assert model.overhead  # the interval was measured as compressed
+    assert model.predict(run, {})[0] == pytest.approx(dense)

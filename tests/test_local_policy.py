@@ -550,3 +550,29 @@ def test_bad_local_options_are_refused_naming_the_key(local, message):
 
     with pytest.raises(ValueError, match=message):
         CompressionSection.model_validate({"local": local})
+
+
+@pytest.mark.parametrize(("world", "per_node", "at_peak", "note"), [
+    (2, 1, 4.0, ""), (4, 2, 4.0, ""),  # two replicas: flat, or two nodes of two
+    (4, 1, 4 * 2 / 3, " and 4 replicas"), (8, 2, 4 * 2 / 3, " and 4 replicas"), (8, 1, 4 * 4 / 7, " and 8 replicas")])
+def test_the_learning_rates_cap_is_set_for_two_replicas_and_lower_for_more(world, per_node, at_peak, note):
+    """R replicas drift from their mean as (1 - 1/R) x H between syncs: the cap keeps the
+    two-replica distance (a node is one replica where a run steps in two levels)."""
+    from raycomp.controllers.policies import make_policy
+    from raycomp.controllers.policies.local import LocalChoice
+    from raycomp.controllers.policies.reasons import LocalWhy
+    from raycomp.controllers.state import RunState
+
+    policy = LocalChoice(make_policy("adaptive", {"min_compress_numel": 1024}),
+                         LocalSection(mode="auto", max_sync_every=64))
+    run = RunState("r", world, {"v": [4096]}, "adaptive", {})
+    run.per_node, run.lr, run.peak_lr = per_node, 0.05, 0.1
+    assert policy._lr_allows(run) == pytest.approx(at_peak * 4)  # at half the peak: 4x
+    run.lr = 0.1
+    # a sync too slow for any H: the largest the rate allows, a power of two
+    assert policy._interval(1e9, 1.0, policy._lr_allows(run)) == (4 if at_peak == 4 else 2)
+    why = LocalWhy(rule="local.steps", h=2, pseudo="int4", per_step_reason="", per_step=0.2, local_step=0.1,
+                   compute=0.1, sync=0.0, stall=0.0, candidate=2, by_time=8, lr_fraction=1.0, min_gain=0.1,
+                   staying=True, sync_scale=None, slowdown=None, slowdown_from=(), probe_taken=None,
+                   replicas=world // per_node)
+    assert why.text().endswith(f"at most 2 at a learning rate 1x its peak{note})")

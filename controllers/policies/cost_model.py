@@ -46,6 +46,9 @@ class CostState:
     overhead: dict[str, float] = field(default_factory=dict)  # family -> seconds of an extra round
     compute: float | None = None  # seconds a step computes
     seen_step: int = -1  # latest Timing step taken into the estimates
+    #: layer -> bytes per gradient element, from the latest statistics of it sent dense (a
+    #: two-level compressed step counts only its piece's dense bytes)
+    element: dict[str, float] = field(default_factory=dict)
 
 
 class CostModel:
@@ -133,6 +136,10 @@ class CostModel:
                     # after a fast one must weigh as much as the other way round
                     per_byte = ema(None if s.bw is None else 1 / s.bw, t.comm_seconds / wire)
                     s.bw = 1 / per_byte
+                if t is run.timings[-1]:  # the layers' statistics are this interval's
+                    for name, h in run.layers.items():
+                        if h.compressor == DENSE.name and h.dense_bytes > 0:
+                            s.element[name] = element_bytes(h, per_rank, self._allreduce(per_rank))
                 continue
             if s.compute is None:  # until a dense interval times it, this interval's own compute
                 s.compute = max(0.0, t.compute_seconds)
@@ -188,7 +195,7 @@ class CostModel:
         node's, the bytes of the slow link it shares), and its seconds decoding all-gathered
         payloads (0 without a ``decode_rate``)."""
         w = max(1, run.world_size)
-        allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w  # times each element is sent
+        allreduce = self._allreduce(w)
         ranks, parts = self.levels(run, chosen)
         over = 2 * (ranks - 1) / ranks if parts > 1 else allreduce  # at the ranks the collectives span
         total = decoded = 0.0
@@ -196,11 +203,18 @@ class CostModel:
             compressor = self._compressor(chosen.get(name, DENSE))
             per_byte = (ranks - 1) if compressor.transport is Transport.ALLGATHER else over
             numel, shape = piece(h, parts)
-            payload = compressor.payload_bytes(numel, shape, element_bytes(h, w, allreduce))
+            size = self.state.element.get(name) or element_bytes(h, w, allreduce)
+            payload = compressor.payload_bytes(numel, shape, size)
             total += parts * per_byte * payload
             if compressor.transport is Transport.ALLGATHER:
                 decoded += ranks * payload  # every rank's payload, its own included
         return total, decoded / self.decode_rate if self.decode_rate else 0.0
+
+    def _allreduce(self, world_size: int) -> float:
+        """Times a dense step sends each element: a ring all-reduce's 2(W-1)/W, a sharded
+        run's reduce-scatter (W-1)/W."""
+        w = world_size
+        return (w - 1) / w if self.sharded else 2 * (w - 1) / w
 
     def _in_force(self, run: RunState) -> dict[str, CompressorSpec]:
         """Each layer's compressor in the latest interval: the plan's spec where the layer

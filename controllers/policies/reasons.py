@@ -163,6 +163,7 @@ class LocalWhy:
     slowdown: float | None  # seconds a sync on the wire adds to the inner steps it overlaps
     slowdown_from: tuple[int, ...]  # the two H the slowdown was measured from
     probe_taken: float | None  # seconds a step took at the H before the probe
+    replicas: int = 2  # the replicas of local steps (the learning rate's cap is for two)
 
     def text(self) -> str:
         if self.sync_scale is not None and self.slowdown is not None:
@@ -176,7 +177,8 @@ class LocalWhy:
         else:
             measured = ""
         capped = "" if self.lr_fraction is None else \
-            f"; H={self.by_time} by time, at most {self.candidate} at a learning rate {self.lr_fraction:.2g}x its peak"
+            f"; H={self.by_time} by time, at most {self.candidate} at a learning rate {self.lr_fraction:.2g}x its peak" \
+            + (f" and {self.replicas} replicas" if self.replicas > 2 else "")
         rule = "faster to stay" if self.staying else f"{self.min_gain:.0%} faster"
         figures = (f"per step {self.per_step * 1e3:.0f} ms predicted, local steps {self.local_step * 1e3:.0f} ms "
                    f"(compute {self.compute * 1e3:.0f} ms, a sync {self.sync * 1e3:.0f} ms{measured}; local steps "

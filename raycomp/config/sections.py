@@ -155,8 +155,9 @@ class LocalSection(_Strict):
     #: the largest H grows with the square of the decay, ``sync_every_at_peak_lr x (peak lr
     #: / lr)^2`` (the quadratic synchronization rule, Gu et al. 2024): the drift of local
     #: steps costs a run most at a high rate and little once it has decayed, so a large H
-    #: waits for the decay. Set it to ``max_sync_every`` to choose H by time alone; under a
-    #: constant rate it is the largest H
+    #: waits for the decay. It is the H for two replicas; R replicas drift apart faster, as
+    #: 1 - 1/R, and get ``x (1/2) / (1 - 1/R)`` of it (2/3 at 4). Set it to
+    #: ``max_sync_every`` to choose H by time alone; under a constant rate it is the largest H
     sync_every_at_peak_lr: Annotated[int, Field(ge=2, le=100_000)] = 4
     #: ``auto``: how far (a fraction) the training loss, averaged over two boundaries, may
     #: rise above the lowest it reached since local steps began before H is halved. Training
