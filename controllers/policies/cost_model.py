@@ -159,7 +159,7 @@ class CostModel:
                     self.measure_rounds(rounds, max(0.0, extra))
 
     def measure_rounds(self, rounds: dict[str, int], residual: float) -> None:
-        """Share one interval's communication beyond its bytes (``residual``) among the
+        """Share one interval's step beyond its compute and bytes (``residual``) among the
         collective families that ran in it (``rounds``: family -> extra rounds), in
         proportion to what each is expected to cost. A family not measured yet is expected
         to cost what a round of the measured ones does on average (``round_seconds`` before

@@ -4,6 +4,38 @@ from ..mutant import mutant
 
 MUTANTS = (
     mutant(
+        "cost-model-compute-from-compressed-steps", "CostModel.measure",
+        "            if wire >= DENSE_SHARE * dense:\n"
+        "                # the compute is a dense step's: what a compressed step adds to it (its\n"
+        "                # codec, the overlap it loses, its rounds) is its families' overhead\n"
+        "                s.compute = ema(s.compute, max(0.0, t.compute_seconds))\n",
+        "            s.compute = ema(s.compute, max(0.0, t.compute_seconds))\n"
+        "            if wire >= DENSE_SHARE * dense:\n",
+        "tests/test_adaptive_policy.py",
+        "the codec a rank counts as compute raises every plan's price alike: int8 looks faster than dense for good",
+    ),
+    mutant(
+        "cost-model-extra-from-the-wait-alone", "CostModel.measure",
+        "                    extra = t.step_seconds - s.compute - per_node * wire / s.bw - decode\n",
+        "                    extra = t.comm_seconds - per_node * wire / s.bw - decode\n",
+        "tests/test_adaptive_policy.py",
+        "a compressed family's overhead leaves out the codec the rank counts as compute",
+    ),
+    mutant(
+        "cost-model-element-size-from-latest-stats", "CostModel._traffic",
+        "            size = self.state.element.get(name) or element_bytes(h, w, allreduce)\n",
+        "            size = element_bytes(h, w, allreduce)\n",
+        "tests/test_cost_model_ranks.py",
+        "after a two-level compressed interval the dense plan is priced at half its bytes",
+    ),
+    mutant(
+        "local-lr-cap-ignores-replicas", "LocalChoice._lr_allows",
+        "        return self.local.sync_every_at_peak_lr * replica_share(replicas(run)) * decay**2\n",
+        "        return self.local.sync_every_at_peak_lr * decay**2\n",
+        "tests/test_local_policy.py",
+        "four replicas get the two-replica H: they drift apart 1.5x as far between syncs",
+    ),
+    mutant(
         "adaptive-int8-two-rounds-at-two-ranks", "controllers/policies/cost_model.py:_family",
         "    rounds = cost.rounds_at_two if two_ranks and cost.rounds_at_two is not None else cost.rounds\n",
         "    rounds = cost.rounds\n",

@@ -19,6 +19,13 @@ MUTANTS = (
         "a second run in the same training function resumes from the first run's last checkpoint",
     ),
     mutant(
+        "first-step-timed-as-a-step", "StatsReporter.send",
+        "        if self._first and len(timings) > 1:\n",
+        "        if False:\n",
+        "tests/test_train_report.py -k first_interval",
+        "the step that builds DDP's buckets inflates the compute the first decisions price with",
+    ),
+    mutant(
         "final-report-not-awaited", "StatsReporter.send",
         "                ray.get(ref, timeout=10)\n",
         "                pass\n",
