@@ -424,3 +424,17 @@ def test_a_sync_whose_mean_is_not_finite_is_flagged_in_every_row_and_the_guard_f
     # the mean's NaN reached every rank: every rank's row says so, whatever its own flag
     rows = [[1.0, 1.0, 1.0], [1.0, 2.0, 1.0]]
     assert run_distributed(_skipped_sync_rows, 2) == [(rows, True, True, 1)] * 2
+
+
+def test_a_local_steps_run_registers_its_nodes_ranks_with_the_controller():
+    """The controller prices a two-level run's plans and counts local steps' replicas by
+    the ranks of a node: a run that may take local steps reports its hook's, as a per-step
+    run does (registered as 1, a 2 x 2 run's replicas counted as 4 and its per-step plans
+    priced flat)."""
+    from types import SimpleNamespace
+
+    from raycomp.train.local_strategy import LocalStepsStrategy
+
+    for per_node in (1, 2, 4):
+        state = SimpleNamespace(ddp=False, hook=SimpleNamespace(per_node=per_node))
+        assert LocalStepsStrategy(torch.nn.Linear(2, 2), state).per_node == per_node

@@ -76,7 +76,9 @@ class GradientStrategy(Protocol):
     takes nothing to be on the wire between steps. One whose ranks' weights may differ
     between steps (local steps) also has ``merge() -> int``: at the end of a run, after
     ``drain``, it makes them equal and returns the outer steps that took; without it, the
-    ranks' weights are taken to be equal after every step.
+    ranks' weights are taken to be equal after every step. One whose compressed steps, or
+    whose local steps' replicas, work in two levels also has ``per_node -> int``, the ranks
+    of a node: the controller prices plans and counts replicas by it; without it, 1.
     """
 
     #: the model to train: wrapped (DDP), sharded (FSDP2) or as it was

@@ -172,6 +172,11 @@ class LocalStepsStrategy:
         """Whether this step's gradients are reduced (False while local steps run)."""
         return self.state.mode is None
 
+    @property
+    def per_node(self) -> int:
+        """The ranks of a node in two levels (a replica of local steps is then a node), else 1."""
+        return self.state.hook.per_node
+
     def layers(self) -> dict[str, list[int]]:
         return parameter_shapes(self.model)
 

@@ -143,7 +143,7 @@ class TrainLoop:
         self._lr_used = self._loss_value = 0.0
         # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
         self.controller_plan = self.plans.register(self.strategy.layers(), options, options.eval_kind,
-                                                   getattr(self.strategy, "per_node", 1))
+                                                   getattr(self.strategy, "per_node", 1))  # optional
         self.state.set_plan(self.controller_plan)
         (resume or restore)(self)
         self.replayed_steps = self.log.open(self.restored_from)

@@ -78,6 +78,7 @@ class FsdpStrategy:
     sharded = True
     per_step = True  # every step's gradients are reduced
     bucket_cap_mb = None  # no DDP buckets
+    per_node = 1  # one level: FSDP in two levels (HSDP) is not built
 
     def __init__(self, model: nn.Module, state: Any) -> None:
         self.model, self.state = model, state
