@@ -240,6 +240,13 @@ class RunState:
 
     # --- views for policies -------------------------------------------------------------
     @property
+    def nodes(self) -> int:
+        """The run's nodes: W / per_node in two levels, else W (every rank its own node).
+        A two-level run's compressed collectives span them, and local steps' replicas are
+        them."""
+        return max(1, self.world_size // max(1, self.per_node))
+
+    @property
     def wire_bytes(self) -> float:
         return sum(w for w, _ in self.per_rank_bytes.values())
 

@@ -188,7 +188,7 @@ class CostModel:
         w, per_node = max(1, run.world_size), max(1, run.per_node)
         if per_node == 1 or self.sharded or all(chosen.get(name, DENSE).name == DENSE.name for name in run.layers):
             return w, 1
-        return max(1, w // per_node), per_node
+        return run.nodes, per_node
 
     def _traffic(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[float, float]:
         """One rank's bytes on the wire per step under ``chosen`` (a two-level run: its

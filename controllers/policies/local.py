@@ -36,7 +36,7 @@ from raycomp.controllers.state import RunState
 from raycomp.local import resolve_delay
 from raycomp.plan import CompressorSpec, LocalMode, Plan
 
-__all__ = ["PATIENCE", "LocalChoice", "replica_share", "replicas"]
+__all__ = ["PATIENCE", "LocalChoice", "replica_share"]
 
 PATIENCE = 2  # boundaries in a row that must agree before a change of mode or H
 MEASURED_BOUNDARIES = 16  # the latest boundaries under one H that a sync's cost is measured over
@@ -133,7 +133,7 @@ class LocalChoice(Policy):
             lr_fraction=None if h == by_time else run.lr / run.peak_lr, min_gain=min_gain, staying=staying,
             sync_scale=s.sync_scale, slowdown=s.slowdown, slowdown_from=tuple(s.slowdown_from),
             probe_taken=(s.measured.compute + s.measured.wait if s.measured else 0.0) if probe else None,
-            replicas=replicas(run))
+            replicas=run.nodes)
         plan = base if not chosen else Plan(default=pseudo, local=LocalMode(chosen, self._fragments(chosen)))
         decision = Decision.of(plan, why)
         s.history.append(LocalRecord(run.step, chosen, target, decision.plan.reason))
@@ -231,7 +231,7 @@ class LocalChoice(Policy):
         decay = run.peak_lr / run.lr
         if decay > 1e4:
             return None
-        return self.local.sync_every_at_peak_lr * replica_share(replicas(run)) * decay**2
+        return self.local.sync_every_at_peak_lr * replica_share(run.nodes) * decay**2
 
     def _min_gain(self) -> float:
         """``min_gain`` as the worker resolved it; "auto" unresolved (a run registered
@@ -301,13 +301,6 @@ class LocalChoice(Policy):
             "mode": self.local.mode, "sync_every": s.chosen, "largest_allowed": s.ceiling,
             "inner_compute_s": s.inner_compute, "sync_scale": s.sync_scale, "slowdown_s": s.slowdown,
             "history": [[r.step, r.h, r.asked, r.reason] for r in s.history]}}
-
-
-def replicas(run: RunState) -> int:
-    """The replicas of local steps: the nodes where a two-level run steps a node as one
-    (``per_node`` > 1), else the ranks."""
-    w = max(1, run.world_size)
-    return max(1, w // run.per_node) if run.per_node > 1 else w
 
 
 def replica_share(count: int) -> float:

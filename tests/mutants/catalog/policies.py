@@ -30,7 +30,7 @@ MUTANTS = (
     ),
     mutant(
         "local-lr-cap-ignores-replicas", "LocalChoice._lr_allows",
-        "        return self.local.sync_every_at_peak_lr * replica_share(replicas(run)) * decay**2\n",
+        "        return self.local.sync_every_at_peak_lr * replica_share(run.nodes) * decay**2\n",
         "        return self.local.sync_every_at_peak_lr * decay**2\n",
         "tests/test_local_policy.py",
         "four replicas get the two-replica H: they drift apart 1.5x as far between syncs",
