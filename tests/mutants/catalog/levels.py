@@ -96,7 +96,7 @@ MUTANTS = (
     *MUTANTS,
     mutant(
         "two-level-decision-says-flat", "Chooser._why",
-        "            levels=(run.world_size // run.per_node, run.per_node) if run.per_node > 1",
+        "            levels=(run.nodes, run.per_node) if run.per_node > 1",
         "            levels=None if run.per_node > 1",
         "tests/test_adaptive_policy.py",
         "a two-level run's decision reads as a flat one: what each level does goes unsaid",

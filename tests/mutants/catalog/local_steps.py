@@ -167,8 +167,8 @@ MUTANTS = (
     ),
     mutant(
         "local-lr-cap-linear-in-the-decay", "LocalChoice._lr_allows",
-        "        return None if decay > 1e4 else self.local.sync_every_at_peak_lr * decay**2\n",
-        "        return None if decay > 1e4 else self.local.sync_every_at_peak_lr * decay\n",
+        "        return self.local.sync_every_at_peak_lr * replica_share(run.nodes) * decay**2\n",
+        "        return self.local.sync_every_at_peak_lr * replica_share(run.nodes) * decay\n",
         "tests/test_local_policy.py -k learning_rate",
         "H grows with the decay of the learning rate, not its square: later and less than the quadratic rule",
     ),

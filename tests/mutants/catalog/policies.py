@@ -240,9 +240,9 @@ MUTANTS = (
         "lossy: never still offers PowerSGD and Top-K",
     ),
     mutant(
-        "adaptive-sharded-priced-as-allreduce", "CostModel._traffic",
-        "        allreduce = (w - 1) / w if self.sharded else 2 * (w - 1) / w",
-        "        allreduce = 2 * (w - 1) / w",
+        "adaptive-sharded-priced-as-allreduce", "CostModel._allreduce",
+        "        return (w - 1) / w if self.sharded else 2 * (w - 1) / w\n",
+        "        return 2 * (w - 1) / w\n",
         "tests/test_adaptive_policy.py",
         "a sharded run's bytes are priced as an all-reduce's: its fp32 gradient looks like bf16",
     ),
