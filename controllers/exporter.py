@@ -81,6 +81,8 @@ class ControllerCollector:
             f["raycomp_dense_bytes_total"].add_metric([rid, str(rank)], dense)
         for rank, intra in sorted(run.per_rank_intra.items()):
             f["raycomp_intra_node_bytes_total"].add_metric([rid, str(rank)], intra)
+        if run.node_link is not None:
+            f["raycomp_node_link_bytes_per_second"].add_metric([rid], 1 / run.node_link)
         if run.wire_bytes > 0:
             f["raycomp_compression_ratio"].add_metric([rid], run.dense_bytes / run.wire_bytes)
         sizes = {name: h.numel for name, h in run.layers.items()}

@@ -60,18 +60,23 @@ class Controller:
     # --- runs -----------------------------------------------------------------------------
     def register_run(self, run_id: str, world_size: int, layers: dict[str, int | list[int]], policy: str,
                      options: dict[str, Any], warmup_steps: int, interval_steps: int,
-                     min_compress_numel: int, eval_kind: str = "accuracy", per_node: int = 1) -> dict[str, Any]:
+                     min_compress_numel: int, eval_kind: str = "accuracy", per_node: int = 1,
+                     node_link: float | None = None) -> dict[str, Any]:
         """Start steering ``run_id`` (idempotent: a resumed run keeps its state).
 
         ``layers`` maps parameter names to element counts or, better, shapes: the adaptive
         policy sizes PowerSGD's factors from a shape (from a count it assumes a square).
         ``per_node``: the ranks of a node when compressed steps reduce in two levels
         (``raycomp.two_level``), 1 when flat; the cost model prices the cross-node hop with it.
+        ``node_link``: seconds per byte of an all-reduce inside a node, timed as the run
+        started (``raycomp.node_link``); the cost model prices the node's own hops with it.
+        None: not timed (those hops are then learned only as part of what a plan measured).
         """
+        node_link = checked_node_link(node_link)
         if run_id in self.runs:
             run = self.runs[run_id]
             run.status, run.finished = "running", None
-            run.per_node = per_node
+            run.per_node, run.node_link = per_node, node_link
             if world_size != run.world_size:  # an elastic restart at another size: re-measure, re-plan
                 log.info("run %s: %d -> %d workers; the link and compute are measured again",
                          run_id, run.world_size, world_size)
@@ -84,7 +89,7 @@ class Controller:
         options = {**options, "min_compress_numel": min_compress_numel}
         self.policies[run_id] = make_policy(policy, options)
         run = RunState(run_id, world_size, layers, policy, options, warmup_steps, interval_steps, eval_kind)
-        run.per_node = per_node
+        run.per_node, run.node_link = per_node, node_link
         self.runs[run_id] = run
         if warmup_steps == 0:  # no warm-up: the first plan is the policy's, known before step 0
             self._decide(run)
@@ -310,11 +315,13 @@ class ControllerService:
 
     def register_run(self, run_id: str, world_size: int, layers: dict[str, int | list[int]], policy: str,
                      options: dict[str, Any], warmup_steps: int, interval_steps: int,
-                     min_compress_numel: int, eval_kind: str = "accuracy", per_node: int = 1) -> dict[str, Any]:
+                     min_compress_numel: int, eval_kind: str = "accuracy", per_node: int = 1,
+                     node_link: float | None = None) -> dict[str, Any]:
         """:meth:`Controller.register_run`, under the service's lock."""
         with self.lock:
             return self.controller.register_run(run_id, world_size, layers, policy, options, warmup_steps,
-                                                interval_steps, min_compress_numel, eval_kind, per_node)
+                                                interval_steps, min_compress_numel, eval_kind, per_node,
+                                                node_link)
 
     @ray.method(concurrency_group="ingest")
     def ingest(self, report: Any) -> bool:
@@ -354,6 +361,15 @@ class ControllerService:
 
     def metrics_url(self) -> str | None:
         return None if self.exporter is None else self.exporter.url
+
+
+def checked_node_link(value: Any) -> float | None:
+    """A registration's ``node_link`` as a float, or ValueError naming what is allowed."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"node_link: expected None or a finite number of seconds per byte > 0, got {value!r}")
+    return float(value)
 
 
 def get_or_create(name: str, namespace: str, snapshot_dir: str | None, max_restarts: int = -1,

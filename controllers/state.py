@@ -92,6 +92,9 @@ class RunState:
         self.world_size = world_size
         #: ranks per node of a two-level run (raycomp.two_level), 1 when every rank is its own node
         self.per_node = 1
+        #: seconds per byte of an all-reduce inside a node, timed as the run started
+        #: (raycomp.node_link); None: not timed, or flat
+        self.node_link: float | None = None
         self.policy = policy
         self.options = options
         self.warmup_steps = warmup_steps
@@ -275,7 +278,8 @@ class RunState:
     # --- snapshots ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "run_id": self.run_id, "world_size": self.world_size, "per_node": self.per_node, "policy": self.policy,
+            "run_id": self.run_id, "world_size": self.world_size, "per_node": self.per_node,
+            "node_link": self.node_link, "policy": self.policy,
             "options": self.options, "warmup_steps": self.warmup_steps,
             "interval_steps": self.interval_steps, "step": self.step, "epoch": self.epoch,
             "layers": {
@@ -311,6 +315,7 @@ class RunState:
                   data["eval_kind"])
         run.step, run.epoch = data["step"], data["epoch"]
         run.per_node = int(data.get("per_node", 1))
+        run.node_link = data.get("node_link")
         for name, v in data["layers"].items():
             h = run.layers[name]
             h.grad_norm.extend(tuple(x) for x in v["grad_norm"])

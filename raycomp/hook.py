@@ -59,6 +59,7 @@ from raycomp.ddp import hook_group, reducer_order, refuse_sparse_gradients
 from raycomp.ledger import WireLedger
 from raycomp.loss_scale import check_scaler
 from raycomp.memory import Memory
+from raycomp.node_link import node_seconds_per_byte
 from raycomp.overlap import BucketThreads
 from raycomp.plain_step import PlainStep
 from raycomp.plan import Plan
@@ -201,6 +202,16 @@ class CompressionState:
         """End the step; the time since ``since`` is what the step waited for its reduction."""
         self.end_step()
         self.comm_seconds += time.perf_counter() - since
+
+    def time_node_link(self) -> float | None:
+        """Seconds per byte of an all-reduce inside this rank's node, as the model's
+        gradients would travel it (:func:`raycomp.node_link.node_seconds_per_byte`); None
+        when the run is flat. Collective: every rank calls it at the same point."""
+        if self.levels is None or not self.parameters:
+            return None
+        first = self.parameters[0]
+        return node_seconds_per_byte(self.levels, sum(p.numel() * p.element_size() for p in self.parameters),
+                                     first.device, first.dtype)
 
     def state_dict(self) -> dict[str, Any]:
         return self.reducer.state_dict()

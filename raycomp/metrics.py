@@ -66,6 +66,13 @@ CATALOGUE: tuple[Metric, ...] = (
            ("run", "rank"),
            (Panel("Compression", "Bytes per second inside nodes (two levels)",
                   f"sum by (run) (rate(raycomp_intra_node_bytes_total{_sel()}[1m]))", "Bps"),)),
+    Metric("raycomp_node_link_bytes_per_second", "gauge",
+           "Bytes per second a rank sends in an all-reduce inside its node, timed as the run started "
+           "(two levels, raycomp.node_link): the link the controller prices a node's own hops at; the link "
+           "across nodes is measured from the steps (raycomp_wire_bytes_total over raycomp_comm_seconds)",
+           ("run",),
+           (Panel("Compression", "Link inside nodes (two levels, timed at the start)",
+                  f"raycomp_node_link_bytes_per_second{_sel()}", "Bps"),)),
     Metric("raycomp_dense_bytes_total", "counter",
            "Bytes the same gradients would have needed with dense all-reduce",
            ("run", "rank"),

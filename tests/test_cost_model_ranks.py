@@ -164,3 +164,36 @@ def test_a_two_level_runs_dense_price_keeps_the_element_size_a_dense_step_measur
     model.measure(run)
     assert model.overhead  # the interval was measured as compressed
     assert model.predict(run, {})[0] == pytest.approx(dense)
+
+
+def test_a_two_level_compressed_step_pays_the_nodes_own_hops_at_the_timed_node_link():
+    """A two-level compressed step reduce-scatters and all-gathers inside the node: an
+    all-reduce of the whole gradient there, at the node's timed seconds per byte; the dense
+    plan (one flat all-reduce) pays none of it, and a measured interval's round overhead
+    does not count it again."""
+    world, per_node, node_link = 4, 2, 1e-9
+    run = RunState("r", world, {"w": [ROWS, COLS]}, "adaptive", {})
+    run.per_node = per_node
+    model = CostModel(round_seconds=0.0, bandwidth=1e8)
+    model.state.compute = 0.1
+    untimed = model.predict(run, {"w": CompressorSpec.of("int8")})[0]
+    dense = model.predict(run, {})[0]
+    run.node_link = node_link
+    inside = 2 * (per_node - 1) / per_node * 4 * N * node_link
+    assert model.node_allreduce(run) == pytest.approx(inside)
+    assert model.predict(run, {"w": CompressorSpec.of("int8")})[0] == pytest.approx(untimed + inside)
+    assert model.predict(run, {})[0] == pytest.approx(dense)
+    run.per_node = 1  # flat: no node of its own
+    assert model.node_allreduce(run) == 0.0
+    run.per_node = per_node
+    # an int8 interval that stepped exactly as priced teaches int8 no overhead of its own
+    run.plan = Plan.uniform("int8")
+    layer = run.layers["w"]
+    layer.compressor, layer.dense_bytes = "int8", world * 2 * (world - 1) / world * 4 * N / per_node
+    model.state.element["w"] = 4.0  # as a dense interval before it measured
+    wire = (untimed - 0.1) * 1e8 / per_node  # a rank's bytes: the node's are per_node times them
+    run.timings.append(Timing(0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, world))
+    run.timings.append(Timing(10, untimed + inside, 0.1, untimed + inside - 0.1, 1.0, world * wire * 10,
+                              1.0 + world * wire * 40, world))
+    model.measure(run)
+    assert model.overhead == {"quantized": pytest.approx(0.0, abs=1e-9)}

@@ -576,3 +576,32 @@ def test_the_learning_rates_cap_is_set_for_two_replicas_and_lower_for_more(world
                    staying=True, sync_scale=None, slowdown=None, slowdown_from=(), probe_taken=None,
                    replicas=world // per_node)
     assert why.text().endswith(f"at most 2 at a learning rate 1x its peak{note})")
+
+
+@pytest.mark.parametrize(("node_link", "local"), [(None, True), (1.5e-8, False)])
+def test_a_node_replicas_inner_step_is_priced_with_its_all_reduce_inside_the_node(node_link, local):
+    """Two nodes of two: every inner step of local steps all-reduces the gradient inside the
+    node. On a link as fast inside a node as across (the timed node link near the measured
+    one), that all-reduce costs what the flat one did, so local steps gain nothing; priced
+    without it (untimed) they look 17% faster and are taken."""
+    from raycomp.controllers.policies import make_policy
+    from raycomp.controllers.policies.local import LocalChoice
+    from raycomp.controllers.state import RunState
+    from raycomp.plan import CompressorSpec
+
+    policy = LocalChoice(make_policy("adaptive", {"min_compress_numel": 1024}),
+                         LocalSection(mode="auto", min_gain=0.1, delay=0))
+    run = RunState("r", 4, {"w": [1024, 1024]}, "adaptive", {})
+    run.per_node, run.node_link = 2, node_link
+    policy.cost.state.bw, policy.cost.state.compute = 1e8, 0.3  # a dense step: 0.3 s + 63 ms on the link
+    policy.state.last = Plan(reason="dense")
+    decision = policy._auto(run, CompressorSpec.of("int4"))
+    why = decision.why
+    inside = 0.0 if node_link is None else 4 * 1024 * 1024 * node_link
+    assert why.inside == pytest.approx(inside)
+    assert why.compute == pytest.approx(0.3 + inside)
+    assert (decision.plan.local is not None) is local
+    if local:
+        assert "inside the node" not in decision.plan.reason
+    else:
+        assert f"compute {(0.3 + inside) * 1e3:.0f} ms with {inside * 1e3:.0f} ms inside the node" in decision.plan.reason

@@ -271,15 +271,26 @@ def test_the_bytes_inside_nodes_are_exported_per_rank_beside_those_across(tmp_pa
     controller = Controller()
     exporter = Exporter(controller, "127.0.0.1", 0, str(tmp_path / "targets.json"))
     try:
-        controller.register_run("levels", 4, {"fc1.weight": 4096}, "static", {}, 0, 5, 1024, per_node=2)
+        controller.register_run("levels", 4, {"fc1.weight": 4096}, "static", {}, 0, 5, 1024, per_node=2,
+                                node_link=1 / 5e8)
         for rank in range(4):
             controller.ingest({**report("levels", rank, 4), "layers": [], "intra_bytes": 1000.0 * (rank + 1)})
         text = scrape(exporter.url)
         assert 'raycomp_intra_node_bytes_total{rank="3",run="levels"} 4000.0' in text
         assert 'raycomp_wire_bytes_total{rank="3",run="levels"} 4000.0' in text
+        inside = re.search(r'^raycomp_node_link_bytes_per_second\{run="levels"\} (\S+)$', text, re.M)
+        assert inside is not None and float(inside.group(1)) == pytest.approx(5e8)  # the timed link inside nodes
         restored = RunState.from_dict(controller.runs["levels"].to_dict())  # a controller restart keeps them
         assert restored.per_rank_intra == {0: 1000.0, 1: 2000.0, 2: 3000.0, 3: 4000.0}
+        assert restored.node_link == 1 / 5e8
         restored.resize(2)  # an elastic restart: the new ranks report their own totals
         assert restored.per_rank_intra == {}
     finally:
         exporter.close()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-9, float("nan"), float("inf"), "fast", True])
+def test_a_registration_with_a_bad_node_link_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"^node_link: expected None or a finite number of seconds per byte > 0"):
+        Controller().register_run("r", 4, {"fc1.weight": 4096}, "static", {}, 0, 5, 1024, per_node=2,
+                                  node_link=bad)

@@ -17,7 +17,10 @@ overhead holds its decode, at the run's own W).
 A two-level run (``RunState.per_node`` = L > 1: ``raycomp.two_level``) sends a compressed
 plan's layers across nodes as L pieces, one per rank of the node, over K = W / L nodes: its
 bytes are the node's, L pieces of each layer at K ranks, on the node's one slow link, and
-its rounds and decode are at K. A plan dense everywhere stays one flat all-reduce at W.
+its rounds and decode are at K; its reduce-scatter and all-gather inside the node move what
+an all-reduce of the whole gradient there does, priced at the node's own link as the run
+timed it (``RunState.node_link``, :mod:`raycomp.node_link`; untimed, they are learned as
+part of the families' overhead). A plan dense everywhere stays one flat all-reduce at W.
 
 The derivation and its measured grounds: ``docs/cost-model.md``.
 """
@@ -155,7 +158,8 @@ class CostModel:
                     # the codec runs in what the rank counts as compute, so the
                     # communication's wait alone would price a compressed plan too cheap
                     # where the link is fast and go back and forth between it and dense
-                    extra = t.step_seconds - s.compute - per_node * wire / s.bw - decode
+                    inside = self.node_allreduce(run) if per_node > 1 else 0.0
+                    extra = t.step_seconds - s.compute - per_node * wire / s.bw - decode - inside
                     self.measure_rounds(rounds, max(0.0, extra))
 
     def measure_rounds(self, rounds: dict[str, int], residual: float) -> None:
@@ -178,9 +182,25 @@ class CostModel:
         names none), and its collective families' extra rounds."""
         total, decode = self._traffic(run, chosen)
         assert self.bw is not None and self.compute is not None
-        rounds = self.rounds({chosen.get(name, DENSE).name for name in run.layers}, self.levels(run, chosen)[0])
+        ranks, per_node = self.levels(run, chosen)
+        rounds = self.rounds({chosen.get(name, DENSE).name for name in run.layers}, ranks)
         seconds = sum(r * self.overhead.get(f, self.prior) for f, r in rounds.items())
-        return self.compute + total / self.bw + decode + seconds, rounds
+        inside = self.node_allreduce(run) if per_node > 1 else 0.0
+        return self.compute + total / self.bw + decode + seconds + inside, rounds
+
+    def node_allreduce(self, run: RunState) -> float:
+        """Seconds an all-reduce of the whole dense gradient inside a node takes, at the
+        node's link as timed (``RunState.node_link``): what a two-level compressed step's
+        reduce-scatter and all-gather there move, and what every inner step of local steps
+        between nodes sends. 0 when flat or not timed."""
+        per_node = max(1, run.per_node)
+        if per_node == 1 or run.node_link is None:
+            return 0.0
+        w = max(1, run.world_size)
+        allreduce = self._allreduce(w)
+        dense = sum(h.numel * (self.state.element.get(name) or element_bytes(h, w, allreduce))
+                    for name, h in run.layers.items())
+        return 2 * (per_node - 1) / per_node * dense * run.node_link
 
     def levels(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[int, int]:
         """(ranks a layer's collectives span, ranks sharing one slow link): (K, L) for a

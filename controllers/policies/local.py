@@ -6,7 +6,8 @@
 * ``fixed``: every plan after the warm-up is local steps every ``sync_every`` steps, the
   pseudo-gradients compressed with ``compressor``.
 * ``auto``: the predicted step of the inner policy's per-step plan against local steps'
-  ``compute + stall / H`` (a sync's seconds that the ``delay``'s inner steps do not hide).
+  ``compute + stall / H`` (a sync's seconds that the ``delay``'s inner steps do not hide;
+  with two levels an inner step's all-reduce inside the node counts as compute).
   H is the smallest power of two whose stall adds at most ``target_overhead`` of the
   compute, never above what the learning rate allows (``sync_every_at_peak_lr x (peak /
   lr)^2``, Gu et al. 2024's quadratic rule). Local steps are entered when per step is
@@ -97,7 +98,10 @@ class LocalChoice(Policy):
             return None if base is None else Decision.of(base, Said("local.unpriced", base.reason))
         layers = compressible_layers(run, self.min_numel)
         per_step, _ = self.cost.predict(run, {n: base.spec_for(n) for n in layers})
-        compute = (self.cost.compute or 0.0) if s.inner_compute is None else s.inner_compute
+        # a node replica's inner step all-reduces inside the node: priced at the node's link
+        # until an inner step is measured (its compute then holds it)
+        inside = self.cost.node_allreduce(run) if s.inner_compute is None else 0.0
+        compute = (self.cost.compute or 0.0) + inside if s.inner_compute is None else s.inner_compute
         sync = self._predicted_sync(run, pseudo) * (1.0 if s.sync_scale is None else s.sync_scale)
         allowed = self._lr_allows(run)
         by_time = self._interval(sync, compute)
@@ -133,7 +137,7 @@ class LocalChoice(Policy):
             lr_fraction=None if h == by_time else run.lr / run.peak_lr, min_gain=min_gain, staying=staying,
             sync_scale=s.sync_scale, slowdown=s.slowdown, slowdown_from=tuple(s.slowdown_from),
             probe_taken=(s.measured.compute + s.measured.wait if s.measured else 0.0) if probe else None,
-            replicas=run.nodes)
+            replicas=run.nodes, inside=inside)
         plan = base if not chosen else Plan(default=pseudo, local=LocalMode(chosen, self._fragments(chosen)))
         decision = Decision.of(plan, why)
         s.history.append(LocalRecord(run.step, chosen, target, decision.plan.reason))

@@ -77,6 +77,8 @@ class AdaptiveWhy:
     passed_over_margin: float | None  # a lossy plan was faster, but not by this margin
     #: (nodes, ranks per node) of a two-level run (raycomp.two_level); None: flat
     levels: tuple[int, int] | None = None
+    #: bytes/s of an all-reduce inside a node, as the run timed it (two levels); None: untimed
+    node_link: float | None = None
     #: the fastest compressed plan that may be chosen (a lossy one only if lossy_margin faster
     #: than any without), and the band around the fastest plan within which the lightest is
     #: taken: what a dense choice is weighed against. None: no compressed plan may be chosen
@@ -90,7 +92,8 @@ class AdaptiveWhy:
         link = f"{'slow' if ratio >= 1 else 'fast'} link {self.bandwidth / 1e6:.3g} MB/s, comm {ratio:.2g}x compute"
         if self.levels is not None:  # what each level does: the node's link is the one measured
             nodes, per_node = self.levels
-            link = (f"{nodes} nodes x {per_node}, inside each node dense; across nodes: "
+            inside = "" if self.node_link is None else f" at {self.node_link / 1e6:.3g} MB/s"
+            link = (f"{nodes} nodes x {per_node}, inside each node dense{inside}; across nodes: "
                     f"{link.replace(' link', ' node link', 1)}")
         if not self.groups:
             lightest = self.best_compressed if self.best_compressed is not None else \
@@ -164,6 +167,9 @@ class LocalWhy:
     slowdown_from: tuple[int, ...]  # the two H the slowdown was measured from
     probe_taken: float | None  # seconds a step took at the H before the probe
     replicas: int = 2  # the replicas of local steps (the learning rate's cap is for two)
+    #: of ``compute``: an inner step's all-reduce inside the node (node replicas), priced
+    #: at the node's timed link until inner steps are measured
+    inside: float = 0.0
 
     def text(self) -> str:
         if self.sync_scale is not None and self.slowdown is not None:
@@ -180,8 +186,9 @@ class LocalWhy:
             f"; H={self.by_time} by time, at most {self.candidate} at a learning rate {self.lr_fraction:.2g}x its peak" \
             + (f" and {self.replicas} replicas" if self.replicas > 2 else "")
         rule = "faster to stay" if self.staying else f"{self.min_gain:.0%} faster"
+        inside = f" with {self.inside * 1e3:.0f} ms inside the node" if self.inside else ""
         figures = (f"per step {self.per_step * 1e3:.0f} ms predicted, local steps {self.local_step * 1e3:.0f} ms "
-                   f"(compute {self.compute * 1e3:.0f} ms, a sync {self.sync * 1e3:.0f} ms{measured}; local steps "
+                   f"(compute {self.compute * 1e3:.0f} ms{inside}, a sync {self.sync * 1e3:.0f} ms{measured}; local steps "
                    f"must be {rule}{capped})")
         if not self.h:
             return f"per step: {self.per_step_reason}; {figures}"

@@ -48,6 +48,10 @@ class DdpStrategy:
         """The ranks of a node when compressed steps reduce in two levels, else 1."""
         return self.state.per_node
 
+    def time_node_link(self) -> float | None:
+        """Seconds per byte inside a node, timed (two levels), else None. Collective."""
+        return self.state.time_node_link()
+
     def end_backward(self) -> None:
         if not self.ddp:  # one process: no hook ran; local compression + memory
             self.state.allreduce_gradients()

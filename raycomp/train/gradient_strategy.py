@@ -78,7 +78,10 @@ class GradientStrategy(Protocol):
     ``drain``, it makes them equal and returns the outer steps that took; without it, the
     ranks' weights are taken to be equal after every step. One whose compressed steps, or
     whose local steps' replicas, work in two levels also has ``per_node -> int``, the ranks
-    of a node: the controller prices plans and counts replicas by it; without it, 1.
+    of a node: the controller prices plans and counts replicas by it; without it, 1; and
+    ``time_node_link() -> float | None``, the seconds per byte of an all-reduce inside the
+    node, timed by every rank at once before the run registers (the controller prices the
+    node's own hops by it).
     """
 
     #: the model to train: wrapped (DDP), sharded (FSDP2) or as it was

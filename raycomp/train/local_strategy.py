@@ -177,6 +177,10 @@ class LocalStepsStrategy:
         """The ranks of a node in two levels (a replica of local steps is then a node), else 1."""
         return self.state.hook.per_node
 
+    def time_node_link(self) -> float | None:
+        """Seconds per byte inside a node, timed (two levels), else None. Collective."""
+        return self.state.hook.time_node_link()
+
     def layers(self) -> dict[str, list[int]]:
         return parameter_shapes(self.model)
 

@@ -142,8 +142,11 @@ class TrainLoop:
         self.lr_ramp = LrRamp(options.compression.lr_scaling)
         self._lr_used = self._loss_value = 0.0
         # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
+        per_node = getattr(self.strategy, "per_node", 1)  # optional, as time_node_link
+        timer = getattr(self.strategy, "time_node_link", None)
+        node_link = timer() if per_node > 1 and timer is not None else None  # every rank: collective
         self.controller_plan = self.plans.register(self.strategy.layers(), options, options.eval_kind,
-                                                   getattr(self.strategy, "per_node", 1))  # optional
+                                                   per_node, node_link)
         self.state.set_plan(self.controller_plan)
         (resume or restore)(self)
         self.replayed_steps = self.log.open(self.restored_from)

@@ -34,10 +34,12 @@ class PlanAgreement:
         self._poll: tuple[Any, Any] | None = None  # the long poll in flight: (ObjectRef, its future)
         self.ready: Plan | None = None  # rank 0: a newer plan than installed, not yet handed out
 
-    def register(self, layers: dict[str, list[int]], options: Any, eval_kind: str, per_node: int = 1) -> Plan:
+    def register(self, layers: dict[str, list[int]], options: Any, eval_kind: str, per_node: int = 1,
+                 node_link: float | None = None) -> Plan:
         """Rank 0 registers the run (idempotent: a restarted run keeps its controller state);
         every rank gets the controller's current plan. ``per_node``: the ranks of a node of a
-        two-level run, 1 when flat."""
+        two-level run, 1 when flat; ``node_link``: seconds per byte of an all-reduce inside
+        rank 0's node (:mod:`raycomp.node_link`), None when not timed."""
         import ray
 
         plan = None
@@ -46,7 +48,8 @@ class PlanAgreement:
             try:
                 plan = Plan.from_dict(ray.get(self.controller.register_run.remote(
                     self.run_id, self.world_size, layers, c.policy, c.policy_options(), c.warmup_steps,
-                    options.controller.interval_steps, c.min_compress_numel, eval_kind, per_node), timeout=60))
+                    options.controller.interval_steps, c.min_compress_numel, eval_kind, per_node,
+                    node_link), timeout=60))
             except Exception as error:  # noqa: BLE001 - the controller is optional
                 self.outages.add(error, 0)
         fallback = Plan(reason="warm-up: dense" if self.controller is not None else "no controller: dense")
