@@ -197,3 +197,22 @@ def test_a_two_level_compressed_step_pays_the_nodes_own_hops_at_the_timed_node_l
                               1.0 + world * wire * 40, world))
     model.measure(run)
     assert model.overhead == {"quantized": pytest.approx(0.0, abs=1e-9)}
+
+
+@pytest.mark.parametrize("per_node", [2, 4])
+def test_a_two_level_runs_first_statistics_from_a_compressed_step_price_dense_whole(per_node):
+    """Before any dense interval with statistics, a layer's element size comes from its
+    latest statistics; a two-level compressed step's count each layer's 1/L piece, so they
+    are read as such: fp32 stays 4 bytes and a dense step its whole cost."""
+    world = 2 * per_node
+    run = RunState("r", world, {"w": [ROWS, COLS], "b": [ROWS]}, "adaptive", {})
+    run.per_node = per_node
+    flat = 2 * (world - 1) / world * 4  # a rank's dense bytes per element of a step
+    run.layers["w"].compressor, run.layers["w"].dense_bytes = "bf16", world * flat * N / per_node
+    run.layers["b"].compressor, run.layers["b"].dense_bytes = "none", world * flat * ROWS / per_node  # cut too
+    model = CostModel(round_seconds=0.0, bandwidth=1.0)
+    model.state.compute = 0.0
+    assert model.predict(run, {})[0] == pytest.approx(flat * (N + ROWS))
+    run.per_node = 1  # flat: the statistics count whole layers
+    run.layers["w"].dense_bytes, run.layers["b"].dense_bytes = world * flat * N, world * flat * ROWS
+    assert model.predict(run, {})[0] == pytest.approx(flat * (N + ROWS))

@@ -605,3 +605,28 @@ def test_a_node_replicas_inner_step_is_priced_with_its_all_reduce_inside_the_nod
         assert "inside the node" not in decision.plan.reason
     else:
         assert f"compute {(0.3 + inside) * 1e3:.0f} ms with {inside * 1e3:.0f} ms inside the node" in decision.plan.reason
+
+
+@pytest.mark.parametrize(("world", "per_node"), [(2, 1), (4, 2)], ids=["flat", "node-replicas"])
+def test_a_node_replicas_sync_is_priced_whole_since_no_inner_step_hides_it(world, per_node):
+    """A flat sync kept on the wire for ``delay`` inner steps stalls only what they do not
+    hide; a two-level sync waits for its cross-node hop in the step that starts it, so all
+    of it stalls, whatever ``delay`` says."""
+    from raycomp.controllers.policies import make_policy
+    from raycomp.controllers.policies.local import LocalChoice
+    from raycomp.controllers.policies.reasons import LocalWhy
+    from raycomp.controllers.state import RunState
+
+    policy = LocalChoice(make_policy("adaptive", {"min_compress_numel": 1024}),
+                         LocalSection(mode="auto", min_gain=0.1, delay=1))
+    run = RunState("r", world, {"w": [1024, 1024]}, "adaptive", {})
+    run.per_node = per_node
+    policy.cost.state.bw, policy.cost.state.compute = 1e7, 0.3  # a slow link: int4's sync ~0.1 s
+    decision = policy.decide(run)
+    assert decision is not None and isinstance(decision.why, LocalWhy)
+    why = decision.why
+    assert why.sync > 0.05
+    if per_node == 1:
+        assert why.stall == pytest.approx(max(0.0, why.sync - 0.3))
+    else:
+        assert why.stall == pytest.approx(why.sync)

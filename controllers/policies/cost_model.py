@@ -196,11 +196,22 @@ class CostModel:
         per_node = max(1, run.per_node)
         if per_node == 1 or run.node_link is None:
             return 0.0
-        w = max(1, run.world_size)
-        allreduce = self._allreduce(w)
-        dense = sum(h.numel * (self.state.element.get(name) or element_bytes(h, w, allreduce))
-                    for name, h in run.layers.items())
+        dense = sum(h.numel * self._element(run, name, h) for name, h in run.layers.items())
         return 2 * (per_node - 1) / per_node * dense * run.node_link
+
+    def _element(self, run: RunState, name: str, h: LayerHistory) -> float:
+        """Bytes per gradient element of a layer: as a dense step measured it, else from its
+        latest statistics. Those of a two-level compressed step count each layer's piece,
+        1/L of its dense bytes (every layer is cut, the dense ones too): read as such, fp32
+        would be priced as 2 bytes an element, and a dense step at half its cost, until a
+        dense interval with statistics had run."""
+        cached = self.state.element.get(name)
+        if cached:
+            return cached
+        w = max(1, run.world_size)
+        in_pieces = run.per_node > 1 and not self.sharded and any(x.compressor != DENSE.name
+                                                                   for x in run.layers.values())
+        return element_bytes(h, w, self._allreduce(w), share=1 / run.per_node if in_pieces else 1.0)
 
     def levels(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[int, int]:
         """(ranks a layer's collectives span, ranks sharing one slow link): (K, L) for a
@@ -223,7 +234,7 @@ class CostModel:
             compressor = self._compressor(chosen.get(name, DENSE))
             per_byte = (ranks - 1) if compressor.transport is Transport.ALLGATHER else over
             numel, shape = piece(h, parts)
-            size = self.state.element.get(name) or element_bytes(h, w, allreduce)
+            size = self._element(run, name, h)
             payload = compressor.payload_bytes(numel, shape, size)
             total += parts * per_byte * payload
             if compressor.transport is Transport.ALLGATHER:
@@ -333,12 +344,13 @@ def piece(h: LayerHistory, parts: int) -> tuple[int, tuple[int, ...]]:
     return size, tuple(shape)
 
 
-def element_bytes(h: LayerHistory, world_size: int, allreduce: float) -> float:
+def element_bytes(h: LayerHistory, world_size: int, allreduce: float, share: float = 1.0) -> float:
     """Bytes per gradient element from the measured dense bytes (the sum over the ranks of
-    one step), rounded to 2, 4 or 8; 4 (fp32) before any measurement."""
+    one step; ``share``: the part of the layer they counted), rounded to 2, 4 or 8; 4
+    (fp32) before any measurement."""
     if h.dense_bytes <= 0 or not h.numel or allreduce <= 0:
         return 4.0
-    measured = h.dense_bytes / (world_size * allreduce * h.numel)
+    measured = h.dense_bytes / (world_size * allreduce * h.numel * share)
     return min((2.0, 4.0, 8.0), key=lambda size: abs(size - measured))
 
 
