@@ -147,7 +147,9 @@ class CompressionState:
         bucketed = reducer_order(model) if isinstance(model, DistributedDataParallel) else self.parameters
         self.plain = PlainStep(self.reducer, [(self._names[id(p)], p) for p in bucketed], self.name_of,
                                self._end_step_waited)
-        self._dense_plan: tuple[Plan, bool] | None = None  # (plan, whether it is dense everywhere)
+        #: (plan, whether it is dense everywhere, whether its buckets go out at once)
+        self._dense_plan: tuple[Plan, bool, bool] | None = None
+        self._chain = False  # this step's compressed buckets are chained (begin_step)
         #: reduce each bucket inside the node only, dense (local steps between nodes: a node
         #: is one replica; :mod:`raycomp.train.local_strategy`)
         self.inside_node = False
@@ -262,16 +264,31 @@ class CompressionState:
             return
         self.reducer.begin_step()
         self.plain.begin_step()
-        dense = self._dense_everywhere()
+        self._threads.new_step()
+        dense, single = self._plan_shape()
         self._send_inline = not self._threads.enabled or dense
         self._plain = dense and self._threads.enabled and self.plain.ready()
+        # every collective of a bucket issued at once: backward issues them and the decoding
+        # follows their completion (raycomp.overlap, chained); else the two threads
+        self._chain = single and not dense
 
     def _dense_everywhere(self) -> bool:
+        return self._plan_shape()[0]
+
+    def _plan_shape(self) -> tuple[bool, bool]:
+        """(every layer dense, every layer's collectives issued at once) under the plan in
+        force: the same on every rank. A flat reducer's dense all-reduce, casts' and
+        shared-index sums, sparse all-gathers and, at two ranks, the scalable route's one
+        all-gather go out at once; PowerSGD's Q waits for P, the scalable route past two
+        ranks for its exchange, and a two-level step for its node's hop."""
         if self._dense_plan is None or self._dense_plan[0] is not self.plan:
-            dense = all(self.reducer.transport_for(self.name_of(p), p.shape) is Transport.DENSE
-                        for p in self.parameters)
-            self._dense_plan = (self.plan, dense)
-        return self._dense_plan[1]
+            kinds = {self.reducer.transport_for(self.name_of(p), p.shape) for p in self.parameters}
+            at_once = {Transport.DENSE, Transport.ALLREDUCE, Transport.ALLGATHER}
+            if self.reducer.send_group.size <= 2:
+                at_once.add(Transport.SCALABLE)
+            single = self.levels is None and kinds <= at_once
+            self._dense_plan = (self.plan, kinds <= {Transport.DENSE}, single)
+        return self._dense_plan[1], self._dense_plan[2]
 
     def plain_in_hook(self) -> bool:
         """Whether this step is a plain step reduced in the hook, its buckets
@@ -301,10 +318,11 @@ class CompressionState:
                device: torch.device) -> torch.futures.Future:
         """A future of ``receive(send().wait())``, begun in this step: ``send`` on the
         sending thread (on the caller's in a step that :meth:`begin_step` found dense
-        everywhere), the wait and ``receive`` on the receiving one
-        (:meth:`raycomp.overlap.BucketThreads.submit`)."""
+        everywhere), the wait and ``receive`` on the receiving one; in a step whose buckets'
+        collectives all go out at once, ``send`` on the caller's thread and ``receive``
+        chained on their completion (:meth:`raycomp.overlap.BucketThreads.submit`)."""
         self.begin_step()
-        return self._threads.submit(send, receive, device, inline=self._send_inline)
+        return self._threads.submit(send, receive, device, inline=self._send_inline, chain=self._chain)
 
     def settle_after_backward(self) -> None:
         """Queue :meth:`CompressedReducer.settle_unused` to run once DDP has finished this

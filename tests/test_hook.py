@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import ClassVar
 
@@ -938,15 +939,18 @@ class Logged(MinMaxInt8):
 
     name = "logged"
     events: ClassVar[list[tuple[str, tuple[int, ...], float]]] = []
+    threads: ClassVar[set[tuple[str, str]]] = set()  # (encode or decode, the thread it ran on)
 
     def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
         if dist.get_rank() == 1:
             time.sleep(0.3)
         Logged.events.append(("encode", tuple(shape), time.perf_counter()))
+        Logged.threads.add(("encode", threading.current_thread().name))
         return super()._compress(flat, shape, dtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         Logged.events.append(("decode", tuple(payload.shape), time.perf_counter()))
+        Logged.threads.add(("decode", threading.current_thread().name))
         return super().decompress(payload)
 
 
@@ -960,21 +964,28 @@ def _logged_step(rank: int, world_size: int, overlap: bool) -> tuple[list[tuple[
     ddp.register_comm_hook(state, compression_hook)
     for step in range(2):  # DDP holds every gradient in one bucket at the first step
         Logged.events.clear()
+        Logged.threads.clear()
         ddp.zero_grad()
         ddp(torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * rank + step))).square().mean().backward()
     state.close()
     order = [(kind, shape) for kind, shape, _ in sorted(Logged.events, key=lambda e: e[2])]
-    return order, [p.grad.clone() for p in model.parameters()]
+    backward = threading.current_thread().name
+    threads = {(kind, "backward's" if name == backward else name) for kind, name in Logged.threads}
+    return order, [p.grad.clone() for p in model.parameters()], threads
 
 
 def test_next_bucket_is_encoded_while_this_one_is_on_the_wire():
     # backward hands over the output layer's weight (48 x 64) first, then the input layer's
     # (64 x 64) a moment later; rank 0's all-gather of the first waits 0.3 s for rank 1
-    (order, means), (_, means_1) = run_distributed(_logged_step, 2, True)
+    (order, means, threads), (_, means_1, _) = run_distributed(_logged_step, 2, True)
     output_layer, input_layer = (48, 64), (64, 64)
     assert order.index(("encode", input_layer)) < order.index(("decode", output_layer)), order
+    # one all-gather a bucket: backward encodes and issues it, and the decoding follows its
+    # completion on the thread that completes it (gloo's), never backward's
+    assert {name for kind, name in threads if kind == "encode"} == {"backward's"}, threads
+    assert "backward's" not in {name for kind, name in threads if kind == "decode"}, threads
     # one thread doing both: the first bucket is decoded before the second is encoded
-    (inline_order, inline_means), _ = run_distributed(_logged_step, 2, False)
+    (inline_order, inline_means, _), _ = run_distributed(_logged_step, 2, False)
     assert inline_order.index(("decode", output_layer)) < inline_order.index(("encode", input_layer))
     for a, b, c in zip(means, means_1, inline_means, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -996,12 +1007,13 @@ def _issuing_threads(rank: int, world_size: int) -> tuple[list[set[str]], list[t
             return fn(*args, **kwargs)
         return wrapper
 
-    plans = {2: Plan.uniform("int8"), 4: Plan()}  # dense, dense, int8, int8, dense
+    # dense, dense, int8, int8, PowerSGD, PowerSGD, dense
+    plans = {2: Plan.uniform("int8"), 4: Plan.uniform("powersgd", rank=2), 6: Plan()}
     per_step = []
     try:
         for name, fn in originals.items():
             setattr(dist, name, logged(fn))
-        for step in range(5):
+        for step in range(7):
             if step in plans:
                 state.set_plan(plans[step])
             issued.clear()
@@ -1015,12 +1027,14 @@ def _issuing_threads(rank: int, world_size: int) -> tuple[list[set[str]], list[t
     return per_step, _grads(ddp)
 
 
-def test_a_dense_step_issues_its_all_reduces_from_ddps_thread_and_a_compressed_one_from_the_sender():
+def test_a_step_whose_buckets_go_out_at_once_issues_from_ddps_thread_and_powersgd_from_the_sender():
     (threads, grads), (threads_1, grads_1) = run_distributed(_issuing_threads, 2)
     assert threads == threads_1
-    dense, compressed = {"backward's"}, {"raycomp-send_0"}
-    # a compressed step's dense layers (two biases) go through the sending thread too: one
-    # thread issues every collective of a step, in bucket order, on every rank
-    assert threads == [dense, dense, compressed, compressed, dense], threads
+    backward, sender = {"backward's"}, {"raycomp-send_0"}
+    # int8 at two ranks is one all-gather a bucket: backward issues it and the decoding is
+    # chained on it; PowerSGD's Q waits for P, so its buckets go through the sending thread,
+    # its dense layers (two biases) too: one thread issues every collective of a step, in
+    # bucket order, on every rank
+    assert threads == [backward, backward, backward, backward, sender, sender, backward], threads
     for a, b in zip(grads, grads_1, strict=True):
         assert torch.equal(a, b)
