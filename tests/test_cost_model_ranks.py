@@ -202,17 +202,35 @@ def test_a_two_level_compressed_step_pays_the_nodes_own_hops_at_the_timed_node_l
 @pytest.mark.parametrize("per_node", [2, 4])
 def test_a_two_level_runs_first_statistics_from_a_compressed_step_price_dense_whole(per_node):
     """Before any dense interval with statistics, a layer's element size comes from its
-    latest statistics; a two-level compressed step's count each layer's 1/L piece, so they
-    are read as such: fp32 stays 4 bytes and a dense step its whole cost."""
-    world = 2 * per_node
+    latest statistics; a two-level compressed step's count each layer's 1/L piece on the
+    ring of the K nodes (the reducer's send group), so they are read as such: fp32 stays 4
+    bytes and a dense step its whole cost."""
+    nodes = 2
+    world = nodes * per_node
     run = RunState("r", world, {"w": [ROWS, COLS], "b": [ROWS]}, "adaptive", {})
     run.per_node = per_node
     flat = 2 * (world - 1) / world * 4  # a rank's dense bytes per element of a step
-    run.layers["w"].compressor, run.layers["w"].dense_bytes = "bf16", world * flat * N / per_node
-    run.layers["b"].compressor, run.layers["b"].dense_bytes = "none", world * flat * ROWS / per_node  # cut too
+    piece = 2 * (nodes - 1) / nodes * 4 / per_node  # what a rank's statistics count per element
+    run.layers["w"].compressor, run.layers["w"].dense_bytes = "bf16", world * piece * N
+    run.layers["b"].compressor, run.layers["b"].dense_bytes = "none", world * piece * ROWS  # cut too
     model = CostModel(round_seconds=0.0, bandwidth=1.0)
     model.state.compute = 0.0
     assert model.predict(run, {})[0] == pytest.approx(flat * (N + ROWS))
     run.per_node = 1  # flat: the statistics count whole layers
     run.layers["w"].dense_bytes, run.layers["b"].dense_bytes = world * flat * N, world * flat * ROWS
     assert model.predict(run, {})[0] == pytest.approx(flat * (N + ROWS))
+
+
+def test_a_dense_intervals_own_bytes_size_the_elements_whatever_the_statistics_say():
+    """A dense interval's bytes are a flat ring's of the whole model: they give the element
+    size before any layer's dense statistics have been seen (the statistics of a two-level
+    run's compressed steps count pieces)."""
+    world = 4
+    run = RunState("r", world, {"w": [ROWS, COLS]}, "adaptive", {})
+    run.per_node = 2
+    flat = 2 * (world - 1) / world * 2 * N  # a rank's dense bytes of a step, bf16 gradients
+    run.timings.append(Timing(9, 0.2, 0.1, 0.1, 1.0, world * flat * 10, world * flat * 10, world))
+    model = CostModel(round_seconds=0.0, bandwidth=1.0)
+    model.measure(run)
+    assert model.state.model_element == 2.0
+    assert model.predict(run, {})[0] == pytest.approx(0.1 + flat)

@@ -52,6 +52,10 @@ class CostState:
     #: layer -> bytes per gradient element, from the latest statistics of it sent dense (a
     #: two-level compressed step counts only its piece's dense bytes)
     element: dict[str, float] = field(default_factory=dict)
+    #: bytes per gradient element over the whole model, from a dense interval's own bytes
+    #: (what a dense step sends, whatever statistics were taken): the size of a layer whose
+    #: dense statistics have not been seen
+    model_element: float | None = None
 
 
 class CostModel:
@@ -134,6 +138,9 @@ class CostModel:
                 # the compute is a dense step's: what a compressed step adds to it (its
                 # codec, the overlap it loses, its rounds) is its families' overhead
                 s.compute = ema(s.compute, max(0.0, t.compute_seconds))
+                numel = sum(h.numel for h in run.layers.values())
+                if numel and per_rank > 1:  # a dense step's bytes are a flat ring's
+                    s.model_element = nearest_size(dense / (self._allreduce(per_rank) * numel))
                 if self.assumed_bw is None and t.comm_seconds > 0:
                     # average seconds per byte, not bytes per second: one slow interval
                     # after a fast one must weigh as much as the other way round
@@ -201,17 +208,19 @@ class CostModel:
 
     def _element(self, run: RunState, name: str, h: LayerHistory) -> float:
         """Bytes per gradient element of a layer: as a dense step measured it, else from its
-        latest statistics. Those of a two-level compressed step count each layer's piece,
-        1/L of its dense bytes (every layer is cut, the dense ones too): read as such, fp32
-        would be priced as 2 bytes an element, and a dense step at half its cost, until a
-        dense interval with statistics had run."""
-        cached = self.state.element.get(name)
+        latest statistics. Those of a two-level compressed step count each layer's 1/L
+        piece on a ring of the K nodes (every layer is cut, the dense ones too): read as a
+        flat ring's whole layers, fp32 would be priced as 4/3 bytes an element at 2 x 2,
+        and a dense step at a third of its bytes, until a dense interval with statistics
+        had run."""
+        cached = self.state.element.get(name) or self.state.model_element
         if cached:
             return cached
-        w = max(1, run.world_size)
+        w, k = max(1, run.world_size), run.nodes
         in_pieces = run.per_node > 1 and not self.sharded and any(x.compressor != DENSE.name
                                                                    for x in run.layers.values())
-        return element_bytes(h, w, self._allreduce(w), share=1 / run.per_node if in_pieces else 1.0)
+        share = 2 * (k - 1) / k / self._allreduce(w) / run.per_node if in_pieces else 1.0
+        return element_bytes(h, w, self._allreduce(w), share=share)
 
     def levels(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[int, int]:
         """(ranks a layer's collectives span, ranks sharing one slow link): (K, L) for a
@@ -350,7 +359,11 @@ def element_bytes(h: LayerHistory, world_size: int, allreduce: float, share: flo
     (fp32) before any measurement."""
     if h.dense_bytes <= 0 or not h.numel or allreduce <= 0:
         return 4.0
-    measured = h.dense_bytes / (world_size * allreduce * h.numel * share)
+    return nearest_size(h.dense_bytes / (world_size * allreduce * h.numel * share))
+
+
+def nearest_size(measured: float) -> float:
+    """The element size (2, 4 or 8 bytes) nearest a measured bytes per element."""
     return min((2.0, 4.0, 8.0), key=lambda size: abs(size - measured))
 
 

@@ -235,8 +235,8 @@ class CompressionSection(_Strict):
     #: local steps (``mode: off`` by default): see :class:`LocalSection`
     local: LocalSection = LocalSection()
     #: DDP ``bucket_cap_mb`` (MB of gradients per bucket) of the run's DDP model. The hook
-    #: compresses and sends each bucket on a background thread while backward computes the
-    #: next, so smaller buckets hide more of the wire behind backward; each costs a round.
+    #: sends each bucket while backward computes the next (decoding it once its collectives
+    #: complete), so smaller buckets hide more of the wire behind backward; each costs a round.
     #: "auto": about 8 buckets, between DDP's 1 MB first bucket and its 25 MB default
     #: (raycomp.bucket_cap_mb; a model of 200 MB+ keeps DDP's 25 MB). FSDP
     #: (scaling.strategy=fsdp) has no DDP buckets and ignores it
