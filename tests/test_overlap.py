@@ -35,57 +35,52 @@ def _bucket(threads: BucketThreads, work: Work, name: str, decoded: list[str]) -
     return threads.submit(lambda: Pending([work], lambda: name), receive, CPU, inline=False, chain=True)
 
 
-def test_a_chained_bucket_decodes_after_the_one_before_it_whatever_completes_first():
-    threads = BucketThreads(True)
-    try:
-        threads.new_step()
-        first, second = Work(), Work()
-        decoded: list[str] = []
-        results = [_bucket(threads, first, "first", decoded), _bucket(threads, second, "second", decoded)]
-        second.future.set_result(None)  # the later collective completes first
-        assert decoded == [] and not results[1].done()
-        first.future.set_result(None)
-        assert decoded == ["first", "second"]
-        assert all(torch.equal(r.wait(), torch.zeros(1)) for r in results)
-        threads.new_step()  # a new step's first bucket waits for nothing of the last one
-        third = Work()
-        result = _bucket(threads, third, "third", decoded)
-        third.future.set_result(None)
-        assert result.done() and decoded[-1] == "third"
-    finally:
-        threads.close()
+@pytest.fixture
+def threads():
+    bucket_threads = BucketThreads(True)
+    bucket_threads.new_step()
+    yield bucket_threads
+    bucket_threads.close()
 
 
-def test_a_failed_collective_fails_its_bucket_and_every_later_one():
-    threads = BucketThreads(True)
-    try:
-        threads.new_step()
-        first, second = Work(), Work()
-        decoded: list[str] = []
-        results = [_bucket(threads, first, "first", decoded), _bucket(threads, second, "second", decoded)]
-        second.future.set_result(None)
-        first.future.set_exception(RuntimeError("gloo: connection closed"))
-        for result in results:
-            with pytest.raises(RuntimeError, match="connection closed"):
-                result.wait()
-        assert decoded == []
-    finally:
-        threads.close()
+def _two_buckets(threads: BucketThreads) -> tuple[Work, Work, list[str], list[torch.futures.Future]]:
+    first, second = Work(), Work()
+    decoded: list[str] = []
+    return first, second, decoded, [_bucket(threads, first, "first", decoded),
+                                    _bucket(threads, second, "second", decoded)]
 
 
-def test_an_encoding_that_raises_fails_its_bucket_on_the_callers_thread():
-    threads = BucketThreads(True)
-    try:
-        threads.new_step()
+def test_a_chained_bucket_decodes_after_the_one_before_it_whatever_completes_first(threads):
+    first, second, decoded, results = _two_buckets(threads)
+    second.future.set_result(None)  # the later collective completes first
+    assert decoded == [] and not results[1].done()
+    first.future.set_result(None)
+    assert decoded == ["first", "second"]
+    assert all(torch.equal(r.wait(), torch.zeros(1)) for r in results)
+    threads.new_step()  # a new step's first bucket waits for nothing of the last one
+    third = Work()
+    result = _bucket(threads, third, "third", decoded)
+    third.future.set_result(None)
+    assert result.done() and decoded[-1] == "third"
 
-        def send() -> Pending[str]:
-            raise ValueError("bucket buffer has 3 elements, gradients 4")
 
-        result = threads.submit(send, lambda value: torch.zeros(1), CPU, inline=False, chain=True)
-        with pytest.raises(ValueError, match="3 elements"):
+def test_a_failed_collective_fails_its_bucket_and_every_later_one(threads):
+    first, second, decoded, results = _two_buckets(threads)
+    second.future.set_result(None)
+    first.future.set_exception(RuntimeError("gloo: connection closed"))
+    for result in results:
+        with pytest.raises(RuntimeError, match="connection closed"):
             result.wait()
-    finally:
-        threads.close()
+    assert decoded == []
+
+
+def test_an_encoding_that_raises_fails_its_bucket_on_the_callers_thread(threads):
+    def send() -> Pending[str]:
+        raise ValueError("bucket buffer has 3 elements, gradients 4")
+
+    result = threads.submit(send, lambda value: torch.zeros(1), CPU, inline=False, chain=True)
+    with pytest.raises(ValueError, match="3 elements"):
+        result.wait()
 
 
 class BlockingWork:
@@ -98,25 +93,20 @@ class BlockingWork:
         return self.finished.wait(10)
 
 
-def test_with_the_threads_the_next_bucket_is_sent_while_this_one_is_on_the_wire():
-    threads = BucketThreads(True)
-    try:
-        threads.new_step()
-        sent: list[str] = []
-        on_wire = BlockingWork()
+def test_with_the_threads_the_next_bucket_is_sent_while_this_one_is_on_the_wire(threads):
+    sent: list[str] = []
+    on_wire = BlockingWork()
 
-        def send(name: str, works: list) -> Pending[str]:
-            sent.append(name)
-            return Pending(works, lambda: name)
+    def send(name: str, works: list) -> Pending[str]:
+        sent.append(name)
+        return Pending(works, lambda: name)
 
-        results = [threads.submit(lambda: send("first", [on_wire]), lambda value: torch.zeros(1), CPU, inline=False),
-                   threads.submit(lambda: send("second", []), lambda value: torch.zeros(1), CPU, inline=False)]
-        deadline = time.monotonic() + 5
-        while sent != ["first", "second"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert sent == ["first", "second"]  # the first still on the wire
-        assert not results[0].done()
-        on_wire.finished.set()
-        assert all(torch.equal(r.wait(), torch.zeros(1)) for r in results)
-    finally:
-        threads.close()
+    results = [threads.submit(lambda: send("first", [on_wire]), lambda value: torch.zeros(1), CPU, inline=False),
+               threads.submit(lambda: send("second", []), lambda value: torch.zeros(1), CPU, inline=False)]
+    deadline = time.monotonic() + 5
+    while sent != ["first", "second"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent == ["first", "second"]  # the first still on the wire
+    assert not results[0].done()
+    on_wire.finished.set()
+    assert all(torch.equal(r.wait(), torch.zeros(1)) for r in results)
