@@ -234,3 +234,19 @@ def test_a_dense_intervals_own_bytes_size_the_elements_whatever_the_statistics_s
     model.measure(run)
     assert model.state.model_element == 2.0
     assert model.predict(run, {})[0] == pytest.approx(0.1 + flat)
+
+
+def test_a_mixed_precision_model_is_priced_by_each_layers_own_element_size():
+    """A dense interval's statistics size each layer (fp32 here, bf16 there); the whole
+    model's average (3 bytes) stands in only for a layer not seen dense."""
+    world = 2
+    run = RunState("r", world, {"w": [ROWS, COLS], "h": [ROWS, COLS]}, "adaptive", {})
+    ring = 2 * (world - 1) / world
+    for name, size in (("w", 4), ("h", 2)):
+        run.layers[name].compressor, run.layers[name].dense_bytes = "none", world * ring * size * N
+    sent = ring * 6 * N  # a rank's dense bytes of a step
+    run.timings.append(Timing(9, 0.2, 0.1, 0.1, 1.0, world * sent * 10, world * sent * 10, world))
+    model = CostModel(round_seconds=0.0, bandwidth=1.0)
+    model.measure(run)
+    assert model.state.element == {"w": 4.0, "h": 2.0}
+    assert model.predict(run, {})[0] == pytest.approx(0.1 + sent)

@@ -139,8 +139,8 @@ MUTANTS = (
     ),
     mutant(
         "local-inner-compute-ignored", "LocalChoice._auto",
-        "        compute = (self.cost.compute or 0.0) if s.inner_compute is None else s.inner_compute\n",
-        "        compute = self.cost.compute or 0.0\n",
+        "        compute = (self.cost.compute or 0.0) + inside if s.inner_compute is None else s.inner_compute\n",
+        "        compute = (self.cost.compute or 0.0) + inside\n",
         "tests/test_local_policy.py -k measure",
         "auto sizes H against the per-step compute, which the overlapped reduction inflates, not an inner step's",
     ),

@@ -16,17 +16,17 @@ MUTANTS = (
     ),
     mutant(
         "cost-model-extra-from-the-wait-alone", "CostModel.measure",
-        "                    extra = t.step_seconds - s.compute - per_node * wire / s.bw - decode\n",
-        "                    extra = t.comm_seconds - per_node * wire / s.bw - decode\n",
+        "                    extra = t.step_seconds - s.compute - per_node * wire / s.bw - decode - inside\n",
+        "                    extra = t.comm_seconds - per_node * wire / s.bw - decode - inside\n",
         "tests/test_adaptive_policy.py",
         "a compressed family's overhead leaves out the codec the rank counts as compute",
     ),
     mutant(
-        "cost-model-element-size-from-latest-stats", "CostModel._traffic",
-        "            size = self.state.element.get(name) or element_bytes(h, w, allreduce)\n",
-        "            size = element_bytes(h, w, allreduce)\n",
+        "cost-model-element-size-from-latest-stats", "CostModel._element",
+        "        cached = self.state.element.get(name) or self.state.model_element\n",
+        "        cached = self.state.model_element\n",
         "tests/test_cost_model_ranks.py",
-        "after a two-level compressed interval the dense plan is priced at half its bytes",
+        "each layer's element size from a dense interval is ignored: a mixed-precision model is priced at its average",
     ),
     mutant(
         "local-lr-cap-ignores-replicas", "LocalChoice._lr_allows",
