@@ -203,24 +203,24 @@ class CostModel:
         per_node = max(1, run.per_node)
         if per_node == 1 or run.node_link is None:
             return 0.0
-        dense = sum(h.numel * self._element(run, name, h) for name, h in run.layers.items())
+        sizes = self._elements(run)
+        dense = sum(h.numel * sizes[name] for name, h in run.layers.items())
         return 2 * (per_node - 1) / per_node * dense * run.node_link
 
-    def _element(self, run: RunState, name: str, h: LayerHistory) -> float:
-        """Bytes per gradient element of a layer: as a dense step measured it, else from its
-        latest statistics. Those of a two-level compressed step count each layer's 1/L
+    def _elements(self, run: RunState) -> dict[str, float]:
+        """Bytes per gradient element of each layer: as a dense step measured it, else from
+        its latest statistics. Those of a two-level compressed step count each layer's 1/L
         piece on a ring of the K nodes (every layer is cut, the dense ones too): read as a
         flat ring's whole layers, fp32 would be priced as 4/3 bytes an element at 2 x 2,
         and a dense step at a third of its bytes, until a dense interval with statistics
         had run."""
-        cached = self.state.element.get(name) or self.state.model_element
-        if cached:
-            return cached
         w, k = max(1, run.world_size), run.nodes
+        allreduce = self._allreduce(w)
         in_pieces = run.per_node > 1 and not self.sharded and any(x.compressor != DENSE.name
                                                                    for x in run.layers.values())
-        share = 2 * (k - 1) / k / self._allreduce(w) / run.per_node if in_pieces else 1.0
-        return element_bytes(h, w, self._allreduce(w), share=share)
+        share = 2 * (k - 1) / k / allreduce / run.per_node if in_pieces else 1.0
+        return {name: self.state.element.get(name) or self.state.model_element
+                or element_bytes(h, w, allreduce, share=share) for name, h in run.layers.items()}
 
     def levels(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[int, int]:
         """(ranks a layer's collectives span, ranks sharing one slow link): (K, L) for a
@@ -239,12 +239,12 @@ class CostModel:
         ranks, parts = self.levels(run, chosen)
         over = 2 * (ranks - 1) / ranks if parts > 1 else allreduce  # at the ranks the collectives span
         total = decoded = 0.0
+        sizes = self._elements(run)
         for name, h in run.layers.items():
             compressor = self._compressor(chosen.get(name, DENSE))
             per_byte = (ranks - 1) if compressor.transport is Transport.ALLGATHER else over
             numel, shape = piece(h, parts)
-            size = self._element(run, name, h)
-            payload = compressor.payload_bytes(numel, shape, size)
+            payload = compressor.payload_bytes(numel, shape, sizes[name])
             total += parts * per_byte * payload
             if compressor.transport is Transport.ALLGATHER:
                 decoded += ranks * payload  # every rank's payload, its own included

@@ -22,9 +22,9 @@ MUTANTS = (
         "a compressed family's overhead leaves out the codec the rank counts as compute",
     ),
     mutant(
-        "cost-model-element-size-from-latest-stats", "CostModel._element",
-        "        cached = self.state.element.get(name) or self.state.model_element\n",
-        "        cached = self.state.model_element\n",
+        "cost-model-element-size-from-latest-stats", "CostModel._elements",
+        "        return {name: self.state.element.get(name) or self.state.model_element\n",
+        "        return {name: self.state.model_element\n",
         "tests/test_cost_model_ranks.py",
         "each layer's element size from a dense interval is ignored: a mixed-precision model is priced at its average",
     ),
