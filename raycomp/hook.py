@@ -148,7 +148,7 @@ class CompressionState:
         self.plain = PlainStep(self.reducer, [(self._names[id(p)], p) for p in bucketed], self.name_of,
                                self._end_step_waited)
         #: (plan, whether it is dense everywhere, whether its buckets go out at once)
-        self._dense_plan: tuple[Plan, bool, bool] | None = None
+        self._plan_shape_of: tuple[Plan, bool, bool] | None = None
         self._chain = False  # this step's compressed buckets are chained (begin_step)
         #: reduce each bucket inside the node only, dense (local steps between nodes: a node
         #: is one replica; :mod:`raycomp.train.local_strategy`)
@@ -281,14 +281,14 @@ class CompressionState:
         shared-index sums, sparse all-gathers and, at two ranks, the scalable route's one
         all-gather go out at once; PowerSGD's Q waits for P, the scalable route past two
         ranks for its exchange, and a two-level step for its node's hop."""
-        if self._dense_plan is None or self._dense_plan[0] is not self.plan:
+        if self._plan_shape_of is None or self._plan_shape_of[0] is not self.plan:
             kinds = {self.reducer.transport_for(self.name_of(p), p.shape) for p in self.parameters}
             at_once = {Transport.DENSE, Transport.ALLREDUCE, Transport.ALLGATHER}
             if self.reducer.send_group.size <= 2:
                 at_once.add(Transport.SCALABLE)
             single = self.levels is None and kinds <= at_once
-            self._dense_plan = (self.plan, kinds <= {Transport.DENSE}, single)
-        return self._dense_plan[1], self._dense_plan[2]
+            self._plan_shape_of = (self.plan, kinds <= {Transport.DENSE}, single)
+        return self._plan_shape_of[1], self._plan_shape_of[2]
 
     def plain_in_hook(self) -> bool:
         """Whether this step is a plain step reduced in the hook, its buckets

@@ -90,8 +90,8 @@ MUTANTS = (
     ),
     mutant(
         "hook-sends-inline-if-any-layer-dense", "CompressionState._plan_shape",
-        "            self._dense_plan = (self.plan, kinds <= {Transport.DENSE}, single)\n",
-        "            self._dense_plan = (self.plan, Transport.DENSE in kinds, single)\n",
+        "            self._plan_shape_of = (self.plan, kinds <= {Transport.DENSE}, single)\n",
+        "            self._plan_shape_of = (self.plan, Transport.DENSE in kinds, single)\n",
         "tests/test_hook.py -k go_out_at_once",
         "a plan with some dense layers issues from DDP's thread while compressed layers need the sending thread",
     ),
