@@ -27,7 +27,7 @@ from raycomp.controllers.policies.decision import checked
 from raycomp.controllers.ray_metrics import EVERY_S as RAY_METRICS_EVERY_S
 from raycomp.controllers.snapshots import SnapshotStore
 from raycomp.controllers.state import RunState
-from raycomp.messages import GradStats, ReportTooLarge
+from raycomp.messages import GradStats, ReportTooLarge, is_finite
 
 log = logging.getLogger("raycomp.controller")
 
@@ -367,7 +367,7 @@ def checked_node_link(value: Any) -> float | None:
     """A registration's ``node_link`` as a float, or ValueError naming what is allowed."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_finite(value) or value <= 0:
         raise ValueError(f"node_link: expected None or a finite number of seconds per byte > 0, got {value!r}")
     return float(value)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "GradStats", "MAX_EVENTS", "MAX_EVENT_BYTES", "MAX_LAYERS", "MAX_NAME_CHARS", "MAX_PROFILE",
+    "GradStats", "is_finite", "MAX_EVENTS", "MAX_EVENT_BYTES", "MAX_LAYERS", "MAX_NAME_CHARS", "MAX_PROFILE",
     "ReportTooLarge"
 ]
 
@@ -129,7 +129,8 @@ class ReportTooLarge(ValueError):
     """A report over one of the size bounds (counted apart from malformed ones)."""
 
 
-def _is_finite(value: Any) -> bool:
+def is_finite(value: Any) -> bool:
+    """Whether an untrusted value is a finite int or float (a bool is not)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -208,5 +209,5 @@ def _approx_size(obj: Any, limit: int) -> int:
 
 
 def _finite(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_finite(value):
         raise ValueError(f"{key}: expected a finite number, got {value!r}")
