@@ -19,6 +19,12 @@ holds only its shard of the reduced gradient, so the norm the guard watches is t
 the ranks' own (unreduced) gradient norms, the same number on every rank. When the units
 that reduce-scatter are not the ones expected (a unit without gradients this step), the
 rows go in one small all-reduce instead.
+
+In two levels (``levels``: :mod:`raycomp.sharded_levels`) the units shard over their node's
+group, reduce-scatter there densely and reduce each shard across nodes as the plan says;
+the ledger counts what crossed nodes, :attr:`ShardedState.intra_bytes` what stayed inside.
+The all-to-all then spans one node only, so the control rows take their own small
+all-reduce over every rank each step.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from raycomp import transports as collectives
 from raycomp.ledger import WireLedger
 from raycomp.plan import DENSE, CompressorSpec, Plan
 from raycomp.sharded import CompressedReduceScatter, check_sharded_spec
+from raycomp.sharded_levels import CrossNodeShards
 from raycomp.stats import LayerStats, layer_stats
+from raycomp.topology import Levels
 
 __all__ = ["ROOT", "ShardedState", "control_row", "unit_parameters"]
 
@@ -88,11 +96,19 @@ class ShardedState:
             and checkpoints work as with raycomp's comms.
         control_group: the group of the control rows' fallback all-reduce (CPU tensors: a
             gloo group when the gradients travel on NCCL; None: the default group).
+        levels: the node's group and this position's cross-node group
+            (:func:`raycomp.topology.node_groups`) when ``model`` was sharded over its node's
+            group (:func:`raycomp.sharded_levels.node_mesh`): each unit then reduce-scatters
+            densely inside the node and its shard crosses nodes compressed as the plan says.
+            None: one level, every rank its own node.
     """
 
     def __init__(self, model: torch.nn.Module, plan: Plan | None = None, *, min_compress_numel: int = 1024,
                  seed: int = 0, stats_every: int = 0, error_feedback: bool = True, install: bool = True,
-                 control_group: Any = None) -> None:
+                 control_group: Any = None, levels: Levels | None = None) -> None:
+        if levels is not None and not install:
+            raise ValueError("install: a model sharded per node needs raycomp's cross-node hop; "
+                             "allowed: install=True with levels, or levels=None")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         units = unit_parameters(model)
@@ -103,19 +119,26 @@ class ShardedState:
         self.min_compress_numel, self.stats_every = min_compress_numel, stats_every
         self.control_group = control_group
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        #: the cross-node hop of a model sharded per node (None: one level)
+        self.cross = None if levels is None else CrossNodeShards(
+            levels, memory="residual" if error_feedback else "none", min_compress_numel=min_compress_numel,
+            seed=seed, stats_every=stats_every)
         self.comms: dict[str, CompressedReduceScatter] = {}
         for name in units:
             comm = CompressedReduceScatter(DENSE, name=name, rank=self.rank, error_feedback=error_feedback,
                                            seed=seed, observer=self)
             if install:
-                model.get_submodule("" if name == ROOT else name).set_custom_reduce_scatter(comm)
+                unit = model.get_submodule("" if name == ROOT else name)
+                unit.set_custom_reduce_scatter(comm)
+                if self.cross is not None:
+                    unit.set_all_reduce_hook(self.cross.hook(name))
             self.comms[name] = comm
-        self.ledger = WireLedger()
-        self.intra_bytes = 0.0  # one level: every rank its own node
+        self.ledger = WireLedger() if self.cross is None else self.cross.ledger
+        self.intra_bytes = 0.0  # bytes sent inside the node (two levels; 0 when flat)
         self.step = 0
         self.stats: list[LayerStats] = []
         self.stats_step = -1
-        self.comm_seconds = 0.0
+        self._comm_seconds = 0.0  # in the units' reduce-scatters
         self.control_rows: torch.Tensor | None = None
         self.rank_norms: list[float] = []  # every rank's own gradient norm, this step
         self._plan = plan or Plan()
@@ -131,6 +154,28 @@ class ShardedState:
     @property
     def plan(self) -> Plan:
         return self._plan
+
+    @property
+    def comm_seconds(self) -> float:
+        """Time spent reducing gradients, whole run: the reduce-scatters and, in two levels,
+        the cross-node hops."""
+        return self._comm_seconds + (0.0 if self.cross is None else self.cross.seconds)
+
+    @property
+    def per_node(self) -> int:
+        """The ranks of a node when the units shard per node (two levels), else 1."""
+        return 1 if self.cross is None else self.cross.levels.topology.per_node
+
+    def time_node_link(self) -> float | None:
+        """Seconds per byte of an all-reduce inside this rank's node
+        (:func:`raycomp.node_link.node_seconds_per_byte`), None when flat. Collective."""
+        if self.cross is None:
+            return None
+        from raycomp.node_link import node_seconds_per_byte
+
+        first = self.parameters[0]
+        local = first.to_local() if hasattr(first, "to_local") else first
+        return node_seconds_per_byte(self.cross.levels, 4 * sum(self.sizes.values()), local.device)
 
     def spec_for(self, unit: str) -> CompressorSpec:
         """What ``unit`` sends under the current plan: dense below ``min_compress_numel``."""
@@ -150,6 +195,11 @@ class ShardedState:
 
     def _install(self, plan: Plan) -> None:
         self._plan, self._pending = plan, None
+        if self.cross is not None:  # the plan is the cross-node hop's; inside the node, dense
+            for name in self.comms:
+                self.spec_for(name)  # refuses what cannot compress a shard
+            self.cross.set_plan(plan)
+            return
         for name, comm in self.comms.items():
             spec = self.spec_for(name)
             if spec != comm.spec:
@@ -172,6 +222,11 @@ class ShardedState:
         not ride (no unit reduce-scattered last as expected, or one process), exchange them."""
         if not self._in_step:
             self._begin()
+        if self.cross is not None:
+            self.cross.end_step()
+            reducer = self.cross.reducer
+            if reducer.stats_step == self.step:
+                self.stats = list(reducer.stats)
         if self.control_rows is None and self._control is not None:
             row = control_row(self._control, self._local_norm_sq())
             rows = torch.zeros(self.world_size, row.numel())
@@ -188,6 +243,8 @@ class ShardedState:
         """A skipped step: drop the residuals that folded its gradient in (as the DDP path)."""
         for comm in self.comms.values():
             comm.residual = None
+        if self.cross is not None:
+            self.cross.reducer.discard_step()
 
     # --- control rows (the guard's) ----------------------------------------------------
     #: every step carries the control values: they ride in the all-to-all that runs anyway
@@ -220,14 +277,14 @@ class ShardedState:
     def begin_call(self, comm: CompressedReduceScatter) -> bool:
         self._begin()
         self._call_started = time.perf_counter()
-        return self.collecting_stats
+        return self.collecting_stats and self.cross is None  # two levels: the shards' statistics
 
     def control_bytes(self, comm: CompressedReduceScatter, grads: torch.Tensor) -> torch.Tensor | None:
         square = grads.pow(2).sum()
         self._norm_sq = square if self._norm_sq is None else self._norm_sq + square
         self._calls += 1
-        if self._calls != len(self.comms) or self._control is None:
-            return None
+        if self._calls != len(self.comms) or self._control is None or self.cross is not None:
+            return None  # in two levels the all-to-all spans one node: the rows go apart
         row = control_row(self._control, self._norm_sq)
         self.ledger.add(collectives.OVERHEAD, (self.world_size - 1) * row.numel() * 4)
         return row.view(torch.uint8)
@@ -237,8 +294,11 @@ class ShardedState:
 
     def reduced(self, comm: CompressedReduceScatter, grads: torch.Tensor, compensated: torch.Tensor,
                 sent: torch.Tensor | None, wire: float, dense: float) -> None:
+        self._comm_seconds += time.perf_counter() - self._call_started
+        if self.cross is not None:  # the node's dense hop; statistics come from the shards'
+            self.intra_bytes += wire
+            return
         self.ledger.add(comm.name, wire, dense)
-        self.comm_seconds += time.perf_counter() - self._call_started
         if self.collecting_stats:
             lossy = not comm.spec.is_dense and sent is not None
             self.stats.append(layer_stats(comm.name, comm.spec.name if lossy else "none", grads, compensated,
@@ -246,12 +306,22 @@ class ShardedState:
 
     # --- checkpointing -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "plan": self._plan.to_dict(),
-                "pending_plan": None if self._pending is None else self._pending.to_dict(),
-                "comms": {name: comm.state_dict() for name, comm in self.comms.items()},
-                "ledger": self.ledger.state_dict()}
+        state = {"step": self.step, "plan": self._plan.to_dict(),
+                 "pending_plan": None if self._pending is None else self._pending.to_dict(),
+                 "comms": {name: comm.state_dict() for name, comm in self.comms.items()},
+                 "ledger": self.ledger.state_dict()}
+        if self.cross is not None:
+            state.update(cross=self.cross.state_dict(), intra_bytes=self.intra_bytes)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state.get("cross") is None) != (self.cross is None):
+            written = "two levels" if state.get("cross") is not None else "one level"
+            raise ValueError(f"compression.levels: this checkpoint was written in {written}; allowed: "
+                             "resume at the same nodes x ranks per node")
+        if self.cross is not None:
+            self.cross.load_state_dict(state["cross"])
+            self.intra_bytes = float(state["intra_bytes"])
         self.step = int(state["step"])
         self._install(Plan.from_dict(state["plan"]))
         self._pending = None if state["pending_plan"] is None else Plan.from_dict(state["pending_plan"])

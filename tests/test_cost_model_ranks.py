@@ -250,3 +250,37 @@ def test_a_mixed_precision_model_is_priced_by_each_layers_own_element_size():
     model.measure(run)
     assert model.state.element == {"w": 4.0, "h": 2.0}
     assert model.predict(run, {})[0] == pytest.approx(0.1 + sent)
+
+
+def test_a_model_sharded_per_node_prices_every_plan_in_two_levels_and_its_shards_sharing_the_link():
+    """FSDP sharded per node (:mod:`raycomp.sharded_levels`): a dense step too reduce-
+    scatters inside the node (at the timed node link) and all-reduces each rank's 1/L shard
+    across the K nodes, the L shards of a node on its link at once. A dense interval's
+    bytes (a rank's shard on the ring of K nodes) calibrate the link as the node's; the
+    compressed plans are priced per shard as a two-level DDP step's pieces."""
+    nodes, per_node, bandwidth, node_link, compute = 2, 2, 1e8, 1e-9, 0.1
+    world = nodes * per_node
+    run = RunState("r", world, {"u": [N]}, "adaptive", {})
+    run.per_node, run.node_link = per_node, node_link
+    reduce_k = 2 * (nodes - 1) / nodes
+    wire = reduce_k * 4 * N / per_node  # a rank's bytes of a dense step: its shard across nodes
+    inside = (per_node - 1) / per_node * 4 * N * node_link  # the reduce-scatter inside the node
+    comm = inside + per_node * wire / bandwidth
+    run.layers["u"].compressor, run.layers["u"].dense_bytes = "none", world * wire
+    run.timings.append(Timing(9, compute + comm, compute, comm, 1.0, world * wire * 10, world * wire * 10, world))
+    model = CostModel(round_seconds=0.0, sharded=True)
+    model.measure(run)
+    assert model.bw == pytest.approx(bandwidth)
+    assert model.state.model_element == 4.0 and model.state.element == {"u": 4.0}
+    assert model.levels(run, {}) == (nodes, per_node)
+    assert model.predict(run, {})[0] == pytest.approx(compute + comm)
+    shard = N // per_node
+    int8 = per_node * reduce_k * (shard + 8 * math.ceil(shard / 2048))
+    assert model.predict(run, {"u": CompressorSpec.of("int8")})[0] == pytest.approx(compute + inside + int8 / bandwidth)
+    # flat FSDP: one reduce-scatter over every rank, nothing inside a node
+    run.per_node = 1
+    run.layers["u"].dense_bytes = world * (world - 1) / world * 4 * N  # a flat reduce-scatter's
+    flat = CostModel(round_seconds=0.0, bandwidth=bandwidth, sharded=True)
+    flat.state.compute = compute
+    assert flat.levels(run, {}) == (world, 1)
+    assert flat.predict(run, {})[0] == pytest.approx(compute + (world - 1) / world * 4 * N / bandwidth)

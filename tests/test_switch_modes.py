@@ -14,6 +14,11 @@ W = 8 (2 x 4).
 * The same local steps between nodes (``compression.levels`` auto): the ranks of a node
   bit-identical after every step, the nodes drifting apart between syncs, and fewer bytes
   per rank crossing nodes than the flat run's.
+* FSDP2 in two levels at W = 4 (sharded inside each node, each shard compressed across
+  nodes): every shardable compressor in turn, the full parameters and optimizer state
+  bit-identical on every rank after every step, fewer bytes crossing nodes than flat FSDP
+  with the same schedule; a killed worker resumes from the distributed checkpoint bit for
+  bit as the unbroken run.
 * Checkpoint and resume at W = 4 and 8: step checkpoints every 5 steps, the rank on the second node
   killed at step 12 (FailureConfig(max_failures=1)), resumed from step 10; the run ends, and
   went through every step, bit-identical to the same schedule unbroken (every rank's
@@ -65,6 +70,12 @@ NODE_REPLICAS = {**LOCAL, "name": "node_replicas", "levels": "auto"}
 RESUMED = {"kind": "steps", "epochs": 2, "steps_per_epoch": 12, "warmup": 2, "every_steps": 5, "max_error": 10.0,
            "stages": [[0, "powersgd", {"rank": 2}], [6, "int4", {}], [14, "dgc_topk", {"ratio": 0.1}]]}
 KILL_STEP, RESUME_STEP = 12, 10
+#: FSDP: the compressors that fit a shard, in turn
+FSDP_STAGES = [[0, "int8", {}], [8, "bf16", {}], [12, "int4", {}], [20, "sign", {}], [26, "qsgd", {}]]
+FSDP_LEVELS = {**TRANSPORTS, "name": "fsdp_levels", "strategy": "fsdp", "levels": "auto", "stages": FSDP_STAGES}
+FSDP_FLAT = {**FSDP_LEVELS, "name": "fsdp_flat", "levels": "flat"}
+FSDP_RESUMED = {**RESUMED, "strategy": "fsdp", "levels": "auto",
+                "stages": [[0, "int8", {}], [6, "int4", {}], [14, "bf16", {}]]}
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -125,6 +136,13 @@ def _every_mode(tmp_path_factory: pytest.TempPathFactory, nodes: int, per_node: 
 @pytest.fixture(scope="module")
 def bed_2x2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _every_mode(tmp_path_factory, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def bed_fsdp_2x2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    killed = {**FSDP_RESUMED, "name": "fsdp_killed", "kill": {"rank": 3, "step": KILL_STEP}}
+    return _run_testbed(tmp_path_factory.mktemp("fsdp2x2"), 2, 2,
+                        [FSDP_LEVELS, FSDP_FLAT, {**FSDP_RESUMED, "name": "fsdp_unbroken"}, killed], max_failures=1)
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +316,41 @@ def test_a_killed_worker_resumes_bit_identical_to_the_unbroken_run(request: pyte
     assert len({r["compression"] for r in unbroken["ranks"]}) == workers  # each rank's own residuals
     assert [rec["dense"] for rec in killed["steps"][0]] == [rec["dense"] for rec in unbroken["steps"][0]]
     assert {rec["plan"] for rec in killed["digests"][0]} == {"none", "powersgd", "int4", "dgc_topk"}
+
+
+def test_fsdp_in_two_levels_keeps_every_node_identical_and_sends_less_across_nodes(bed_fsdp_2x2) -> None:
+    bed = bed_fsdp_2x2
+    run, flat = bed["runs"]["fsdp_levels"], bed["runs"]["fsdp_flat"]
+    steps = FSDP_LEVELS["epochs"] * FSDP_LEVELS["steps_per_epoch"]
+    assert_spread(bed, run["ranks"])
+    assert [r["reducer"] for r in run["ranks"]] == ["CompressedReducer"] * bed["workers"]  # the cross-node hop's
+    assert [r["reducer"] for r in flat["ranks"]] == ["NoneType"] * bed["workers"]  # flat: comms, no reducer
+    for r in (run, flat):
+        assert [rank["steps"] for rank in r["ranks"]] == [steps] * bed["workers"]
+        assert_identical_after_every_step(r["digests"], steps)
+        assert_plans_agree(r["steps"], steps)
+    ran = Counter(rec["plan"] for rec in run["digests"][0])
+    assert set(ran) == {"none", "int8", "bf16", "int4", "sign", "qsgd"}, ran
+    assert len({rec["params"] for rec in run["digests"][0]}) == steps  # it moved at every step
+    assert run["ranks"][0]["params"] != flat["ranks"][0]["params"]  # it took its own path
+    assert run["totals"]["wire_bytes_total"] < flat["totals"]["wire_bytes_total"]
+    assert run["totals"]["intra_node_bytes_total"] > 0 == flat["totals"]["intra_node_bytes_total"]
+    print(json.dumps({"wire_fsdp_two_level": run["totals"]["wire_bytes_total"],
+                      "wire_fsdp_flat": flat["totals"]["wire_bytes_total"], "steps_per_compressor": dict(ran)}))
+
+
+def test_fsdp_in_two_levels_resumes_a_killed_worker_bit_for_bit(bed_fsdp_2x2) -> None:
+    bed = bed_fsdp_2x2
+    unbroken, killed = bed["runs"]["fsdp_unbroken"], bed["runs"]["fsdp_killed"]
+    steps, workers = FSDP_RESUMED["epochs"] * FSDP_RESUMED["steps_per_epoch"], bed["workers"]
+    assert [r["restored_from"] for r in killed["ranks"]] == [RESUME_STEP] * workers
+    assert (killed["dir"] / "faults" / f"killed-at-{KILL_STEP}").exists()
+    for run in (unbroken, killed):
+        assert [r["steps"] for r in run["ranks"]] == [steps] * workers
+        assert_identical_after_every_step(run["digests"], steps)
+    ref, got = last_per_step(unbroken["digests"][0]), last_per_step(killed["digests"][0])
+    for step in range(steps):
+        assert (got[step]["params"], got[step]["optimizer"]) == (ref[step]["params"], ref[step]["optimizer"]), step
+    keys = ("params", "optimizer", "compression")
+    assert [[r[k] for k in keys] for r in killed["ranks"]] == [[r[k] for k in keys] for r in unbroken["ranks"]]
+    assert {rec["plan"] for rec in killed["digests"][0]} == {"none", "int8", "int4", "bf16"}

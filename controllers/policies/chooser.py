@@ -245,7 +245,7 @@ class Chooser:
             prior_band=PRIOR_BAND * self.slack if menu.best_on_prior else None,
             # a faster plan with a lossy layer fell short of lossy_margin
             passed_over_margin=self.margin if min(menu.predicted) < menu.best else None,
-            levels=(run.nodes, run.per_node) if run.per_node > 1 and not self.sharded else None,
+            levels=(run.nodes, run.per_node) if run.per_node > 1 else None,
             node_link=None if run.node_link is None else 1 / run.node_link,
             best_compressed=menu.best_compressed, slack=self.slack)
 

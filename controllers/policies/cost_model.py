@@ -67,6 +67,11 @@ class CostModel:
         bandwidth: bytes per second per rank to plan for (None: measured on dense steps).
         sharded: the run reduce-scatters (FSDP): each element is sent (W-1)/W times instead
             of an all-reduce's 2(W-1)/W, in one all-to-all a unit whatever it carries.
+            Sharded per node (``RunState.per_node`` > 1, :mod:`raycomp.sharded_levels`),
+            every plan goes in two levels, the dense one too: a reduce-scatter inside the
+            node, then each rank's 1/L shard all-reduced across the K nodes by the
+            ordinary transports, the node's L shards sharing its link, priced as a
+            two-level DDP step's pieces.
         decode_rate: bytes of all-gathered payload one rank decodes per second. With W
             ranks an all-gather layer (Top-K, DGC) hands every rank W payloads to decode
             (scatter-add each rank's sparse values into one dense tensor), so its decode
@@ -140,16 +145,20 @@ class CostModel:
                 s.compute = ema(s.compute, max(0.0, t.compute_seconds))
                 numel = sum(h.numel for h in run.layers.values())
                 if numel and per_rank > 1:  # a dense step's bytes are a flat ring's
-                    s.model_element = nearest_size(dense / (self._allreduce(per_rank) * numel))
+                    s.model_element = nearest_size(dense / (self._dense_share(run, per_rank) * numel))
                 if self.assumed_bw is None and t.comm_seconds > 0:
                     # average seconds per byte, not bytes per second: one slow interval
-                    # after a fast one must weigh as much as the other way round
-                    per_byte = ema(None if s.bw is None else 1 / s.bw, t.comm_seconds / wire)
+                    # after a fast one must weigh as much as the other way round; sharded
+                    # per node, the node's L shards cross its link at once, after the
+                    # reduce-scatter inside it
+                    shards = max(1, run.per_node) if self.sharded else 1
+                    crossing = max(t.comm_seconds - self._inside(run, shards), 0.1 * t.comm_seconds)
+                    per_byte = ema(None if s.bw is None else 1 / s.bw, crossing / (shards * wire))
                     s.bw = 1 / per_byte
                 if t is run.timings[-1]:  # the layers' statistics are this interval's
                     for name, h in run.layers.items():
                         if h.compressor == DENSE.name and h.dense_bytes > 0:
-                            s.element[name] = element_bytes(h, per_rank, self._allreduce(per_rank))
+                            s.element[name] = element_bytes(h, per_rank, self._dense_share(run, per_rank))
                 continue
             if s.compute is None:  # until a dense interval times it, this interval's own compute
                 s.compute = max(0.0, t.compute_seconds)
@@ -157,7 +166,7 @@ class CostModel:
                 # the layers' compressor names are those of this (the latest) interval
                 in_force = self._in_force(run)
                 ranks, per_node = self.levels(run, in_force)
-                rounds = self.rounds({h.compressor for h in run.layers.values()}, ranks)
+                rounds = self.rounds({h.compressor for h in run.layers.values()}, ranks, per_node)
                 if rounds:
                     decode = self._traffic(run, in_force)[1] if self.decode_rate else 0.0
                     # the whole step beyond a dense step's compute and this plan's bytes (a
@@ -165,7 +174,7 @@ class CostModel:
                     # the codec runs in what the rank counts as compute, so the
                     # communication's wait alone would price a compressed plan too cheap
                     # where the link is fast and go back and forth between it and dense
-                    inside = self.node_allreduce(run) if per_node > 1 else 0.0
+                    inside = self._inside(run, per_node)
                     extra = t.step_seconds - s.compute - per_node * wire / s.bw - decode - inside
                     self.measure_rounds(rounds, max(0.0, extra))
 
@@ -190,9 +199,9 @@ class CostModel:
         total, decode = self._traffic(run, chosen)
         assert self.bw is not None and self.compute is not None
         ranks, per_node = self.levels(run, chosen)
-        rounds = self.rounds({chosen.get(name, DENSE).name for name in run.layers}, ranks)
+        rounds = self.rounds({chosen.get(name, DENSE).name for name in run.layers}, ranks, per_node)
         seconds = sum(r * self.overhead.get(f, self.prior) for f, r in rounds.items())
-        inside = self.node_allreduce(run) if per_node > 1 else 0.0
+        inside = self._inside(run, per_node)
         return self.compute + total / self.bw + decode + seconds + inside, rounds
 
     def node_allreduce(self, run: RunState) -> float:
@@ -207,6 +216,15 @@ class CostModel:
         dense = sum(h.numel * sizes[name] for name, h in run.layers.items())
         return 2 * (per_node - 1) / per_node * dense * run.node_link
 
+    def _inside(self, run: RunState, per_node: int) -> float:
+        """What a step spends inside its node: nothing in one level; a two-level DDP step's
+        reduce-scatter and all-gather (:meth:`node_allreduce`); a model sharded per node,
+        its reduce-scatter only (FSDP all-gathers the parameters there whatever the plan)."""
+        if per_node == 1:
+            return 0.0
+        full = self.node_allreduce(run)
+        return full / 2 if self.sharded else full
+
     def _elements(self, run: RunState) -> dict[str, float]:
         """Bytes per gradient element of each layer: as a dense step measured it, else from
         its latest statistics. Those of a two-level compressed step count each layer's 1/L
@@ -215,7 +233,7 @@ class CostModel:
         and a dense step at a third of its bytes, until a dense interval with statistics
         had run."""
         w, k = max(1, run.world_size), run.nodes
-        allreduce = self._allreduce(w)
+        allreduce = self._dense_share(run, w)
         in_pieces = run.per_node > 1 and not self.sharded and any(x.compressor != DENSE.name
                                                                    for x in run.layers.values())
         share = 2 * (k - 1) / k / allreduce / run.per_node if in_pieces else 1.0
@@ -224,10 +242,13 @@ class CostModel:
 
     def levels(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[int, int]:
         """(ranks a layer's collectives span, ranks sharing one slow link): (K, L) for a
-        two-level run's compressed plan, else (W, 1)."""
+        two-level run's compressed plan and every plan of a model sharded per node, else
+        (W, 1)."""
         w, per_node = max(1, run.world_size), max(1, run.per_node)
-        if per_node == 1 or self.sharded or all(chosen.get(name, DENSE).name == DENSE.name for name in run.layers):
+        if per_node == 1:
             return w, 1
+        if not self.sharded and all(chosen.get(name, DENSE).name == DENSE.name for name in run.layers):
+            return w, 1  # a dense DDP step is DDP's own flat all-reduce
         return run.nodes, per_node
 
     def _traffic(self, run: RunState, chosen: dict[str, CompressorSpec]) -> tuple[float, float]:
@@ -256,6 +277,14 @@ class CostModel:
         w = world_size
         return (w - 1) / w if self.sharded else 2 * (w - 1) / w
 
+    def _dense_share(self, run: RunState, world_size: int) -> float:
+        """Times a dense step's bytes count each element, per rank: :meth:`_allreduce`'s,
+        or, sharded per node, a ring of the K nodes over the rank's 1/L shard."""
+        if self.sharded and run.per_node > 1:
+            k = run.nodes
+            return 2 * (k - 1) / k / run.per_node
+        return self._allreduce(world_size)
+
     def _in_force(self, run: RunState) -> dict[str, CompressorSpec]:
         """Each layer's compressor in the latest interval: the plan's spec where the layer
         reported that compressor, else the reported name at its default parameters (dense
@@ -272,10 +301,10 @@ class CostModel:
             chosen[name] = spec
         return chosen
 
-    def rounds(self, families: set[str], world_size: int) -> dict[str, int]:
-        """Collective rounds beyond dense's per family; none on the sharded path (one
-        all-to-all a unit)."""
-        return {} if self.sharded else family_rounds(families, world_size)
+    def rounds(self, families: set[str], world_size: int, per_node: int = 1) -> dict[str, int]:
+        """Collective rounds beyond dense's per family; none on the flat sharded path (one
+        all-to-all a unit). Sharded per node the shards take the ordinary transports."""
+        return {} if self.sharded and per_node == 1 else family_rounds(families, world_size)
 
     def on_prior(self, rounds: dict[str, int]) -> set[str]:
         """The families among ``rounds`` still priced at the assumed round_seconds."""

@@ -1,6 +1,11 @@
 """``strategy="fsdp"``: shard a worker's model with FSDP2 (``fully_shard``), the way
 ``ray.train.torch.prepare_model`` wraps it in DDP for ``strategy="ddp"``, and compress each
-unit's reduce-scatter as the plan says (:class:`~raycomp.sharded_state.ShardedState`)."""
+unit's reduce-scatter as the plan says (:class:`~raycomp.sharded_state.ShardedState`).
+
+On several nodes of several workers (``compression.levels: auto``, the topology found as
+for DDP) the model is sharded over each node's workers and replicated across nodes (HSDP's
+layout): dense inside a node, each shard's mean compressed across nodes
+(:mod:`raycomp.sharded_levels`)."""
 
 from __future__ import annotations
 
@@ -10,9 +15,10 @@ import torch
 from torch import nn
 
 from raycomp.plan import Plan
+from raycomp.topology import Levels, discover, node_groups
 from raycomp.train.gradient_strategy import StrategySetup
 
-__all__ = ["FsdpStrategy", "default_units", "fsdp_strategy", "shard_model", "sharded_state"]
+__all__ = ["FsdpStrategy", "default_units", "fsdp_strategy", "shard_model", "sharded_state", "sharding_levels"]
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -36,11 +42,13 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                reduce_dtype: torch.dtype | None = None) -> nn.Module:
+                reduce_dtype: torch.dtype | None = None, levels: Levels | None = None) -> nn.Module:
     """``model`` on ``device`` with ``fully_shard`` on :func:`default_units` and the root
     (unless it is already sharded), and ``optimizer`` pointed at the sharded parameters.
     ``reduce_dtype``: FSDP's own ``MixedPrecisionPolicy(reduce_dtype=...)``, for FSDP's own
     reduce-scatter (raycomp's comms replace it, and ignore this, once installed).
+    ``levels``: shard over this rank's node only (:func:`raycomp.sharded_levels.node_mesh`);
+    None: over every rank.
 
     ``fully_shard`` replaces each parameter by a sharded one, so an optimizer built before
     it would step tensors no longer in the model; its parameter groups are re-pointed here,
@@ -56,7 +64,12 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
                          "(raycomp re-points it at the sharded parameters)")
     names = {id(p): name for name, p in model.named_parameters()}
     model.to(device)  # keeps each parameter's identity (module.to replaces .data)
-    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    if levels is not None:
+        from raycomp.sharded_levels import node_mesh
+
+        mesh = node_mesh(levels, device.type)
+    else:
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for unit in default_units(model):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
@@ -78,10 +91,18 @@ class FsdpStrategy:
     sharded = True
     per_step = True  # every step's gradients are reduced
     bucket_cap_mb = None  # no DDP buckets
-    per_node = 1  # one level: FSDP in two levels (HSDP) is not built
 
     def __init__(self, model: nn.Module, state: Any) -> None:
         self.model, self.state = model, state
+
+    @property
+    def per_node(self) -> int:
+        """The ranks of a node when the model is sharded per node (two levels), else 1."""
+        return self.state.per_node
+
+    def time_node_link(self) -> float | None:
+        """Seconds per byte inside a node, timed (two levels), else None. Collective."""
+        return self.state.time_node_link()
 
     def layers(self) -> dict[str, list[int]]:
         return {name: [numel] for name, numel in self.state.sizes.items()}
@@ -96,19 +117,28 @@ class FsdpStrategy:
         return ()
 
 
-def sharded_state(model: nn.Module, setup: StrategySetup, *, install: bool = True) -> Any:
+def sharded_state(model: nn.Module, setup: StrategySetup, *, install: bool = True,
+                  levels: Levels | None = None) -> Any:
     """The rank's :class:`~raycomp.sharded_state.ShardedState` over ``model``, as the run's
-    options say (dense plan). ``install=False`` keeps the units' own reduce-scatter."""
+    options say (dense plan). ``install=False`` keeps the units' own reduce-scatter;
+    ``levels``: ``model`` is sharded per node, its shards cross nodes compressed."""
     from raycomp.sharded_state import ShardedState
 
     c = setup.options.compression
     return ShardedState(model, Plan(), min_compress_numel=c.min_compress_numel, seed=setup.options.seed,
                         stats_every=setup.options.controller.interval_steps, error_feedback=c.memory != "none",
-                        install=install, control_group=setup.control_group)
+                        install=install, control_group=setup.control_group, levels=levels)
+
+
+def sharding_levels(setup: StrategySetup) -> Levels | None:
+    """Both levels' groups where the run has several nodes of several workers and
+    ``compression.levels`` is ``auto``, else None. Collective (it creates the groups)."""
+    return node_groups(discover()) if setup.options.compression.levels == "auto" else None
 
 
 def fsdp_strategy(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> FsdpStrategy:
     """raycomp's FSDP2 path: ``fully_shard`` on :func:`default_units` and the root, each
     unit's reduce-scatter compressed per destination shard."""
-    model = shard_model(model, optimizer, setup.device)
-    return FsdpStrategy(model, sharded_state(model, setup))
+    levels = sharding_levels(setup)
+    model = shard_model(model, optimizer, setup.device, levels=levels)
+    return FsdpStrategy(model, sharded_state(model, setup, levels=levels))

@@ -12,8 +12,9 @@ The spec: ``output``, ``nodes``, ``workers``, ``name``, ``max_failures`` (the fi
   compressor name, params]``) or ``"local"`` (``compression.local`` fixed, ``sync_every``,
   pseudo-gradients in ``local_compressor``, ``delay`` 0: every sync lands in the step it
   starts, so every rank holds the synchronised weights right after it);
-* ``epochs``, ``steps_per_epoch``, ``warmup``; optional ``every_steps`` (step checkpoints)
-  and ``kill`` (``{"rank": r, "step": s}``: that rank exits at step ``s``, once:
+* ``epochs``, ``steps_per_epoch``, ``warmup``; optional ``strategy`` (``"ddp"``, the
+  default, or ``"fsdp"``: digests over each sharded tensor's full value), ``levels``,
+  ``every_steps`` (step checkpoints) and ``kill`` (``{"rank": r, "step": s}``: that rank exits at step ``s``, once:
   :class:`jobs.faults.FaultInjector`).
 
 The runs train in turn in one worker group. After a restart (a killed worker) the training
@@ -42,6 +43,11 @@ from typing import Any
 import torch
 
 from tests.support.switch_train import _optimizer_tensors, digest, join_cluster
+
+
+def _full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's whole value (a sharded DTensor's gathered: a collective, in order)."""
+    return [t.full_tensor() if hasattr(t, "full_tensor") else t for t in tensors]
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -83,7 +89,7 @@ def _options(run: dict[str, Any], controller: str, run_dir: Path) -> Any:
                                          schedule=ScheduleOptions(stages=stages), levels=run.get("levels", "flat"),
                                          guard=GuardSection(max_compression_error=run.get("max_error", 0.999)))
     return raycomp.train.TrainOptions(
-        compression=compression,
+        compression=compression, strategy=run.get("strategy", "ddp"),
         controller=ControllerSection(name=controller, interval_steps=2, metrics_enabled=False),
         checkpoint=CheckpointSection(every_steps=run.get("every_steps")),
         output_dir=str(run_dir), run_id=f"{run['name']}-{controller}"[:80], progress_every=0)
@@ -93,7 +99,8 @@ def _reducer(state: Any) -> Any:
     """The reducer inside a gradient strategy (DDP: its CompressionState's; local steps:
     the one their syncs use)."""
     while state is not None and not hasattr(state, "send_group"):
-        state = getattr(state, "reducer", None) or getattr(state, "steps", None) or getattr(state, "state", None)
+        state = getattr(state, "reducer", None) or getattr(state, "steps", None) or getattr(state, "state", None) \
+            or getattr(state, "cross", None)
     return state
 
 
@@ -130,8 +137,8 @@ def train_one(run: dict[str, Any], controller: str, run_dir: Path) -> dict[str, 
                 loss.backward()
                 raycomp.train.step(loss, samples=len(y))
                 out.write(json.dumps({
-                    "step": step, "params": digest(list(model.parameters())),
-                    "optimizer": digest(_optimizer_tensors(optimizer)), "outer_steps": loop.outer_steps,
+                    "step": step, "params": digest(_full(list(model.parameters()))),
+                    "optimizer": digest(_full(_optimizer_tensors(optimizer))), "outer_steps": loop.outer_steps,
                     "plan": loop.state.plan.default.name}) + "\n")
                 out.flush()
             raycomp.train.report({})
@@ -140,8 +147,8 @@ def train_one(run: dict[str, Any], controller: str, run_dir: Path) -> dict[str, 
     mine = {"rank": rank, "node_ip": ray.util.get_node_ip_address(),
             "netns_inode": os.stat("/proc/self/ns/net").st_ino,
             "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
-            "params_before": before, "params": digest(list(model.parameters())),
-            "optimizer": digest(_optimizer_tensors(optimizer)), "compression": compression,
+            "params_before": before, "params": digest(_full(list(model.parameters()))),
+            "optimizer": digest(_full(_optimizer_tensors(optimizer))), "compression": compression,
             "restored_from": restored_from, "steps": totals["steps"], "outer_steps": loop.outer_steps,
             "world_size": ray.train.get_context().get_world_size(), "pid": os.getpid(),
             "reducer": type(_reducer(loop.state)).__name__}
