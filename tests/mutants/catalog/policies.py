@@ -43,6 +43,20 @@ MUTANTS = (
         "the adaptive policy prices int8 at two extra rounds where two ranks take one",
     ),
     mutant(
+        "cost-model-sharded-per-node-dense-priced-flat", "CostModel.levels",
+        "        if not self.sharded and all(chosen.get(name, DENSE).name == DENSE.name for name in run.layers):\n",
+        "        if all(chosen.get(name, DENSE).name == DENSE.name for name in run.layers):\n",
+        "tests/test_cost_model_ranks.py -k sharded",
+        "a model sharded per node has its dense plan priced as one flat ring, which it never runs",
+    ),
+    mutant(
+        "cost-model-sharded-per-node-link-of-one-shard", "CostModel.measure",
+        "                    shards = max(1, run.per_node) if self.sharded else 1\n",
+        "                    shards = 1\n",
+        "tests/test_cost_model_ranks.py -k sharded",
+        "the link of a model sharded per node is timed as one rank's shard, not the node's L shards at once",
+    ),
+    mutant(
         "cost-model-prices-allgather-as-at-two-ranks", "CostModel._traffic",
         "            per_byte = (ranks - 1) if compressor.transport is Transport.ALLGATHER else over\n",
         "            per_byte = 1 if compressor.transport is Transport.ALLGATHER else over\n",

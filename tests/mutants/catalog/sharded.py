@@ -1,6 +1,9 @@
-"""Sharded data parallel (FSDP2): the control row, plan installation, residuals."""
+"""Sharded data parallel (FSDP2): the control row, plan installation, residuals, and the two
+levels of a model sharded per node (raycomp.sharded_levels)."""
 
 from ..mutant import mutant
+
+LEVELS = "tests/test_sharded_levels.py"
 
 MUTANTS = (
     mutant(
@@ -37,5 +40,33 @@ MUTANTS = (
         "        self.residual = None\n",
         "tests/test_fsdp_job.py -k bit_for_bit",
         "a resumed sharded run loses every unit's error-feedback residual",
+    ),
+    mutant(
+        "sharded-levels-shard-reduced-on-one-level-only", "CrossNodeShards.hook",
+        "            mean = self.reducer.start([unit], [shard], overwrite=True).wait()[0]\n",
+        "            mean = shard\n",
+        LEVELS,
+        "a shard never crosses nodes: every node steps on its own node's mean",
+    ),
+    mutant(
+        "sharded-levels-rows-ride-one-node", "ShardedState.control_bytes",
+        "        if self._calls != len(self.comms) or self._control is None or self.cross is not None:\n",
+        "        if self._calls != len(self.comms) or self._control is None:\n",
+        LEVELS,
+        "the guard's rows ride the node's all-to-all: no rank sees the other node's rows",
+    ),
+    mutant(
+        "sharded-levels-node-bytes-in-the-ledger", "ShardedState.reduced",
+        "            self.intra_bytes += wire\n            return\n",
+        "            self.intra_bytes += wire\n",
+        LEVELS,
+        "the bytes that stayed inside the node are counted as crossing nodes too",
+    ),
+    mutant(
+        "sharded-levels-resume-at-any-place", "CrossNodeShards.load_state_dict",
+        "        if state.get(\"levels\") != self.place:\n",
+        "        if False:\n",
+        LEVELS,
+        "a rank resumes another position's shard residuals as its own",
     ),
 )
