@@ -22,8 +22,11 @@ DDP hooks (``scaling.strategy=ddp``), registered by name:
   training: the step time of the same workers, buckets and loop with the network free, which
   the benchmark divides step times by.
 
-FSDP2 (``scaling.strategy=fsdp``): ``torch_fsdp``, FSDP's own fp32 reduce-scatter, and
-``torch_fsdp_bf16``, its ``MixedPrecisionPolicy(reduce_dtype=bf16)``.
+FSDP2 (``scaling.strategy=fsdp``): ``torch_fsdp``, FSDP's own fp32 reduce-scatter,
+``torch_fsdp_bf16``, its ``MixedPrecisionPolicy(reduce_dtype=bf16)``, and ``torch_hsdp``,
+torch's hybrid sharding on several nodes of several workers: ``fully_shard`` over a 2-D mesh
+(replicate across nodes, shard inside each), FSDP's fp32 reduce-scatter inside the node and
+its fp32 all-reduce of each shard across nodes.
 
 torch's ``powerSGD_hook`` on gloo needs the whole model in one DDP bucket (chains of futures
 from several buckets interleave differently on the ranks: abort or hang): build the DDP model
@@ -41,7 +44,24 @@ from jobs.config import DDP_BASELINES, FSDP_BASELINES, BenchmarkSection
 from raycomp.buckets import ddp_kwargs, gradient_mb
 from raycomp.train.gradient_strategy import GradientStrategy, GradientStrategyFactory, StrategySetup
 
-__all__ = ["HOOKS", "ddp_options", "one_bucket_cap_mb", "register_torch_hook", "torch_baseline"]
+__all__ = ["HOOKS", "ddp_options", "hsdp_mesh", "one_bucket_cap_mb", "register_torch_hook", "torch_baseline"]
+
+
+def hsdp_mesh(device: torch.device) -> Any:
+    """torch's HSDP mesh for this run: ``(nodes, workers per node)``, replicate x shard, from
+    the topology Ray Train gives (:func:`raycomp.topology.discover`). Ranks must be numbered
+    node by node (Ray Train numbers them so); anything else is refused."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raycomp.topology import discover
+
+    place = discover()
+    world = dist.get_world_size()
+    if place.nodes * place.per_node != world or dist.get_rank() != place.node * place.per_node + place.local_rank:
+        raise ValueError(f"benchmark.baseline: torch_hsdp needs ranks numbered node by node on nodes of equal size; "
+                         f"rank {dist.get_rank()} is {place}")
+    return init_device_mesh(device.type, (place.nodes, place.per_node), mesh_dim_names=("replicate", "shard"))
 
 HOOKS = DDP_BASELINES
 
@@ -131,7 +151,8 @@ def torch_baseline(benchmark: BenchmarkSection) -> GradientStrategyFactory:
             from raycomp.train.sharding import FsdpStrategy, shard_model, sharded_state
 
             reduce_dtype = torch.bfloat16 if benchmark.baseline == "torch_fsdp_bf16" else None
-            model = shard_model(model, optimizer, setup.device, reduce_dtype)
+            mesh = hsdp_mesh(setup.device) if benchmark.baseline == "torch_hsdp" else None
+            model = shard_model(model, optimizer, setup.device, reduce_dtype, mesh=mesh)
             return FsdpStrategy(model, sharded_state(model, setup, install=False))
         if benchmark.baseline == "torchft_diloco":
             from jobs.torchft_diloco import torchft_diloco

@@ -537,7 +537,10 @@ def test_fsdp_methods_share_the_budget_and_differ_only_in_the_reduce_scatter():
         seen[name] = (config.benchmark.baseline, c.policy, c.static.compressor.name if c.policy == "static" else None)
     assert seen == {"dense": ("torch_fsdp", "static", "none"), "torch_bf16": ("torch_fsdp_bf16", "static", "none"),
                     "raycomp_bf16": ("none", "static", "bf16"), "raycomp_int8": ("none", "static", "int8"),
-                    "raycomp_adaptive": ("none", "adaptive", None)}
+                    "raycomp_adaptive": ("none", "adaptive", None), "torch_hsdp": ("torch_hsdp", "static", "none"),
+                    "raycomp_adaptive_flat": ("none", "adaptive", None)}
+    flat = load_config(REPO / "jobs/configs/gpt_kjv.yaml", methods.method_overrides("raycomp_adaptive_flat", settings, 2, 10, 16.0))
+    assert flat.compression.levels == "flat"
     with pytest.raises(SystemExit, match="allowed with --strategy fsdp: dense, torch_bf16, raycomp_bf16"):
         methods.parse_methods("raycomp_topk", quick=False, strategy="fsdp")
 

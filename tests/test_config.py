@@ -39,7 +39,7 @@ BAD = [
     (["benchmark.baseline=torch_fsdp"], r"^benchmark.baseline: 'torch_fsdp' needs scaling.strategy=fsdp$"),
     (["benchmark.baseline=torch_powersgd", "scaling.strategy=fsdp", "compression.policy=adaptive"],
      r"^benchmark.baseline: 'torch_powersgd' is a DDP hook; allowed with scaling.strategy=fsdp: none, "
-     r"torch_fsdp, torch_fsdp_bf16$"),
+     r"torch_fsdp, torch_fsdp_bf16, torch_hsdp$"),
     (["workload.precision=fp8"], r"workload.precision: must be one of 'fp32', 'bf16' or 'fp16'"),
     (["workload.precision=fp16", "scaling.strategy=fsdp", "compression.policy=static",
       "compression.static.compressor={name: int8}"],

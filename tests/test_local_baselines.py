@@ -208,5 +208,5 @@ def test_bad_local_step_settings_are_one_line_errors(benchmark, message):
 
 def test_local_step_baselines_are_ddp_strategy_only():
     with pytest.raises(ConfigError, match=r"^benchmark\.baseline: 'torch_postlocalsgd' is a DDP hook; allowed with "
-                                          r"scaling\.strategy=fsdp: none, torch_fsdp, torch_fsdp_bf16$"):
+                                          r"scaling\.strategy=fsdp: none, torch_fsdp, torch_fsdp_bf16, torch_hsdp$"):
         validate({"scaling": {"strategy": "fsdp"}, "benchmark": {"baseline": "torch_postlocalsgd"}})

@@ -164,8 +164,9 @@ class ScalingSection(Section):
 #: ``torchft_diloco`` (torchft's DiLoCo; no DDP, needs the torchft package)
 DDP_BASELINES = ("torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd", "torch_noop",
                  "torch_postlocalsgd", "torchft_diloco")
-#: FSDP's own reduce-scatter, fp32 or bf16 (``MixedPrecisionPolicy(reduce_dtype=bf16)``)
-FSDP_BASELINES = ("torch_fsdp", "torch_fsdp_bf16")
+#: FSDP's own reduce-scatter, fp32 or bf16 (``MixedPrecisionPolicy(reduce_dtype=bf16)``), and
+#: torch's HSDP (a 2-D mesh: sharded inside each node, its fp32 all-reduce across nodes)
+FSDP_BASELINES = ("torch_fsdp", "torch_fsdp_bf16", "torch_hsdp")
 
 
 class BenchmarkSection(Section):
@@ -175,7 +176,7 @@ class BenchmarkSection(Section):
     #: (scaling.strategy=ddp) or one of :data:`FSDP_BASELINES` (scaling.strategy=fsdp) replaces it
     baseline: Literal["none", "torch_allreduce", "torch_fp16", "torch_bf16", "torch_powersgd",
                       "torch_noop", "torch_postlocalsgd", "torchft_diloco", "torch_fsdp",
-                      "torch_fsdp_bf16"] = "none"
+                      "torch_fsdp_bf16", "torch_hsdp"] = "none"
     #: torch_powersgd: the PowerSGD rank
     powersgd_rank: Annotated[int, Field(ge=1)] = 2
     #: torch_powersgd: vanilla all-reduce before this step (torch's docs suggest starting

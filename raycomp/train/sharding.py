@@ -42,13 +42,14 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                reduce_dtype: torch.dtype | None = None, levels: Levels | None = None) -> nn.Module:
+                reduce_dtype: torch.dtype | None = None, levels: Levels | None = None,
+                mesh: Any = None) -> nn.Module:
     """``model`` on ``device`` with ``fully_shard`` on :func:`default_units` and the root
     (unless it is already sharded), and ``optimizer`` pointed at the sharded parameters.
     ``reduce_dtype``: FSDP's own ``MixedPrecisionPolicy(reduce_dtype=...)``, for FSDP's own
     reduce-scatter (raycomp's comms replace it, and ignore this, once installed).
     ``levels``: shard over this rank's node only (:func:`raycomp.sharded_levels.node_mesh`);
-    None: over every rank.
+    ``mesh``: this device mesh (torch's own HSDP: a 2-D one); neither: over every rank.
 
     ``fully_shard`` replaces each parameter by a sharded one, so an optimizer built before
     it would step tensors no longer in the model; its parameter groups are re-pointed here,
@@ -64,7 +65,9 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
                          "(raycomp re-points it at the sharded parameters)")
     names = {id(p): name for name, p in model.named_parameters()}
     model.to(device)  # keeps each parameter's identity (module.to replaces .data)
-    if levels is not None:
+    if mesh is not None:
+        pass
+    elif levels is not None:
         from raycomp.sharded_levels import node_mesh
 
         mesh = node_mesh(levels, device.type)

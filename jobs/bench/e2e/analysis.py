@@ -26,6 +26,7 @@ from jobs.bench.e2e.methods import (
 )
 from jobs.bench.e2e.predictions import plan_predictions
 from jobs.bench.e2e.stats import median, median_with_misses, ratio, spread
+from jobs.bench.e2e.topology import FLAT, parse_topology
 from jobs.bench.e2e.traces import (
     CONSECUTIVE,
     eval_series,
@@ -55,7 +56,12 @@ def analyze_run(run: dict[str, Any], raw: dict[str, Any], settings: dict[str, An
     done = len(steps)
     sharded = settings.get("strategy") == "fsdp"
     numel = sum(math.prod(shape) for shape in raw["layers"].values())
-    if sharded and name in FSDP_BASELINES:  # FSDP's own reduce-scatter: the ideal one's bytes
+    if sharded and name == "torch_hsdp":  # each rank's 1/L shard all-reduced across the K nodes
+        shape = parse_topology(settings.get("topology", FLAT))
+        nodes, per_node = shape.nodes, shape.per_node
+        wire = world * done * 2 * (nodes - 1) / nodes * FSDP_BASELINES[name] * numel / per_node
+        first = 0
+    elif sharded and name in FSDP_BASELINES:  # FSDP's own reduce-scatter: the ideal one's bytes
         wire = world * done * (world - 1) / world * FSDP_BASELINES[name] * numel
         first = 0 if name != "dense" else None
     elif name in TORCH_HOOKS and not sharded:

@@ -110,9 +110,13 @@ FSDP_METHODS: dict[str, list[str]] = {
     "raycomp_bf16": ["compression.policy=static", "compression.static.compressor={name: bf16}"],
     "raycomp_int8": ["compression.policy=static", "compression.static.compressor={name: int8}"],
     "raycomp_adaptive": [],
+    # several nodes of several workers: raycomp_adaptive shards per node (two levels); the
+    # ablation shards over every rank; torch's HSDP is the same layout, dense
+    "raycomp_adaptive_flat": ["compression.levels=flat"],
+    "torch_hsdp": ["benchmark.baseline=torch_hsdp"],
 }
 #: FSDP's own reduce-scatter: the byte model's dtype (bytes per element)
-FSDP_BASELINES = {"dense": 4, "torch_bf16": 2}
+FSDP_BASELINES = {"dense": 4, "torch_bf16": 2, "torch_hsdp": 4}
 QUICK_METHODS = ["dense", "torch_postlocalsgd_h8", "torchft_diloco_h8", "raycomp_adaptive"]
 FSDP_QUICK_METHODS = ["dense", "raycomp_int8", "raycomp_adaptive"]
 COMPUTE = "compute_only"
