@@ -163,10 +163,17 @@ class TwoLevelReducer(CompressedReducer):
         return layout
 
     def start(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
-              closes_step: bool = False, overwrite: bool = False) -> Pending[list[torch.Tensor]]:
+              closes_step: bool = False, overwrite: bool = False,
+              gather_on_wait: bool = False) -> Pending[list[torch.Tensor]]:
         """The three hops; the node's all-gather stays in flight. The node's exchange and
         the cross-node reduction are waited for here, on the caller's thread, since the
-        next hop's collective must be issued from it."""
+        next hop's collective must be issued from it.
+
+        ``gather_on_wait``: leave the cross-node reduction in flight instead; the returned
+        :class:`~raycomp.transports.Pending`'s ``wait()`` waits for it, then issues the
+        node's all-gather and waits for that too. So ``wait()`` issues a collective: call
+        it on the thread that started, at the same point on every rank (a sync of local
+        steps does, ``delay`` inner steps later, which then run beside the slow hop)."""
         self.begin_step()
         self.signals.watch(grads)
         control = self.signals.take(grads[0].device if grads else torch.device("cpu")) if closes_step else None
@@ -181,22 +188,35 @@ class TwoLevelReducer(CompressedReducer):
         segment = _node_mean(received.view(intra.size, layout.width))
         mine = layout.mine(segment, intra.rank)
         flat_dense = [self.group.allreduce_bytes(g.numel() * g.element_size()) for g in grads]
-        means = self._send(
+        crossing = self._send(
             [names[i] for i, _ in mine], [piece for _, piece in mine], closes_step=closes_step, overwrite=True,
             control=control, dense_bytes=[flat_dense[i] * piece.numel() / grads[i].numel() for i, piece in mine],
-        ).wait()
-        for (_, piece), mean in zip(mine, means, strict=True):
-            if mean.data_ptr() != piece.data_ptr():
-                piece.copy_(mean)
-        gathered = segment.new_empty(intra.size * layout.width)
-        work = dist.all_gather(list(gathered.view(intra.size, -1).unbind(0)), segment, group=intra.handle,
-                               async_op=True)  # into one buffer: the list names its rows
-        self._count_intra(segment, control)
+        )
 
-        def finish() -> list[torch.Tensor]:
-            return layout.unpack(gathered)
+        def gather() -> tuple[Any, torch.Tensor]:
+            """After the cross-node reduction: this position's means into the segment, and
+            the node's all-gather of every position's, issued."""
+            means = crossing.finish()
+            for (_, piece), mean in zip(mine, means, strict=True):
+                if mean.data_ptr() != piece.data_ptr():
+                    piece.copy_(mean)
+            gathered = segment.new_empty(intra.size * layout.width)
+            work = dist.all_gather(list(gathered.view(intra.size, -1).unbind(0)), segment, group=intra.handle,
+                                   async_op=True)  # into one buffer: the list names its rows
+            self._count_intra(segment, control)
+            return work, gathered
 
-        return Pending([work], finish)
+        if gather_on_wait:
+            def finish_later() -> list[torch.Tensor]:
+                work, gathered = gather()
+                work.wait()
+                return layout.unpack(gathered)
+
+            return Pending(crossing.works, finish_later)
+        for work in crossing.works:
+            work.wait()
+        work, gathered = gather()
+        return Pending([work], lambda: layout.unpack(gathered))
 
     def _count_intra(self, segment: torch.Tensor, control: torch.Tensor | None) -> None:
         """The all-to-all and the all-gather each send ``L - 1`` segments; the control sum

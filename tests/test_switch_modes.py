@@ -63,6 +63,8 @@ LOCAL = {"name": "local", "kind": "local", "epochs": 2, "steps_per_epoch": 9, "w
          "local_compressor": "int8"}
 #: the same local steps between nodes: a node is one replica, data-parallel inside
 NODE_REPLICAS = {**LOCAL, "name": "node_replicas", "levels": "auto"}
+#: and with each sync's cross-node hop in flight beside the next inner step (the default delay)
+NODE_REPLICAS_DELAYED = {**NODE_REPLICAS, "name": "node_replicas_delayed", "delay": 1}
 #: resumed: PowerSGD, int4 (scalable: server residuals per rank), then DGC's Top-K; a stage's
 #: plan is in force two steps after its start (the boundary, then the next step), so int4
 #: runs from step 8 and the step-10 checkpoint holds its server residuals; rank 3 killed at
@@ -129,7 +131,8 @@ def _every_mode(tmp_path_factory: pytest.TempPathFactory, nodes: int, per_node: 
     """Every transport, local steps, and the resume drill (rank 3 killed) in one fit."""
     killed = {**RESUMED, "name": "killed", "kill": {"rank": 3, "step": KILL_STEP}}
     return _run_testbed(tmp_path_factory.mktemp(f"modes{nodes}x{per_node}"), nodes, per_node,
-                        [TRANSPORTS, TWO_LEVEL, LOCAL, NODE_REPLICAS, {**RESUMED, "name": "unbroken"}, killed],
+                        [TRANSPORTS, TWO_LEVEL, LOCAL, NODE_REPLICAS, NODE_REPLICAS_DELAYED,
+                         {**RESUMED, "name": "unbroken"}, killed],
                         max_failures=1)
 
 
@@ -285,6 +288,36 @@ def test_local_steps_between_nodes_keep_each_node_one_replica(request: pytest.Fi
     assert run["totals"]["wire_bytes_total"] < flat["totals"]["wire_bytes_total"]
     print(json.dumps({"topology": topology, "wire_node_replicas": run["totals"]["wire_bytes_total"],
                       "wire_flat_local": flat["totals"]["wire_bytes_total"], "drifted_steps": drifted}))
+
+
+@pytest.mark.parametrize("topology", ["2x2", "2x4"])
+def test_node_replicas_with_a_delay_keep_each_node_one_replica_and_land_every_sync(
+        request: pytest.FixtureRequest, topology: str) -> None:
+    """``delay`` 1: each sync's cross-node hop runs beside the next inner step and lands
+    there; a node's ranks stay equal after every step and every rank ends equal."""
+    bed = request.getfixturevalue(f"bed_{topology}")
+    run, undelayed = bed["runs"]["node_replicas_delayed"], bed["runs"]["node_replicas"]
+    steps = NODE_REPLICAS_DELAYED["epochs"] * NODE_REPLICAS_DELAYED["steps_per_epoch"]
+    assert_spread(bed, run["ranks"])
+    assert len({r["params"] for r in run["ranks"]}) == 1, run["ranks"]  # merged at the end
+    assert_plans_agree(run["steps"], steps)
+    by_rank = [last_per_step(records) for records in run["digests"]]
+    nodes = {ip: [r["rank"] for r in run["ranks"] if r["node_ip"] == ip] for ip in {r["node_ip"] for r in run["ranks"]}}
+    for step in range(steps):
+        at = [rank[step] for rank in by_rank]
+        for ip, ranks in nodes.items():
+            assert len({at[r]["params"] for r in ranks}) == 1, (step, ip)
+        assert len({d["outer_steps"] for d in at}) == 1, (step, at)
+
+    def landed(records: list[dict]) -> list[int]:
+        by_step = last_per_step(records)
+        return [s for s in range(1, steps) if by_step[s]["outer_steps"] > by_step[s - 1]["outer_steps"]]
+
+    # every sync lands one step after the undelayed run's (the last: the end's merge)
+    delayed, at_once = landed(run["digests"][0]), landed(undelayed["digests"][0])
+    assert len(delayed) >= 3 and {s - 1 for s in delayed[:-1]} <= set(at_once), (delayed, at_once)
+    assert run["ranks"][0]["params"] != undelayed["ranks"][0]["params"]  # the delay's step kept its own progress
+    print(json.dumps({"topology": topology, "landed_at": delayed, "undelayed_at": at_once}))
 
 
 @pytest.mark.parametrize("topology", ["2x2", "2x4"])

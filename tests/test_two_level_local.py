@@ -50,7 +50,7 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _build(topology: Topology | None, pseudo: str) -> tuple:
+def _build(topology: Topology | None, pseudo: str, delay: int = 0) -> tuple:
     model = DDP(_model(), bucket_cap_mb=0.01)
     state = CompressionState(model, Plan(), min_compress_numel=0, topology=topology)
     model.register_comm_hook(state, compression_hook)
@@ -58,7 +58,7 @@ def _build(topology: Topology | None, pseudo: str) -> tuple:
     outer = lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
     steps = LocalSteps(model.module, sync_every=SYNC_EVERY, outer_optimizer=outer,
                        min_compress_numel=0, levels=state.reducer.levels if two_level else None)
-    local = LocalState(model, state, steps, LocalSection(delay=0))  # each sync done before the next step
+    local = LocalState(model, state, steps, LocalSection(delay=delay))  # 0: each sync done before the next step
     local.set_plan(Plan(default=CompressorSpec.of(pseudo), local=LocalMode(SYNC_EVERY)))
     return model, state, steps, local, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), two_level
 
@@ -174,3 +174,46 @@ def test_node_replicas_resume_bit_for_bit_mid_interval():
     for a, b in zip(unbroken, resumed, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert not torch.equal(unbroken[0][5], unbroken[PER_NODE][5])  # the nodes had drifted when saved
+
+
+def _overlapped(rank: int, world: int) -> dict:
+    """Node replicas with ``delay`` 1: which collectives each ``steps.step()`` issued."""
+    topology = Topology.of_rank(rank, NODES, PER_NODE)
+    model, state, steps, local, optimizer, _ = _build(topology, "int8", delay=1)
+    levels = steps.reducer.levels
+    kind = {levels.intra.handle.group_name: "node", levels.cross.handle.group_name: "cross"}
+    issued, weights = [], []
+    with WireRecorder() as recorder:
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            mark = recorder.mark()
+            steps.step()
+            issued.append(sorted({(c.op, kind.get(c.group, "world")) for c in recorder.since(mark)}))
+            weights.append(_flat(model).clone())
+    outer = steps.outer_steps
+    local.close()
+    return {"issued": issued, "weights": weights, "outer": outer}
+
+
+def test_a_node_replicas_sync_overlaps_the_delays_inner_step_and_gathers_when_it_lands():
+    """With ``delay`` 1 the sync's cross-node hop is left in flight when its step ends; the
+    next step finishes it: the node's all-gather of the result goes out then, not before."""
+    results = run_distributed(_overlapped, WORLD)
+    for result in results:
+        assert result["outer"] == STEPS // SYNC_EVERY - 1  # the last sync lands after the last step
+        for step, calls in enumerate(result["issued"]):
+            gathers = [c for c in calls if c == ("all_gather", "node")]
+            if (step + 1) % SYNC_EVERY == 0:  # a sync starts: the node's exchange and the hop out
+                assert ("all_to_all_single", "node") in calls and any(c[1] == "cross" for c in calls), (step, calls)
+                assert gathers == [], (step, calls)
+            elif step % SYNC_EVERY == 0 and step:  # the step after: it lands, the node gathers
+                assert gathers == [("all_gather", "node")] and not any(c[1] == "cross" for c in calls), (step, calls)
+            else:
+                assert calls == [], (step, calls)
+    for step in range(STEPS):  # the ranks of a node hold the same weights throughout
+        for node in range(NODES):
+            first, second = (results[node * PER_NODE + i]["weights"][step] for i in range(PER_NODE))
+            assert torch.equal(first, second), (step, node)

@@ -55,17 +55,12 @@ class LocalChoice(Policy):
         self.inner, self.local = inner, options
         self.name = inner.name
         self.cost = CostModel(round_seconds=0.001)
-        self.syncs_overlap = True  # a sync's cross-node hop may run beside inner steps (flat)
         self.state: LocalState = LocalState(ceiling=options.max_sync_every, cost=self.cost.state)
 
     def restored(self) -> None:
         self.cost.state = self.state.cost
 
     def decide(self, run: RunState) -> Decision | None:
-        # a node replica's sync (two levels) completes in the step that starts it: its
-        # cross-node hop is waited for on the training thread (raycomp.two_level), so no
-        # inner step hides it, whatever ``delay`` says
-        self.syncs_overlap = run.per_node <= 1
         local_in_force = run.plan.local_steps is not None
         if local_in_force:  # timings of inner steps and syncs: not per-step figures
             self._freeze(run)
@@ -154,9 +149,8 @@ class LocalChoice(Policy):
 
     def _delay(self, h: int) -> int:
         """The inner steps a sync of local steps at ``h`` overlaps
-        (:func:`raycomp.local.resolve_delay`, as every rank resolves it); none where a
-        replica is a node."""
-        return resolve_delay(self.local.delay, h, self._fragments(h)) if self.syncs_overlap else 0
+        (:func:`raycomp.local.resolve_delay`, as every rank resolves it)."""
+        return resolve_delay(self.local.delay, h, self._fragments(h))
 
     def _probe(self, target: int, allowed: float | None) -> int:
         """The H to measure next, or 0: twice the H in force, where the choice would keep it,

@@ -15,7 +15,9 @@ train data-parallel among themselves (their gradients all-reduced inside the nod
 inner step, so they hold the same weights), and a sync reduces in two levels
 (:class:`raycomp.two_level.TwoLevelReducer`): each rank of a node sends its ``1/L`` piece
 of the node's pseudo-gradient across nodes, compressed, in parallel with the node's other
-ranks. DiLoCo with data parallelism inside each worker, as INTELLECT-1 runs it.
+ranks. DiLoCo with data parallelism inside each worker, as INTELLECT-1 runs it. With
+``delay > 0`` the cross-node hop runs beside the delay's inner steps, as a flat sync does;
+the node's all-gather of the result follows when the sync is finished.
 """
 
 from __future__ import annotations
@@ -206,7 +208,11 @@ class LocalSteps:
         pseudo = [self.global_params[i].detach() - self.params[i].detach().float() for i in members]
         snapshot = [self.params[i].detach().clone() for i in members] if self.schedule.delay else None
         self.reducer.begin_step()
-        pending = self.reducer.start([self.names[i] for i in members], pseudo, closes_step=True)
+        names = [self.names[i] for i in members]
+        if isinstance(self.reducer, TwoLevelReducer):  # the cross-node hop beside the delay's inner steps
+            pending = self.reducer.start(names, pseudo, closes_step=True, gather_on_wait=True)
+        else:
+            pending = self.reducer.start(names, pseudo, closes_step=True)
         self._in_flight = _InFlight(fragment, self.inner_steps + self.schedule.delay, pending, snapshot)
 
     def _finish(self) -> bool:

@@ -10,8 +10,8 @@ The spec: ``output``, ``nodes``, ``workers``, ``name``, ``max_failures`` (the fi
 * ``name``: the run's directory under ``output`` and its run id;
 * ``kind``: ``"steps"`` (per step, the ``schedule`` policy over ``stages``: ``[start_step,
   compressor name, params]``) or ``"local"`` (``compression.local`` fixed, ``sync_every``,
-  pseudo-gradients in ``local_compressor``, ``delay`` 0: every sync lands in the step it
-  starts, so every rank holds the synchronised weights right after it);
+  pseudo-gradients in ``local_compressor``, ``delay`` 0 unless the run says: every sync
+  lands in the step it starts, so every rank holds the synchronised weights right after it);
 * ``epochs``, ``steps_per_epoch``, ``warmup``; optional ``strategy`` (``"ddp"``, the
   default, or ``"fsdp"``: digests over each sharded tensor's full value), ``levels``,
   ``every_steps`` (step checkpoints) and ``kill`` (``{"rank": r, "step": s}``: that rank exits at step ``s``, once:
@@ -80,7 +80,7 @@ def _options(run: dict[str, Any], controller: str, run_dir: Path) -> Any:
             policy="static", warmup_steps=run["warmup"], min_compress_numel=0,
             static=StaticOptions(compressor=compressor("int8")),
             local=LocalSection(mode="fixed", sync_every=run["sync_every"], compressor=run["local_compressor"],
-                               delay=0), levels=run.get("levels", "flat"))
+                               delay=run.get("delay", 0)), levels=run.get("levels", "flat"))
     else:
         stages = [ScheduleStage(start_step=start, compressor=compressor(name, **params))
                   for start, name, params in run["stages"]]

@@ -146,11 +146,11 @@ MUTANTS = (
         "a node replica's inner step is priced without its all-reduce inside the node",
     ),
     mutant(
-        "node-replica-sync-priced-as-overlapped", "LocalChoice.decide",
-        "        self.syncs_overlap = run.per_node <= 1\n",
-        "        self.syncs_overlap = True\n",
-        "tests/test_local_policy.py",
-        "a two-level sync is priced as hidden behind the delay's inner steps, which it never is",
+        "node-replica-sync-waited-in-its-step", "LocalSteps._start",
+        "            pending = self.reducer.start(names, pseudo, closes_step=True, gather_on_wait=True)\n",
+        "            pending = self.reducer.start(names, pseudo, closes_step=True)\n",
+        "tests/test_two_level_local.py -k overlaps",
+        "a node replica's sync waits for its cross-node hop in the step that starts it: no inner step hides it",
     ),
     mutant(
         "two-level-statistics-read-as-whole-layers", "CostModel._elements",
