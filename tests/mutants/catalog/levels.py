@@ -40,8 +40,8 @@ MUTANTS = (
     *MUTANTS,
     mutant(
         "cost-model-prices-two-levels-as-flat", "CostModel.levels",
-        "        if per_node == 1 or self.sharded",
-        "        if True or self.sharded",
+        "        if per_node == 1:\n            return w, 1\n",
+        "        if True:\n            return w, 1\n",
         "tests/test_cost_model_ranks.py",
         "a two-level run's compressed plan is priced as W flat ranks: all-gathers look (W-1)/(K-1) times dearer",
     ),
@@ -119,7 +119,7 @@ MUTANTS = (
     ),
     mutant(
         "node-hops-left-unpriced", "CostModel.predict",
-        "        inside = self.node_allreduce(run) if per_node > 1 else 0.0\n        return",
+        "        inside = self._inside(run, per_node)\n        return",
         "        inside = 0.0\n        return",
         "tests/test_cost_model_ranks.py",
         "a two-level compressed step's exchange and all-gather inside the node cost nothing",

@@ -15,7 +15,7 @@ MUTANTS = (
     ),
     mutant(
         "sharded-control-never-rides", "ShardedState.control_bytes",
-        "        if self._calls != len(self.comms) or self._control is None:\n",
+        "        if self._calls != len(self.comms) or self._control is None or self.cross is not None:\n",
         "        if True:\n",
         "tests/test_sharded.py",
         "the guard's control floats never ride in the last unit's all-to-all: an extra collective per step",
