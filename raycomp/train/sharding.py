@@ -65,13 +65,11 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
                          "(raycomp re-points it at the sharded parameters)")
     names = {id(p): name for name, p in model.named_parameters()}
     model.to(device)  # keeps each parameter's identity (module.to replaces .data)
-    if mesh is not None:
-        pass
-    elif levels is not None:
+    if mesh is None and levels is not None:
         from raycomp.sharded_levels import node_mesh
 
         mesh = node_mesh(levels, device.type)
-    else:
+    if mesh is None:
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for unit in default_units(model):
