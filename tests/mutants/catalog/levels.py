@@ -21,6 +21,17 @@ MUTANTS = (
         "a rank reduces across nodes the pieces of position 0, not its own",
     ),
     mutant(
+        "two-level-residual-shared-between-hops", "TwoLevelReducer.start",
+        "        mine = layout.mine(segment, intra.rank)\n",
+        "        mine = layout.mine(segment, intra.rank)\n"
+        "        for i, piece in mine:\n"
+        "            owed = self.memory.residual(names[i])\n"
+        "            if owed is not None:\n"
+        "                piece.add_(owed)\n",
+        TESTS,
+        "the cross-node residual joins the piece at the node's hop and again at the cross-node one: sent twice",
+    ),
+    mutant(
         "two-level-node-sum-not-mean", "_node_mean",
         "    return segments.sum(0).div_(segments.shape[0])\n",
         "    return segments.sum(0)\n",
