@@ -50,7 +50,7 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _build(topology: Topology | None, pseudo: str, delay: int = 0) -> tuple:
+def _build(topology: Topology | None, pseudo: str, delay: int = 0, fragments: int = 1) -> tuple:
     model = DDP(_model(), bucket_cap_mb=0.01)
     state = CompressionState(model, Plan(), min_compress_numel=0, topology=topology)
     model.register_comm_hook(state, compression_hook)
@@ -59,7 +59,7 @@ def _build(topology: Topology | None, pseudo: str, delay: int = 0) -> tuple:
     steps = LocalSteps(model.module, sync_every=SYNC_EVERY, outer_optimizer=outer,
                        min_compress_numel=0, levels=state.reducer.levels if two_level else None)
     local = LocalState(model, state, steps, LocalSection(delay=delay))  # 0: each sync done before the next step
-    local.set_plan(Plan(default=CompressorSpec.of(pseudo), local=LocalMode(SYNC_EVERY)))
+    local.set_plan(Plan(default=CompressorSpec.of(pseudo), local=LocalMode(SYNC_EVERY, fragments)))
     return model, state, steps, local, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), two_level
 
 
@@ -217,3 +217,44 @@ def test_a_node_replicas_sync_overlaps_the_delays_inner_step_and_gathers_when_it
         for node in range(NODES):
             first, second = (results[node * PER_NODE + i]["weights"][step] for i in range(PER_NODE))
             assert torch.equal(first, second), (step, node)
+
+
+def _fragments(rank: int, world: int) -> dict:
+    """Node replicas syncing two fragments in turn (Streaming DiLoCo between nodes)."""
+    topology = Topology.of_rank(rank, NODES, PER_NODE)
+    model, _, steps, local, optimizer, _ = _build(topology, "int8", fragments=2)
+    members = steps.fragment_members
+    after = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        before = steps.outer_steps
+        steps.step()
+        params = [p.detach().reshape(-1).clone() for p in model.parameters()]
+        after.append({"synced": steps.outer_steps > before,
+                      "fragments": [torch.cat([params[i] for i in m]) for m in members]})
+    steps.merge_all()
+    final = _flat(model).clone()
+    local.close()
+    return {"after": after, "final": final, "members": members}
+
+
+def test_node_replicas_sync_fragments_in_turn_and_each_lands_on_every_rank():
+    results = run_distributed(_fragments, WORLD)
+    members = results[0]["members"]
+    assert len(members) == 2 and all(members)
+    synced_fragments = []
+    for step in range(STEPS):
+        at = [r["after"][step] for r in results]
+        for node in range(NODES):  # a node's ranks hold the same weights after every step
+            mates = at[node * PER_NODE:(node + 1) * PER_NODE]
+            for f in range(2):
+                assert torch.equal(mates[0]["fragments"][f], mates[1]["fragments"][f]), (step, node, f)
+        if at[0]["synced"]:  # the fragment just synced is equal on every rank, the other not
+            equal = [all(torch.equal(a["fragments"][f], at[0]["fragments"][f]) for a in at) for f in range(2)]
+            assert equal.count(True) == 1, (step, equal)
+            synced_fragments.append(equal.index(True))
+    assert set(synced_fragments) == {0, 1} and len(synced_fragments) >= 4, synced_fragments
+    assert all(torch.equal(r["final"], results[0]["final"]) for r in results)  # merged at the end
