@@ -17,11 +17,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.switch_train import digest, join_cluster
+from tests.support.switch_train import digest, drive
 
 
 def _mine(loop: Any, params: list, output: Path, rank: int, totals: dict[str, Any]) -> None:
@@ -61,29 +60,7 @@ def train_func(config: dict[str, Any]) -> None:
 
 
 def main(spec_path: str) -> int:
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    import raycomp.train
-    from raycomp.config import ControllerSection
-
-    spec = json.loads(Path(spec_path).read_text())
-    output = join_cluster(spec)
-    name = spec["name"]
-    callback = raycomp.train.ControllerCallback(ControllerSection(name=name, metrics_enabled=False))
-    trainer = TorchTrainer(
-        train_func, train_loop_config={"controller": name, "output_dir": str(output)},
-        scaling_config=ScalingConfig(num_workers=spec["workers"]),
-        run_config=RunConfig(name=name, storage_path=str(output / "ray-train"), callbacks=[callback]))
-    started, report = time.time(), {}
-    try:
-        trainer.fit()
-        report = {"status": "succeeded"}
-    except Exception as failure:  # noqa: BLE001 - the test reads it from driver.json
-        report = {"status": "failed", "error": f"{type(failure).__name__}: {failure}"}
-    report["fit_seconds"] = time.time() - started
-    (output / "driver.json").write_text(json.dumps(report, default=str))
-    return 0 if report["status"] == "succeeded" else 1
+    return drive(spec_path, train_func)
 
 
 if __name__ == "__main__":

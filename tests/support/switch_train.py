@@ -110,6 +110,13 @@ def join_cluster(spec: dict[str, Any]) -> Path:
 
 
 def main(spec_path: str) -> int:
+    return drive(spec_path, train_func)
+
+
+def drive(spec_path: str, train_func: Any) -> int:
+    """One Ray Train fit of ``train_func`` on the spec's ``workers``, with raycomp's controller
+    callback; its config: the controller's name and the output directory. Writes
+    ``<output>/driver.json`` (status, what rank 0 returned, the fit's seconds); the exit status."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
