@@ -97,20 +97,11 @@ class CrossNodeShards:
         non-finite step)."""
         self.reducer.end_step()
 
-    @property
-    def place(self) -> dict[str, int]:
-        """This rank's layout: its residuals are shards of it, valid nowhere else."""
-        t = self.levels.topology
-        return {"nodes": t.nodes, "per_node": t.per_node, "position": self.levels.intra.rank,
-                "cross_rank": self.levels.cross.rank}
-
     def state_dict(self) -> dict[str, Any]:
-        return {**self.reducer.state_dict(), "levels": self.place}
+        return {**self.reducer.state_dict(), "levels": self.levels.place}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume bit for bit at the same place; another layout is refused (its residuals
         are other shards)."""
-        if state.get("levels") != self.place:
-            raise ValueError(f"compression.levels: this checkpoint's layout {state.get('levels') or 'flat'} is not "
-                             f"this rank's {self.place}; allowed: resume at the same nodes x ranks per node")
+        self.levels.check_place(state.get("levels"))
         self.reducer.load_state_dict({k: v for k, v in state.items() if k != "levels"})

@@ -102,6 +102,19 @@ class Levels:
     intra: Group  # the ranks of this node, by local rank
     cross: Group  # the rank at this rank's position in every node, by node
 
+    @property
+    def place(self) -> dict[str, int]:
+        """This rank's layout, as a checkpoint records it: state kept per piece or shard of
+        it (residuals, the scalable route's server residuals) is valid nowhere else."""
+        t = self.topology
+        return {"nodes": t.nodes, "per_node": t.per_node, "position": self.intra.rank, "cross_rank": self.cross.rank}
+
+    def check_place(self, saved: dict[str, int] | None) -> None:
+        """ValueError unless ``saved`` (a checkpoint's layout, None when flat) is :attr:`place`."""
+        if saved != self.place:
+            raise ValueError(f"compression.levels: this checkpoint's layout {saved or 'flat'} is not this rank's "
+                             f"{self.place}; allowed: resume at the same nodes x ranks per node")
+
 
 def node_groups(topology: Topology) -> Levels | None:
     """Both levels' process groups, or None when the topology has one level.

@@ -229,11 +229,9 @@ class TwoLevelReducer(CompressedReducer):
 
     @property
     def place(self) -> dict[str, int]:
-        """This reducer's layout: its residuals are pieces of it (and the scalable route's
-        server residuals chunks of those at its cross-node rank), valid nowhere else."""
-        t = self.levels.topology
-        return {"nodes": t.nodes, "per_node": t.per_node, "position": self.levels.intra.rank,
-                "cross_rank": self.levels.cross.rank}
+        """This reducer's layout (:attr:`raycomp.topology.Levels.place`): its residuals are
+        pieces of it, the scalable route's server residuals chunks of those."""
+        return self.levels.place
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "levels": self.place, "intra_ledger": self.intra_ledger.state_dict()}
@@ -245,9 +243,7 @@ class TwoLevelReducer(CompressedReducer):
         residuals are other pieces, or one rank's own share of the mean."""
         if state.get("merged"):
             state = self._cut_merged(state)
-        if state.get("levels") != self.place:
-            raise ValueError(f"compression.levels: this checkpoint's layout {state.get('levels') or 'flat'} is not "
-                             f"this rank's {self.place}; allowed: resume at the same nodes x ranks per node")
+        self.levels.check_place(state.get("levels"))
         super().load_state_dict(state)
         self.intra_ledger.load_state_dict(state["intra_ledger"])
 

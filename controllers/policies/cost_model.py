@@ -232,11 +232,11 @@ class CostModel:
         flat ring's whole layers, fp32 would be priced as 4/3 bytes an element at 2 x 2,
         and a dense step at a third of its bytes, until a dense interval with statistics
         had run."""
-        w, k = max(1, run.world_size), run.nodes
+        w = max(1, run.world_size)
         allreduce = self._dense_share(run, w)
         in_pieces = run.per_node > 1 and not self.sharded and any(x.compressor != DENSE.name
                                                                    for x in run.layers.values())
-        share = 2 * (k - 1) / k / allreduce / run.per_node if in_pieces else 1.0
+        share = _piece_on_nodes(run) / allreduce if in_pieces else 1.0
         return {name: self.state.element.get(name) or self.state.model_element
                 or element_bytes(h, w, allreduce, share=share) for name, h in run.layers.items()}
 
@@ -281,8 +281,7 @@ class CostModel:
         """Times a dense step's bytes count each element, per rank: :meth:`_allreduce`'s,
         or, sharded per node, a ring of the K nodes over the rank's 1/L shard."""
         if self.sharded and run.per_node > 1:
-            k = run.nodes
-            return 2 * (k - 1) / k / run.per_node
+            return _piece_on_nodes(run)
         return self._allreduce(world_size)
 
     def _in_force(self, run: RunState) -> dict[str, CompressorSpec]:
@@ -380,6 +379,13 @@ def piece(h: LayerHistory, parts: int) -> tuple[int, tuple[int, ...]]:
         return h.numel, h.shape if h.shape is not None else matrix(h)
     _, size, shape = cut(torch.Size(h.shape if h.shape is not None else (h.numel,)), parts)[0]
     return size, tuple(shape)
+
+
+def _piece_on_nodes(run: RunState) -> float:
+    """Times a rank's bytes count each element when it sends its 1/L piece of every layer
+    on a ring of the K nodes: a two-level step's pieces, a model sharded per node's shards."""
+    k = run.nodes
+    return 2 * (k - 1) / k / run.per_node
 
 
 def element_bytes(h: LayerHistory, world_size: int, allreduce: float, share: float = 1.0) -> float:

@@ -64,8 +64,8 @@ MUTANTS = (
     ),
     mutant(
         "sharded-levels-resume-at-any-place", "CrossNodeShards.load_state_dict",
-        "        if state.get(\"levels\") != self.place:\n",
-        "        if False:\n",
+        "        self.levels.check_place(state.get(\"levels\"))\n",
+        "        pass\n",
         LEVELS,
         "a rank resumes another position's shard residuals as its own",
     ),
