@@ -11,17 +11,13 @@ Long check (scripts/long-checks.sh).
 from __future__ import annotations
 
 import json
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from jobs.bench.cluster import REPO, driver_env, ray_nodes
-from jobs.bench.netns.switch import SwitchedNetwork
+from tests.support.testbed import drive
 from tests.test_netns import needs_netns
-from tests.test_switch import _assert_gone
 
 pytestmark = [needs_netns, pytest.mark.long]
 pytest.importorskip("lightning.pytorch")
@@ -33,23 +29,11 @@ NODES, PER_NODE = 2, 2
 @pytest.fixture(scope="module")
 def frameworks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("frameworks2x2")
-    output, spec = work / "run", work / "spec.json"
+    output = work / "run"
     workers = NODES * PER_NODE
-    spec.write_text(json.dumps({"output": str(output), "nodes": NODES, "workers": workers,
-                                "name": f"frameworks-{work.name}"[:60]}))
-    net = SwitchedNetwork(NODES, "100mbit")
-    started = time.monotonic()
-    with net, ray_nodes(net, work, cpus=PER_NODE) as address:
-        with open(work / "driver.log", "w") as log:
-            driver = net.popen(0, [sys.executable, "-m", "tests.support.switch_frameworks", str(spec)],
-                               env=driver_env(net, address), stdout=log, stderr=log, cwd=REPO)
-            code = driver.wait(timeout=900)
-    _assert_gone(net)
-    log_tail = (work / "driver.log").read_text(errors="replace")[-4000:]
-    assert code == 0, log_tail
-    report = json.loads((output / "driver.json").read_text())
-    assert report["status"] == "succeeded", (report, log_tail)
-    print(json.dumps({"total_s": round(time.monotonic() - started, 1), "fit_s": round(report["fit_seconds"], 1)}))
+    report = drive(work, NODES, PER_NODE, "tests.support.switch_frameworks",
+                   {"output": str(output), "nodes": NODES, "workers": workers, "name": f"frameworks-{work.name}"[:60]})
+    print(json.dumps({"total_s": report["total_s"], "fit_s": round(report["fit_seconds"], 1)}))
     return {name: [json.loads((output / name / f"rank{r}.json").read_text()) for r in range(workers)]
             for name in ("lightning", "hf")}
 

@@ -32,19 +32,14 @@ Long checks (scripts/long-checks.sh); times in docs/testing.md.
 from __future__ import annotations
 
 import json
-import os
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from jobs.bench.cluster import REPO, driver_env, ray_nodes
-from jobs.bench.netns.switch import SwitchedNetwork
+from tests.support.testbed import drive
 from tests.test_netns import needs_netns
-from tests.test_switch import _assert_gone
 
 pytestmark = [needs_netns, pytest.mark.long]
 
@@ -88,25 +83,12 @@ def _run_testbed(work: Path, nodes: int, per_node: int, runs: list[dict], max_fa
     """Start the testbed and one fit of ``runs``; what the tests read."""
     workers = nodes * per_node
     output = work / "run"
-    spec = work / "spec.json"
-    spec.write_text(json.dumps({"output": str(output), "nodes": nodes, "workers": workers, "runs": runs,
-                                "max_failures": max_failures, "name": f"modes-{nodes}x{per_node}-{work.name}"[:60]}))
-    net = SwitchedNetwork(nodes, "100mbit")
-    started = time.monotonic()
-    with net, ray_nodes(net, work, cpus=per_node) as address:
-        up = time.monotonic()
-        node_of_inode = {os.stat(f"/run/netns/{ns}").st_ino: i for i, ns in net.ns.items()}
-        with open(work / "driver.log", "w") as log:
-            driver = net.popen(0, [sys.executable, "-m", "tests.support.switch_runs", str(spec)],
-                               env=driver_env(net, address), stdout=log, stderr=log, cwd=REPO)
-            code = driver.wait(timeout=900)
-    _assert_gone(net)
-    log_tail = (work / "driver.log").read_text(errors="replace")[-4000:]
-    assert code == 0, log_tail
-    report = json.loads((output / "driver.json").read_text())
-    assert report["status"] == "succeeded", (report, log_tail)
-    print(json.dumps({"topology": f"{nodes}x{per_node}", "cluster_up_s": round(up - started, 1),
-                      "fit_s": round(report["fit_seconds"], 1), "total_s": round(time.monotonic() - started, 1),
+    report = drive(work, nodes, per_node, "tests.support.switch_runs",
+                   {"output": str(output), "nodes": nodes, "workers": workers, "runs": runs,
+                    "max_failures": max_failures, "name": f"modes-{nodes}x{per_node}-{work.name}"[:60]})
+    net, node_of_inode = report["net"], report["node_of_inode"]
+    print(json.dumps({"topology": f"{nodes}x{per_node}", "cluster_up_s": report["cluster_up_s"],
+                      "fit_s": round(report["fit_seconds"], 1), "total_s": report["total_s"],
                       "run_s": report["run_seconds"]}))  # the last worker group's runs
     bed = {"workers": workers, "nodes": nodes, "per_node": per_node, "net": net, "node_of_inode": node_of_inode,
            "runs": {}}
