@@ -81,3 +81,30 @@ def test_at_boundaries_a_dense_step_may_go_without_the_values_until_the_guard_fa
     every = StepJudge(Guard(), _OneRank(), rank=0, world_size=1)
     every.stage(2.0, applied=True)
     assert every.state.skippable == [False, False]
+
+
+def test_at_boundaries_a_loss_left_out_waits_for_the_agreement_and_is_judged_there():
+    state = _OneRank()
+    judge = StepJudge(Guard(loss_window=4), state, rank=0, world_size=1, every_step=False)
+    state.control_skipped = True
+    for step, loss in enumerate((2.0, 2.1, 1.9, 2.0, 2.2, 2.05), start=1):
+        judge.stage(loss, applied=True)
+        judge.decide(step, [])
+    judge.stage(7.0, applied=False)  # a skipped step's loss is never judged, late or not
+    judge.decide(7, [])
+    # the last window's worth waits, oldest first, for the next agreement; none was judged
+    assert list(judge.late) == [1.9, 2.0, 2.2, 2.05] and not judge.guard.losses
+    saved = judge.state_dict()
+    assert saved["late"] == [1.9, 2.0, 2.2, 2.05]
+    restored = StepJudge(Guard(loss_window=4), _OneRank(), rank=0, world_size=1, every_step=False)
+    restored.load_state_dict(saved)
+    assert restored.take_late() == [1.9, 2.0, 2.2, 2.05] and restored.take_late() == []
+    # the agreement hands back the ranks' means: they fill the guard's window as judged losses,
+    # and a sustained spike among them falls back
+    for loss in (2.0, 2.1, 1.9, 2.0):
+        assert not judge.judge_late(9, loss).changed
+    assert list(judge.guard.losses) == [2.0, 2.1, 1.9, 2.0]
+    verdicts = [judge.judge_late(9, loss) for loss in (40.0,) * 5]
+    assert any(v.changed for v in verdicts) and judge.guard.active
+    assert judge.guard.events[-1].reason == "loss_spike" and judge.guard.events[-1].step == 9
+    assert not any(v.skip_update for v in verdicts)  # the steps were applied long ago: nothing to skip

@@ -26,7 +26,7 @@ def boundary(rank: int, world_size: int, case: str, odd: int = 1) -> dict:
     if rank == odd and case == "guard":
         guard = (1.0, 0.0, 0.0)  # this rank skipped a step the others did not
     try:
-        got = plans.agree(installed, guard, OFFER if rank == 0 else None, step=40)
+        got = plans.agree(installed, guard, OFFER if rank == 0 else None, step=40).plan
     except PlanMismatchError as error:
         return {"error": str(error)}
     return {"plan": None if got is None else got.to_json()}
@@ -70,3 +70,31 @@ def test_past_two_ranks_every_rank_gets_the_offer_and_the_last_rank_out_of_step_
         assert plan["error"].startswith("ranks disagree on the plan installed for step 40"), plan
         assert guard["error"].startswith("ranks' guards disagree at step 40"), guard
         assert f"rank {world_size - 1}: [1.0, 0.0, 0.0]" in guard["error"]
+
+
+def late_losses(rank: int, world_size: int) -> list:
+    """Two agreements carrying each rank's late losses (rank r's are r + 1, 2r + 2, ...),
+    then one with a loss more on the last rank, counted in its guard state."""
+    plans = PlanAgreement(rank, world_size, None, None, "run", Outages(), late_slots=4)
+    own = [(rank + 1.0) * (i + 1) for i in range(3)]
+    got = [plans.agree(INSTALLED, (0.0, 3.0), None, 40, own).late,
+           plans.agree(INSTALLED, (0.0, 0.0), None, 50, []).late]
+    extra = [1.0] if rank == world_size - 1 else []
+    try:
+        plans.agree(INSTALLED, (0.0, float(len(extra))), None, 60, extra)
+    except PlanMismatchError as error:
+        got.append(str(error))
+    with pytest.raises(ValueError, match=r"^late: at most 4 values \(late_slots\), got 5$"):
+        plans.agree(INSTALLED, (0.0, 5.0), None, 70, [1.0] * 5)
+    return got
+
+
+def test_an_agreement_carries_each_ranks_late_losses_and_hands_every_rank_their_means():
+    """What dense steps left out of their collectives rides in the agreement's all-gather: every
+    rank gets the same mean of each slot over the ranks; a rank with one more fails every rank."""
+    results = run_distributed(late_losses, 3)
+    # ranks' losses (1, 2, 3), (2, 4, 6), (3, 6, 9): means 2, 4, 6
+    for late, none, mismatch in results:
+        assert late == [2.0, 4.0, 6.0] and none == []
+        assert mismatch.startswith("ranks' guards disagree at step 60"), mismatch
+        assert "rank 2: [0.0, 1.0]" in mismatch

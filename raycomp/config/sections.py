@@ -328,14 +328,17 @@ class ControllerSection(_Strict):
     #: layer statistics yet (those come every K steps)
     first_interval_steps: Annotated[int, Field(ge=1, le=100_000)] = 3
     #: how the guard's values and rank 0's new plan reach every rank on a dense step that
-    #: DDP's own reduction carries, where no collective of raycomp's runs: ``every_step``, a
-    #: tiny all-reduce of their own each such step (a new plan is in force within two
-    #: steps; every loss is judged), or ``at_boundaries``: none while the guard is not in
-    #: fallback, so such a step costs what plain DDP's does (no collective round of
-    #: raycomp's), a new plan waits for the next boundary (up to K steps) and the losses
-    #: of those steps are not judged. A non-finite gradient is caught on its step either
-    #: way (the mean's norm), and compressed steps carry the values in their own collectives
-    dense_control: Literal["every_step", "at_boundaries"] = "every_step"
+    #: DDP's own reduction carries, where no collective of raycomp's runs. ``at_boundaries``:
+    #: none while the guard is not in fallback, so such a step costs what plain DDP's does
+    #: (no collective round of raycomp's); the ranks agree two steps after each boundary
+    #: (the controller's answer to its statistics is in force from the step after, unless
+    #: it took longer: then from the next agreement), and that agreement's all-gather
+    #: carries the losses of those steps to the guard. ``every_step``: a tiny all-reduce of
+    #: their own each such step (a plan is in force two steps after it arrives, whenever
+    #: that is; every loss is judged on its step), about 1 ms of CPU a step. A non-finite
+    #: gradient is caught on its step either way (the mean's norm), and compressed steps
+    #: carry the values in their own collectives
+    dense_control: Literal["every_step", "at_boundaries"] = "at_boundaries"
     #: the controller actor's name (runs that name the same one share it)
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "raycomp-controller"
     #: the Ray namespace of the controller actor

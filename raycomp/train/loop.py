@@ -10,9 +10,9 @@ steps (:mod:`raycomp.train.local_strategy`) nothing is reduced: each rank judges
 step, and every H steps a sync averages the pseudo-gradients and the guard judges it.
 
 Every ``interval_steps``, and once after the run's first ``first_interval_steps`` (a control
-boundary): statistics go to the controller
-(:mod:`raycomp.train.reporter`), the ranks prove they hold the same plan and guard state,
-and rank 0's newest plan is broadcast and installed for the next step
+boundary): statistics go to the controller (:mod:`raycomp.train.reporter`). Then, at the
+boundary or :attr:`TrainLoop.agree_after` steps later, the ranks prove they hold the same plan
+and guard state, and rank 0's newest plan is broadcast and installed for the next step
 (:mod:`raycomp.train.plan_agreement`). Every ``checkpoint.every_steps`` steps, and at epoch
 ends as :meth:`raycomp.config.CheckpointSection.at_report` says (by default the last
 only), the model, optimizer and every rank's compression state go into a Ray Train
@@ -65,6 +65,10 @@ __all__ = ["TrainLoop"]
 
 log = logging.getLogger("raycomp.train")
 
+#: steps an agreement waits after its boundary for the controller's answer (``dense_control:
+#: at_boundaries``): its decision takes a few ms, a step tens to hundreds
+ANSWER_STEPS = 2
+
 class TrainLoop:
     """raycomp inside one Ray Train worker; built by :func:`raycomp.train.prepare_model`.
 
@@ -106,6 +110,15 @@ class TrainLoop:
         #: the early first boundary (``controller.first_interval_steps``), if before the first K
         self.first_boundary = options.controller.first_interval_steps \
             if options.controller.first_interval_steps < self.interval else None
+        every_step = options.controller.dense_control == "every_step"
+        #: steps from a boundary to its agreement. With ``dense_control: every_step`` a plan
+        #: rides in the next step's values whenever it arrives, so the ranks agree at the
+        #: boundary itself. With ``at_boundaries`` a dense step carries no values and the
+        #: agreement is how a plan reaches the ranks: it waits :data:`ANSWER_STEPS` steps
+        #: (fewer when K is smaller) for the controller's answer to the boundary's statistics,
+        #: which then is in force from the step after it, as soon as a step's values would
+        #: have brought it
+        self.agree_after = 0 if every_step else min(ANSWER_STEPS, self.interval - 1)
         self.run_id = options.run_id or context.get_experiment_name()
         #: where the run's files go (:mod:`raycomp.train.outputs`: the Ray Train run's directory
         #: under its storage path unless ``options.output_dir`` says)
@@ -121,10 +134,11 @@ class TrainLoop:
         module = getattr(self.model, "module", self.model)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.outages = Outages()
-        self.plans = PlanAgreement(self.rank, self.world_size, self.control_group, controller, self.run_id, self.outages)
-        self.guard = StepJudge(Guard(**options.compression.guard.model_dump()), self.state, self.rank,
-                               self.world_size, self.control_group, self.grad_scaler,
-                               every_step=options.controller.dense_control == "every_step")
+        guard = Guard(**options.compression.guard.model_dump())
+        self.plans = PlanAgreement(self.rank, self.world_size, self.control_group, controller, self.run_id,
+                                   self.outages, late_slots=guard.losses.maxlen or 0)
+        self.guard = StepJudge(guard, self.state, self.rank, self.world_size, self.control_group,
+                               self.grad_scaler, every_step=every_step)
         self.reporter = StatsReporter(controller, self.run_id, self.rank, self.outages)
         self.log = StepLog(self.output_dir, self.rank, options.progress_every)
         self.global_step = self.epoch = self.plan_switches = self.skipped_steps = 0
@@ -290,9 +304,13 @@ class TrainLoop:
             # rank 0 announced a new plan in this step's rows, the same on every rank: hand
             # it out now, in force from the next step (not from the next boundary)
             self._adopt(self.plans.broadcast(self.plans.take()))
-        if self.global_step % self.interval == 0 or self.global_step == self.first_boundary:
+        reports, agrees = self._is_boundary(self.global_step), self._is_boundary(self.global_step - self.agree_after)
+        if reports or agrees:
             started = time.perf_counter()
-            self._boundary()
+            if reports:
+                self._report_statistics()
+            if agrees:
+                self._adopt(self.agree_on_plan(self.plans.poll(self.controller_plan.version)))
             self.boundary_seconds += time.perf_counter() - started
             self.control_seconds += time.perf_counter() - started
         every = self.options.checkpoint.every_steps
@@ -310,11 +328,14 @@ class TrainLoop:
         self._step_started = time.perf_counter()
 
     # --- control boundary -------------------------------------------------------------------
-    def _boundary(self) -> None:
+    def _is_boundary(self, steps: int) -> bool:
+        """Whether a control boundary follows the first ``steps`` steps."""
+        return steps > 0 and (steps % self.interval == 0 or steps == self.first_boundary)
+
+    def _report_statistics(self) -> None:
         self.log.flush()
         self.reporter.send(self.state, self.global_step - 1, self.epoch, self.guard.guard.active,
                            **self._report_counters())
-        self._adopt(self.agree_on_plan(self.plans.poll(self.controller_plan.version)))
 
     def _adopt(self, new_plan: Plan | None) -> None:
         """Make ``new_plan`` (the same on every rank) the controller's plan in force, if newer."""
@@ -333,10 +354,17 @@ class TrainLoop:
                 "lr": lr if math.isfinite(lr) and lr >= 0 else None}
 
     def agree_on_plan(self, offer: Plan | None) -> Plan | None:
-        """Agreement check of plan and guard state; rank 0's ``offer`` on every rank."""
+        """Agreement check of plan and guard state; rank 0's ``offer`` on every rank. The
+        losses that dense steps left out (:attr:`StepJudge.late`) ride along and are judged
+        here, on every rank alike, before the offer is installed."""
         guard = self.guard.guard
-        state = (float(self.skipped_steps), float(guard.active), float(len(guard.events)), *self.strategy.agreement())
-        return self.plans.agree(self.state.plan, state, offer, self.global_step)
+        late = self.guard.take_late()
+        state = (float(self.skipped_steps), float(guard.active), float(len(guard.events)), float(len(late)),
+                 *self.strategy.agreement())
+        agreed = self.plans.agree(self.state.plan, state, offer, self.global_step, late)
+        for loss in agreed.late:
+            self._verdict(self.guard.judge_late(self.global_step - 1, loss))
+        return agreed.plan
 
     def _install(self, controller_plan: Plan, step: int, kind: str = "plan") -> None:
         """Install the effective plan (the guard's dense override, or the controller's), in

@@ -1,12 +1,15 @@
 """Every rank on the same plan: rank 0 asks the controller (never blocking) and checks for
 the answer every step; its version rides to every rank inside the next step's gradient
 collective, and a broadcast then hands the plan to every rank, in force from the step after
-(:meth:`raycomp.train.loop.TrainLoop.after_optimizer_step`). At each control boundary one
-all-gather proves the ranks agree and hands out an answer not announced yet."""
+(:meth:`raycomp.train.loop.TrainLoop.after_optimizer_step`). A few steps after each control
+boundary one all-gather proves the ranks agree, hands out an answer not announced yet and
+carries what dense steps left out of their own collectives (their losses, for the guard)."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -14,7 +17,14 @@ import torch.distributed as dist
 from raycomp.plan import Plan
 from raycomp.train.reporter import Outages
 
-__all__ = ["PlanAgreement", "PlanMismatchError"]
+__all__ = ["Agreed", "PlanAgreement", "PlanMismatchError"]
+
+
+class Agreed(NamedTuple):
+    """What an agreement hands every rank alike."""
+
+    plan: Plan | None  #: rank 0's offer (None: none)
+    late: list[float]  #: each late value's mean over the ranks, in the order given
 
 
 class PlanMismatchError(RuntimeError):
@@ -25,11 +35,14 @@ class PlanAgreement:
     """Args:
         controller: the controller actor handle (None: train on the initial plan).
         group: the process group of control messages (gloo; None: the default group).
+        late_slots: how many values of each rank an agreement carries beside its check
+            (:meth:`agree`'s ``late``; the guard's loss window), the same on every rank.
     """
 
     def __init__(self, rank: int, world_size: int, group: Any, controller: Any, run_id: str,
-                 outages: Outages) -> None:
+                 outages: Outages, late_slots: int = 0) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.late_slots = late_slots
         self.controller, self.run_id, self.outages = controller, run_id, outages
         self._poll: tuple[Any, Any] | None = None  # the long poll in flight: (ObjectRef, its future)
         self.ready: Plan | None = None  # rank 0: a newer plan than installed, not yet handed out
@@ -105,25 +118,30 @@ class PlanAgreement:
         dist.broadcast(size, src=0, group=self.group)
         return self._receive(data, int(size))
 
-    def agree(self, installed: Plan, guard_state: tuple[float, ...], offer: Plan | None, step: int) -> Plan | None:
-        """A control boundary: prove agreement, then hand out rank 0's ``offer`` (or None).
+    def agree(self, installed: Plan, guard_state: tuple[float, ...], offer: Plan | None, step: int,
+              late: Sequence[float] = ()) -> Agreed:
+        """Prove agreement, then hand out rank 0's ``offer`` (or None).
 
         One all-gather carries every rank's guard state (skipped steps, fallback active,
-        events) and the digest of its installed plan, and rank 0's offer size; a broadcast
-        of the offer's JSON follows only when there is one. Raises
-        :class:`PlanMismatchError` unless all rows agree. The offer then needs no check of
-        its own: every rank installs it from the same bytes, on the same (verified) guard
-        state, before any gradient moves under it.
+        events, ...; include ``len(late)``) and the digest of its installed plan, rank 0's
+        offer size, and ``late``: this rank's values that rode in no collective (at most
+        ``late_slots``), averaged over the ranks slot by slot. A broadcast of the offer's
+        JSON follows only when there is one. Raises :class:`PlanMismatchError` unless all
+        rows agree. The offer then needs no check of its own: every rank installs it from
+        the same bytes, on the same (verified) guard state, before any gradient moves under it.
         """
+        if len(late) > self.late_slots:
+            raise ValueError(f"late: at most {self.late_slots} values (late_slots), got {len(late)}")
         data = offer.to_json().encode() if self.rank == 0 and offer is not None else b""
         digest = installed.digest()  # 63 bits: two exact float64 halves
-        row = torch.tensor([*guard_state, float(digest >> 32), float(digest & 0xFFFFFFFF),
+        slots = [*map(float, late), *[0.0] * (self.late_slots - len(late))]  # one width on every rank
+        row = torch.tensor([*slots, *guard_state, float(digest >> 32), float(digest & 0xFFFFFFFF),
                             float(installed.version), float(len(data))], dtype=torch.float64)
         rows = [row]
         if self.world_size > 1:
             rows = [torch.empty_like(row) for _ in range(self.world_size)]
             dist.all_gather(rows, row, group=self.group)
-        table = [r.tolist() for r in rows]
+        table = [r.tolist()[self.late_slots:] for r in rows]
         n = len(guard_state)
         if len({tuple(r[:n]) for r in table}) > 1:
             raise PlanMismatchError(
@@ -134,7 +152,8 @@ class PlanAgreement:
                 f"ranks disagree on the plan installed for step {step}: "
                 + ", ".join(f"rank {i}: version {int(r[n + 2])}" for i, r in enumerate(table))
                 + "; refusing to communicate under different plans")
-        return self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer
+        means = [math.fsum(r[i].item() for r in rows) / len(rows) for i in range(len(late))]
+        return Agreed(self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer, means)
 
     def _receive(self, data: bytes, size: int) -> Plan | None:
         if size == 0:

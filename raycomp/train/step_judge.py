@@ -18,13 +18,15 @@ step. The alternative, a control all-gather per step, costs a collective round a
 nevertheless decided differently are caught at the next control boundary
 (:meth:`raycomp.train.plan_agreement.PlanAgreement.check_agreement` compares guard states).
 
-A dense step that DDP's own reduction carries has no collective of raycomp's to ride in:
-its values take a tiny all-reduce of their own. With ``every_step=False``
-(``controller.dense_control: at_boundaries``) they are staged skippable while the guard
-is not in fallback, and such a step goes without them: its non-finite gradient is still
-caught (the mean's norm), but its loss is not judged and rank 0's new plan waits for the
-next control boundary's agreement, which hands it out. In fallback every step carries them:
-recovery is judged on losses.
+A dense step that DDP's own reduction carries has no collective of raycomp's to ride in.
+With ``every_step=False`` (``controller.dense_control: at_boundaries``, the default) its
+values are staged skippable while the guard is not in fallback, and such a step goes
+without them: its non-finite gradient is still caught on its step (the mean's norm), the
+loss it carried waits in :attr:`StepJudge.late` and is judged at the next agreement, whose
+all-gather carries it (:meth:`StepJudge.judge_late`), and rank 0's new plan is handed out
+by that agreement too. In fallback every step carries them: recovery is judged on losses
+as they come. With ``every_step=True`` the values take a tiny all-reduce of their own on
+such a step.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class StepJudge:
         self.announced = 0  # the version rank 0 announced in this step's rows
         #: this rank's recent gradient norms during local steps (its own, not agreed on)
         self.inner_norms: deque[float] = deque(maxlen=guard.grad_norms.maxlen)
+        #: this rank's losses that rode in no collective (dense steps that left their values
+        #: out), oldest first: the next agreement carries them (only a window's worth counts)
+        self.late: deque[float] = deque(maxlen=guard.losses.maxlen)
         self.state.stage_control(self.carry.staged())
 
     def decide(self, step: int, parameters: list[torch.Tensor]) -> Verdict:
@@ -113,6 +118,18 @@ class StepJudge:
         loss = math.fsum(losses) / len(losses) if losses else None
         return self.guard.observe(step, nonfinite, loss, None, grad_norm=None)
 
+    def take_late(self) -> list[float]:
+        """This rank's losses waiting for the next agreement (:attr:`late`), handed over once."""
+        late = list(self.late)
+        self.late.clear()
+        return late
+
+    def judge_late(self, step: int, loss: float) -> Verdict:
+        """The mean over ranks of a loss that waited for an agreement (the same on every
+        rank: it came out of one all-gather), judged as its step's loss would have been; a
+        spike falls back from the step after ``step``. Call it for each, oldest first."""
+        return self.guard.observe(step, False, loss, None, grad_norm=None)
+
     def stage(self, loss: float, applied: bool) -> None:
         """What rides in the next step's collective: this step's loss (unless the step was
         skipped: a discarded step's loss is not judged), worst compression error, and
@@ -126,7 +143,9 @@ class StepJudge:
 
     def _rows(self) -> list[GuardRow]:
         rows = self.state.control_rows
-        if rows is None and self.state.control_skipped:  # left out on purpose: nothing to read
+        if rows is None and self.state.control_skipped:  # left out on purpose: judged late
+            if self.carry.loss is not None:
+                self.late.append(self.carry.loss)
             return [GuardRow() for _ in range(self.world_size)]
         if rows is None:  # nothing carried this step: one small all-reduce instead
             rows = torch.zeros(self.world_size, GuardRow.WIDTH, dtype=torch.float32)
@@ -137,7 +156,8 @@ class StepJudge:
         return [GuardRow.from_row(r) for r in rows.tolist()]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"guard": self.guard.state_dict(), "carry": self.carry.staged(), "inner_norms": list(self.inner_norms)}
+        return {"guard": self.guard.state_dict(), "carry": self.carry.staged(), "inner_norms": list(self.inner_norms),
+                "late": list(self.late)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state["guard"])
@@ -145,4 +165,6 @@ class StepJudge:
         self.carry = GuardRow.from_staged([*state["carry"], 0.0][:GuardRow.WIDTH - 1])
         self.inner_norms.clear()
         self.inner_norms.extend(state["inner_norms"])
+        self.late.clear()
+        self.late.extend(state.get("late", ()))  # a checkpoint from before late losses: none
         self.state.stage_control(self.carry.staged())
