@@ -53,7 +53,7 @@ class StepSignals:
     def __init__(self, group: Group) -> None:
         self.group = group
         self.finite: torch.Tensor | None = None  # all compressed gradients of this step finite so far
-        self.staged: torch.Tensor | None = None  # rides with the next step's last reduction
+        self.staged: list[float] | None = None  # rides with the next step's last reduction
         self.skippable = False  # whether the staged values may stay home (:meth:`drop`)
         self.rows: torch.Tensor | None = None  # (world, n) rows of every rank, after that
         self.skipped = False  # this step carried no values: they were dropped
@@ -88,16 +88,16 @@ class StepSignals:
         row = [0.0] * (self.group.size * n)
         start = self.group.rank * n
         row[start + 1:start + n] = [float(v) for v in values]
-        self.staged = torch.tensor(row, dtype=torch.float32)  # one tensor op: this runs every step
+        self.staged = row  # a tensor only when a step takes it: a dense step may drop it
 
     def take(self, device: torch.device) -> torch.Tensor | None:
         """The staged control row on ``device``, with this rank's non-finite flag filled in
         (no sync); :attr:`rows` views it, summed over ranks once its reduction is done."""
         if self.staged is None:
             return None
-        control, self.staged = self.staged, None
+        row, self.staged = self.staged, None
         self.skippable = False
-        control = to_device(control, device)  # no host sync on the hot path
+        control = to_device(torch.tensor(row, dtype=torch.float32), device)  # no host sync on the hot path
         n = control.numel() // self.group.size
         if self.finite is not None:
             control[self.group.rank * n] = (~self.finite).to(control.dtype)

@@ -98,13 +98,13 @@ MUTANTS = (
         "tests/test_plan_agreement.py -k past_two_ranks",
         "at W > 2 no rank compares its plan with the others' and only rank 0 gets the offer",
         ("PlanAgreement.agree",
-         "        return self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer\n",
-         "        return self._receive(data, int(table[0][-1])) if self.world_size == 2 else offer\n"),
+         "        return Agreed(self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer, means)\n",
+         "        return Agreed(self._receive(data, int(table[0][-1])) if self.world_size == 2 else offer, means)\n"),
     ),
     mutant(
         "plan-agreement-compares-two-ranks", "PlanAgreement.agree",
-        "        table = [r.tolist() for r in rows]\n",
-        "        table = [r.tolist() for r in rows[:2]]\n",
+        "        table = [r.tolist()[self.late_slots:] for r in rows]\n",
+        "        table = [r.tolist()[self.late_slots:] for r in rows[:2]]\n",
         "tests/test_plan_agreement.py -k past_two_ranks",
         "the boundary compares ranks 0 and 1 only: a third rank on another plan goes on under it",
     ),
@@ -179,11 +179,40 @@ MUTANTS = (
         "by default a run never checkpoints: its trained model and compression state are lost",
     ),
     mutant(
-        "loop-no-early-first-boundary", "TrainLoop._finish_step",
-        "        if self.global_step % self.interval == 0 or self.global_step == self.first_boundary:\n",
-        "        if self.global_step % self.interval == 0:\n",
+        "loop-no-early-first-boundary", "TrainLoop._is_boundary",
+        "        return steps > 0 and (steps % self.interval == 0 or steps == self.first_boundary)\n",
+        "        return steps > 0 and steps % self.interval == 0\n",
         "tests/test_fsdp_job.py -k slow_link",
         "the first boundary waits for K steps: the warm-up sends dense until the link has been timed by all of them",
     ),
+    mutant(
+        "dense-run-agrees-at-the-boundary", "TrainLoop.__init__",
+        "        self.agree_after = 0 if every_step else min(ANSWER_STEPS, self.interval - 1)\n",
+        "        self.agree_after = 0\n",
+        "tests/test_plan_latency.py -k at_boundaries",
+        "on a dense run the ranks agree before the controller has answered the boundary's statistics: "
+        "its plan waits a whole interval",
+    ),
+    mutant(
+        "late-losses-never-judged", "TrainLoop.agree_on_plan",
+        "        for loss in agreed.late:\n",
+        "        for loss in agreed.late[:0]:\n",
+        "tests/test_plan_latency.py -k at_boundaries",
+        "the losses dense steps left out reach the agreement and are dropped there: the first compressed "
+        "steps are judged against an empty window",
+    ),
+    mutant(
+        "late-loss-not-kept", "StepJudge._rows",
+        "            if self.carry.loss is not None:\n                self.late.append(self.carry.loss)\n",
+        "            pass\n",
+        "tests/test_control_rows.py",
+        "a dense step that left its values out loses its loss: the guard never judges it",
+    ),
+    mutant(
+        "late-losses-of-one-rank", "PlanAgreement.agree",
+        "        means = [math.fsum(r[i].item() for r in rows) / len(rows) for i in range(len(late))]\n",
+        "        means = [float(late[i]) for i in range(len(late))]\n",
+        "tests/test_plan_agreement.py -k late_losses",
+        "each rank judges its own late losses, not the mean: ranks may fall back at different steps",
+    ),
 )
-
