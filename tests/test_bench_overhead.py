@@ -30,6 +30,27 @@ def test_the_verdict_is_the_median_of_the_paired_ratios_without_the_warm_up_pair
         overhead.summarize(_rows([(1.0, 1.0)], warmup=1), block=10)
 
 
+def test_the_report_says_whether_the_pairs_resolve_the_goal(tmp_path):
+    # 60 pairs tightly around 1.05: the median's interval lies above 1.03, a resolved MISS
+    tight = _rows([(1.0, 1.05 + 0.002 * ((i % 5) - 2)) for i in range(60)])
+    s = overhead.summarize(tight, block=20)
+    assert s["ratio_median_low"] > overhead.GOAL and s["resolved"] and not s["ok"]
+    assert s["ratio_median_low"] <= s["ratio_median"] <= s["ratio_median_high"]
+    assert overhead.summarize(tight, block=20) == s  # seeded: the same report every time
+    # 40 pairs spread from 0.95 to 1.11 around 1.03: a median near the goal, not resolved
+    wide = _rows([(1.0, 0.95 + 0.004 * i) for i in range(41)])
+    w = overhead.summarize(wide, block=20)
+    assert w["ratio_median_low"] < overhead.GOAL < w["ratio_median_high"] and not w["resolved"]
+    meta = {"command": "python -m jobs.bench overhead", "machine": {"cpu_model": "x", "logical_cores": 2},
+            "seconds": 10.0, "batch": 32, "warmup_pairs": 0, "bucket_cap_mb": "auto"}
+    result = {"rows": wide, "summary": w, "plan": {"reason": "static: none"}, "steps": 60, "wire_bytes_total": 1,
+              "dense_bytes_total": 1, "controller_outages": 0, "stats_dropped": 0}
+    _, md_path = overhead.write_report(result, meta, tmp_path, "overhead-wide")
+    text = md_path.read_text()
+    assert f"| {w['ratio_median_low']:.3f} - {w['ratio_median_high']:.3f} |" in text
+    assert f"(not resolved: the median's 95% interval, {w['ratio_median_low']:.3f}-" in text
+
+
 def test_the_hook_alone_is_reported_beside_the_verdict_when_measured(tmp_path):
     rows = [{"pair": i, "plain_s": 1.0, "hook_s": h, "raycomp_s": r, "counted": True}
             for i, (h, r) in enumerate([(1.01, 1.05), (1.02, 1.06), (1.00, 1.04)])]
