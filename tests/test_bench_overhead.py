@@ -111,3 +111,15 @@ def test_a_short_real_run_measures_both_sides_on_a_dense_plan(tmp_path):
 
 def test_the_benchmark_is_registered():
     assert isinstance(build_parser().parse_args(["overhead"]), argparse.Namespace)
+
+
+def test_raycomps_steps_are_told_apart_by_their_place_among_the_boundaries():
+    # K = 10, an early boundary after 3 steps, agreements 2 steps after each: the report's
+    # step (9, 19), the one after it (10), the agreement's (11), the rest; the warm-up left out
+    seconds = {2: 0.9, 4: 0.9, 9: 0.022, 10: 0.025, 11: 0.023, 19: 0.024, 20: 0.027, 21: 0.021}
+    records = [{"step": step, "seconds": seconds.get(step, 0.020)} for step in range(25)]
+    places = overhead.step_places(records, interval=10, first=3, agree_after=2, skip=5)
+    assert places == pytest.approx({"boundary": 23.0, "after it": 26.0, "agreement": 22.0, "others": 20.0})
+    # agreeing at the boundary itself (every_step): no step of its own
+    same = overhead.step_places(records, interval=10, first=None, agree_after=0, skip=0)
+    assert set(same) == {"boundary", "after it", "others"} and same["after it"] == pytest.approx(26.0)

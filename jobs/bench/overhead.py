@@ -174,9 +174,11 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
             rows.append({"pair": pair, **times, "counted": pair >= config["warmup_pairs"]})
     sync = getattr(loop.strategy, "sync", None)  # how raycomp.train's steps travelled (raycomp.ddp_sync)
     ways = {} if sync is None else {way.value: n for way, n in sync.steps.items()}
+    places = {"interval": loop.interval, "first": loop.first_boundary, "agree_after": loop.agree_after,
+              "steps_log": str(loop.log.path)}
     totals = raycomp.train.finish()
     hook_state.close()
-    return {"rows": rows, "plan": totals["final_plan"], "steps": totals["steps"], "ways": ways,
+    return {"rows": rows, "plan": totals["final_plan"], "steps": totals["steps"], "ways": ways, "places": places,
             "wire_bytes_total": totals["wire_bytes_total"], "dense_bytes_total": totals["dense_bytes_total"],
             "controller_outages": totals["controller_outages"], "stats_dropped": totals["stats_dropped"]}
 
@@ -205,6 +207,27 @@ def summarize(rows: list[dict[str, Any]], block: int) -> dict[str, Any]:
         out["hook_ratio_median"] = statistics.median(r["hook_s"] / r["plain_s"] for r in counted)
         out["hook_step_ms"] = 1e3 * statistics.median(r["hook_s"] for r in counted) / block
     return out
+
+
+def step_places(records: list[dict[str, Any]], interval: int, first: int | None, agree_after: int,
+                skip: int) -> dict[str, float]:
+    """The median ms of raycomp's steps (rank 0's step log, from step ``skip`` on) by their
+    place among the control boundaries: the step that reports the statistics, the one after
+    it, the one whose end the ranks agree at (``agree_after`` steps after the report; the
+    report's own with 0), and every other step."""
+    def boundary(done: int) -> bool:
+        return done > 0 and (done % interval == 0 or done == first)
+
+    seconds: dict[str, list[float]] = {"boundary": [], "after it": [], "agreement": [], "others": []}
+    for record in records:
+        step = record["step"]
+        if step < skip:
+            continue
+        done = step + 1  # steps done at this one's end, as the loop counts them
+        place = "boundary" if boundary(done) else "agreement" if agree_after and boundary(done - agree_after) \
+            else "after it" if boundary(step) else "others"
+        seconds[place].append(record["seconds"])
+    return {place: 1e3 * statistics.median(values) for place, values in seconds.items() if values}
 
 
 def median_interval(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -237,6 +260,13 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         [[f"{s['plain_step_ms']:.1f}", f"{s['raycomp_step_ms']:.1f}", f"{s['ratio_median']:.3f}",
           f"{s['ratio_median_low']:.3f} - {s['ratio_median_high']:.3f}" if "ratio_median_low" in s else "—",
           f"{s['ratio_q1']:.3f} - {s['ratio_q3']:.3f}"]], align="rrrll")
+    places = result.get("step_places")
+    by_place = [] if not places else [
+        "",
+        "raycomp's steps by their place among the control boundaries (rank 0's step log, median ms): "
+        + ", ".join(f"{place} {ms:.1f}" for place, ms in places.items())
+        + ". The boundary's step reports the statistics, the agreement's ends with the ranks' all-gather.",
+    ]
     reference = [] if "hook_ratio_median" not in s else [
         "",
         f"For reference, raycomp's hook alone (no `raycomp.train` loop): {s['hook_step_ms']:.1f} ms a step, "
@@ -268,7 +298,7 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         "- Plain DDP: `ray.train.torch.prepare_model`, then `backward`, `optimizer.step`, `zero_grad`.",
         "- raycomp: `raycomp.train.prepare_model` with `compression.policy=static`, compressor `none` "
         "(the dense plan) and no warm-up, then `backward` and `raycomp.train.step` (guard, "
-        "controller link, statistics, plan agreement at each boundary, step log). "
+        "controller link, statistics, plan agreement after each boundary, step log). "
         + _ways_line(result.get("ways") or {}),
         "- For reference, a third copy carries raycomp's hook alone: `raycomp.CompressionState` on a dense "
         "plan, raycomp's buckets, stepped as plain DDP.",
@@ -287,6 +317,7 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         "## Result",
         "",
         table,
+        *by_place,
         *reference,
         "",
         "## Goal",
@@ -335,6 +366,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                                  name=controller, metrics_enabled=False))]))
     result = trainer.fit().return_value
     result["summary"] = summarize(result["rows"], args.block)
+    places = result.pop("places")
+    log = Path(places.pop("steps_log"))
+    if log.exists():
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        result["step_places"] = step_places(records, **places, skip=args.warmup_pairs * args.block)
     meta = {"command": command_line("jobs.bench", argv), "machine": machine_info(1),
             "seconds": time.time() - started, "batch": args.batch, "warmup_pairs": args.warmup_pairs,
             "bucket_cap_mb": args.bucket_cap_mb, "model": args.model, "dense_control": args.dense_control}
