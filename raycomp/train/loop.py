@@ -69,6 +69,7 @@ log = logging.getLogger("raycomp.train")
 #: at_boundaries``): its decision takes a few ms, a step tens to hundreds
 ANSWER_STEPS = 2
 
+
 class TrainLoop:
     """raycomp inside one Ray Train worker; built by :func:`raycomp.train.prepare_model`.
 
