@@ -113,7 +113,7 @@ def test_the_benchmark_is_registered():
     assert isinstance(build_parser().parse_args(["overhead"]), argparse.Namespace)
 
 
-def test_raycomps_steps_are_told_apart_by_their_place_among_the_boundaries():
+def test_raycomps_steps_are_told_apart_by_their_place_among_the_boundaries(tmp_path):
     # K = 10, an early boundary after 3 steps, agreements 2 steps after each: the report's
     # step (9, 19), the one after it (10), the agreement's (11), the rest; the warm-up left out
     seconds = {2: 0.9, 4: 0.9, 9: 0.022, 10: 0.025, 11: 0.023, 19: 0.024, 20: 0.027, 21: 0.021}
@@ -123,3 +123,16 @@ def test_raycomps_steps_are_told_apart_by_their_place_among_the_boundaries():
     # agreeing at the boundary itself (every_step): no step of its own
     same = overhead.step_places(records, interval=10, first=None, agree_after=0, skip=0)
     assert set(same) == {"boundary", "after it", "others"} and same["after it"] == pytest.approx(26.0)
+    rows = _rows([(1.0, 1.01)])
+    result = {"rows": rows, "summary": overhead.summarize(rows, block=20), "plan": {"reason": "static: none"},
+              "steps": 20, "wire_bytes_total": 1, "dense_bytes_total": 1, "controller_outages": 0, "stats_dropped": 0}
+    meta = {"command": "python -m jobs.bench overhead", "machine": {"cpu_model": "x", "logical_cores": 2},
+            "seconds": 10.0, "batch": 32, "warmup_pairs": 0, "bucket_cap_mb": "auto"}
+    for found, said in ((places, "boundary 23.0, after it 26.0, agreement 22.0, others 20.0. The boundary's step "
+                                 "reports the statistics, the agreement's ends with the ranks' all-gather."),
+                        (same, "The boundary's step reports the statistics and ends with the ranks' agreement")):
+        _, md_path = overhead.write_report({**result, "step_places": found}, meta, tmp_path, "overhead-places")
+        assert said in md_path.read_text() and "after its step's clock stops" not in md_path.read_text()
+    _, md_path = overhead.write_report({**result, "step_places": places, "boundary_ms_per_step": 0.345}, meta,
+                                       tmp_path, "overhead-places")
+    assert "That work itself runs after its step's clock stops: 0.34 ms a step on average" in md_path.read_text()
