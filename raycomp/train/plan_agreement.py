@@ -1,9 +1,10 @@
 """Every rank on the same plan: rank 0 asks the controller (never blocking) and checks for
 the answer every step; its version rides to every rank inside the next step's gradient
 collective, and a broadcast then hands the plan to every rank, in force from the step after
-(:meth:`raycomp.train.loop.TrainLoop.after_optimizer_step`). A few steps after each control
-boundary one all-gather proves the ranks agree, hands out an answer not announced yet and
-carries what dense steps left out of their own collectives (their losses, for the guard)."""
+(:meth:`raycomp.train.loop.TrainLoop.after_optimizer_step`). At each control boundary, or
+a few steps after it (:attr:`~raycomp.train.loop.TrainLoop.agree_after`), one all-gather
+proves the ranks agree, hands out an answer not announced yet and carries what dense steps
+left out of their own collectives (their losses, for the guard)."""
 
 from __future__ import annotations
 
