@@ -117,6 +117,15 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     started = time.time()
     summary = run(config, run_id, output)
     assert summary["status"] == "succeeded"
+    import ray
+
+    # the node-link panel shows two-level runs only, and no two-level run fits this one-node
+    # cluster: a run registers as one (2 nodes of 2 workers, its node link timed), as a
+    # two-level run's rank 0 does (the switched testbed's long checks train real ones), here
+    # before the fp16 run so that the dashboard's time range holds its samples
+    levels_id = f"levels-{tmp_path.name}"
+    ray.get(ray.get_actor(name, namespace=config.controller.namespace).register_run.remote(
+        levels_id, 4, {"fc1.weight": [64, 64]}, "static", {}, 0, 5, 1024, per_node=2, node_link=1 / 5e8))
     # and an fp16 run beside it, for the loss-scale panel
     fp16_config, fp16_id, fp16_output = prepare([
         "--config", DIGITS, "--output", str(tmp_path / "fp16"), "--run-id", f"prom16-{tmp_path.name}",
@@ -124,8 +133,6 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
         f"controller.name={name}", "controller.metrics_port=0", f"controller.metrics_sd_file={sd_file}",
     ], DrillConfig)
     assert run(fp16_config, fp16_id, fp16_output)["status"] == "succeeded"
-    import ray
-
     controller = ray.get_actor(name, namespace=config.controller.namespace)
     ray.get(controller.ingest.remote({"run_id": "no-such-run"}))  # a malformed report: counted
     ray.get(controller.ingest.remote({**report(run_id, 0, 999), "loss": float("nan")}))
@@ -134,6 +141,8 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     wire = f'sum(raycomp_wire_bytes_total{{run="{run_id}"}})'
     assert wait_for(lambda: [r for r in query(base, wire) if float(r["value"][1]) == summary["wire_bytes_total"]]), (
         query(base, wire), summary["wire_bytes_total"])
+    inside = wait_for(lambda: query(base, f'raycomp_node_link_bytes_per_second{{run="{levels_id}"}}'))
+    assert inside and float(inside[0]["value"][1]) == pytest.approx(5e8)  # the registered link, scraped
     dense = query(base, f'sum(raycomp_dense_bytes_total{{run="{run_id}"}})')
     assert float(dense[0]["value"][1]) == summary["dense_bytes_total"]
     assert wait_for(lambda: query(base, 'sum(raycomp_controller_rejected_reports_total) >= 2'))
@@ -152,7 +161,8 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     ended = time.time()
     # the standalone exporter's names (source "raycomp"); Ray's are checked in tests/test_ray_metrics.py
     exprs = [e.replace("${source}", "raycomp") for e in exprs]
-    empty = [e for e in exprs if not query_range(base, e.replace("$run", f"{run_id}|{fp16_id}"), started, ended)]
+    empty = [e for e in exprs
+             if not query_range(base, e.replace("$run", f"{run_id}|{fp16_id}|{levels_id}"), started, ended)]
     assert not empty, f"queries without data: {empty}"
     rules = json.loads(scrape(f"{base}/api/v1/rules"))["data"]["groups"]
     assert {r["name"] for g in rules for r in g["rules"]} == {"RaycompFallbackStuck", "RaycompNoReports"}
