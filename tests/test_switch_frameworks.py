@@ -18,6 +18,7 @@ import pytest
 
 from tests.support.testbed import drive
 from tests.test_netns import needs_netns
+from tests.test_train_job import step_logs
 
 pytestmark = [needs_netns, pytest.mark.long]
 pytest.importorskip("lightning.pytorch")
@@ -38,11 +39,6 @@ def frameworks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for name in ("lightning", "hf")}
 
 
-def _step_logs(output_dir: str, workers: int) -> list[list[dict]]:
-    return [[json.loads(line) for line in (Path(output_dir) / "steps" / f"rank{r}.jsonl").read_text().splitlines()]
-            for r in range(workers)]
-
-
 @pytest.mark.parametrize("framework", ["lightning", "hf"])
 def test_a_framework_reduces_in_two_levels_with_the_topology_from_ray_train(frameworks, framework) -> None:
     ranks = frameworks[framework]
@@ -53,7 +49,8 @@ def test_a_framework_reduces_in_two_levels_with_the_topology_from_ray_train(fram
     assert len({r["params"] for r in ranks}) == 1  # every rank ends with the same weights
     totals = ranks[0]
     assert totals["intra_node_bytes_total"] > 0 and 0 < totals["wire_bytes_total"]
-    logs = _step_logs(ranks[0]["output_dir"], len(ranks))
+    logs = step_logs(Path(ranks[0]["output_dir"]))
+    assert len(logs) == len(ranks)  # every rank's log
     keys = ("step", "plan_version", "plan_digest", "applied")
     assert len(logs[0]) >= 8  # an epoch: 8 steps of 4 workers
     for records in logs[1:]:

@@ -25,11 +25,7 @@ from jobs.bench.cluster import REPO, driver_env, ray_nodes
 from jobs.bench.netns.switch import SwitchedNetwork
 from tests.test_netns import needs_netns
 from tests.test_switch import _assert_gone
-
-
-def _step_logs(output: Path) -> list[list[dict]]:
-    logs = sorted((output / "steps").glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
-    return [[json.loads(line) for line in p.read_text().splitlines()] for p in logs]
+from tests.test_train_job import step_logs
 
 
 @needs_netns
@@ -75,7 +71,7 @@ def test_replicas_stay_bit_identical_and_plans_agree_across_nodes(tmp_path: Path
     assert all(r["world_size"] == workers for r in ranks)
 
     # every rank applied the same plan at the same step, and the plans did change
-    logs = _step_logs(output)
+    logs = step_logs(output)
     assert len(logs) == workers
     steps = ranks[0]["steps"]
     assert steps == 20

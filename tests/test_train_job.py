@@ -31,7 +31,8 @@ def train(tmp_path: Path, name: str, *overrides: str) -> dict:
 
 
 def step_logs(output: Path) -> list[list[dict]]:
-    logs = sorted((output / "steps").glob("rank*.jsonl"))
+    """Every rank's step log under ``output``, by rank (rank 10 after rank 9)."""
+    logs = sorted((output / "steps").glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
     return [[json.loads(line) for line in p.read_text().splitlines()] for p in logs]
 
 
