@@ -190,13 +190,14 @@ class CompressedReducer:
         the all-reduce of ``grads`` over the group)."""
         compressors, kinds = self.router.route(self._plan, names, grads, self.loss_scale.scale)  # 1. route
         compensated = [self.memory.compensate(n, g) for n, g in zip(names, grads, strict=True)]  # 2. compensate
-        self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is not Transport.DENSE])
+        self.signals.watch([g for g, kind, c in zip(grads, kinds, compressors, strict=True)
+                            if kind is not Transport.DENSE and not c.carries_nonfinite])
         used = [g.any() for g in grads] if self.defer_unused else []  # before an in-place reduction
         if control is None and closes_step:
             control = self.signals.take(grads[0].device if grads else torch.device("cpu"))
         measuring = self.collecting_stats  # statistics read the gradients: never overwrite them then
         overwritable = [overwrite and not measuring and c is g for c, g in zip(compensated, grads, strict=True)]
-        batch = Batch(list(names), compensated, compressors, overwritable, control)
+        batch = Batch(list(names), compensated, compressors, overwritable, control, keep_sent=measuring)
         sending = communicate(kinds, batch, self.communicators, self.send_group)  # 3. compress, communicate
 
         def finish() -> list[torch.Tensor]:

@@ -203,6 +203,33 @@ def test_single_process_group_is_local_compression():
     assert overhead == 0
 
 
+def _mixed_bucket(rank: int, world_size: int) -> tuple[list[bool], torch.Tensor, torch.Tensor]:
+    # a DDP bucket's layout: small dense layers between two large ones cast to bf16
+    gen = torch.Generator().manual_seed(rank)
+    bucket = torch.randn(64 + 2048 + 64 + 1500, generator=gen)
+    original = bucket.clone()
+    b1, w1, b2, w2 = bucket.split([64, 2048, 64, 1500])
+    group = Group()
+    cast = summable_allreduce([w1, w2], [make_compressor("bf16"), make_compressor("bf16")], group,
+                              keep_sent=False, in_place=True)
+    dense = dense_allreduce([b1, b2], group, in_place=True)
+    means = [r.mean for r in cast.wait()] + [r.mean for r in dense.wait()]
+    return [m.data_ptr() == t.data_ptr() for m, t in zip(means, [w1, w2, b1, b2], strict=True)], original, bucket
+
+
+def test_means_land_in_the_inputs_when_they_may_be_overwritten():
+    # the hook then hands the bucket back as it is: no copy of the whole bucket
+    per_rank = run_distributed(_mixed_bucket, 2)
+    sent = [original for _, original, _ in per_rank]
+    for where, _, bucket in per_rank:
+        assert where == [True, True, True, True]  # every mean is the input it replaces
+        for lo, hi in ((0, 64), (2112, 2176)):  # dense: the exact mean
+            torch.testing.assert_close(bucket[lo:hi], (sent[0][lo:hi] + sent[1][lo:hi]) / 2)
+        for lo, hi in ((64, 2112), (2176, 3676)):  # each rank's half rounded to bf16, summed in bf16
+            halves = [(x[lo:hi] / 2).to(torch.bfloat16) for x in sent]
+            torch.testing.assert_close(bucket[lo:hi], (halves[0] + halves[1]).float())
+
+
 def _fails_or_dies(rank: int, world_size: int, how: str) -> int:
     if rank == 1 and how == "raise":
         raise RuntimeError("rank 1 broke")

@@ -653,16 +653,21 @@ def test_the_step_flag_sees_every_non_finite_element_wherever_it_sits(dtype):
 
 
 def test_the_step_flag_covers_compressed_layers_and_the_mean_carries_dense_ones():
-    # the weight (2048 elements) goes int8, the bias (64) dense; one NaN in either
-    for poisoned, flagged in (("w", True), ("b", False)):
+    # the weight (2048 elements) goes int8 or bf16, the bias (64) dense; one NaN in either.
+    # A compressed layer's NaN is flagged; a dense one's is in the mean. A cast's is not
+    # flagged (no scan): it is carried into the mean, where the guard finds it
+    for name, poisoned, flagged in (("int8", "w", True), ("int8", "b", False), ("bf16", "w", False)):
         gen = torch.Generator().manual_seed(0)
         grads = {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(64, generator=gen)}
         grads[poisoned].view(-1)[5] = float("nan")
-        reducer = CompressedReducer(Plan.uniform("int8"), min_compress_numel=1024)
+        reducer = CompressedReducer(Plan.uniform(name), min_compress_numel=1024)
         means = dict(zip(grads, reducer.reduce(list(grads), list(grads.values()), closes_step=True), strict=True))
         reducer.end_step()
-        assert reducer.local_nonfinite is flagged, poisoned
-        assert bool(torch.isfinite(means["b"]).all()) is flagged  # a dense NaN is in the mean
+        assert reducer.local_nonfinite is flagged, (name, poisoned)
+        if name == "int8":
+            assert bool(torch.isfinite(means["b"]).all()) is flagged  # a dense NaN is in the mean
+        else:
+            assert not bool(torch.isfinite(means["w"]).all())
 
 
 def test_flat_view_finds_tensors_that_lie_back_to_back_and_nothing_else():
@@ -743,6 +748,32 @@ def test_statistics_tell_the_gradient_from_the_gradient_plus_residual():
     assert stats.residual_norm == pytest.approx(float(residuals[1].norm()), rel=1e-6)
     compensated = grad + residuals[0]
     assert stats.compression_error == pytest.approx(float(residuals[1].norm() / compensated.norm()), rel=1e-5)
+
+
+def test_a_cast_decodes_what_it_sent_only_where_statistics_read_it():
+    # the summable transport hands back the input as a cast's contribution (nothing is kept
+    # for it), except on statistics steps, which measure its rounding error
+    from raycomp.transports import summable_allreduce
+    from raycomp.transports.work import Group
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(32, 16, generator=gen), torch.randn(40, generator=gen)]
+    casts = [CompressorSpec.of("bf16").build(f"l{i}", 0) for i in range(2)]
+    kept = summable_allreduce(grads, casts, Group()).wait()
+    lean = summable_allreduce(grads, casts, Group(), keep_sent=False).wait()
+    for g, k, r in zip(grads, kept, lean, strict=True):
+        assert torch.equal(k.mean, r.mean) and torch.equal(k.mean, g.to(torch.bfloat16).float())
+        assert r.sent is g and torch.equal(k.sent, k.mean) and not torch.equal(k.sent, g)
+        assert k.wire_bytes == r.wire_bytes
+    for stats_every, error in ((1, True), (0, False)):
+        reducer = CompressedReducer(Plan.uniform("bf16"), min_compress_numel=0, stats_every=stats_every)
+        reducer.reduce(["w"], [grads[0].clone()], closes_step=True)
+        reducer.end_step()
+        assert "w" not in getattr(reducer.memory, "residuals", {})  # a cast keeps nothing
+        assert bool(reducer.stats) is error
+        if error:
+            (stats,) = reducer.stats
+            assert stats.compressor == "bf16" and 0 < stats.compression_error < 1e-2
 
 
 class _KeepingMemory:

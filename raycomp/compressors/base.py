@@ -71,6 +71,10 @@ class Compressor(ABC):
     sparse: ClassVar[bool] = False
     #: Lossless (or cast-only) compressors need no error feedback.
     lossy: ClassVar[bool] = True
+    #: A non-finite input element always reaches the mean (a cast keeps NaN and Inf, and
+    #: the sum carries them): the reducer's step flag need not scan the layer, since the
+    #: guard finds it in the reduced gradient, the same on every rank.
+    carries_nonfinite: ClassVar[bool] = False
     #: The loss scale the tensors given to :meth:`compress` carry under fp16 loss scaling
     #: (a 0-d tensor; None without a ``torch.amp.GradScaler``), set by the reducer before
     #: each compression (``raycomp.loss_scale``). A compressor that compares values with an

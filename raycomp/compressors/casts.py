@@ -12,9 +12,13 @@ from raycomp.compressors.base import Compressor, Cost, Transport
 from raycomp.payload import Payload
 
 
-class _Cast(Compressor):
+class Cast(Compressor):
+    """A cast to :attr:`wire_dtype`, summed by the all-reduce as it is (the summable
+    transport divides, casts and decodes a batch of them in one buffer)."""
+
     transport = Transport.ALLREDUCE
     lossy = False  # rounding only; error feedback would chase noise
+    carries_nonfinite = True  # NaN and Inf survive the cast and the sum
     wire_dtype: torch.dtype
     cost = Cost(near_lossless=True, rounds=1)  # its own all-reduce
 
@@ -28,14 +32,14 @@ class _Cast(Compressor):
         return payload.tensors["values"].to(payload.dtype).reshape(payload.shape)
 
 
-class Fp16(_Cast):
+class Fp16(Cast):
     """IEEE half precision (2 bytes per element)."""
 
     name = "fp16"
     wire_dtype = torch.float16
 
 
-class Bf16(_Cast):
+class Bf16(Cast):
     """bfloat16 (2 bytes per element, fp32's exponent range)."""
 
     name = "bf16"

@@ -55,6 +55,11 @@ class Batch:
     ``tensors`` are the compensated gradients; ``overwritable[i]``: tensor ``i`` is the
     caller's own and may be overwritten (a DDP bucket's gradient, outside statistics
     steps). ``control``: a few fp32 floats summed over ranks, riding with this batch.
+    ``keep_sent``: every layer's :attr:`Reduced.sent` must be what it contributed,
+    decompressed (statistics steps read it). Otherwise a transport may hand back the input
+    itself for a compressor without error feedback, as the dense transport always does:
+    nothing is kept for it, and decoding its own contribution would cost two passes over
+    the layer for nothing.
     """
 
     names: list[str]
@@ -62,12 +67,13 @@ class Batch:
     compressors: list[Compressor]
     overwritable: list[bool]
     control: torch.Tensor | None = None
+    keep_sent: bool = True
 
     def select(self, members: Sequence[int], control: torch.Tensor | None) -> Batch:
         """The layers at ``members``, carrying ``control``."""
         return Batch([self.names[i] for i in members], [self.tensors[i] for i in members],
                      [self.compressors[i] for i in members], [self.overwritable[i] for i in members],
-                     control)
+                     control, self.keep_sent)
 
 
 class Communicator(ABC):

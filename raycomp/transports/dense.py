@@ -25,7 +25,9 @@ def dense_allreduce(
     place — appended, after the division, to the collective of its dtype, or all-reduced on
     their own if no tensor has that dtype. The gradients' values are unaffected by it.
     ``in_place``: the inputs may be overwritten; tensors that already lie back to back (a
-    DDP bucket's gradients) are then reduced where they are, without a flattening copy.
+    DDP bucket's gradients) are then reduced where they are, without a flattening copy,
+    and the others' means are copied back into them (small layers between a bucket's
+    compressed ones: the bucket then holds every mean, and the hook hands it back whole).
     """
     works: list[dist.Work] = []
     flats: list[tuple[list[int], torch.Tensor]] = []
@@ -48,6 +50,8 @@ def dense_allreduce(
         for members, flat in flats:
             for i, mean in zip(members, split(flat, [tensors[i] for i in members]), strict=True):
                 t = tensors[i]
+                if in_place and mean.data_ptr() != t.data_ptr():
+                    mean = t.copy_(mean)  # reduced in a copy (not back to back): back where it lies
                 out[i] = Reduced(mean, t, group.allreduce_bytes(t.numel() * t.element_size()))
         return out  # type: ignore[return-value]
 

@@ -81,8 +81,8 @@ MUTANTS = (
     ),
     mutant(
         "finite-flag-checks-dense-layers-only", "CompressedReducer._send",
-        "        self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is not Transport.DENSE])\n",
-        "        self.signals.watch([g for g, kind in zip(grads, kinds, strict=True) if kind is Transport.DENSE])\n",
+        "                            if kind is not Transport.DENSE and not c.carries_nonfinite])\n",
+        "                            if kind is Transport.DENSE and not c.carries_nonfinite])\n",
         "tests/test_hook.py -k covers_compressed",
         "a compressed layer's NaN is not flagged: a compressor may drop it from the mean and the guard never skips the step",
     ),
