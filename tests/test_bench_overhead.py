@@ -71,6 +71,8 @@ def test_the_hook_alone_is_reported_beside_the_verdict_when_measured(tmp_path):
     ("--block=0", "overhead: --block must be >= 1, got 0"),
     ("--warmup-pairs=-1", "overhead: --warmup-pairs must be >= 0, got -1"),
     ("--model=gru", "overhead: --model must be one of cnn, lstm, got 'gru'"),
+    ("--plan=int8", "overhead: --plan must be one of dense, bf16, got 'int8'"),
+    ("--workers=1", "overhead: --workers must be >= 2, got 1"),
 ])
 def test_bad_options_stop_with_one_line_before_ray_starts(option, message):
     args = build_parser().parse_args(["overhead", option])
@@ -136,3 +138,29 @@ def test_raycomps_steps_are_told_apart_by_their_place_among_the_boundaries(tmp_p
     _, md_path = overhead.write_report({**result, "step_places": places, "boundary_ms_per_step": 0.345}, meta,
                                        tmp_path, "overhead-places")
     assert "That work itself runs after its step's clock stops: 0.34 ms a step on average" in md_path.read_text()
+
+
+def test_a_bf16_report_names_torchs_cast_hook_as_its_reference(tmp_path):
+    rows = _rows([(1.0, 1.01), (1.0, 1.02), (1.0, 1.05)])
+    s = overhead.summarize(rows, block=20, plan="bf16")
+    assert s["goal"] == "raycomp.train step with a bf16 plan <= 1.03x torch's bf16 hook's (median over block pairs)"
+    result = {"rows": rows, "summary": s, "plan": {"reason": "static: bf16"}, "steps": 60,
+              "wire_bytes_total": 5e5, "dense_bytes_total": 1e6, "controller_outages": 0, "stats_dropped": 0}
+    meta = {"command": "python -m jobs.bench overhead --plan bf16 --workers 4",
+            "machine": {"cpu_model": "x", "logical_cores": 2}, "seconds": 5.0, "batch": 32, "warmup_pairs": 3,
+            "bucket_cap_mb": "auto", "plan": "bf16", "workers": 4}
+    _, md_path = overhead.write_report(result, meta, tmp_path, "overhead-bf16")
+    text = md_path.read_text()
+    assert text.startswith("# The raycomp.train step on a bf16 plan against torch's bf16 hook")
+    assert "| torch's bf16 hook step ms |" in text and "4 workers" in text
+    assert "`default_hooks.bf16_compress_hook` registered" in text and "compressor `bf16`" in text
+
+
+@pytest.mark.benchmark
+def test_a_short_real_run_on_a_bf16_plan_sends_half_the_bytes(tmp_path):
+    args = build_parser().parse_args(["overhead", "--plan", "bf16", "--pairs", "2",
+                                      "--warmup-pairs", "1", "--block", "5", "--output-dir", str(tmp_path)])
+    assert overhead.run(args, ["overhead", "--plan", "bf16"]) == 0
+    report = json.loads((tmp_path / "overhead-cnn-loopback-bf16.json").read_text())
+    assert 0.45 * report["dense_bytes_total"] < report["wire_bytes_total"] < 0.6 * report["dense_bytes_total"]
+    assert all(r["plain_s"] > 0 and r["hook_s"] > 0 and r["raycomp_s"] > 0 for r in report["rows"])

@@ -19,7 +19,10 @@ this machine, hits every side of a pair alike. The first ``--warmup-pairs`` pair
 counted.
 
 Goal: the raycomp.train path on a dense plan costs no more than plain DDP, within noise:
-median ratio <= 1.03. The report gives the spread of the ratios (their quartiles) beside it,
+median ratio <= 1.03. ``--plan bf16`` asks the same of a bf16 plan against torch's own
+``bf16_compress_hook`` on plain DDP (the reference side then carries it; the hook-alone side
+and raycomp.train a static bf16 plan). ``--workers`` (default 2) puts more workers on the
+same cores, where what each step's codec and copies cost weighs more. The report gives the spread of the ratios (their quartiles) beside it,
 and how well the median is known (a 95% bootstrap interval over the pairs): whether 3% is resolved.
 """
 
@@ -43,9 +46,11 @@ from jobs.bench.report import (
     write_atomic,
 )
 
-HELP = "the raycomp.train step on a dense plan against plain DDP, a small model, blocks in turn"
+HELP = "the raycomp.train step on a dense (or bf16) plan against plain DDP (or torch's bf16 hook), blocks in turn"
 GOAL = 1.03
 MODELS = ("cnn", "lstm")
+#: --plan: the compressor every side's plan holds, and the reference side it is measured against
+PLANS = {"dense": ("none", "plain DDP"), "bf16": ("bf16", "torch's bf16 hook")}
 #: what each --model trains, for the report
 DESCRIPTIONS = {
     "cnn": "`jobs.models.fashion_cnn` (420k parameters), {batch} Fashion-MNIST images per worker and step, "
@@ -65,17 +70,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense-control", default=None, choices=("every_step", "at_boundaries"),
                         help="raycomp's controller.dense_control (default: the library's)")
     parser.add_argument("--model", default="cnn", help=f"the model: {', '.join(MODELS)} (default cnn)")
+    parser.add_argument("--plan", default="dense", help=f"the plan: {', '.join(PLANS)} (default dense; bf16 "
+                                                        "against torch's bf16 hook)")
+    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers, one CPU each (default 2)")
     parser.add_argument("--output-dir", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--name", default=None, help="the report's file name (default overhead-<model>-loopback)")
 
 
 def check(args: argparse.Namespace) -> None:
     """One line naming the option and what it allows, before Ray starts."""
-    for name, low in (("pairs", 1), ("warmup_pairs", 0), ("block", 1), ("batch", 1)):
+    for name, low in (("pairs", 1), ("warmup_pairs", 0), ("block", 1), ("batch", 1), ("workers", 2)):
         if getattr(args, name) < low:
             raise SystemExit(f"overhead: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.model not in MODELS:
         raise SystemExit(f"overhead: --model must be one of {', '.join(MODELS)}, got {args.model!r}")
+    if args.plan not in PLANS:
+        raise SystemExit(f"overhead: --plan must be one of {', '.join(PLANS)}, got {args.plan!r}")
 
 
 def train_func(config: dict[str, Any]) -> dict[str, Any]:
@@ -133,9 +143,17 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     own_opt = torch.optim.SGD(own_model.parameters(), lr=0.01, momentum=0.9)
     hook_opt = torch.optim.SGD(hook_model.parameters(), lr=0.01, momentum=0.9)
     plain = ray.train.torch.prepare_model(plain_model)
+    compressor = PLANS[config["plan"]][0]
+    if compressor == "bf16":  # torch's own cast hook: the reference side
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def casted(state, bucket):  # unannotated: DDP checks a hook's annotations (CUDA only for bf16)
+            return default_hooks.bf16_compress_hook(state, bucket)
+
+        plain.register_comm_hook(None, casted)
     options = raycomp.train.TrainOptions(
         compression=CompressionSection.model_validate(
-            {"policy": "static", "warmup_steps": 0, "static": {"compressor": {"name": "none"}},
+            {"policy": "static", "warmup_steps": 0, "static": {"compressor": {"name": compressor}},
              "bucket_cap_mb": config["bucket_cap_mb"]}),
         controller=ControllerSection(name=config["controller"], metrics_enabled=False,
                                      dense_control=config["dense_control"]),
@@ -145,7 +163,7 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     # raycomp's hook alone, on raycomp's buckets: what the loop's control work comes on top of
     hook = ray.train.torch.prepare_model(hook_model, parallel_strategy_kwargs=ddp_kwargs(options.compression,
                                                                                           hook_model))
-    hook_state = raycomp.CompressionState(hook, raycomp.Plan())
+    hook_state = raycomp.CompressionState(hook, raycomp.Plan.uniform(compressor))
     hook.register_comm_hook(hook_state, raycomp.compression_hook)
 
     def ddp_block(model: nn.Module, optimizer: torch.optim.Optimizer, start: int) -> float:
@@ -186,9 +204,10 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
             "controller_outages": totals["controller_outages"], "stats_dropped": totals["stats_dropped"]}
 
 
-def summarize(rows: list[dict[str, Any]], block: int) -> dict[str, Any]:
-    """The counted pairs' ratios (raycomp over plain DDP): median and quartiles; the median
-    step of each side in ms; PASS when the median ratio is at most :data:`GOAL`."""
+def summarize(rows: list[dict[str, Any]], block: int, plan: str = "dense") -> dict[str, Any]:
+    """The counted pairs' ratios (raycomp over the reference side: plain DDP, or torch's
+    bf16 hook under ``--plan bf16``): median and quartiles; the median step of each side in
+    ms; PASS when the median ratio is at most :data:`GOAL`."""
     counted = [r for r in rows if r["counted"]]
     if not counted:
         raise ValueError("overhead: no counted block pair (every pair was a warm-up pair)")
@@ -203,7 +222,7 @@ def summarize(rows: list[dict[str, Any]], block: int) -> dict[str, Any]:
         "resolved": high <= GOAL or low > GOAL,
         "plain_step_ms": 1e3 * statistics.median(r["plain_s"] for r in counted) / block,
         "raycomp_step_ms": 1e3 * statistics.median(r["raycomp_s"] for r in counted) / block,
-        "goal": f"raycomp.train step with a dense plan <= {GOAL:g}x plain DDP's (median over block pairs)",
+        "goal": f"raycomp.train step with a {plan} plan <= {GOAL:g}x {PLANS[plan][1]}'s (median over block pairs)",
         "ok": median <= GOAL,
     }
     if all("hook_s" in r for r in counted):  # the reference side (reports before it have none)
@@ -254,12 +273,14 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     s = result["summary"]
+    plan = meta.get("plan", "dense")
+    compressor, against = PLANS[plan]
     own = "left out" if meta.get("dense_control", "every_step") == "at_boundaries" else "in one of their own"
     link = f"DDP's own all-reduce for the gradients, the control values {own}" \
         if (result.get("ways") or {}).get("ddp") else "the control values ride in the gradients' collectives"
     verdict = "PASS" if s["ok"] else "MISS"
     table = markdown_table(
-        ["plain DDP step ms", "raycomp step ms", "ratio (median over pairs)", "its 95% interval", "quartiles"],
+        [f"{against} step ms", "raycomp step ms", "ratio (median over pairs)", "its 95% interval", "quartiles"],
         [[f"{s['plain_step_ms']:.1f}", f"{s['raycomp_step_ms']:.1f}", f"{s['ratio_median']:.3f}",
           f"{s['ratio_median_low']:.3f} - {s['ratio_median_high']:.3f}" if "ratio_median_low" in s else "—",
           f"{s['ratio_q1']:.3f} - {s['ratio_q3']:.3f}"]], align="rrrll")
@@ -278,13 +299,15 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
     reference = [] if "hook_ratio_median" not in s else [
         "",
         f"For reference, raycomp's hook alone (no `raycomp.train` loop): {s['hook_step_ms']:.1f} ms a step, "
-        f"{s['hook_ratio_median']:.3f}x plain DDP's (median over pairs)"
-        + "; `raycomp.train` leaves a dense step to DDP's own reduction instead, so what its step costs "
-          "beyond plain DDP's is the loop's control work: the guard, statistics, boundaries, the step log.",
+        f"{s['hook_ratio_median']:.3f}x {against}'s (median over pairs)"
+        + ("; `raycomp.train` leaves a dense step to DDP's own reduction instead, so what its step costs "
+           "beyond plain DDP's is the loop's control work: the guard, statistics, boundaries, the step log."
+           if plan == "dense" else "; what `raycomp.train` adds to it is the loop's control work: the guard, "
+           "statistics, boundaries, the step log."),
     ]
     write_atomic(json_path, json.dumps({**meta, **result}, indent=2) + "\n")
     write_atomic(md_path, "\n".join([
-        "# The raycomp.train step on a dense plan against plain DDP",
+        f"# The raycomp.train step on a {plan} plan against {against}",
         "",
         f"Generated by `jobs/bench/overhead.py`; every number in `{name}.json`.",
         "",
@@ -300,15 +323,18 @@ def write_report(result: dict[str, Any], meta: dict[str, Any], out_dir: Path, na
         "",
         "## Set-up",
         "",
-        "- One Ray Train fit, 2 workers on this machine's local Ray (loopback), one thread each.",
+        f"- One Ray Train fit, {meta.get('workers', 2)} workers on this machine's local Ray (loopback), one "
+        "thread each.",
         f"- {DESCRIPTIONS[meta.get('model', 'cnn')].format(batch=meta['batch'])}; copies of the same weights "
         "on each worker.",
-        "- Plain DDP: `ray.train.torch.prepare_model`, then `backward`, `optimizer.step`, `zero_grad`.",
-        "- raycomp: `raycomp.train.prepare_model` with `compression.policy=static`, compressor `none` "
-        "(the dense plan) and no warm-up, then `backward` and `raycomp.train.step` (guard, "
+        "- Plain DDP: `ray.train.torch.prepare_model`, then `backward`, `optimizer.step`, `zero_grad`"
+        + ("." if plan == "dense" else ", with torch's `default_hooks.bf16_compress_hook` registered (the "
+           "reference side)."),
+        f"- raycomp: `raycomp.train.prepare_model` with `compression.policy=static`, compressor `{compressor}` "
+        f"(the {plan} plan) and no warm-up, then `backward` and `raycomp.train.step` (guard, "
         "controller link, statistics, plan agreement after each boundary, step log). "
         + _ways_line(result.get("ways") or {}),
-        "- For reference, a third copy carries raycomp's hook alone: `raycomp.CompressionState` on a dense "
+        f"- For reference, a third copy carries raycomp's hook alone: `raycomp.CompressionState` on a {plan} "
         "plan, raycomp's buckets, stepped as plain DDP.",
         f"- Blocks of {s['block_steps']} steps in turn (plain, hook, raycomp, then the reverse), the same batches "
         f"for all; {meta['warmup_pairs']} warm-up pairs left out, {s['pairs']} pairs counted.",
@@ -361,19 +387,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     storage = Path(tempfile.mkdtemp(prefix="raycomp-overhead-"))
     controller = f"overhead-{int(started)}"
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(num_cpus=max(2, args.workers), include_dashboard=False)
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"controller": controller, "output_dir": str(storage / "run"), "block": args.block,
                            "batch": args.batch, "pairs": args.pairs, "warmup_pairs": args.warmup_pairs,
                            "bucket_cap_mb": args.bucket_cap_mb, "model": args.model,
-                           "dense_control": args.dense_control},
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+                           "dense_control": args.dense_control, "plan": args.plan},
+        scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name="overhead", storage_path=str(storage),
                              callbacks=[raycomp.train.ControllerCallback(ControllerSection(
                                  name=controller, metrics_enabled=False))]))
     result = trainer.fit().return_value
-    result["summary"] = summarize(result["rows"], args.block)
+    result["summary"] = summarize(result["rows"], args.block, args.plan)
     places = result.pop("places")
     log = Path(places.pop("steps_log"))
     if log.exists():
@@ -381,8 +407,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         result["step_places"] = step_places(records, **places, skip=args.warmup_pairs * args.block)
     meta = {"command": command_line("jobs.bench", argv), "machine": machine_info(1),
             "seconds": time.time() - started, "batch": args.batch, "warmup_pairs": args.warmup_pairs,
-            "bucket_cap_mb": args.bucket_cap_mb, "model": args.model, "dense_control": args.dense_control}
+            "bucket_cap_mb": args.bucket_cap_mb, "model": args.model, "dense_control": args.dense_control,
+            "plan": args.plan, "workers": args.workers}
     other = "" if args.dense_control == default_control else "-" + args.dense_control.replace("_", "-")
+    other += ("" if args.plan == "dense" else f"-{args.plan}") + ("" if args.workers == 2 else f"-w{args.workers}")
     default_name = f"overhead-{args.model}-loopback{other}"
     json_path, md_path = write_report(result, meta, args.output_dir, args.name or default_name)
     s = result["summary"]
