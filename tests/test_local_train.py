@@ -13,7 +13,8 @@ import torch
 
 from tests.conftest import REPO
 from tests.gpu.support import same_on_every_rank
-from tests.test_train_job import last_checkpoint, step_logs, train
+from tests.support.step_logs import step_logs
+from tests.test_train_job import last_checkpoint, train
 
 H = 4
 SPIKE_STEP = 29  # the loss reported at this step is multiplied by 1000 on every rank

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from tests.test_train_job import step_logs
+from tests.support.step_logs import step_logs
 
 K, WARMUP = 10, 4
 

@@ -23,9 +23,9 @@ import pytest
 
 from jobs.bench.cluster import REPO, driver_env, ray_nodes
 from jobs.bench.netns.switch import SwitchedNetwork
+from tests.support.step_logs import step_logs
 from tests.test_netns import needs_netns
 from tests.test_switch import _assert_gone
-from tests.test_train_job import step_logs
 
 
 @needs_netns

@@ -14,6 +14,7 @@ from jobs.config import JobConfig
 from jobs.faults import DrillConfig
 from jobs.train import prepare, run
 from tests.conftest import REPO
+from tests.support.step_logs import step_logs
 
 DIGITS = str(REPO / "jobs" / "configs" / "digits.yaml")
 
@@ -28,12 +29,6 @@ def train(tmp_path: Path, name: str, *overrides: str) -> dict:
     summary = run(config, run_id, output)
     assert json.loads((output / "summary.json").read_text())["run_id"] == run_id
     return summary
-
-
-def step_logs(output: Path) -> list[list[dict]]:
-    """Every rank's step log under ``output``, by rank (rank 10 after rank 9)."""
-    logs = sorted((output / "steps").glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
-    return [[json.loads(line) for line in p.read_text().splitlines()] for p in logs]
 
 
 def latest_checkpoint(output: Path) -> Path:

@@ -22,7 +22,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.gpu.support import same_on_every_rank  # noqa: E402
-from tests.support.framework_runs import assert_guard_run, fit_and_read, step_logs  # noqa: E402
+from tests.support.framework_runs import assert_guard_run, fit_and_read  # noqa: E402
+from tests.support.step_logs import step_logs  # noqa: E402
 
 GRADIENT_DTYPES = ("Float", "Half", "BFloat16", "Double")  # the flight recorder's names
 
@@ -331,7 +332,7 @@ def test_a_killed_worker_resumes_from_the_trainers_checkpoint_with_raycomps_stat
         assert killed["residual_layers"] >= 3  # Top-K's error feedback, restored on every rank
         assert killed["same_weights"] and killed["same_residuals"]  # bit for bit the uninterrupted run
     assert runs[0]["killed"]["replayed_steps"] >= 1  # rank 0 had logged steps past the checkpoint
-    for records in step_logs(runs[0]["killed"]["output_dir"]):
+    for records in step_logs(runs[0]["killed"]["output_dir"], ranks=2):
         assert [r["step"] for r in records] == list(range(48))
 
 

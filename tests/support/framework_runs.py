@@ -1,6 +1,6 @@
 """What the framework integrations' tests share: one Ray Train fit whose workers write their
-findings per rank (the several framework runs, then the killed-and-resumed one), the step
-logs, and the checks of the guard's run (NaN on one rank, fallback, recovery, same plan)."""
+findings per rank (the several framework runs, then the killed-and-resumed one), and the
+checks of the guard's run (NaN on one rank, fallback, recovery, same plan)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import fit_with_controller
+from tests.support.step_logs import step_logs
 from tests.support.wire import FLIGHT_RECORDER_ENV
 
 
@@ -24,11 +25,6 @@ def fit_and_read(train_func: Callable[[dict], None], tmp: Path, prefix: str) -> 
                         "marker": (out / "rank1-was-killed").exists()}} for r in (0, 1)]
 
 
-def step_logs(output_dir: str) -> list[list[dict]]:
-    return [[json.loads(line) for line in (Path(output_dir) / "steps" / f"rank{r}.jsonl").read_text().splitlines()]
-            for r in (0, 1)]
-
-
 def assert_guard_run(guard: dict[str, Any], nan_step: int, stable: int, min_switches: int) -> list[list[dict]]:
     """The guard's 32-step run: NaN on one rank at ``nan_step`` falls back to dense on every
     rank and recovers ``stable`` steps later, the same plan everywhere; returns the step logs."""
@@ -40,7 +36,7 @@ def assert_guard_run(guard: dict[str, Any], nan_step: int, stable: int, min_swit
     assert guard["ddp_bucket_cap_mb"] == 1.0  # raycomp's bucket cap for a small model, not DDP's 25 MB
     assert guard["skipped_steps"] == 1 and guard["plan_switches"] >= min_switches
     assert guard["final_plan"]["default"] == {"name": "int8"}
-    logs = step_logs(guard["output_dir"])
+    logs = step_logs(guard["output_dir"], ranks=2)
     for records in logs:
         assert [r["step"] for r in records] == list(range(32))
         by_step = {r["step"]: r for r in records}
