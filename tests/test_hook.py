@@ -776,6 +776,29 @@ def test_a_cast_decodes_what_it_sent_only_where_statistics_read_it():
             assert stats.compressor == "bf16" and 0 < stats.compression_error < 1e-2
 
 
+def test_a_cast_that_encodes_its_own_way_keeps_its_encoding():
+    # the one-buffer cast path serves plain casts only: a subclass's own _compress and
+    # decompress still run (here: scaled by 1024 on the wire, as a user's fp16 might be)
+    from raycomp.compressors.casts import Cast
+    from raycomp.transports import summable_allreduce
+    from raycomp.transports.work import Group
+
+    class Scaled(Cast):
+        name, wire_dtype, calls = "scaled_fp16_test", torch.float16, 0
+
+        def _compress(self, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> Payload:
+            type(self).calls += 1
+            return Payload({"values": (flat * 1024).to(self.wire_dtype)}, shape, dtype)
+
+        def decompress(self, payload: Payload) -> torch.Tensor:
+            return super().decompress(payload) / 1024
+
+    tiny = torch.full((64,), 1e-6)  # fp16 keeps 1e-6 * 1024, not 1e-6 itself (subnormal)
+    (result,) = summable_allreduce([tiny], [Scaled()], Group()).wait()
+    assert Scaled.calls == 1
+    torch.testing.assert_close(result.mean, tiny, rtol=1e-3, atol=0)
+
+
 class _KeepingMemory:
     """A user's memory whose compensate hands back a buffer it keeps (the protocol allows it)."""
 

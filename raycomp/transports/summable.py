@@ -58,10 +58,18 @@ def summable_allreduce(
 
 def _one_cast(tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor]) -> bool:
     """Whether every layer is cast to one wire dtype from one dtype (a DDP bucket's under a
-    bf16 or fp16 plan): then one buffer holds them all, from the division to the decoding."""
-    if not tensors or not all(isinstance(c, Cast) for c in compressors):
+    bf16 or fp16 plan): then one buffer holds them all, from the division to the decoding.
+    Only a plain cast: a subclass that encodes or decodes its own way, or keeps a residual,
+    takes the general path."""
+    if not tensors or not all(_plain_cast(c) for c in compressors):
         return False
     return len({c.wire_dtype for c in compressors}) == 1 and len({t.dtype for t in tensors}) == 1  # type: ignore[attr-defined]
+
+
+def _plain_cast(c: Compressor) -> bool:
+    kind = type(c)
+    return isinstance(c, Cast) and kind._compress is Cast._compress and kind.decompress is Cast.decompress \
+        and not c.error_feedback
 
 
 def _cast_allreduce(tensors: Sequence[torch.Tensor], cast: Cast, group: Group, keep_sent: bool,
