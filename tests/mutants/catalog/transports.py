@@ -42,10 +42,17 @@ MUTANTS = (
     ),
     mutant(
         "cast-sum-not-divided", "_cast_allreduce",
-        "        torch.div(t, w, out=place)\n",
-        "        place.copy_(t)\n",
+        "        torch.div(region, w, out=flat)\n",
+        "        flat.copy_(region)\n",
         "tests/test_hook.py::test_lossless_settings_of_every_transport_give_ddps_mean",
-        "bf16/fp16 layers all-reduce the sum, not the mean",
+        "a bucket's bf16/fp16 layers (back to back) all-reduce the sum, not the mean",
+    ),
+    mutant(
+        "cast-layers-sum-not-divided", "_cast_allreduce",
+        "            torch.div(t, w, out=place)\n",
+        "            place.copy_(t)\n",
+        "tests/test_collectives.py -k land_in",
+        "bf16/fp16 layers that do not lie back to back all-reduce the sum, not the mean",
     ),
     mutant(
         "cast-statistics-read-the-input", "_cast_allreduce",
