@@ -1,5 +1,6 @@
 """``python -m jobs.bench overhead``: what the ``raycomp.train`` step costs where it compresses
-nothing, against plain DDP, on a model whose step is well under 100 ms.
+nothing, against plain DDP (or on a bf16 plan, against torch's bf16 hook), on a model whose
+step is well under 100 ms.
 
 One Ray Train fit on this machine's local Ray (2 workers, one thread each, loopback: a fast
 link). Each worker holds copies of the same small model (``--model cnn``:
@@ -19,11 +20,14 @@ this machine, hits every side of a pair alike. The first ``--warmup-pairs`` pair
 counted.
 
 Goal: the raycomp.train path on a dense plan costs no more than plain DDP, within noise:
-median ratio <= 1.03. ``--plan bf16`` asks the same of a bf16 plan against torch's own
-``bf16_compress_hook`` on plain DDP (the reference side then carries it; the hook-alone side
-and raycomp.train a static bf16 plan). ``--workers`` (default 2) puts more workers on the
-same cores, where what each step's codec and copies cost weighs more. The report gives the spread of the ratios (their quartiles) beside it,
-and how well the median is known (a 95% bootstrap interval over the pairs): whether 3% is resolved.
+median ratio <= 1.03. The report gives the spread of the ratios (their quartiles) beside it,
+and how well the median is known (a 95% bootstrap interval over the pairs): whether 3% is
+resolved.
+
+``--plan bf16`` asks the same of a bf16 plan against torch's own ``bf16_compress_hook`` on
+plain DDP (the reference side carries it; the hook-alone side and raycomp.train a static
+bf16 plan). ``--workers`` (default 2) puts more workers on the same cores, where what each
+step's codec, copies and collectives cost weighs more.
 """
 
 from __future__ import annotations
