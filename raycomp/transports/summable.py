@@ -83,12 +83,13 @@ def _cast_allreduce(tensors: Sequence[torch.Tensor], cast: Cast, group: Group, k
     w = group.size
     region = flat_view(tensors)
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=cast.wire_dtype, device=tensors[0].device)
+    places = split(flat, tensors)  # each layer's place in the wire buffer
     if region is not None:
         torch.div(region, w, out=flat)
     else:
-        for t, place in zip(tensors, split(flat, tensors), strict=True):
+        for t, place in zip(tensors, places, strict=True):
             torch.div(t, w, out=place)
-    sent = [place.to(t.dtype) * w for t, place in zip(tensors, split(flat, tensors), strict=True)] \
+    sent = [place.to(t.dtype) * w for t, place in zip(tensors, places, strict=True)] \
         if keep_sent else list(tensors)
     works = group.start_all_reduce(flat)
 
@@ -98,7 +99,7 @@ def _cast_allreduce(tensors: Sequence[torch.Tensor], cast: Cast, group: Group, k
             if region is not None:
                 region.copy_(flat)
             else:
-                for t, total in zip(tensors, split(flat, tensors), strict=True):
+                for t, total in zip(tensors, places, strict=True):
                     t.copy_(total)
             means = tensors
         else:
