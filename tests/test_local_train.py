@@ -30,10 +30,11 @@ def _train_step(model: torch.nn.Module, gen: torch.Generator) -> None:
     raycomp.train.step(loss, samples=len(y))
 
 
-def _prepared(config: dict, hidden: int, **compression) -> tuple[int, torch.nn.Module]:
+def _prepared(config: dict, hidden: int, momentum: float = 0.0, **compression) -> tuple[int, torch.nn.Module]:
     """An MLP of ``hidden`` units through ``raycomp.train.prepare_model`` with local steps
     every H steps, int8 pseudo-gradients, after ``compression``'s other settings (the
-    static int8 policy; a boundary every 2 steps); this rank's number and the model."""
+    static int8 policy; a boundary every 2 steps), SGD with ``momentum``; this rank's number
+    and the model."""
     import ray.train
 
     import raycomp.train
@@ -42,7 +43,7 @@ def _prepared(config: dict, hidden: int, **compression) -> tuple[int, torch.nn.M
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     options = raycomp.train.TrainOptions(
         compression=CompressionSection(policy="static", static=StaticOptions(compressor=compressor("int8")),
                                        **compression),
@@ -56,8 +57,9 @@ def _train_local(config: dict) -> dict:
     from raycomp.config import GuardSection, LocalSection
     from tests.support.wire import WireRecorder
 
+    # momentum: each replica's own during local steps, made equal again when they end
     rank, model = _prepared(
-        config, 128, warmup_steps=4, guard=GuardSection(stable_steps=6, loss_spike_factor=3.0),
+        config, 128, momentum=0.9, warmup_steps=4, guard=GuardSection(stable_steps=6, loss_spike_factor=3.0),
         # each sync waited for at once (not the default's one step on the wire), so that
         # every sync leaves the ranks with equal weights
         local=LocalSection(mode="fixed", sync_every=H, compressor="int8", delay=0))

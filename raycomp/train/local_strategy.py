@@ -10,7 +10,9 @@ and the outer optimizer steps the synchronised weights.
 
 The switch happens where the loop installs a plan, which is the same step on every rank.
 Leaving local steps first syncs every fragment, so that the ranks hold the same weights
-again before DDP resumes; entering them starts a fresh schedule from the current (equal)
+again before DDP resumes, and makes the inner optimizer's per-replica state equal
+(:mod:`raycomp.local.inner_state`: with different momenta the same mean gradient would
+move the ranks apart again); entering them starts a fresh schedule from the current (equal)
 weights. A run that ends in local steps syncs every fragment once more (:meth:`LocalStepsStrategy.merge`),
 so that the model every rank holds at the end is the merged one, not its own replica.
 
@@ -42,7 +44,7 @@ from raycomp.config import LocalSection
 from raycomp.control_rows import SyncRow
 from raycomp.hook import CompressionState
 from raycomp.ledger import WireLedger
-from raycomp.local import LocalSteps, resolve_delay
+from raycomp.local import LocalSteps, equalize_inner_state, resolve_delay
 from raycomp.plan import LocalMode, Plan
 from raycomp.stats import LayerStats
 from raycomp.train.ddp_strategy import compression_state, parameter_shapes, wrap_ddp
@@ -63,8 +65,12 @@ class LocalState:
     :class:`~raycomp.local.LocalSteps` for local ones, one byte ledger for both."""
 
     def __init__(self, model: torch.nn.Module, hook: CompressionState, steps: LocalSteps,
-                 options: LocalSection) -> None:
+                 options: LocalSection, optimizer: torch.optim.Optimizer | None = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
         self.model, self.hook, self.steps, self.options = model, hook, steps, options
+        #: the inner optimizer (and scaler) whose per-replica state is made equal on every
+        #: rank when local steps end (:func:`raycomp.local.equalize_inner_state`)
+        self.optimizer, self.grad_scaler = optimizer, grad_scaler
         self.ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         steps.reducer.ledger = hook.reducer.ledger  # pseudo-gradient bytes count with the rest
         #: a replica is a node (two levels): inner steps stay data-parallel inside it
@@ -115,6 +121,8 @@ class LocalState:
         if mode != self.mode:
             if self.mode is not None:
                 self.steps.merge_all()  # the ranks leave with the same weights
+                if mode is None and self.optimizer is not None:  # and per step, the same inner state
+                    equalize_inner_state(self.optimizer, self.grad_scaler, self.steps.group)
             if mode is not None:
                 self._restart(mode)
             self._ddp_strategy(mode is None)
@@ -274,4 +282,4 @@ def local_hook_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                        buffers=local.buffers, process_group=setup.control_group, seed=options.seed,
                        min_compress_numel=c.min_compress_numel,
                        levels=hook.levels)
-    return LocalStepsStrategy(model, LocalState(model, hook, steps, local))
+    return LocalStepsStrategy(model, LocalState(model, hook, steps, local, optimizer, setup.grad_scaler))

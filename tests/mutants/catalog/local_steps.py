@@ -337,4 +337,26 @@ MUTANTS = (
         "a skipped inner step's norm (NaN, a spike) joins the rank's window: a NaN poisons its level, a spike "
         "raises it and the next spike passes",
     ),
+    mutant(
+        "local-inner-state-kept-per-replica-after-leaving", "LocalState.set_plan",
+        "                    equalize_inner_state(self.optimizer, self.grad_scaler, self.steps.group)\n",
+        "                    pass\n",
+        "tests/test_mode_switch.py -k per_step_step",
+        "leaving local steps merges the weights but not the inner optimizer's momenta: per step, the same mean "
+        "gradient moves the ranks apart for good",
+    ),
+    mutant(
+        "local-inner-moments-not-averaged", "_average",
+        "        dist.all_reduce(flat, group=group)\n        flat /= world\n",
+        "        pass\n",
+        "tests/test_mode_switch.py -k equal_layouts",
+        "each rank keeps its own moments when the replicas come back together",
+    ),
+    mutant(
+        "local-inner-scale-largest", "_equal_scale",
+        "    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=group)\n",
+        "    dist.all_reduce(smallest, op=dist.ReduceOp.MAX, group=group)\n",
+        "tests/test_mode_switch.py -k equal_layouts",
+        "the ranks take the largest loss scale, the one that overflowed somewhere",
+    ),
 )
