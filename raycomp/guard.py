@@ -17,11 +17,23 @@ controller and without a collective of its own (see :mod:`raycomp.train.step_jud
   skipped: the optimizer must not apply them);
 * after ``stable_steps`` clean steps compression resumes (hysteresis).
 
+These rules judge what raycomp changes: they act only while raycomp compresses or runs
+local steps (``compressing``), where falling back to dense helps. Under a dense plan a run
+trains exactly as plain DDP: no rule fires, no step is skipped but one whose gradient is
+not finite (as torch's GradScaler skips it), and the windows keep filling, so that the
+first compressed steps are judged against the dense steps before them.
+
+A gradient norm counts as exploding only above ``grad_norm_factor`` x the recent level
+*and* above the highest level the run has trained through (:attr:`Guard.peak_norm_level`):
+late in training, with norms a hundredth of the early ones, one hard batch moves the norm
+tenfold against its tiny recent level and is not a divergence.
+
 Every switch is an event with its step and reason.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -69,18 +81,29 @@ class Guard:
         self.max_compression_error = max_compression_error
         self.stable_steps = stable_steps
         self.losses: deque[float] = deque(maxlen=loss_window)
+        #: the highest level of :attr:`grad_norms` seen in the run: the norms it trained through
+        self.peak_norm_level = 0.0
         self.active = False
         self.reason = ""
         self.clean_steps = 0
         self.events: list[GuardEvent] = []
 
     def observe(self, step: int, nonfinite: bool, loss: float | None, max_error: float | None,
-                grad_norm: float | None = 0.0) -> Verdict:
+                grad_norm: float | None = 0.0, compressing: bool = True) -> Verdict:
         """One step's decision. ``loss`` None: no loss to judge at this step (the first step,
         or the loss belonged to a skipped step); ``max_error`` None: not measured;
-        ``grad_norm`` None: no reduced gradient to judge (a sync of local steps)."""
+        ``grad_norm`` None: no reduced gradient to judge (a sync of local steps);
+        ``compressing`` False: the step ran under a dense plan the guard did not impose
+        (plain DDP: only a non-finite gradient is skipped, nothing falls back)."""
         if not self.enabled:
             return Verdict(skip_update=nonfinite, changed=False)
+        if not compressing and not self.active:
+            if nonfinite:
+                return Verdict(skip_update=True, changed=False)
+            if loss is not None and math.isfinite(loss):
+                self.recent_losses.append(loss)
+            self._remember(loss, grad_norm)
+            return Verdict(skip_update=False, changed=False)
         trigger = self._trigger(nonfinite, loss, max_error, grad_norm)
         if trigger is not None:
             reason, detail = trigger
@@ -91,10 +114,7 @@ class Guard:
             self.clean_steps = 0
             skip = reason in ("nonfinite_gradient", "gradient_explosion")
             return Verdict(skip_update=skip, changed=changed)
-        if loss is not None:
-            self.losses.append(loss)
-        if grad_norm is not None:
-            self.grad_norms.append(grad_norm)
+        self._remember(loss, grad_norm)
         if self.active:
             self.clean_steps += 1
             if self.clean_steps >= self.stable_steps:
@@ -104,14 +124,25 @@ class Guard:
                 return Verdict(skip_update=False, changed=True)
         return Verdict(skip_update=False, changed=False)
 
+    def _remember(self, loss: float | None, grad_norm: float | None) -> None:
+        """A clean step's loss and norm join the windows the rules compare against."""
+        if loss is not None and math.isfinite(loss):
+            self.losses.append(loss)
+        if grad_norm is not None and math.isfinite(grad_norm):
+            self.grad_norms.append(grad_norm)
+            level = self.level(self.grad_norms)
+            if level is not None:
+                self.peak_norm_level = max(self.peak_norm_level, level)
+
     def _trigger(self, nonfinite: bool, loss: float | None, max_error: float | None,
                  grad_norm: float | None) -> tuple[str, str] | None:
         if nonfinite or (loss is not None and (loss != loss or loss in (float("inf"), float("-inf")))):
             return "nonfinite_gradient", "NaN/Inf in gradients or loss"
-        if grad_norm is not None and \
+        if grad_norm is not None and grad_norm > self.peak_norm_level and \
                 (level := self.spike_level(grad_norm, self.grad_norms, self.grad_norm_factor)) is not None:
             return "gradient_explosion", (
-                f"gradient norm {grad_norm:.4g} > {self.grad_norm_factor} x recent level {level:.4g}")
+                f"gradient norm {grad_norm:.4g} > {self.grad_norm_factor} x recent level {level:.4g} "
+                f"and above the run's highest level {self.peak_norm_level:.4g}")
         if loss is not None:
             self.recent_losses.append(loss)
         recent = sum(self.recent_losses) / len(self.recent_losses) if self.recent_losses else 0.0
@@ -122,18 +153,23 @@ class Guard:
             return "compression_error", f"relative error {max_error:.4g} > {self.max_compression_error}"
         return None
 
-    def spike_level(self, value: float, window: deque[float], factor: float) -> float | None:
-        """The window's level if ``value`` is more than ``factor`` x it, else None."""
+    def level(self, window: deque[float]) -> float | None:
+        """The window's ``spike_quantile`` (None under 3 values)."""
         if len(window) < 3:
             return None
         ordered = sorted(window)
-        level = ordered[min(len(ordered) - 1, int(self.spike_quantile * len(ordered)))]
-        return level if level > 0 and value > factor * level else None
+        return ordered[min(len(ordered) - 1, int(self.spike_quantile * len(ordered)))]
+
+    def spike_level(self, value: float, window: deque[float], factor: float) -> float | None:
+        """The window's level if ``value`` is more than ``factor`` x it, else None."""
+        level = self.level(window)
+        return level if level is not None and level > 0 and value > factor * level else None
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "losses": list(self.losses),
             "grad_norms": list(self.grad_norms),
+            "peak_norm_level": self.peak_norm_level,
             "recent_losses": list(self.recent_losses),
             "active": self.active,
             "reason": self.reason,
@@ -146,6 +182,8 @@ class Guard:
         self.losses.extend(state["losses"])
         self.grad_norms.clear()
         self.grad_norms.extend(state["grad_norms"])
+        # a checkpoint from before the peak: the level of the window it holds
+        self.peak_norm_level = float(state.get("peak_norm_level", self.level(self.grad_norms) or 0.0))
         self.recent_losses.clear()
         self.recent_losses.extend(state["recent_losses"])
         self.active = state["active"]

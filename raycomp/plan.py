@@ -179,6 +179,14 @@ class Plan:
         return text
 
     @property
+    def trains_as_ddp(self) -> bool:
+        """Whether a step under this plan is plain data-parallel training: every layer's
+        gradient all-reduced exactly, every step (no compressor, no cast, no local steps)."""
+        if self.dense:
+            return True
+        return self.local is None and self.default.is_dense and all(spec.is_dense for _, spec in self.layers)
+
+    @property
     def local_steps(self) -> LocalMode | None:
         """The local-step mode in force (None per step, and always under ``dense``)."""
         return None if self.dense else self.local

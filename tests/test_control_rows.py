@@ -10,6 +10,7 @@ import torch
 
 from raycomp.control_rows import GuardRow, SyncRow
 from raycomp.guard import Guard
+from raycomp.plan import Plan
 from raycomp.train.step_judge import StepJudge
 
 
@@ -36,6 +37,7 @@ class _OneRank:
         self.skippable: list[bool] = []
         self.norm = 1.0
         self.stats, self.stats_step, self.step = [], -1, 0
+        self.plan = Plan.uniform("int8")  # a compressed plan: the guard's rules apply
 
     control_skipped = False
 
@@ -99,12 +101,37 @@ def test_at_boundaries_a_loss_left_out_waits_for_the_agreement_and_is_judged_the
     restored = StepJudge(Guard(loss_window=4), _OneRank(), rank=0, world_size=1, every_step=False)
     restored.load_state_dict(saved)
     assert restored.take_late() == [1.9, 2.0, 2.2, 2.05] and restored.take_late() == []
-    # the agreement hands back the ranks' means: they fill the guard's window as judged losses,
-    # and a sustained spike among them falls back
+    # the agreement hands back the ranks' means: they fill the guard's window; under the
+    # dense plan they ran with nothing falls back, however they rise (plain DDP's training)
+    state.plan = Plan()
     for loss in (2.0, 2.1, 1.9, 2.0):
         assert not judge.judge_late(9, loss).changed
     assert list(judge.guard.losses) == [2.0, 2.1, 1.9, 2.0]
+    assert not any(judge.judge_late(9, 40.0).changed for _ in range(5)) and not judge.guard.active
+    for loss in (2.0, 2.1, 1.9, 2.0):
+        judge.judge_late(9, loss)
+    # under a compressed plan a sustained spike among them falls back
+    state.plan = Plan.uniform("int8")
     verdicts = [judge.judge_late(9, loss) for loss in (40.0,) * 5]
     assert any(v.changed for v in verdicts) and judge.guard.active
     assert judge.guard.events[-1].reason == "loss_spike" and judge.guard.events[-1].step == 9
     assert not any(v.skip_update for v in verdicts)  # the steps were applied long ago: nothing to skip
+
+
+def test_a_dense_plan_skips_a_nonfinite_step_without_falling_back_and_a_compressed_one_falls_back():
+    state = _OneRank()
+    state.plan = Plan()  # the controller's dense plan: the run trains as plain DDP
+    judge = StepJudge(Guard(), state, rank=0, world_size=1)
+    for step in range(5):
+        judge.stage(2.0, applied=True)
+        assert not judge.decide(step, []).skip_update
+    state.norm = 1000.0  # no explosion under a dense plan
+    assert not judge.decide(5, []).skip_update
+    state.norm = math.nan
+    verdict = judge.decide(6, [])
+    assert verdict.skip_update and not verdict.changed and not judge.guard.active and not judge.guard.events
+    state.plan = Plan.uniform("int4")
+    verdict = judge.decide(7, [])
+    assert verdict.skip_update and verdict.changed and judge.guard.reason == "nonfinite_gradient"
+    state.plan, state.norm = Plan(dense=True), 1.0  # the guard's own dense override: its rules still judge
+    assert judge.compressing

@@ -100,3 +100,31 @@ def test_an_inner_step_is_judged_on_its_own_norms_and_a_bad_one_never_enters_the
     assert list(guard.inner_norms) == [1.0, 1.0, 1.0]
     state.norm = 5.0
     assert guard.judge_inner(params) and list(guard.inner_norms)[-1] == 5.0
+
+
+def test_under_a_dense_plan_no_rule_falls_back_and_only_a_nonfinite_gradient_is_skipped():
+    guard = Guard(stable_steps=3)
+    for step in range(5):
+        guard.observe(step, False, 1.0, None, 1.0, compressing=False)
+    quiet = [guard.observe(5, False, 1.0, None, 50.0, compressing=False),  # an exploding norm
+             *(guard.observe(6 + i, False, 100.0, None, 1.0, compressing=False) for i in range(5)),  # a spike
+             guard.observe(11, False, 1.0, 5.0, 1.0, compressing=False)]  # a compression error, measured
+    assert not any(v.skip_update or v.changed for v in quiet) and not guard.events
+    skipped = guard.observe(12, True, 1.0, None, 1.0, compressing=False)
+    assert skipped.skip_update and not skipped.changed and not guard.active and not guard.events
+    # the dense steps filled the windows: the first compressed step is judged against them
+    assert len(guard.grad_norms) == 12 and guard.peak_norm_level == 50.0
+    assert guard.observe(13, False, 1.0, 0.9999, 1.0).changed and guard.reason == "compression_error"
+
+
+def test_a_tenfold_norm_at_tiny_late_norms_is_not_an_explosion_but_one_above_the_run_s_level_is():
+    guard = Guard(stable_steps=3)
+    for step in range(20):  # early training: norms near 1
+        guard.observe(step, False, 1.0, None, 1.0 + 0.01 * step)
+    for step in range(20, 60):  # late: a hundredth of them
+        guard.observe(step, False, 1e-4, None, 0.015)
+    noisy = guard.observe(60, False, 1e-4, None, 0.159)  # the quick start's false alarm
+    assert not noisy.skip_update and not guard.active
+    exploded = guard.observe(61, False, 1e-4, None, 2.0)
+    assert exploded.skip_update and guard.reason == "gradient_explosion"
+    assert "highest level 1.18" in guard.events[-1].detail

@@ -281,7 +281,9 @@ class TrainLoop:
         if verdict.changed:
             event = self.guard.guard.events[-1]
             self.reporter.events.append(event.to_dict())
-            log.warning("guard %s at step %d: %s (%s)", event.kind, event.step, event.reason, event.detail)
+            held = f"; dense until {self.guard.guard.stable_steps} clean steps in a row" \
+                if event.kind == "fallback" else ""
+            log.warning("guard %s at step %d: %s (%s)%s", event.kind, event.step, event.reason, event.detail, held)
             self._install(self.controller_plan, event.step + 1, event.kind)
 
     def _finish_step(self, loss: float, samples: int, applied: bool) -> None:

@@ -94,7 +94,14 @@ class StepJudge:
             self.overflows += 1
             return Verdict(skip_update=True, changed=False)
         return self.guard.observe(step, nonfinite, loss, max(errors) if errors else None,
-                                  norm if math.isfinite(norm) else 0.0)
+                                  norm if math.isfinite(norm) else 0.0, compressing=self.compressing)
+
+    @property
+    def compressing(self) -> bool:
+        """Whether raycomp changes this step's training: the plan in force compresses, or
+        the guard holds one that does off (its rules then judge the recovery). Under a
+        dense plan of the controller's the guard only skips a non-finite gradient."""
+        return self.guard.active or not self.state.plan.trains_as_ddp
 
     def judge_inner(self, parameters: list[torch.Tensor]) -> bool:
         """Local steps: whether this rank may apply its own inner step. Nothing is exchanged,
@@ -126,9 +133,11 @@ class StepJudge:
 
     def judge_late(self, step: int, loss: float) -> Verdict:
         """The mean over ranks of a loss that waited for an agreement (the same on every
-        rank: it came out of one all-gather), judged as its step's loss would have been; a
-        spike falls back from the step after ``step``. Call it for each, oldest first."""
-        return self.guard.observe(step, False, loss, None, grad_norm=None)
+        rank: it came out of one all-gather), judged as its step's loss would have been.
+        Only a dense step leaves its loss out, and under a dense plan nothing falls back:
+        the loss joins the window the first compressed steps are judged against. Call it
+        for each, oldest first."""
+        return self.guard.observe(step, False, loss, None, grad_norm=None, compressing=self.compressing)
 
     def stage(self, loss: float, applied: bool) -> None:
         """What rides in the next step's collective: this step's loss (unless the step was

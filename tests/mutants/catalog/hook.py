@@ -284,4 +284,26 @@ MUTANTS = (
         "tests/test_ddp_strategy.py -k control_values_beside",
         "the wait for DDP's all-reduce at the end of backward counts as compute: the policy sees a free link",
     ),
+    mutant(
+        "guard-rules-under-a-dense-plan", "StepJudge.compressing",
+        "        return self.guard.active or not self.state.plan.trains_as_ddp\n",
+        "        return True\n",
+        "tests/test_dense_as_ddp.py tests/test_control_rows.py -k dense_plan",
+        "the guard judges a dense plan's steps as compressed ones: a large gradient plain DDP applies is skipped "
+        "and a fallback from dense to dense is logged",
+    ),
+    mutant(
+        "guard-dense-steps-leave-the-windows-empty", "Guard.observe",
+        "            self._remember(loss, grad_norm)\n            return Verdict(skip_update=False, changed=False)\n",
+        "            return Verdict(skip_update=False, changed=False)\n",
+        "tests/test_guard.py -k dense_plan",
+        "the dense steps before compression leave the guard's windows empty: the first compressed steps go unjudged",
+    ),
+    mutant(
+        "guard-explosion-at-tiny-norms", "Guard._trigger",
+        "        if grad_norm is not None and grad_norm > self.peak_norm_level and \\\n",
+        "        if grad_norm is not None and \\\n",
+        "tests/test_guard.py -k tiny_late_norms",
+        "a tenfold norm late in training, far below the norms the run trained through, skips a step and falls back",
+    ),
 )
