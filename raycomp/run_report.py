@@ -14,22 +14,32 @@ wire bytes against the dense all-reduce's, and the ratio), the guard's fallbacks
 recoveries, and local steps' syncs. ``plot`` draws the plan timeline, bytes per step and
 the loss in one PNG (matplotlib, an optional dependency).
 
+A run that stayed dense all run says why (:func:`dense_why`): one worker, or the adaptive
+policy's last decision (communication against compute, lossy rungs off for an optimizer
+not linear in the gradient). A run without ``summary.json`` is still running or ended
+without :func:`raycomp.train.finish`; nothing in its files tells which, so ``inspect`` says
+both and how long ago its last step was written.
+
 Exit codes: 0; 2 when RUN is not a run directory (one line on stderr saying what was
-expected there); 1 when ``plot`` lacks matplotlib.
+expected there); 1 when ``plot`` lacks matplotlib (``pip install "raycomp[plot]"``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NotARun", "Run", "find_run", "inspect", "load", "main", "plot", "why_text"]
+__all__ = ["NotARun", "PLOT_INSTALL", "Run", "dense_why", "figure", "find_run", "inspect", "load", "main", "plot",
+           "why_text"]
 
 EXIT_NOT_A_RUN = 2
 EXIT_MISSING_PACKAGE = 1
+#: what installs ``raycomp plot``'s optional dependency (matplotlib)
+PLOT_INSTALL = 'pip install "raycomp[plot]"'
 
 
 class NotARun(ValueError):
@@ -138,13 +148,19 @@ def _derived_timeline(run: Run) -> list[dict[str, Any]]:
 
 def _levels(run: Run) -> list[dict[str, Any]]:
     """Bytes by the plan in force (version, and whether the guard held it dense), summed
-    over the ranks: each step's bytes are the growth of its rank's running totals."""
-    levels: dict[tuple[int, bool], dict[str, Any]] = {}
+    over the ranks, one row per stretch of steps under one plan: a plan left and taken
+    again (the guard's fallback and recovery) has a row per stretch, so no two rows' step
+    ranges overlap. Each step's bytes are the growth of its rank's running totals."""
+    levels: dict[tuple[int, int, bool], dict[str, Any]] = {}
     for records in run.steps.values():
         wire_before = dense_before = 0.0
+        stretch, previous = -1, None
         for record in records:
-            key = (record["plan_version"], bool(record.get("fallback")))
-            level = levels.setdefault(key, {"version": key[0], "fallback": key[1], "dense": record.get("dense"),
+            plan = (record["plan_version"], bool(record.get("fallback")))
+            if plan != previous:  # every rank installs the same plans at the same steps
+                stretch, previous = stretch + 1, plan
+            key = (stretch, *plan)
+            level = levels.setdefault(key, {"version": plan[0], "fallback": plan[1], "dense": record.get("dense"),
                                             "first": record["step"], "last": record["step"], "steps": set(),
                                             "wire": 0.0, "dense_bytes": 0.0})
             level["first"], level["last"] = min(level["first"], record["step"]), max(level["last"], record["step"])
@@ -156,9 +172,10 @@ def _levels(run: Run) -> list[dict[str, Any]]:
     for entry in run.timeline:  # the latest summary of each version (a fallback has its own key)
         labels[(entry["version"], entry.get("kind") == "fallback")] = entry.get("to")
     out = []
-    for key, level in sorted(levels.items(), key=lambda item: item[1]["first"]):
+    for level in sorted(levels.values(), key=lambda level: level["first"]):
+        plan = (level["version"], level["fallback"])
         level["steps"] = len(level["steps"])
-        level["label"] = "dense (guard)" if key[1] else labels.get(key) or labels.get((key[0], False)) or \
+        level["label"] = "dense (guard)" if plan[1] else labels.get(plan) or labels.get((plan[0], False)) or \
             ("dense" if level["dense"] else "compressed")
         out.append(level)
     return out
@@ -175,20 +192,90 @@ def _ratio(wire: float, dense: float) -> str:
     return f"{dense / wire:.2f}x" if wire > 0 else "-"
 
 
-def inspect(run: Run) -> str:
-    """The text ``raycomp inspect`` prints."""
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{max(seconds, 0):.0f} s"
+
+
+def _status(run: Run, now: float | None = None) -> str:
+    """The run's status: summary.json's, or, without one, what its files can tell: a run
+    still running and one that ended without :func:`raycomp.train.finish` look the same
+    (no file records the end), so both are named, with the age of the last step written."""
+    if run.summary is not None:
+        return str(run.summary.get("status", "no status in summary.json"))
+    logs = [p for p in (run.directory / "steps").glob("rank*.jsonl")]
+    last = max((p.stat().st_mtime for p in logs), default=None)
+    ago = "" if last is None else f"; last step written {_age((now or time.time()) - last)} ago"
+    return f"no summary.json: still running, or ended without raycomp.train.finish(){ago}"
+
+
+def _timeline_counts(timeline: list[dict[str, Any]]) -> str:
+    """What the timeline's rows are, counted so that the counts add up to the rows."""
+    kinds = [entry.get("kind", "plan") for entry in timeline]
+    counts = [(sum(k in ("start", "resume") for k in kinds), "start", "starts"),
+              (kinds.count("plan"), "controller switch", "controller switches"),
+              (kinds.count("fallback"), "guard fallback", "guard fallbacks"),
+              (kinds.count("recovered"), "recovery", "recoveries")]
+    named = sum(count for count, _, _ in counts)
+    counts.append((len(kinds) - named, "other", "other"))
+    parts = [f"{count} {one if count == 1 else many}" for count, one, many in counts if count]
+    rows = f"{len(kinds)} row{'' if len(kinds) == 1 else 's'}"
+    return f"{rows}: {', '.join(parts)}" if parts else rows
+
+
+def dense_why(summary: dict[str, Any]) -> str | None:
+    """Why a run stayed dense all run, in words that agree with its figures; None when it
+    sent fewer bytes than dense (a plan compressed) or its summary cannot tell.
+
+    One worker has no all-reduce to shrink. Otherwise the policy's own last word: the
+    adaptive policy's last decision (communication against compute, and what it weighed),
+    with its lossy rungs named off when they were (``adaptive.lossy`` resolved to never:
+    Adam and other optimizers whose update is not linear in the gradient,
+    :mod:`raycomp.train.lossy`)."""
+    world = summary.get("world_size")
+    if world == 1:
+        return "one worker: there is no all-reduce to shrink, so compression has nothing to save"
+    wire, dense = summary.get("wire_bytes_total"), summary.get("dense_bytes_total")
+    if not isinstance(wire, int | float) or not isinstance(dense, int | float) or not dense or wire < dense:
+        return None
+    policy = summary.get("policy") or {}
+    details = policy.get("policy_details") or {}
+    history = details.get("history") or []
+    warm = details.get("warmup_history") or []
+    if history:
+        why = f"{policy.get('name', 'the policy')}: {history[-1][2]}"
+    elif warm:
+        why = f"{policy.get('name', 'the policy')}: warm-up: {warm[-1][2]}"
+    elif "bandwidth_bytes_per_s" in details and details["bandwidth_bytes_per_s"] is None:
+        why = f"{policy.get('name', 'the policy')}: the link was never timed (no dense interval measured)"
+    else:
+        plans = [e for e in policy.get("events") or [] if e.get("kind") == "plan" and e.get("reason")]
+        reason = plans[-1]["reason"] if plans else (summary.get("final_plan") or {}).get("reason")
+        why = f"policy {policy.get('name', '?')}: {reason or 'its plan is dense'}"
+    if details.get("lossy") is False:
+        why += ("; lossy rungs off (adaptive.lossy: never, as for Adam and other optimizers whose update is "
+                "not linear in the gradient)")
+    return why
+
+
+def inspect(run: Run, now: float | None = None) -> str:
+    """The text ``raycomp inspect`` prints (``now``: the time the age of a run without a
+    summary is told from; default the clock's)."""
     summary = run.summary or {}
     lines = []
-    status = summary.get("status", "running (no summary.json yet)")
     steps = summary.get("steps", max((r[-1]["step"] + 1 for r in run.steps.values() if r), default=0))
     policy = (summary.get("policy") or {}).get("name", "?")
-    lines.append(f"run {summary.get('run_id', run.directory.name)}: {status}, {steps} steps, "
+    lines.append(f"run {summary.get('run_id', run.directory.name)}: {_status(run, now)}, {steps} steps, "
                  f"{summary.get('world_size', len(run.steps))} ranks, policy {policy}")
     lines.append(f"directory: {run.directory}")
+    held = dense_why(summary if run.summary is not None else {"world_size": len(run.steps)})
+    if held:
+        lines.append(f"dense all run: {held}")
 
     source = "rank 0's step log and the controller's events" if run.derived_timeline else "plans.jsonl"
-    switches = sum(1 for entry in run.timeline if entry.get("kind") == "plan")
-    lines += ["", f"plan timeline ({switches} switches; from {source}):"]
+    lines += ["", f"plan timeline ({_timeline_counts(run.timeline)}; from {source}):"]
     lines += [_timeline_line(entry) for entry in run.timeline] or ["  (no plan recorded)"]
     by_rule = (summary.get("policy") or {}).get("plan_switches_by_rule")
     if by_rule:
@@ -246,7 +333,7 @@ def inspect(run: Run) -> str:
 
 def why_text(record: dict[str, Any]) -> str:
     """The why of a timeline line in one phrase: its rule, then the reason's prose (which
-    renders the decision's facts), e.g. ``adaptive.band: slow link 1.2 MB/s, ...``."""
+    renders the decision's facts), e.g. ``adaptive.band: link 1.2 MB/s, communication 20x compute ...``."""
     rule, reason = record.get("rule"), record.get("reason") or ""
     if rule and reason:
         return f"{rule}: {reason}"
@@ -259,14 +346,39 @@ def _timeline_line(entry: dict[str, Any]) -> str:
            f"{change}  [{why_text(entry)}]"
 
 
+def _plan_bands(run: Run, end: int) -> list[tuple[int, int, str, bool]]:
+    """The plan timeline as bands: (first step, step after the last, what, guard fallback)."""
+    bands = []
+    for index, entry in enumerate(run.timeline):
+        stop = run.timeline[index + 1]["step"] if index + 1 < len(run.timeline) else end
+        guarded = entry.get("kind") == "fallback"
+        bands.append((entry["step"], max(stop, entry["step"]), str(entry.get("to")), guarded))
+    return bands
+
+
 def plot(run: Run, out: Path) -> Path:
-    """Draw the run: loss (rank 0, and evaluations), wire and dense bytes per step (all
-    ranks), and the plan timeline (a band per plan, fallbacks in red); write a PNG to
-    ``out``. Needs matplotlib (ImportError otherwise)."""
+    """Draw the run (:func:`figure`) into a PNG at ``out``. Needs matplotlib (ImportError
+    otherwise)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def figure(run: Run) -> Any:
+    """The run as a matplotlib figure of three panels sharing the step axis: loss (rank
+    0, and evaluations), wire and dense bytes per step (all ranks) on a linear axis from 0,
+    so that their heights show their real ratio, and the plan timeline (a band per plan,
+    colored by what the plan does, fallbacks in red; a legend below names each color, a
+    band wide enough carries its version). Needs matplotlib (ImportError otherwise)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rank0 = run.steps.get(0, [])
     per_step: dict[int, list[float]] = {}
@@ -290,31 +402,41 @@ def plot(run: Run, out: Path) -> Path:
             evals_ax.plot(*zip(*points, strict=True), "o-", color="tab:orange", ms=3, lw=0.8, label=key)
             evals_ax.set_ylabel(key)
     steps = sorted(per_step)
-    bytes_ax.plot(steps, [max(per_step[s][0], 1.0) for s in steps], lw=0.8, color="tab:green", label="wire")
-    bytes_ax.plot(steps, [max(per_step[s][1], 1.0) for s in steps], lw=0.8, ls="--", color="tab:gray",
-                  label="dense all-reduce")
-    bytes_ax.set_yscale("log")
+    wire = [per_step[s][0] for s in steps]
+    dense = [per_step[s][1] for s in steps]
+    bytes_ax.plot(steps, wire, lw=0.8, color="tab:green", label="wire")
+    bytes_ax.plot(steps, dense, lw=0.8, ls="--", color="tab:gray", label="dense all-reduce")
+    # linear from 0: a log axis over a narrow range (1.0937e6-1.0938e6) makes 80 bytes look
+    # like the wire far above dense
+    bytes_ax.set_ylim(0, max([*wire, *dense, 1.0]) * 1.4)  # room above the lines for the legend
+    bytes_ax.yaxis.set_major_formatter(matplotlib.ticker.EngFormatter(unit="B"))
+    total_wire, total_dense = sum(wire), sum(dense)
+    ratio = f"dense / wire {total_dense / total_wire:.2f}x" if total_wire > 0 else "no bytes on the wire"
     bytes_ax.set_ylabel("bytes / step (all ranks)")
-    bytes_ax.legend(loc="upper right", fontsize=8)
+    bytes_ax.legend(loc="upper right", ncol=2, fontsize=8, title=ratio, title_fontsize=8)
     end = (max(steps) + 1) if steps else 1
+    bands = _plan_bands(run, end)
     colors = plt.get_cmap("tab10")
-    for index, entry in enumerate(run.timeline):
-        start = entry["step"]
-        stop = run.timeline[index + 1]["step"] if index + 1 < len(run.timeline) else end
-        guarded = entry.get("kind") == "fallback"
-        plan_ax.axvspan(start - 0.5, stop - 0.5, color="tab:red" if guarded else colors(index % 10),
-                        alpha=0.35, lw=0)
-        plan_ax.text(start, 0.5, f" v{entry.get('version')} {entry.get('to')}", va="center", fontsize=7,
-                     clip_on=True)
+    what = list(dict.fromkeys(to for _, _, to, guarded in bands if not guarded))  # each plan one color
+    handles: dict[str, Any] = {}
+    span = max(end - min((b[0] for b in bands), default=0), 1)
+    for index, (start, stop, to, guarded) in enumerate(bands):
+        color = "tab:red" if guarded else colors(what.index(to) % 10)
+        label = f"{to} (guard fallback)" if guarded else to
+        handles[label] = plan_ax.axvspan(start - 0.5, stop - 0.5, color=color, alpha=0.35, lw=0, label=label)
+        if (stop - start) / span >= 0.04:  # a version on its band where it fits; the legend says what
+            plan_ax.text(start, 0.3 + 0.4 * (index % 2), f" v{run.timeline[index].get('version')}", va="center",
+                         fontsize=7, clip_on=True)
+    if handles:
+        plan_ax.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.55),
+                       ncol=min(2, len(handles)), fontsize=7, frameon=False)
+    plan_ax.set_ylim(0, 1)
     plan_ax.set_yticks([])
     plan_ax.set_ylabel("plan")
     plan_ax.set_xlabel("step")
     fig.suptitle(str((run.summary or {}).get("run_id", run.directory.name)))
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def main(args: Any) -> int:
@@ -331,9 +453,8 @@ def main(args: Any) -> int:
     try:
         path = plot(run, out)
     except ImportError as error:
-        missing = getattr(error, "name", None) or "matplotlib"
-        print(f"raycomp plot: needs {missing.split('.')[0]}, not installed: pip install matplotlib",
-              file=sys.stderr)
+        missing = (getattr(error, "name", None) or "matplotlib").split(".")[0]
+        print(f"raycomp plot: needs {missing}, not installed: {PLOT_INSTALL}", file=sys.stderr)
         return EXIT_MISSING_PACKAGE
     print(f"wrote {path}")
     return 0

@@ -180,7 +180,7 @@ def test_an_int4_rung_is_the_critical_start_and_is_priced_at_half_a_byte():
     sim = Sim(near_lossless=AdaptiveOptions().near_lossless)
     first = sim.run(4, SLOW)  # step 19: the first decision, every layer critical
     assert ranks(first) == {"fc1.weight": "int4", "fc2.weight": "int4", "out.weight": "int4", "norm.weight": "int4"}
-    assert first.reason.startswith("slow link 1.2 MB/s, comm 20x compute → int4 on 4 (4 critical)")
+    assert first.reason.startswith("link 1.2 MB/s, communication 20x compute → int4 on 4 (4 critical)")
     # codes 16,384 + 131,072 + 2,560 + 2,048 bytes and (min, max) of 16 + 128 + 3 + 2
     # chunks, plus the 1,034 dense bias elements in fp32, at 1.2 MB/s; one all-gather at the
     # assumed 1 ms
@@ -219,7 +219,7 @@ def test_the_policy_chooses_a_registered_compressor_while_it_is_cheapest_within_
     sim = Sim(**rungs)
     sim.run(12, SLOW)
     assert ranks(sim.plan) == dict.fromkeys((*MATRICES, "norm.weight"), "int2")  # the fewest bytes
-    assert sim.plan.reason.startswith("slow link 1.2 MB/s, comm 20x compute → int2 on 4")
+    assert sim.plan.reason.startswith("link 1.2 MB/s, communication 20x compute → int2 on 4")
     # the same link, its measured error above max_error (0.9): the layers leave it for int8
     noisy = Sim(errors={"int2": 0.95}, **rungs)
     noisy.run(12, SLOW)
@@ -236,12 +236,12 @@ def test_warm_up_is_dense_then_critical_start_then_heavy_on_a_slow_link():
     # critical: light compression, here the first near-lossless rung (a boost of 4 from
     # rank 1; the default boost of 2 gives rank 4, see the Accordion test)
     assert ranks(first) == {"fc1.weight": "int8", "fc2.weight": "int8", "out.weight": "int8", "norm.weight": "int8"}
-    assert first.reason.startswith("slow link 1.2 MB/s, comm 20x compute → int8 on 4 (4 critical)")
+    assert first.reason.startswith("link 1.2 MB/s, communication 20x compute → int8 on 4 (4 critical)")
     assert sim.details()["bandwidth_bytes_per_s"] == pytest.approx(1.2e6)
     # step 39: gradient norms did not move over the window: heavy compression everywhere
     heavy = sim.run(4, SLOW)
     assert ranks(heavy) == {"fc1.weight": 1, "fc2.weight": 1, "out.weight": 1, "norm.weight": 0.01}
-    assert heavy.reason.startswith("slow link 1.2 MB/s, comm 20x compute → powersgd r=1 on 3; topk 0.01 on 1;")
+    assert heavy.reason.startswith("link 1.2 MB/s, communication 20x compute → powersgd r=1 on 3; topk 0.01 on 1;")
     assert "critical" not in heavy.reason
 
 
@@ -256,7 +256,7 @@ def test_the_default_warm_up_sends_near_lossless_rungs_once_a_dense_interval_has
     sim.run(1, SLOW)  # steps 0-4: dense, which times the link
     assert sim.wire == sim.dense
     assert ranks(sim.plan) == dict.fromkeys(EVERY_LAYER, "int4")
-    assert sim.plan.reason.startswith("warm-up: slow link 1.2 MB/s, comm 20x compute → int4 on 4 "
+    assert sim.plan.reason.startswith("warm-up: link 1.2 MB/s, communication 20x compute → int4 on 4 "
                                       "(4 critical, lossy rungs off); 182 ms vs dense 1.07e+03 ms")
     sim.run(2, SLOW)  # boundaries 9 and 14: still the warm-up, so no lossy rung
     assert [ranks(p) for p in sim.plans] == [dict.fromkeys(EVERY_LAYER, "int4")] * 3
@@ -284,7 +284,7 @@ def test_an_early_first_boundary_without_layer_statistics_starts_the_warm_up_and
     sim.run(1, SLOW, steps=3, stats=False)  # steps 0-2, dense
     assert sim.wire == sim.dense
     assert ranks(sim.plan) == dict.fromkeys(EVERY_LAYER, "int4")
-    assert sim.plan.reason.startswith("warm-up: slow link 1.2 MB/s")
+    assert sim.plan.reason.startswith("warm-up: link 1.2 MB/s")
     assert warm.state.last_detect is None and not any(warm.state.critical.values())
     sim.run(1, SLOW, steps=2)  # step 4: the first layer statistics
     assert warm.state.last_detect == 4 and all(warm.state.critical[n] for n in EVERY_LAYER)
@@ -354,7 +354,7 @@ def test_a_lossy_plan_must_be_lossy_margin_faster_than_the_fastest_plan_without_
     # and dense everywhere, no lossy layer
     lossy, safe = min(predicted[:4]), min(predicted[4:])
     assert 0.7 * safe < lossy < 0.8 * safe  # faster, not by the margin
-    assert sim.details()["history"][-1][2].startswith("slow link 12 MB/s, comm 2x compute → int8 on 4 "
+    assert sim.details()["history"][-1][2].startswith("link 12 MB/s, communication 2x compute → int8 on 4 "
                                                       "(lossy not 30% faster);")
     # the same link, a smaller margin: PowerSGD
     sim = Sim(lossy_margin=0.2)
@@ -372,13 +372,15 @@ def test_a_dense_choice_is_explained_by_the_compressed_plan_it_could_have_taken(
     why = AdaptiveWhy(rule="adaptive.first", bandwidth=192e6, compute=0.283, predicted=(0.286, 0.286, 0.343, 0.361),
                       shift=3, top=3, groups=(), critical=4, raised=0, dense_layers=4, lossy_off=False,
                       prior_band=None, passed_over_margin=0.3, best_compressed=0.343, slack=0.1)
-    assert why.text() == ("fast link 192 MB/s, comm 0.28x compute → dense: compressed 343 ms vs dense 361 ms "
+    assert why.text() == ("link 192 MB/s, communication 0.28x compute: compressing saves too little → dense: compressed 343 ms "
+                          "vs dense 361 ms "
                           "(within 10%, lossy not 30% faster)")
     # compression slower than dense: no band to name
     slower = AdaptiveWhy(rule="adaptive.first", bandwidth=192e6, compute=0.283, predicted=(0.4, 0.361), shift=1,
                          top=1, groups=(), critical=0, raised=0, dense_layers=4, lossy_off=True, prior_band=None,
                          passed_over_margin=None, best_compressed=0.4, slack=0.1)
-    assert slower.text().endswith("→ dense: compressed 400 ms vs dense 361 ms")
+    assert slower.text() == ("link 192 MB/s, communication 0.28x compute: compressing cannot pay → dense: "
+                            "compressed 400 ms vs dense 361 ms")
 
 
 def test_the_chooser_records_the_fastest_compressed_plan_it_may_choose():
@@ -395,7 +397,7 @@ def test_fast_link_does_not_compress():
     plan = sim.run(12, FAST)
     assert plan.layers == () and not plan.dense
     reason = sim.details()["history"][-1][2]  # the plan is still the warm-up's: same content
-    assert reason.startswith("fast link 1e+03 MB/s, comm 0.024x compute → dense: compressed 5")
+    assert reason.startswith("link 1e+03 MB/s, communication 0.024x compute: compressing cannot pay → dense: compressed 5")
     assert sim.details()["dense"] is True
 
 
@@ -515,10 +517,10 @@ def test_without_lossy_rungs_the_ladder_is_int4_int8_bf16_dense_and_critical_lay
     sim = Sim(near_lossless=["int4", "int8", "bf16"], lossy="never")
     first = sim.run(4, SLOW)  # step 19: every layer critical
     assert ranks(first) == dict.fromkeys(ranks(first), "int4")
-    assert first.reason.startswith("slow link 1.2 MB/s, comm 20x compute → int4 on 4 (4 critical, lossy rungs off);")
+    assert first.reason.startswith("link 1.2 MB/s, communication 20x compute → int4 on 4 (4 critical, lossy rungs off);")
     calm = sim.run(16, SLOW)  # to step 99: calm, and the slow link still wants the most compression
     assert ranks(calm) == dict.fromkeys(ranks(calm), "int4")
-    assert sim.details()["history"][-1][2].startswith("slow link 1.2 MB/s, comm 20x compute → int4 on 4 (lossy rungs off);")
+    assert sim.details()["history"][-1][2].startswith("link 1.2 MB/s, communication 20x compute → int4 on 4 (lossy rungs off);")
     assert all(spec.name == "int4" for p in sim.plans[4:] for _, spec in p.layers)
     assert sim.details()["lossy"] is False
     # four candidates: int4, int8, bf16 everywhere (shifts 0-2) and dense; a fast link takes dense
@@ -810,7 +812,7 @@ def test_digits_job_on_a_slow_link_starts_on_int4_tries_powersgd_and_keeps_accur
     floored = set(details["error_floor"])
     assert floored and floored <= set(matrices), details["error_floor"]
     assert any(names[layer] == "int4" for layer in floored), (names, details["error_floor"])
-    assert final["reason"].startswith("slow link 2.5 MB/s")
+    assert final["reason"].startswith("link 2.5 MB/s")
     assert details["bandwidth_assumed"] and details["round_overhead_measured"]  # learned from the run
     assert summary["compression_ratio"] > 3.5  # 3.98 measured (dense warm-up included); int8: 3.05
     assert summary["final_eval_accuracy"] >= DENSE_ACCURACY - 0.015
@@ -825,7 +827,7 @@ def test_a_two_level_decision_says_what_each_level_does(monkeypatch):
     sim = Sim(near_lossless=AdaptiveOptions().near_lossless)
     sim.controller.runs["run"].per_node = 2
     plan = sim.run(4, SLOW)
-    assert plan.reason.startswith("2 nodes x 2, inside each node dense; across nodes: slow node link "), plan.reason
+    assert plan.reason.startswith("2 nodes x 2, inside each node dense; across nodes: node link "), plan.reason
     assert plan.why["levels"] == [2, 2]
     flat = Sim(near_lossless=AdaptiveOptions().near_lossless).run(4, SLOW)
-    assert flat.reason.startswith("slow link") and flat.why["levels"] is None
+    assert flat.reason.startswith("link ") and flat.why["levels"] is None

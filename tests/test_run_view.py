@@ -251,7 +251,7 @@ def test_inspect_prints_the_timeline_with_reasons_and_bytes_that_match_the_summa
     timeline = [json.loads(x) for x in (run.directory / "plans.jsonl").read_text().splitlines()]
     assert [(e["kind"], e["version"]) for e in timeline] == [("start", 0), ("plan", 1), ("plan", 2)]
     assert f"run {run.name}: succeeded, 30 steps, 2 ranks, policy schedule" in out
-    assert "plan timeline (2 switches; from plans.jsonl):" in out
+    assert "plan timeline (3 rows: 1 start, 2 controller switches; from plans.jsonl):" in out
     assert "start      v0   dense  [warm-up: dense]" in out
     assert (f"step {timeline[1]['step']:>6}  plan       v1   dense -> int8 on 2/2 layers  "
             "[schedule.stage: schedule stage from step 0]") in out
@@ -280,7 +280,7 @@ def test_plot_writes_a_png(run, tmp_path, capsys):
 def test_plot_without_matplotlib_is_one_line_naming_the_package(run, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert cli.main(["plot", str(run.directory), "--out", str(tmp_path / "x.png")]) == 1
-    assert capsys.readouterr().err == "raycomp plot: needs matplotlib, not installed: pip install matplotlib\n"
+    assert capsys.readouterr().err == 'raycomp plot: needs matplotlib, not installed: pip install "raycomp[plot]"\n'
 
 
 def test_a_run_argument_that_is_not_a_run_is_one_line_and_exit_2(tmp_path, capsys):
@@ -323,7 +323,8 @@ def test_inspect_shows_fallbacks_and_a_running_run(tmp_path, capsys):
     _write_run(tmp_path / "run", timeline, None)
     assert cli.main(["inspect", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert "run run: running (no summary.json yet), 6 steps, 1 ranks, policy ?" in out
+    assert ("run run: no summary.json: still running, or ended without raycomp.train.finish(); last step "
+            "written ") in out and " ago, 6 steps, 1 ranks, policy ?" in out
     assert "fallbacks to dense: 1" in out
     assert "step      2  fallback   guard: nonfinite_gradient" in out
     assert "step      4  recovered  schedule stage from step 0" in out

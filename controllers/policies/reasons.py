@@ -88,16 +88,20 @@ class AdaptiveWhy:
 
     def text(self) -> str:
         dense_s, best_s = self.predicted[self.top], self.predicted[self.shift]
+        # the link in figures, never "fast" or "slow": what makes it either is how its dense
+        # communication compares with the compute, so the ratio says it
         ratio = (dense_s - self.compute) / self.compute if self.compute > 0 else math.inf
-        link = f"{'slow' if ratio >= 1 else 'fast'} link {self.bandwidth / 1e6:.3g} MB/s, comm {ratio:.2g}x compute"
+        name = "link" if self.levels is None else "node link"
+        link = f"{name} {self.bandwidth / 1e6:.3g} MB/s, communication {ratio:.2g}x compute"
         if self.levels is not None:  # what each level does: the node's link is the one measured
             nodes, per_node = self.levels
             inside = "" if self.node_link is None else f" at {self.node_link / 1e6:.3g} MB/s"
-            link = (f"{nodes} nodes x {per_node}, inside each node dense{inside}; across nodes: "
-                    f"{link.replace(' link', ' node link', 1)}")
+            link = f"{nodes} nodes x {per_node}, inside each node dense{inside}; across nodes: {link}"
         if not self.groups:
             lightest = self.best_compressed if self.best_compressed is not None else \
                 min(self.predicted[:self.top]) if self.top else dense_s
+            # the verdict the figures give: no compressed plan is faster, or none enough
+            link += ": compressing cannot pay" if lightest >= dense_s else ": compressing saves too little"
             notes = []
             if lightest < dense_s and self.prior_band is not None:
                 notes.append(f"within {self.prior_band:.0%} on the assumed round overhead")

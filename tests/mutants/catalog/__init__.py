@@ -15,6 +15,7 @@ from . import (
     loss_scale,
     policies,
     reducer,
+    run_story,
     sharded,
     training,
     transports,
@@ -38,4 +39,5 @@ MUTANTS = (
     *benchmarks.MUTANTS,
     *elastic.MUTANTS,
     *levels.MUTANTS,
+    *run_story.MUTANTS,
 )
