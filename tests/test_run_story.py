@@ -73,7 +73,7 @@ def test_dense_why_names_one_worker_and_is_silent_for_a_run_that_compressed():
 def dense_runs(ray_cluster, tmp_path_factory):
     storage = tmp_path_factory.mktemp("story")
     return {"one": held_dense(storage, f"one-{storage.name}", 1, "sgd"),
-            "adam": held_dense(storage, f"adam-{storage.name}", 2, "adam", compute_pad_s=0.05)}
+            "adam": held_dense(storage, f"adam-{storage.name}", 2, "adam", compute_pad_s=0.1)}
 
 
 def _said(run) -> list[str]:
