@@ -1,4 +1,4 @@
-"""README's quick start, whole: an ordinary Ray Train script with raycomp in five lines.
+"""README's quick start, whole: an ordinary Ray Train script with raycomp in six lines.
 
     python examples/quickstart.py [--workers 2] [--epochs 3] [--storage /tmp/raycomp-runs]
     raycomp inspect /tmp/raycomp-runs/quickstart
@@ -44,7 +44,7 @@ def train_func(config: dict) -> None:
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             raycomp.train.step(loss, samples=len(y))  # raycomp: was optimizer.step()
-        ray.train.report({"epoch": epoch, "loss": loss.item()})
+        raycomp.train.report({"epoch": epoch, "loss": loss.item()})  # raycomp: was ray.train.report({"epoch": epoch, "loss": loss.item()})
     raycomp.train.finish()  # raycomp: added
 
 

@@ -1,4 +1,4 @@
-"""README's quick start: five changed lines turn a plain Ray Train script into raycomp's, the
+"""README's quick start: six changed lines turn a plain Ray Train script into raycomp's, the
 README shows those lines as the script has them. The script's run, as a user runs it with
 the installed wheel outside the repository: tests/test_wheel.py."""
 
@@ -31,14 +31,18 @@ def _plain() -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_five_lines_separate_the_quick_start_from_a_plain_ray_train_script():
+def test_six_lines_separate_the_quick_start_from_a_plain_ray_train_script():
     marked = _marked()
-    assert len(marked) <= 5, [code for _, _, code, _ in marked]
+    assert len(marked) <= 6, [code for _, _, code, _ in marked]
     plain = _plain()
     ast.parse(plain)  # still a script
     assert "raycomp" not in plain.replace("raycomp-runs", "").split('"""', 2)[2], "an unmarked raycomp line"
-    # the plain script is Ray Train's usual one: Ray prepares the model, the optimizer steps
+    # the plain script is Ray Train's usual one: Ray prepares the model, the optimizer steps,
+    # Ray's report; the quick start reports through raycomp's, as the docs say to
     assert "ray.train.torch.prepare_model(model)" in plain and "optimizer.step()" in plain
+    assert "ray.train.report(" in plain
+    script = SCRIPT.read_text()
+    assert "raycomp.train.report(" in script and "ray.train.report(" not in script.replace("# raycomp: was ray.train", "")
 
 
 def test_the_readme_shows_the_quick_start_lines_as_the_script_has_them():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -18,6 +18,22 @@ class Strict(BaseModel):
     """A config model: unknown keys refused, frozen, defaults validated too."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # where the section sits in ``TrainOptions`` and in a job config (``compression.guard``):
+    # the prefix of the dotted key its one-line errors name (a class variable, not a field)
+    config_key: ClassVar[str] = ""
+
+    def __init__(self, /, **data: Any) -> None:
+        """Built in Python (``CompressionSection(warmup_steps=-1)``): a bad value is a
+        one-line :class:`ConfigError` naming its dotted key, not pydantic's report."""
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            key = type(self).config_key
+            raise ConfigError(one_line(error, prefix=f"{key}." if key else "")) from None
+
+    # a section nested in another (a dict, a YAML mapping) is still validated by pydantic
+    # itself, so that the outer model's error names the whole dotted key
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
 
 _Strict = Strict  # the name the config's own sections use

@@ -49,6 +49,8 @@ class PolicyOptions(Strict):
 class StaticOptions(PolicyOptions):
     """``compression.static``: the one compressor."""
 
+    config_key = "compression.static"
+
     not_shardable = None
     #: the compressor of every compressible layer at every step after the warm-up, by
     #: registry name with its parameters
@@ -69,6 +71,8 @@ class ScheduleStage(Strict):
 
 class ScheduleOptions(PolicyOptions):
     """``compression.schedule``: stages by step, e.g. DGC's exponential density warm-up."""
+
+    config_key = "compression.schedule"
 
     not_shardable = None
     #: the stages, ``start_step`` strictly increasing: each stage's compressor runs from its
@@ -98,6 +102,8 @@ class ScheduleOptions(PolicyOptions):
 class CriticalOptions(PolicyOptions):
     """``compression.critical``: Accordion's two compressors and its regime detection."""
 
+    config_key = "compression.critical"
+
     not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
     #: the light compressor, for layers in a critical regime
     low: CompressorConfig = compressor("topk", ratio=0.1)
@@ -120,6 +126,8 @@ def distinct_ratios(ratios: list[float], descending: bool = False) -> list[float
 class ErrorBudgetOptions(PolicyOptions):
     """``compression.error_budget``: L-GreCo's candidate Top-K ratios and its budget."""
 
+    config_key = "compression.error_budget"
+
     not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
     #: the Top-K densities a layer may get
     ratios: list[Annotated[float, Field(gt=0, le=1)]] = [0.001, 0.003, 0.01, 0.03, 0.1]
@@ -136,6 +144,8 @@ class ErrorBudgetOptions(PolicyOptions):
 class BandwidthOptions(PolicyOptions):
     """``compression.bandwidth``: Top-K ratios, and how much communication to hide."""
 
+    config_key = "compression.bandwidth"
+
     not_shardable = "chooses Top-K, which cannot compress a reduce-scatter shard"
     #: the Top-K densities to choose among (1.0: dense)
     ratios: list[Annotated[float, Field(gt=0, le=1)]] = [1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001]
@@ -149,6 +159,8 @@ class BandwidthOptions(PolicyOptions):
 class AdaptiveOptions(PolicyOptions):
     """``compression.adaptive``: the default policy's options (each explained, with the
     measurements behind its default, in ``docs/cost-model.md``)."""
+
+    config_key = "compression.adaptive"
 
     not_shardable = None
     #: PowerSGD ranks for matrices, heaviest first (payload (rows + cols) x rank fp32)

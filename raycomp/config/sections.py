@@ -24,6 +24,8 @@ __all__ = ["LOCAL_MIN_GAIN", "CheckpointSection", "CompressionSection", "Control
 class GuardSection(_Strict):
     """Fallback to dense all-reduce, acted on by every rank in the same step."""
 
+    config_key = "compression.guard"
+
     #: whether the guard falls back to dense (off: never; a step with a non-finite gradient
     #: or loss is still skipped)
     enabled: bool = True
@@ -49,6 +51,8 @@ class GuardSection(_Strict):
 
 class LrScalingSection(_Strict):
     """Compression-aware learning rate: ramp LR after a dense -> compressed switch."""
+
+    config_key = "compression.lr_scaling"
 
     #: whether the LR ramps after each switch from dense to compressed
     enabled: bool = False
@@ -100,6 +104,8 @@ class LocalSection(_Strict):
     this section's defaults are what raycomp's runs (short, few ranks, ``auto`` choosing
     H at run time) lost least with, and ``delay: auto`` overlaps a sync with one inner step.
     """
+
+    config_key = "compression.local"
 
     #: off (every step's gradients reduced), fixed (local steps after the warm-up) or auto
     #: (the controller chooses per-step compression or local steps): see above
@@ -202,6 +208,8 @@ class CompressionSection(_Strict):
     (``compression.adaptive``, ``compression.static``, ...: the policy's typed options,
     :mod:`raycomp.config.policy_options`; see :mod:`raycomp.config.policy_sections`).
     """
+
+    config_key = "compression"
 
     model_config = policy_sections.SECTION_CONFIG
     #: a built-in policy (``adaptive``, the default), a name registered with
@@ -318,6 +326,8 @@ class ControllerSection(_Strict):
     """``controller``: how often the ranks meet the controller, and which controller service
     (a Ray actor) they talk to, with its snapshots, restarts and metrics endpoint."""
 
+    config_key = "controller"
+
     #: K, steps between two control boundaries: statistics go to the controller, a new plan
     #: comes back and the ranks check they agree, every K steps and never in between
     interval_steps: Annotated[int, Field(ge=1, le=100_000)] = 10
@@ -386,6 +396,8 @@ class CheckpointSection(_Strict):
     ``every_epochs`` or ``every_steps``: without a checkpoint a restarted run starts from
     step 0. Ray Train's ``CheckpointConfig(num_to_keep=...)`` bounds how many are kept.
     """
+
+    config_key = "checkpoint"
 
     #: also checkpoint the report of every this many epochs (None: only the last epoch's)
     every_epochs: Annotated[int | None, Field(ge=1)] = None

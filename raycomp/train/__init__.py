@@ -41,6 +41,7 @@ import torch
 
 from raycomp.train.callback import ControllerCallback
 from raycomp.train.default_strategy import raycomp_strategy
+from raycomp.train.finish_watch import watch
 from raycomp.train.gradient_strategy import GradientStrategyFactory
 from raycomp.train.loop import TrainLoop
 from raycomp.train.options import TrainOptions, resolve_options
@@ -48,6 +49,7 @@ from raycomp.train.plan_agreement import PlanMismatchError
 from raycomp.train.resume import forget_finished_run
 from raycomp.train.scaler_check import refuse_scaler
 from raycomp.train.step_arguments import SchedulerInterval, check_scheduler
+from raycomp.train.wrapped_model import refuse_wrapped
 
 if TYPE_CHECKING:
     import ray.train
@@ -69,6 +71,11 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
     """Wrap ``model`` in DDP (``ray.train.torch.prepare_model``) with raycomp's comm hook,
     link this worker to the controller, restore from ``ray.train.get_checkpoint()`` if it
     holds raycomp state, and return the model to train.
+
+    ``model`` is your plain model: one already wrapped in ``DistributedDataParallel``
+    (``ray.train.torch.prepare_model`` left in place) or FSDP1 is refused with a one-line
+    ``ValueError``, before anything is built; one sharded with ``fully_shard`` (FSDP2) is
+    taken as it is with ``strategy="fsdp"``.
 
     The controller service must be running (``RunConfig(callbacks=[ControllerCallback()])``,
     under the name ``options.controller.name``): without it this raises a one-line
@@ -96,6 +103,8 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
             to put something else in their place (a benchmark's torch baselines do) while
             the guard, the controller link, the step log and checkpoints stay as they are.
     """
+    options = options or TrainOptions()
+    refuse_wrapped(model, options.strategy)  # before anything is built
     return start_loop(model, optimizer, scheduler, grad_scaler=grad_scaler, options=options,
                       gradient_strategy=gradient_strategy, scheduler_interval=scheduler_interval).model
 
@@ -123,6 +132,8 @@ def start_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     _loop = TrainLoop(model, optimizer, scheduler, options=options, controller=controller, grad_scaler=grad_scaler,
                       gradient_strategy=gradient_strategy, owns_optimizer=owns_optimizer, resume=resume,
                       scheduler_interval=scheduler_interval)
+    # a training function that returns without finish(): warned, and finished for it
+    watch(_loop, lambda loop: _loop is loop, finish_loop)
     return _loop
 
 
@@ -188,7 +199,12 @@ def finish() -> dict[str, Any]:
     files then reach the run's storage if they were not written there
     (:mod:`raycomp.train.outputs`). A run in
     local steps first merges the ranks' weights (one last sync of every fragment), so that
-    every rank ends with the same model."""
+    every rank ends with the same model.
+
+    Call it at the end of the training function, on every rank. A function that returns
+    without it gets a warning, and raycomp finishes the run for it as the worker's
+    training thread ends, unless Ray Train shuts the worker down first
+    (:mod:`raycomp.train.finish_watch`)."""
     return finish_loop(current())
 
 

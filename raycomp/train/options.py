@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from pydantic import ValidationError
 
-from raycomp.config import CheckpointSection, CompressionSection, ControllerSection
+from raycomp.config import (
+    CheckpointSection,
+    CompressionSection,
+    ConfigError,
+    ControllerSection,
+    one_line,
+)
 from raycomp.train.lossy import local_min_gain, lossy_setting
 
 __all__ = ["TrainOptions", "resolve_options"]
@@ -17,6 +25,11 @@ __all__ = ["TrainOptions", "resolve_options"]
 @dataclass(frozen=True)
 class TrainOptions:
     """How raycomp steers one Ray Train run.
+
+    A section may be given as its class or as a plain dict of its keys, at any depth
+    (``compression={"policy": "static", "static": {"compressor": {"name": "topk",
+    "ratio": 0.1}}}``); a bad value is a one-line ``ValueError`` naming its dotted key,
+    e.g. ``compression.adaptive.threshold: ...``.
 
     Args:
         compression: the policy the controller runs (``policy``: ``adaptive``, the default,
@@ -81,6 +94,9 @@ class TrainOptions:
     find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
+        for name, section in (("compression", CompressionSection), ("controller", ControllerSection),
+                              ("checkpoint", CheckpointSection)):
+            object.__setattr__(self, name, _section(name, section, getattr(self, name)))
         if self.strategy not in ("ddp", "fsdp"):
             raise ValueError(f"strategy: must be 'ddp' or 'fsdp', got {self.strategy!r}")
         if self.eval_metric is not None and not (isinstance(self.eval_metric, str) and self.eval_metric):
@@ -97,6 +113,19 @@ class TrainOptions:
             raise ValueError("find_unused_parameters: a DDP option; allowed with strategy='ddp' only, "
                              f"got strategy={self.strategy!r}")
         self.compression.check_strategy(self.strategy)
+
+
+def _section(name: str, section: type, value: Any) -> Any:
+    """``value`` as a ``section``: itself, or built from a dict of its keys (a one-line
+    error naming the dotted key of a bad value)."""
+    if isinstance(value, section):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return section.model_validate(dict(value))
+        except ValidationError as error:
+            raise ConfigError(one_line(error, prefix=f"{name}.")) from None
+    raise ConfigError(f"{name}: must be a {section.__name__} or a dict of its keys, got {type(value).__name__}")
 
 
 def resolve_options(options: TrainOptions, optimizer: torch.optim.Optimizer) -> TrainOptions:

@@ -25,8 +25,9 @@ __all__ = ["any_rank", "check_report_checkpoint", "eval_value", "report_metrics"
 
 def report_metrics(metrics: dict[str, Any], epoch: int, step: int, ledger: WireLedger,
                    world_size: int) -> dict[str, Any]:
-    """``metrics`` with the epoch, the step and the byte totals so far added."""
-    return {**metrics, "epoch": epoch, "step": step,
+    """``metrics`` with the epoch and the step (unless they hold their own) and the byte
+    totals so far added."""
+    return {"epoch": epoch, "step": step, **metrics,
             "wire_bytes": ledger.wire_total * world_size,  # rank 0's, scaled to all ranks
             "dense_bytes": ledger.dense_total * world_size,
             "compression_ratio": ledger.compression_ratio or 1.0}

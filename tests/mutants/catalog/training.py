@@ -4,6 +4,58 @@ from ..mutant import mutant
 
 MUTANTS = (
     mutant(
+        "missing-finish-left-silent", "start_loop",
+        "    watch(_loop, lambda loop: _loop is loop, finish_loop)\n",
+        "    pass\n",
+        "tests/test_first_contact.py -k without_finish",
+        "a training function that returns without raycomp.train.finish() is not warned and leaves no summary.json",
+        timeout_s=600,
+    ),
+    mutant(
+        "ddp-inside-ddp-accepted", "refuse_wrapped",
+        "    if isinstance(model, torch.nn.parallel.DistributedDataParallel):\n",
+        "    if False:\n",
+        "tests/test_first_contact.py -k already_in_ddp",
+        "a model ray.train.torch.prepare_model wrapped already is wrapped in DDP again: two all-reduces a step",
+    ),
+    mutant(
+        "plain-ray-report-checkpoint-not-warned", "ControllerCallback.after_report",
+        'or getattr(self, "_warned_plain_report", False) or _holds_raycomp_state(checkpoint)',
+        'or True',
+        "tests/test_first_contact.py -k checkpoint_reported",
+        "a checkpoint reported through ray.train.report holds none of raycomp's state and nobody says so",
+        timeout_s=600,
+    ),
+    mutant(
+        "raycomps-own-checkpoint-warned", "_holds_raycomp_state",
+        "        return any(_RANK_FILE.match(info.base_name) for info in found)\n",
+        "        return False\n",
+        "tests/test_first_contact.py -k checkpoint_reported",
+        "raycomp.train.report's own checkpoints are warned about as if ray.train.report had taken them",
+        timeout_s=600,
+    ),
+    mutant(
+        "report-overrides-the-users-epoch", "report_metrics",
+        '    return {"epoch": epoch, "step": step, **metrics,',
+        '    return {**metrics, "epoch": epoch, "step": step,',
+        "tests/test_first_contact.py -k own_epoch",
+        "the quick start's reported epoch is replaced by raycomp's, 0 without loop.epochs(...)",
+    ),
+    mutant(
+        "option-dicts-refused", "_section",
+        "    if isinstance(value, Mapping):\n",
+        "    if False:\n",
+        "tests/test_first_contact.py -k plain_dicts",
+        "TrainOptions(compression={...}) is refused: option sections must be built from their classes",
+    ),
+    mutant(
+        "option-errors-pydantics-report", "Strict.__init__",
+        '            raise ConfigError(one_line(error, prefix=f"{key}." if key else "")) from None\n',
+        "            raise\n",
+        "tests/test_first_contact.py -k one_line_naming",
+        "a bad value given to a section class is pydantic's four-line report, not one line naming the key",
+    ),
+    mutant(
         "checkpoint-drops-ef-residuals", "own_state",
         '        "compression": loop.state.state_dict(), "guard": loop.guard.state_dict(),\n',
         '        "compression": {**loop.state.state_dict(), "memory": {"residuals": {}}},\n'
