@@ -71,12 +71,18 @@ def _twice(config: dict) -> dict:
             loop = raycomp.train.current()
             runs["events"] = list(loop.guard.guard.events)
             runs["skipped"] = loop.skipped_steps
+            # every rank asked Ray Train for a preemption notice at every boundary (a barrier)
+            asked = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+            torch.distributed.all_gather(asked, torch.tensor([loop.preemption.asked]))
+            runs["asked"] = [int(a) for a in asked]
+            runs["boundaries"] = sum(loop._is_boundary(s) for s in range(1, STEPS + 1))
             raycomp.train.finish()
         runs[name] = (after, applied)
     (ddp, _), (ours, applied) = runs["ddp"], runs["raycomp"]
     differ = [step for step in range(STEPS) if not all(torch.equal(a, b) for a, b in zip(ddp[step], ours[step],
                                                                                           strict=True))]
     return {"differ": differ, "applied": applied, "events": runs["events"], "skipped": runs["skipped"],
+            "asked": runs["asked"], "boundaries": runs["boundaries"],
             "last": [t.tolist() for t in ours[-1]]}
 
 
@@ -95,3 +101,8 @@ def test_a_dense_plan_trains_bit_for_bit_as_plain_ddp_after_every_step(twice):
 def test_a_thousandfold_gradient_under_a_dense_plan_is_applied_and_raises_no_guard_event(twice):
     assert all(twice["applied"]) and twice["skipped"] == 0
     assert twice["events"] == []
+
+
+def test_every_rank_asks_for_a_preemption_notice_at_every_boundary_the_same_number_of_times(twice):
+    assert twice["boundaries"] >= 6
+    assert twice["asked"] == [twice["boundaries"]] * 2

@@ -15,8 +15,9 @@ boundary or :attr:`TrainLoop.agree_after` steps later, the ranks prove they hold
 and guard state, and rank 0's newest plan is broadcast and installed for the next step
 (:mod:`raycomp.train.plan_agreement`). Every ``checkpoint.every_steps`` steps, and at epoch
 ends as :meth:`raycomp.config.CheckpointSection.at_report` says (by default the last
-only), the model, optimizer and every rank's compression state go into a Ray Train
-checkpoint (:mod:`raycomp.train.resume`, :mod:`raycomp.train.checkpoint`); what goes to
+only), and at the boundary where a preemption notice arrives
+(:mod:`raycomp.train.preemption`), the model, optimizer and every rank's compression state
+go into a Ray Train checkpoint (:mod:`raycomp.train.resume`, :mod:`raycomp.train.checkpoint`); what goes to
 ``ray.train.report`` and the run's totals: :mod:`raycomp.train.ray_report`.
 
 :class:`TrainLoop` is larger than a part because it is the composition: the order of what
@@ -47,6 +48,7 @@ from raycomp.train.options import TrainOptions
 from raycomp.train.outputs import run_outputs
 from raycomp.train.plan_agreement import PlanAgreement
 from raycomp.train.plan_log import PlanLog
+from raycomp.train.preemption import PreemptionWatch, ray_preemption_info
 from raycomp.train.ray_report import (
     any_rank,
     check_report_checkpoint,
@@ -155,6 +157,9 @@ class TrainLoop:
         self.control_seconds = self.step_seconds = 0.0  # the controller's share of a rank's time
         self.boundary_seconds = 0.0  # the part of control_seconds spent at boundaries
         self.lr_ramp = LrRamp(options.compression.lr_scaling)
+        # asked at boundaries when raycomp owns the step (a framework checkpoints itself)
+        self.preemption = PreemptionWatch(ray_preemption_info() if options.checkpoint.on_preemption
+                                          and owns_optimizer else None)
         self._lr_used = self._loss_value = 0.0
         # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
         per_node = getattr(self.strategy, "per_node", 1)  # optional, as time_node_link
@@ -308,17 +313,19 @@ class TrainLoop:
             # it out now, in force from the next step (not from the next boundary)
             self._adopt(self.plans.broadcast(self.plans.take()))
         reports, agrees = self._is_boundary(self.global_step), self._is_boundary(self.global_step - self.agree_after)
+        preempted = False
         if reports or agrees:
             started = time.perf_counter()
             if reports:
                 self._report_statistics()
+                preempted = self.preemption.checkpoint_due(self.global_step)  # every rank: a barrier
             if agrees:
                 self._adopt(self.agree_on_plan(self.plans.poll(self.controller_plan.version)))
             self.boundary_seconds += time.perf_counter() - started
             self.control_seconds += time.perf_counter() - started
         every = self.options.checkpoint.every_steps
         epoch_end = bool(self.steps_per_epoch) and self.global_step % self.steps_per_epoch == 0  # type: ignore[operator]
-        if every and self.global_step % every == 0 and not epoch_end:
+        if preempted or (every and self.global_step % every == 0 and not epoch_end):
             self.report({}, checkpoint=True)  # the epoch's own report checkpoints epoch ends
         self._restart_step_clock()
 

@@ -37,6 +37,7 @@ def own_state(loop: TrainLoop) -> dict[str, Any]:
                      "loss_scale_overflows": loop.guard.overflows, "outer_steps": loop.outer_steps,
                      "local_skips": loop.local_skips},
         "grad_scaler": None if loop.grad_scaler is None else loop.grad_scaler.state_dict(),
+        "preemption": loop.preemption.state_dict(),
         # during local steps every rank's weights and optimizer state are its own
         "replica": None if loop.strategy.per_step else {
             "model": getattr(loop.model, "module", loop.model).state_dict(),
@@ -59,6 +60,7 @@ def load_own(loop: TrainLoop, own: dict[str, Any]) -> None:
     loop.outer_steps, loop.local_skips = counters.get("outer_steps", 0), counters.get("local_skips", 0)
     if loop.grad_scaler is not None and own.get("grad_scaler"):
         loop.grad_scaler.load_state_dict(own["grad_scaler"])
+    loop.preemption.load_state_dict(own.get("preemption", {}))  # absent before notices were kept
     if own.get("replica") is not None:  # this rank's own weights (local steps)
         getattr(loop.model, "module", loop.model).load_state_dict(own["replica"]["model"])
         loop.optimizer.load_state_dict(own["replica"]["optimizer"])

@@ -20,6 +20,12 @@ warm-up), ``monitor_s`` (``elastic_resize_monitor_interval_s``) and optionally `
 * ``grow_after_step``: when the smaller group has done that step, every rank waits again
   and the driver adds a node back; the elastic policy sees the resources within
   ``monitor_s`` and restarts the group at full size from the latest checkpoint.
+* ``drain_after_step``: when rank 0 of the group at full size has done that step, the
+  driver drains the last node with the preemption reason (``ray drain-node --reason
+  DRAIN_NODE_REASON_PREEMPTION``, a deadline of ``drain_deadline_s``), as a cloud's
+  autoscaler does before it takes a spot node; the ranks train on. Each rank appends the
+  steps at which raycomp checkpointed for a notice to ``notices.jsonl``. With
+  ``kill_after_step`` too, the node is then killed at that gate.
 
 At a gate the ranks wait (at most ``gate_timeout_s``) rather than train on, so that the
 restart comes from the checkpoint just before the gate. The workload: sklearn's digits, an MLP 64-128-10, SGD with momentum, a
@@ -115,6 +121,7 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     per_epoch = len(y_train) // batch
     drill = config.get("drill") or {}
     epochs = -(-steps // per_epoch)
+    noticed = len(loop.preemption.handled)
     for epoch in loop.epochs(epochs, per_epoch):
         order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
         for i in range(loop.step_in_epoch, per_epoch):
@@ -129,6 +136,12 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
             _append(output / "progress.jsonl", {"rank": rank, "step": step, "world": world,
                                                 "loss": float(loss), "pid": os.getpid(), "node": node})
             time.sleep(config.get("step_sleep_s", 0.0))
+            if len(loop.preemption.handled) > noticed:  # raycomp checkpointed for a notice at this step
+                noticed = len(loop.preemption.handled)
+                _append(output / "notices.jsonl", {"rank": rank, "step": step, "world": world,
+                                                   "asked": loop.preemption.asked, "time": time.time()})
+            if world == config["max_workers"] and step == drill.get("drain_after_step") and rank == 0:
+                (output / "drain.rank0").write_text(str(time.time()))
             if world == config["max_workers"] and step == drill.get("kill_after_step"):
                 if not (output / "kill.done").exists():
                     _gate(output, "kill", rank, world, config["gate_timeout_s"])
@@ -190,13 +203,31 @@ def _kill_node(cluster: Any, node: Any, output: Path) -> dict[str, Any]:
     return {"node": node_id, "worker_pids": killed, "still_alive_after_raylet": alive, "time": time.time()}
 
 
+def _drain_node(cluster: Any, node: Any, deadline_s: int) -> dict[str, Any]:
+    """Announce the node's preemption to Ray (GCS), as an autoscaler does for a spot node."""
+    import subprocess
+
+    started = time.time()
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address, "--node-id",
+         node.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "preemption drill",
+         "--deadline-remaining-seconds", str(deadline_s)],
+        capture_output=True, text=True, timeout=60, check=False)
+    return {"node": node.node_id, "rc": done.returncode, "output": (done.stdout + done.stderr)[-500:],
+            "time": started}
+
+
 def _director(cluster: Any, nodes: list[Any], spec: dict[str, Any], output: Path, events: list[dict[str, Any]],
               fitting: threading.Thread) -> None:
     """While the fit runs, watch the ranks' gates: kill the last node added at the first,
     add a node at the second."""
     drill = spec.get("drill") or {}
-    killed = grown = not drill
-    while fitting.is_alive() and not (killed and grown):
+    killed, grown = "kill_after_step" not in drill, "grow_after_step" not in drill
+    drained = "drain_after_step" not in drill
+    while fitting.is_alive() and not (killed and grown and drained):
+        if not drained and (output / "drain.rank0").exists():
+            events.append({"event": "drain", **_drain_node(cluster, nodes[-1], spec.get("drain_deadline_s", 120))})
+            drained = True
         if not killed and _all_ranks_at(output, "kill", spec["max_workers"]):
             events.append({"event": "kill", **_kill_node(cluster, nodes.pop(), output)})
             (output / "kill.done").write_text("")

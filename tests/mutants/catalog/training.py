@@ -267,4 +267,26 @@ MUTANTS = (
         "tests/test_plan_agreement.py -k late_losses",
         "each rank judges its own late losses, not the mean: ranks may fall back at different steps",
     ),
+    mutant(
+        "preemption-asked-on-one-rank-only", "TrainLoop._finish_step",
+        "                preempted = self.preemption.checkpoint_due(self.global_step)\n",
+        "                preempted = self.preemption.checkpoint_due(self.global_step) if self.rank == 0 else False\n",
+        "tests/test_dense_as_ddp.py -k preemption_notice",
+        "only rank 0 asks Ray Train for a preemption notice: a barrier the other ranks never join",
+        timeout_s=300,
+    ),
+    mutant(
+        "preemption-notice-not-checkpointed", "TrainLoop._finish_step",
+        "        if preempted or (every and self.global_step % every == 0 and not epoch_end):\n",
+        "        if every and self.global_step % every == 0 and not epoch_end:\n",
+        "tests/test_preemption.py",
+        "a preemption notice is asked for and ignored: the restart replays the steps since the last checkpoint",
+    ),
+    mutant(
+        "preemption-notice-checkpointed-at-every-boundary", "PreemptionWatch.checkpoint_due",
+        "        if nodes in self.handled:\n            return False\n",
+        "",
+        "tests/test_preemption_watch.py",
+        "a standing notice checkpoints at every boundary until the node goes, a stall each time",
+    ),
 )
