@@ -304,3 +304,17 @@ def test_a_registration_with_a_bad_node_link_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match=r"^node_link: expected None or a finite number of seconds per byte > 0"):
         Controller().register_run("r", 4, {"fc1.weight": 4096}, "static", {}, 0, 5, 1024, per_node=2,
                                   node_link=bad)
+
+
+def test_the_dashboard_imports_without_a_dangling_input():
+    """Grafana's import asks for each ``__inputs`` entry and substitutes ``${NAME}`` where it
+    occurs: an input that no panel, variable or annotation names would be asked for and then
+    used nowhere. Every data source is the ``datasource`` variable, picked on the dashboard."""
+    board = json.loads((REPO / "dashboards" / "grafana" / "raycomp.json").read_text())
+    text = json.dumps({k: v for k, v in board.items() if k != "__inputs"})
+    for declared in board.get("__inputs", []):
+        assert "${" + declared["name"] + "}" in text, f"input {declared['name']} is used nowhere"
+    sources = [p["datasource"] for p in board["panels"] if "datasource" in p]
+    sources += [t["datasource"] for p in board["panels"] for t in p.get("targets", [])]
+    sources += [a["datasource"] for a in board["annotations"]["list"]]
+    assert sources and all(s == {"type": "prometheus", "uid": "${datasource}"} for s in sources), sources

@@ -25,6 +25,7 @@ import ast
 import functools
 import inspect
 import re
+import sys
 import textwrap
 import types
 import typing
@@ -41,7 +42,7 @@ from raycomp.config.policy_options import POLICY_OPTIONS
 from raycomp.config.sections import CheckpointSection, CompressionSection, ControllerSection
 
 __all__ = ["REGENERATE", "TOP_SECTIONS", "FieldDoc", "SectionDoc", "example_yaml", "field_comments",
-           "main", "markdown", "sections", "train_options"]
+           "main", "markdown", "python_name", "sections", "train_options"]
 
 #: the command that writes docs/configuration.md
 REGENERATE = "raycomp config --markdown > docs/configuration.md"
@@ -270,6 +271,19 @@ def train_options() -> SectionDoc:
 
 # --- Markdown ---------------------------------------------------------------------------------
 
+
+def python_name(model: type) -> str:
+    """The name a script imports ``model`` by: its shortest dotted path through the packages
+    above its module that export it (``raycomp.config.GuardSection``, not
+    ``raycomp.config.sections.GuardSection``)."""
+    parts = model.__module__.split(".")
+    for end in range(1, len(parts) + 1):
+        package = ".".join(parts[:end])
+        if getattr(sys.modules.get(package), model.__qualname__, None) is model:
+            return f"{package}.{model.__qualname__}"
+    return f"{model.__module__}.{model.__qualname__}"
+
+
 _ROLE = re.compile(r":(?:class|func|mod|meth|attr|data|exc|obj):`~?([^`]+)`")
 
 
@@ -290,9 +304,11 @@ Every option of raycomp: `TrainOptions`, the Python options of
 `raycomp.train.prepare_model`, and the sections it holds, `compression` (with the guard,
 the LR ramp, local steps and each built-in policy's options), `controller` and
 `checkpoint`. The same sections, under the same keys, are the worker-side part of a job
-config of `python -m jobs.train` (YAML, `key=value` overrides). Each field: its type and
-allowed values, its default, and what it means. Unknown keys and values out of range are
-refused with a one-line error naming the key.
+config of `python -m jobs.train` (YAML, `key=value` overrides; the job's own sections are in
+[job-configuration.md](job-configuration.md)). Each section names the Python class a script
+builds it with (`CompressionSection(guard=GuardSection(...))`, all in `raycomp.config`);
+each field: its type and allowed values, its default, and what it means. Unknown keys and
+values out of range are refused with a one-line error naming the key.
 
 `raycomp config` prints these sections at their defaults as a commented YAML."""
 
@@ -312,7 +328,7 @@ def markdown(top: tuple[tuple[str, type[BaseModel]], ...] = TOP_SECTIONS, with_t
                 *[_md_field(f, python=True) for f in options.fields], ""]
     for section in sections(top):
         level = "#" * min(2 + section.key.count("."), 4)
-        out += [f"{level} `{section.key}`", ""]
+        out += [f"{level} `{section.key}`", "", f"Python: `{python_name(section.model)}`", ""]
         if section.doc:
             out += [_md(section.doc), ""]
         out += [*[_md_field(f) for f in section.fields], ""]
