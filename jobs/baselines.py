@@ -2,7 +2,9 @@
 gradient-sync factory (:func:`torch_baseline`) that ``jobs.train`` passes to
 ``raycomp.train.prepare_model(..., gradient_strategy=...)`` when ``benchmark.baseline`` is set.
 The guard, the controller link, the step log and checkpoints stay raycomp's; its plans are
-then not applied and nothing is counted on the wire.
+then not applied and nothing is counted on the wire. The plan in force stays raycomp's dense
+one, so the guard skips a non-finite step (on every rank alike) and leaves the rest as the
+baseline takes them: its fallback rules judge raycomp's compression only.
 
 DDP hooks (``scaling.strategy=ddp``), registered by name:
 
