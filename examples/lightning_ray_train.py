@@ -1,6 +1,6 @@
 """Your LightningModule on Ray Train, with adaptive gradient compression from raycomp.
 
-    pip install raycomp[lightning]
+    pip install "./raycomp[lightning]"    # from a checkout, or the wheel (README: Install)
     python examples/lightning_ray_train.py --workers 2 --epochs 3
 
 Ray's recipe for Lightning (``TorchTrainer``, ``RayLightningEnvironment``,

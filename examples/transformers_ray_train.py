@@ -1,6 +1,6 @@
 """Your Hugging Face Trainer on Ray Train, with adaptive gradient compression from raycomp.
 
-    pip install raycomp[transformers]
+    pip install "./raycomp[transformers]"    # from a checkout, or the wheel (README: Install)
     python examples/transformers_ray_train.py --workers 2 --epochs 3
 
 Ray's recipe for the Trainer (``TorchTrainer``, ``RayTrainReportCallback``,
