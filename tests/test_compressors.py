@@ -62,7 +62,7 @@ def round_trip(compressor: Compressor, x: torch.Tensor) -> torch.Tensor:
 def test_registry_names() -> None:
     assert set(COMPRESSORS) == {
         "none", "fp16", "bf16", "topk", "dgc_topk", "randomk", "threshold",
-        "qsgd", "terngrad", "sign", "int8", "int4", "powersgd",
+        "qsgd", "terngrad", "sign", "int8", "int4", "powersgd", "sparseloco",
     }  # fmt: skip
     for name, cls in COMPRESSORS.items():
         assert cls.name == name

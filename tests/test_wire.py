@@ -26,6 +26,7 @@ from tests.distributed import run_distributed
 from tests.support.wire import FLIGHT_RECORDER_ENV, Call, WireRecorder, transmitted_bytes
 
 F32, F16, BF16, U8, I32, I64 = torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int32, torch.int64
+U16 = torch.uint16
 
 # the parameters each registered compressor runs with here
 SPECS: dict[str, dict] = {
@@ -42,6 +43,7 @@ SPECS: dict[str, dict] = {
     "int8": {"chunk_size": 256},
     "int4": {"chunk_size": 256},
     "powersgd": {"rank": 2},
+    "sparseloco": {"ratio": 0.05, "chunk_size": 256},
 }
 MIN_COMPRESS_NUMEL = 1024
 # reducer path: two matrices, a vector that only PowerSGD sends dense, a tiny dense bias
@@ -58,6 +60,12 @@ def _model() -> nn.Module:
 # --- the documented wire formats (from each compressor's docstring) ----------------------
 def _qsgd_bits(levels: int) -> int:
     return next(b for b in (2, 4, 8) if 2 * levels + 1 <= 2**b)  # "smallest that holds 2s+1 codes"
+
+
+def _chunked_kept(params: dict, n: int) -> int:
+    """SparseLoCo's kept values: ``max(1, ceil(ratio * chunk))`` per chunk, the last by its own length."""
+    size = params["chunk_size"]
+    return sum(max(1, math.ceil(params["ratio"] * min(size, n - start))) for start in range(0, n, size))
 
 
 def wire_format(name: str, params: dict, shape: Sequence[int], kept: int | None = None) -> list[tuple[torch.dtype, int]]:
@@ -85,6 +93,9 @@ def wire_format(name: str, params: dict, shape: Sequence[int], kept: int | None 
         return [(U8, n), (F32, 2 * math.ceil(n / params["chunk_size"]))]
     if name == "int4":  # ceil(N / 2) bytes + (min, max) fp32 per chunk
         return [(U8, math.ceil(n / 2)), (F32, 2 * math.ceil(n / params["chunk_size"]))]
+    if name == "sparseloco":  # uint16 positions in the chunk, 2-bit codes, two fp32 levels per chunk
+        k = _chunked_kept(params, n)
+        return [(U16, k), (U8, math.ceil(k / 4)), (F32, 2 * math.ceil(n / params["chunk_size"]))]
     if name == "powersgd":  # P (rows x r) and Q (cols x r), fp32
         rows, cols = shape[0], n // shape[0]
         r = min(params["rank"], rows, cols)
@@ -107,6 +118,10 @@ def test_wire_formats_hand_computed():
     assert _bytes(wire_format("randomk", SPECS["randomk"], (1500,))) == 75 * 4
     assert _bytes(wire_format("powersgd", SPECS["powersgd"], (96, 40))) == (96 + 40) * 2 * 4
     assert _bytes(wire_format("fp16", {}, (40,))) == 80
+    # 3840 = 15 chunks of 256, 13 kept each (ceil(12.8)): 195 x 2 + 49 + 15 x 8
+    assert _bytes(wire_format("sparseloco", SPECS["sparseloco"], (96, 40))) == 390 + 49 + 120
+    # 1500 = 5 x 256 + 220: 5 x 13 + 11 kept, 6 chunks
+    assert _bytes(wire_format("sparseloco", SPECS["sparseloco"], (1500,))) == 76 * 2 + 19 + 6 * 8
 
 
 def test_every_registered_compressor_is_covered():
@@ -402,6 +417,8 @@ def test_tensors_on_the_wire_follow_the_documented_format(results, name):
                         assert count == k, (path, layer, r)
                     elif name == "dgc_topk":  # within [(1 - tolerance) k, k], tolerance 0.1
                         assert 0.9 * k <= count <= k, (path, layer, r, count, k)
+                    elif name == "sparseloco":  # per chunk, not of the whole layer
+                        assert count == _chunked_kept(SPECS[name], math.prod(shape)), (path, layer, r)
                     else:  # threshold: every element at or above it, and no other
                         compensated = records[r]["compensated"][layer]
                         assert count == int((compensated.abs() >= SPECS[name]["threshold"]).sum()), (path, layer, r)

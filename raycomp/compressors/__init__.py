@@ -20,6 +20,7 @@ from raycomp.compressors.powersgd import PowerSGD
 from raycomp.compressors.qsgd import QSGD
 from raycomp.compressors.randomk import RandomK
 from raycomp.compressors.sign import ScaledSign
+from raycomp.compressors.sparseloco import SparseLoCo
 from raycomp.compressors.terngrad import TernGrad
 from raycomp.compressors.threshold import Threshold
 from raycomp.compressors.topk import SampledTopK, TopK
@@ -44,7 +45,7 @@ def _check_class(name: str, cls: Any) -> type[Compressor]:
 #: every compressor by name: built in, registered in this process, or by import path
 REGISTRY: Registry[Compressor] = Registry("compressor", "compressor", [
     Dense, Fp16, Bf16, TopK, SampledTopK, RandomK, Threshold, QSGD, TernGrad, ScaledSign,
-    MinMaxInt8, MinMaxInt4, PowerSGD,
+    MinMaxInt8, MinMaxInt4, PowerSGD, SparseLoCo,
 ], _check_class)
 #: the built-in compressors by name
 COMPRESSORS: dict[str, type[Compressor]] = REGISTRY.builtins

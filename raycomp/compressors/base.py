@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from raycomp.compressors.sparse import scatter_dense
 from raycomp.payload import Payload
 
 
@@ -122,6 +123,15 @@ class Compressor(ABC):
     def decompress_many(self, payloads: Sequence[Payload]) -> list[torch.Tensor]:
         """:meth:`decompress` of each payload (together where :attr:`batches_layers`)."""
         return [self.decompress(p) for p in payloads]
+
+    def sum_gathered(self, payloads: Sequence[Payload]) -> torch.Tensor:
+        """The sum of one layer's payloads from every rank, in rank order: how the all-gather
+        transport (:attr:`Transport.ALLGATHER`) reduces them. By default the sparsifiers'
+        (values, indices) payloads, concatenated and scatter-added together; a compressor
+        whose all-gathered payload is laid out otherwise decodes it here."""
+        first = payloads[0]
+        merged = first.with_tensors({name: torch.cat([p.tensors[name] for p in payloads]) for name in first.tensors})
+        return scatter_dense(merged)
 
     def accepts(self, shape: torch.Size) -> bool:
         """Whether compressing a tensor of this shape is meaningful (else it goes dense)."""

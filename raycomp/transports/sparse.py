@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import torch
 
 from raycomp.compressors import Compressor, Transport
-from raycomp.compressors.sparse import scatter_dense
 from raycomp.payload import Payload
 from raycomp.transports.base import Batch, Communicator, Delivered, Reduced
 from raycomp.transports.packing import gather_payloads
@@ -19,7 +18,8 @@ __all__ = ["SparseAllgather", "sparse_allgather"]
 def sparse_allgather(
     tensors: Sequence[torch.Tensor], compressors: Sequence[Compressor], group: Group
 ) -> Pending[Delivered]:
-    """Sparse (values, indices) payloads: all-gather, then sum by scatter-add.
+    """Sparse payloads: all-gather, then sum by scatter-add (each compressor's
+    :meth:`~raycomp.compressors.Compressor.sum_gathered`).
 
     If any payload can vary in size, every rank first all-gathers the element counts of
     its payload tensors, so all ranks know every peer's layout and the padded length.
@@ -33,13 +33,7 @@ def sparse_allgather(
     def merge(per_rank: list[list[Payload]]) -> Delivered:
         results = []
         for i, payload in enumerate(payloads):
-            merged = payload.with_tensors(
-                {
-                    name: torch.cat([rank_payloads[i].tensors[name] for rank_payloads in per_rank])
-                    for name in payload.tensors
-                }
-            )
-            mean = scatter_dense(merged).div_(w)
+            mean = compressors[i].sum_gathered([rank_payloads[i] for rank_payloads in per_rank]).div_(w)
             results.append(Reduced(mean, sent[i], (w - 1) * payload.nbytes))
         return results, overhead
 

@@ -56,6 +56,7 @@ PARAMS: dict[str, dict[str, Any]] = {
     "int8": {"chunk_size": 2048},
     "int4": {"chunk_size": 2048},
     "powersgd": {"rank": 2},
+    "sparseloco": {"ratio": 0.05, "chunk_size": 256},
 }
 
 #: one compressor per transport family, plus the variable-size all-gathers
@@ -63,7 +64,7 @@ TRANSPORT_PLANS = {
     "dense": "none", "allreduce-fp16": "fp16", "allreduce-randomk": "randomk",
     "allgather-topk": "topk", "allgather-var-dgc": "dgc_topk", "allgather-var-threshold": "threshold",
     "scalable-int8": "int8", "scalable-int4": "int4", "scalable-qsgd": "qsgd", "scalable-sign": "sign",
-    "scalable-terngrad": "terngrad", "lowrank-powersgd": "powersgd",
+    "scalable-terngrad": "terngrad", "lowrank-powersgd": "powersgd", "allgather-sparseloco": "sparseloco",
 }
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
