@@ -67,6 +67,10 @@ class LrScalingSection(_Strict):
 LOCAL_MIN_GAIN = {"linear": 0.1, "other": 1.0}
 
 
+#: the compressor of the SparseLoCo recipe (its error feedback replaces the outer momentum)
+SPARSELOCO = "sparseloco"
+
+
 class LocalSection(_Strict):
     """``compression.local``: local steps, the DiLoCo family (off unless asked for).
 
@@ -197,6 +201,10 @@ class LocalSection(_Strict):
                              f"({self.sync_every // self.fragments}), got {self.delay}")
         if self.outer_momentum == 0 and self.nesterov:
             raise ValueError("nesterov: needs outer_momentum > 0")
+        if self.compressor == SPARSELOCO and self.outer_momentum > 0:
+            # the recipe's error feedback is its momentum: both together count the past twice
+            raise ValueError(f"outer_momentum: must be 0 with compressor {SPARSELOCO!r} (SparseLoCo's error "
+                             f"feedback replaces the outer momentum), got {self.outer_momentum}")
         return self
 
 
@@ -273,6 +281,13 @@ class CompressionSection(_Strict):
     @model_validator(mode="after")
     def _custom_options(self) -> CompressionSection:
         policy_sections.check_custom_options(self.policy, self.custom_options)
+        return self
+
+    @model_validator(mode="after")
+    def _sparseloco_memory(self) -> CompressionSection:
+        if self.local.mode != "off" and self.local.compressor == SPARSELOCO and self.memory == "none":
+            raise ValueError(f"memory: 'none' drops the error feedback of local.compressor {SPARSELOCO!r}, "
+                             "which replaces its outer momentum; allowed: residual")
         return self
 
     def check_strategy(self, strategy: str) -> None:

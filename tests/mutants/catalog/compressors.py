@@ -108,4 +108,40 @@ MUTANTS = (
         "tests/test_compressors.py",
         "int4 layers with different chunk sizes are quantized together with the first one's",
     ),
+    mutant(
+        "sparseloco-rounding-error-not-fed-back", "ResidualMemory.update",
+        "        self.residuals[name] = compensated.float() - sent.float()\n",
+        "        self.residuals[name] = torch.where(sent != 0, 0.0, compensated.float() - sent.float())\n",
+        "tests/test_sparseloco.py",
+        "the residual keeps only what was not sent, as for Top-K: SparseLoCo's 2-bit rounding error is lost",
+    ),
+    mutant(
+        "sparseloco-chunk-positions-global", "SparseLoCo._decode",
+        "        return values, chunk * self.chunk_size + positions\n",
+        "        return values, positions\n",
+        "tests/test_sparseloco.py",
+        "a position inside its chunk is decoded as a position in the tensor: every chunk lands on the first",
+    ),
+    mutant(
+        "sparseloco-bytes-undercounted", "SparseLoCo.wire_bytes",
+        "        return kept * self._position_dtype().itemsize + packed_nbytes(kept, 2) + 8 * chunks\n",
+        "        return kept * self._position_dtype().itemsize + packed_nbytes(kept, 2)\n",
+        "tests/test_sparseloco.py",
+        "SparseLoCo's declared payload leaves out the two fp32 levels of each chunk",
+    ),
+    mutant(
+        "sparseloco-topk-of-the-tensor", "SparseLoCo._compress",
+        "            parts.append(_select(x[: whole * self.chunk_size].view(whole, self.chunk_size), k))\n",
+        "            parts.append(_select(x[: whole * self.chunk_size].view(1, -1), whole * k))\n",
+        "tests/test_sparseloco.py",
+        "Top-K over all whole chunks at once instead of per chunk: a loud chunk takes a quiet one's share",
+    ),
+    mutant(
+        "sparseloco-one-magnitude-level", "_select",
+        "    is_high = magnitude > (low + high) / 2\n",
+        "    is_high = magnitude > high\n",
+        "tests/test_sparseloco.py",
+        "the magnitude bit is never set: one level per chunk, 1 bit of information in 2",
+    ),
 )
+
