@@ -519,13 +519,14 @@ def test_the_default_tolerance_rides_out_a_bump_of_ten_percent():
     assert [sim.run(1, SLOW).local.sync_every for _ in range(3)] == [32, 32, 16]
 
 
-def test_fixed_mode_is_local_steps_from_the_first_decision_with_the_configured_compressor():
-    sim = LocalSim({"mode": "fixed", "sync_every": 8, "fragments": 2, "compressor": "int8"})
+@pytest.mark.parametrize("compressor", ["int8", "sparseloco"])  # sparseloco: the SparseLoCo recipe in one key
+def test_fixed_mode_is_local_steps_from_the_first_decision_with_the_configured_compressor(compressor):
+    sim = LocalSim({"mode": "fixed", "sync_every": 8, "fragments": 2, "compressor": compressor})
     sim.run(3, FAST)
     assert sim.plan.local is None  # the warm-up: dense, per step
     plan = sim.run(1, FAST)
     assert plan.local is not None and (plan.local.sync_every, plan.local.fragments) == (8, 2)
-    assert plan.default.name == "int8"
+    assert plan.default.name == compressor
 
 
 def test_the_policy_state_survives_a_controller_restart():

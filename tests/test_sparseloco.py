@@ -318,8 +318,8 @@ def test_a_checkpoint_mid_interval_resumes_bit_for_bit():
 
 
 # --- two levels: a node is a replica -----------------------------------------------------
-def _two_levels(rank: int, world: int, pseudo: str) -> dict:
-    topology = Topology.of_rank(rank, NODES, PER_NODE)
+def _build_two_levels(topology: Topology, pseudo: str) -> tuple:
+    """Node replicas (DDP inside the node), syncs of ``pseudo`` across nodes, outer SGD lr 1."""
     model = DDP(_model(), bucket_cap_mb=0.01)
     state = CompressionState(model, Plan(), min_compress_numel=0, topology=topology)
     model.register_comm_hook(state, compression_hook)
@@ -328,7 +328,11 @@ def _two_levels(rank: int, world: int, pseudo: str) -> dict:
                        min_compress_numel=0, levels=state.reducer.levels)
     local = LocalState(model, state, steps, LocalSection(delay=0))
     local.set_plan(Plan(default=CompressorSpec.of(pseudo), local=LocalMode(SYNC_EVERY, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, state, steps, local, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _two_levels(rank: int, world: int, pseudo: str) -> dict:
+    model, state, steps, local, optimizer = _build_two_levels(Topology.of_rank(rank, NODES, PER_NODE), pseudo)
     cross = state.reducer.levels.cross.handle.group_name
     weights, cross_calls = [], []
     with WireRecorder() as recorder:
@@ -362,3 +366,33 @@ def test_in_two_levels_the_pseudo_gradient_crosses_nodes_compressed():
         for node in range(NODES):  # a node's ranks stay equal
             assert torch.equal(at[node * PER_NODE], at[node * PER_NODE + 1]), step
         assert all(torch.equal(w, at[0]) for w in at) == ((step + 1) % SYNC_EVERY == 0), step
+
+
+def _two_levels_resumed(rank: int, world: int, resume_at: int | None) -> list[torch.Tensor]:
+    topology = Topology.of_rank(rank, NODES, PER_NODE)
+    model, _, _, local, optimizer = _build_two_levels(topology, "sparseloco")
+    weights = []
+    for step in range(STEPS):
+        if step == resume_at:
+            saved = (model.state_dict(), optimizer.state_dict(), local.state_dict())
+            local.close()
+            model, _, _, local, optimizer = _build_two_levels(topology, "sparseloco")
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            local.load_state_dict(saved[2])
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        local.steps.step()
+        weights.append(_flat(model.parameters()).clone())
+    local.close()
+    return weights
+
+
+def test_node_replicas_resume_bit_for_bit_mid_interval():
+    unbroken = run_distributed(_two_levels_resumed, NODES * PER_NODE, None)
+    resumed = run_distributed(_two_levels_resumed, NODES * PER_NODE, 6)
+    for a, b in zip(unbroken, resumed, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not torch.equal(unbroken[0][5], unbroken[PER_NODE][5])  # the nodes had drifted when saved

@@ -359,4 +359,11 @@ MUTANTS = (
         "tests/test_mode_switch.py -k equal_layouts",
         "the ranks take the largest loss scale, the one that overflowed somewhere",
     ),
+    mutant(
+        "sparseloco-resume-drops-residual", "ResidualMemory.load_state_dict",
+        "        self.residuals = {k: v.clone() for k, v in state[\"residuals\"].items()}\n",
+        "        self.residuals = {}\n",
+        "tests/test_sparseloco.py -k resume",
+        "a resumed SparseLoCo run forgets its error feedback, the recipe's only momentum",
+    ),
 )
