@@ -87,6 +87,9 @@ class LocalGuardState:
     def stats_step(self) -> int:
         return self.inner.stats_step
 
+    #: a baseline's plan is raycomp's dense one: no compression error to judge
+    measures_mean_error = False
+
     @property
     def step(self) -> int:
         return self.inner.step

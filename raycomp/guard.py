@@ -9,7 +9,8 @@ controller and without a collective of its own (see :mod:`raycomp.train.step_jud
 * a non-finite gradient; a gradient norm above ``grad_norm_factor`` x the recent norms;
   a loss spike over a window: the mean loss of the last ``spike_steps`` steps above
   ``loss_spike_factor`` x the level of the ``loss_window`` losses before them; or a
-  relative compression error above ``max_compression_error``. "Level" is the window's
+  relative compression error above ``max_compression_error`` (of the applied mean:
+  :mod:`raycomp.mean_error`). "Level" is the window's
   ``spike_quantile`` (90th percentile), not its median, and the loss is averaged over
   a few steps, because per-batch losses late in training are small and heavy-tailed:
   one hard batch is not a divergence, a sustained rise is;
@@ -66,7 +67,7 @@ class Guard:
         enabled: bool = True,
         loss_spike_factor: float = 3.0,
         loss_window: int = 20,
-        max_compression_error: float = 0.999,
+        max_compression_error: float = 2.0,
         stable_steps: int = 50,
         grad_norm_factor: float = 10.0,
         spike_quantile: float = 0.9,

@@ -159,6 +159,11 @@ class CompressionState:
     step = property(lambda self: self.reducer.step)
     stats = property(lambda self: self.reducer.stats)
     stats_step = property(lambda self: self.reducer.stats_step)
+    mean_samples = property(lambda self: self.reducer.mean_samples)
+    stats_plan = property(lambda self: self.reducer.stats_plan)
+    #: the guard judges the applied mean's error at agreements (raycomp.mean_error), not
+    #: each rank's own error in the step's rows
+    measures_mean_error = True
     ledger: WireLedger = property(lambda self: self.reducer.ledger)  # type: ignore[assignment]
     memory: Memory = property(lambda self: self.reducer.memory)  # type: ignore[assignment]
     local_nonfinite = property(lambda self: self.reducer.local_nonfinite)
@@ -169,6 +174,9 @@ class CompressionState:
     levels = property(lambda self: self.reducer.levels if isinstance(self.reducer, TwoLevelReducer) else None)
     #: the ranks of a node in two levels, else 1
     per_node = property(lambda self: self.levels.intra.size if self.levels else 1)
+    #: this rank's place in the reduction: its local rank in two levels (the ranks of one
+    #: position reduce the same pieces across nodes), else 0
+    position = property(lambda self: self.levels.intra.rank if self.levels else 0)
     defer_unused = property(lambda self: self.reducer.defer_unused)
     #: bytes sent inside the node so far (two levels), 0 when flat
     intra_bytes = property(lambda self: self.reducer.intra_ledger.wire_total if self.levels else 0.0)

@@ -27,6 +27,7 @@ import torch
 from raycomp.compressors import Compressor, Transport
 from raycomp.ledger import WireLedger
 from raycomp.loss_scale import ScaleFollower
+from raycomp.mean_error import sample
 from raycomp.memory import Memory, make_memory
 from raycomp.plan import Plan
 from raycomp.routing import Router
@@ -98,6 +99,10 @@ class CompressedReducer:
         self._in_step = False
         self.stats: list[LayerStats] = []  # of the latest statistics step
         self.stats_step = -1  # the step those statistics were measured at
+        #: per lossy layer of that step, this rank's sample of its input and of the applied
+        #: mean (:func:`raycomp.mean_error.sample`), and the plan that step ran under
+        self.mean_samples: dict[str, torch.Tensor] = {}
+        self.stats_plan: Plan | None = None
         self.local_nonfinite = False  # this rank's compressed gradients held NaN/Inf at the last step
         self.signals = StepSignals(self.group)  # the step's finiteness flag and control values
         #: hold back the memory update of a lossy layer whose gradient is all zero on this
@@ -140,6 +145,7 @@ class CompressedReducer:
         if self.collecting_stats:
             self.stats = []
             self.stats_step = self.step
+            self.mean_samples, self.stats_plan = {}, self._plan
 
     def end_step(self) -> None:
         self._in_step = False
@@ -252,6 +258,8 @@ class CompressedReducer:
             dense = self.send_group.allreduce_bytes(grad.numel() * grad.element_size())
             self.stats.append(layer_stats(name, kind, grad, compensated[i], result.sent, self.memory.residual(name),
                                           result.wire_bytes, dense, self.profile_ratios, unscale))
+            if kind != "none" and compressors[i].error_feedback:  # an unbiased one is noisy by design
+                self.mean_samples[name] = sample(compensated[i], result.mean)  # raycomp.mean_error
 
     # --- control values ---------------------------------------------------------------
     def stage_control(self, values: Sequence[float], skippable: bool = False) -> None:

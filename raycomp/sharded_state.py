@@ -249,6 +249,9 @@ class ShardedState:
     # --- control rows (the guard's) ----------------------------------------------------
     #: every step carries the control values: they ride in the all-to-all that runs anyway
     control_skipped = False
+    #: the guard judges each rank's own compression error, carried in the step's rows
+    #: (raycomp.mean_error measures the applied mean's on the DDP path)
+    measures_mean_error = False
 
     def stage_control(self, values: Sequence[float], skippable: bool = False) -> None:
         """Carry ``[non-finite flag, *values, squared norm]`` of every rank with the next

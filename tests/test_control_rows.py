@@ -40,6 +40,7 @@ class _OneRank:
         self.plan = Plan.uniform("int8")  # a compressed plan: the guard's rules apply
 
     control_skipped = False
+    measures_mean_error = False  # each rank's own error rides in the rows
 
     def stage_control(self, values, skippable: bool = False) -> None:
         self.staged.append(list(values))

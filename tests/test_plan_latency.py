@@ -62,9 +62,10 @@ def test_a_plan_decided_at_a_boundary_is_in_force_within_a_few_steps_on_every_ra
     logs = step_logs(in_turn["latency"]["output_dir"])
     first = [next(r["step"] for r in records if not r["dense"]) for records in logs]
     # the statistics of the boundary after the warm-up (step K - 1) make the controller decide;
-    # the plan then reaches every rank at the same step, well before the next boundary (2K)
+    # the plan then reaches every rank at the same step, well before the next boundary (2K):
+    # from step K when the answer is in by that boundary's own agreement, else a step later
     assert first[0] == first[1]
-    assert K < first[0] <= K + 4, first
+    assert K <= first[0] <= K + 4, first
     for mine, theirs in zip(*logs, strict=True):
         assert mine["plan_digest"] == theirs["plan_digest"]
 

@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "tune": "jobs.bench.tune",
     "outage": "jobs.bench.outage",
     "overhead": "jobs.bench.overhead",
+    "guard-error": "jobs.bench.guard_error",
 }
 
 

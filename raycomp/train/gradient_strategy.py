@@ -40,6 +40,12 @@ class GradientState(Protocol):
     comm_seconds: float  # time spent communicating, whole run
     control_rows: torch.Tensor | None  # every rank's control row of this step, or None
     control_skipped: bool  # this step left skippable control values out (no rows after it)
+    #: True: the state keeps, on statistics steps, ``mean_samples`` (layer -> this rank's
+    #: sample of its input and of the applied mean), ``stats_plan`` (the plan of that step)
+    #: and ``position`` (its place in the reduction), and the guard judges the applied
+    #: mean's error at agreements (:mod:`raycomp.mean_error`). False: each rank's own error
+    #: rides in the step's control rows instead
+    measures_mean_error: bool
 
     @property
     def plan(self) -> Plan: ...

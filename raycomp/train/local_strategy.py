@@ -84,6 +84,10 @@ class LocalState:
     ledger: WireLedger = property(lambda self: self.hook.ledger)  # type: ignore[assignment]
     stats: list[LayerStats] = property(lambda self: self.hook.stats)  # type: ignore[assignment]
     stats_step: int = property(lambda self: self.hook.stats_step)  # type: ignore[assignment]
+    mean_samples = property(lambda self: self.hook.mean_samples)
+    stats_plan = property(lambda self: self.hook.stats_plan)
+    position = property(lambda self: self.hook.position)
+    measures_mean_error = True
     step: int = property(lambda self: self.hook.step)  # type: ignore[assignment]
     plan: Plan = property(lambda self: self.hook.plan)  # type: ignore[assignment]
     intra_bytes: float = property(lambda self: self.hook.intra_bytes)  # type: ignore[assignment]

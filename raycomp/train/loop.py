@@ -39,6 +39,7 @@ import torch.distributed as dist
 from raycomp.control_rows import SyncRow
 from raycomp.guard import Guard
 from raycomp.loss_scale import unscale_once
+from raycomp.mean_error import layer_errors
 from raycomp.plan import Plan
 from raycomp.train import checkpoint
 from raycomp.train.default_strategy import raycomp_strategy
@@ -172,9 +173,9 @@ class TrainLoop:
         self.replayed_steps = self.log.open(self.restored_from)
         # the layers a plan can compress (smaller ones travel dense whatever it says): what a
         # plan's summary counts, e.g. "topk(ratio=0.01) on 12/14 layers"
-        compressible = [name for name, shape in self.strategy.layers().items()
-                        if math.prod(shape) >= options.compression.min_compress_numel]
-        self.timeline = PlanLog(self.output_dir, self.rank, compressible)
+        self.compressible = [name for name, shape in self.strategy.layers().items()
+                             if math.prod(shape) >= options.compression.min_compress_numel]
+        self.timeline = PlanLog(self.output_dir, self.rank, self.compressible)
         self.timeline.open(self.state.plan, self.restored_from)
         self.log.plan_summary = self.timeline.summary(self.state.plan)
         self._restart_step_clock()
@@ -374,7 +375,24 @@ class TrainLoop:
         agreed = self.plans.agree(self.state.plan, state, offer, self.global_step, late)
         for loss in agreed.late:
             self._verdict(self.guard.judge_late(self.global_step - 1, loss))
+        self._judge_mean_error()
         return agreed.plan
+
+    _errors_judged_at = -1  # the statistics step whose applied-mean error was judged last
+
+    def _judge_mean_error(self) -> None:
+        """The applied mean's compression error on the latest statistics step, if that step
+        compressed per step and was not judged yet (the same on every rank: one all-gather,
+        :mod:`raycomp.mean_error`); the guard judges the worst layer's."""
+        if not self.state.measures_mean_error:
+            return
+        plan, step = self.state.stats_plan, self.state.stats_step
+        if plan is None or step <= self._errors_judged_at or plan.trains_as_ddp or plan.local_steps is not None:
+            return
+        self._errors_judged_at = step
+        errors = layer_errors(self.state.mean_samples, self.compressible, self.state.position, self.control_group)
+        if errors:
+            self._verdict(self.guard.judge_error(step, max(errors.values())))
 
     def _install(self, controller_plan: Plan, step: int, kind: str = "plan") -> None:
         """Install the effective plan (the guard's dense override, or the controller's), in

@@ -139,12 +139,19 @@ class StepJudge:
         for each, oldest first."""
         return self.guard.observe(step, False, loss, None, grad_norm=None, compressing=self.compressing)
 
+    def judge_error(self, step: int, error: float) -> Verdict:
+        """The applied mean's worst relative compression error over the layers of the
+        statistics step ``step`` (:mod:`raycomp.mean_error`: the same on every rank),
+        judged against ``max_compression_error``; a compressed step's, so the rules apply."""
+        return self.guard.observe(step, False, None, error, grad_norm=None, compressing=True)
+
     def stage(self, loss: float, applied: bool) -> None:
         """What rides in the next step's collective: this step's loss (unless the step was
         skipped: a discarded step's loss is not judged), worst compression error, and
         :attr:`offer` (so that every rank learns of rank 0's new plan one step later, with
         no collective of its own: :attr:`announced`)."""
-        fresh = self.state.stats_step == self.state.step - 1
+        # each rank's own error, where the state does not measure the applied mean's
+        fresh = self.state.stats_step == self.state.step - 1 and not self.state.measures_mean_error
         worst = max((s.compression_error for s in self.state.stats), default=None) if fresh else None
         self.carry = GuardRow(loss=loss if applied else None, plan_offer=self.offer,
                               worst_error=worst if worst is not None and math.isfinite(worst) else None)

@@ -84,10 +84,11 @@ def _options(run: dict[str, Any], controller: str, run_dir: Path) -> Any:
     else:
         stages = [ScheduleStage(start_step=start, compressor=compressor(name, **params))
                   for start, name, params in run["stages"]]
-        # the guard stays on, but a coarse quantizer's error (QSGD's: 1.19 at W = 3) is no fallback
+        # the guard stays on, at its default threshold unless the run sets one
         compression = CompressionSection(policy="schedule", warmup_steps=run["warmup"], min_compress_numel=0,
                                          schedule=ScheduleOptions(stages=stages), levels=run.get("levels", "flat"),
-                                         guard=GuardSection(max_compression_error=run.get("max_error", 0.999)))
+                                         guard=GuardSection(max_compression_error=run.get(
+                                             "max_error", GuardSection().max_compression_error)))
     return raycomp.train.TrainOptions(
         compression=compression, strategy=run.get("strategy", "ddp"),
         controller=ControllerSection(name=controller, interval_steps=2, metrics_enabled=False),

@@ -306,4 +306,33 @@ MUTANTS = (
         "tests/test_guard.py -k tiny_late_norms",
         "a tenfold norm late in training, far below the norms the run trained through, skips a step and falls back",
     ),
+    mutant(
+        "mean-error-against-one-rank-s-input", "layer_errors",
+        "        exact = every[ranks, :, 0, :].mean(0)",
+        "        exact = every[ranks[0], :, 0, :]",
+        "tests/test_mean_error.py -k exact_error",
+        "the applied mean is compared with rank 0's own input, not the ranks' exact mean: the error means "
+        "something else at every W",
+    ),
+    mutant(
+        "mean-error-positions-ignored", "layer_errors",
+        "    positions = [int(row[0, 0, 0]) for row in rows]\n",
+        "    positions = [0 for row in rows]\n",
+        "tests/test_mean_error.py -k exact_error",
+        "in two levels the pieces of different positions are averaged together as if they were one piece",
+    ),
+    mutant(
+        "mean-error-never-judged", "TrainLoop._judge_mean_error",
+        "        if not self.state.measures_mean_error:\n",
+        "        if True:\n",
+        "tests/test_mean_error.py -k threshold",
+        "the applied mean's error is measured and never judged: no compression error ever falls back",
+    ),
+    mutant(
+        "mean-error-samples-unbiased-compressors", "CompressedReducer._measure",
+        "            if kind != \"none\" and compressors[i].error_feedback:",
+        "            if kind != \"none\":",
+        "tests/test_mean_error.py -k unbiased",
+        "an unbiased compressor's noise, far above 1 on healthy runs, is judged as compression error",
+    ),
 )
