@@ -108,13 +108,8 @@ class Guard:
         trigger = self._trigger(nonfinite, loss, max_error, grad_norm)
         if trigger is not None:
             reason, detail = trigger
-            changed = not self.active
-            if changed:
-                self.active, self.reason = True, reason
-                self.events.append(GuardEvent(step, "fallback", reason, detail))
-            self.clean_steps = 0
             skip = reason in ("nonfinite_gradient", "gradient_explosion")
-            return Verdict(skip_update=skip, changed=changed)
+            return Verdict(skip_update=skip, changed=self._fall_back(step, reason, detail))
         self._remember(loss, grad_norm)
         if self.active:
             self.clean_steps += 1
@@ -124,6 +119,24 @@ class Guard:
                 self.events.append(GuardEvent(step, "recovered", self.reason, detail))
                 return Verdict(skip_update=False, changed=True)
         return Verdict(skip_update=False, changed=False)
+
+    def observe_error(self, step: int, max_error: float) -> Verdict:
+        """A compression error measured apart from any step's judgement (the applied mean's,
+        at an agreement: :mod:`raycomp.mean_error`): above ``max_compression_error`` it falls
+        back; otherwise nothing changes (it is no clean step towards a recovery)."""
+        if not self.enabled or not max_error > self.max_compression_error:
+            return Verdict(skip_update=False, changed=False)
+        detail = f"relative error {max_error:.4g} > {self.max_compression_error}"
+        return Verdict(skip_update=False, changed=self._fall_back(step, "compression_error", detail))
+
+    def _fall_back(self, step: int, reason: str, detail: str) -> bool:
+        """Dense from the next step, the clean count restarted; whether the fallback began here."""
+        changed = not self.active
+        if changed:
+            self.active, self.reason = True, reason
+            self.events.append(GuardEvent(step, "fallback", reason, detail))
+        self.clean_steps = 0
+        return changed
 
     def _remember(self, loss: float | None, grad_norm: float | None) -> None:
         """A clean step's loss and norm join the windows the rules compare against."""

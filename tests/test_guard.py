@@ -128,3 +128,14 @@ def test_a_tenfold_norm_at_tiny_late_norms_is_not_an_explosion_but_one_above_the
     exploded = guard.observe(61, False, 1e-4, None, 2.0)
     assert exploded.skip_update and guard.reason == "gradient_explosion"
     assert "highest level 1.18" in guard.events[-1].detail
+
+
+def test_an_error_measured_apart_falls_back_above_the_threshold_and_is_no_clean_step():
+    guard = Guard(stable_steps=3)
+    feed(guard, range(5))
+    assert not guard.observe_error(5, 1.9).changed and not guard.active  # under 2: nothing
+    assert guard.observe_error(6, 2.5).changed and guard.reason == "compression_error"
+    assert guard.events[-1].detail == "relative error 2.5 > 2.0"
+    feed(guard, range(7, 9))
+    assert not guard.observe_error(9, 0.1).changed and guard.clean_steps == 2  # not a step
+    assert [v.changed for v in feed(guard, range(10, 11))] == [True] and not guard.active

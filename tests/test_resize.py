@@ -24,6 +24,7 @@ from raycomp import CompressionState
 from raycomp.compressors.base import mix_seed
 from raycomp.plan import CompressorSpec, Plan
 from raycomp.train import checkpoint, resize, resume
+from raycomp.train.preemption import PreemptionWatch
 from tests.distributed import run_distributed
 
 SIZES = [(4, 3), (4, 2), (2, 4), (3, 4)]
@@ -240,6 +241,7 @@ def _fake_loop(rank: int, world: int) -> types.SimpleNamespace:
         strategy=types.SimpleNamespace(layers=lambda: SHAPES), state=_Recorder(), guard=guard,
         controller_plan=None, plan_switches=0, outages=types.SimpleNamespace(count=0), skipped_steps=0,
         lr_ramp=types.SimpleNamespace(started_at=None), outer_steps=0, local_skips=0, grad_scaler=None,
+        preemption=PreemptionWatch(None),
         global_step=0, restored_from=None)
 
 

@@ -142,8 +142,8 @@ class StepJudge:
     def judge_error(self, step: int, error: float) -> Verdict:
         """The applied mean's worst relative compression error over the layers of the
         statistics step ``step`` (:mod:`raycomp.mean_error`: the same on every rank),
-        judged against ``max_compression_error``; a compressed step's, so the rules apply."""
-        return self.guard.observe(step, False, None, error, grad_norm=None, compressing=True)
+        judged against ``max_compression_error`` (no step's judgement: no clean step counts)."""
+        return self.guard.observe_error(step, error)
 
     def stage(self, loss: float, applied: bool) -> None:
         """What rides in the next step's collective: this step's loss (unless the step was

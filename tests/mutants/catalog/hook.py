@@ -335,4 +335,11 @@ MUTANTS = (
         "tests/test_mean_error.py -k unbiased",
         "an unbiased compressor's noise, far above 1 on healthy runs, is judged as compression error",
     ),
+    mutant(
+        "guard-measured-error-counts-a-clean-step", "Guard.observe_error",
+        "            return Verdict(skip_update=False, changed=False)\n",
+        "            return self.observe(step, False, None, max_error, grad_norm=None)\n",
+        "tests/test_guard.py -k measured_apart tests/test_train_job.py -k nan_gradients",
+        "an agreement's error judgement counts as a clean step: a fallback recovers a step early",
+    ),
 )
