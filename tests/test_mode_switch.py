@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from raycomp.plan import CompressorSpec, LocalMode, Plan
 from raycomp.topology import Topology
 from tests.distributed import run_distributed
+from tests.support.ranks import gather
 
 H = 4
 #: the plan in force from each step on: per step, local steps of H, per step again, local
@@ -54,12 +54,6 @@ def _flat_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[tor
     moments = [v.detach().reshape(-1).float() for s in optimizer.state.values() for v in s.values()
                if isinstance(v, torch.Tensor)]
     return weights, torch.cat(moments) if moments else torch.zeros(0)
-
-
-def _gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return out
 
 
 def _optimizer(kind: str, params) -> torch.optim.Optimizer:
@@ -102,7 +96,7 @@ def _switching(rank: int, world: int, levels: bool, kind: str) -> list[dict]:
         strategy.after_optimizer_step(True, 0.0)
         weights, moments = _flat_state(model.module, optimizer)
         seen.append({"step": step, "per_step": strategy.per_step, "in_flight_at_switch": in_flight,
-                     "weights": _gather(weights), "moments": _gather(moments)})
+                     "weights": gather(weights), "moments": gather(moments)})
     state.close()
     return seen
 

@@ -18,7 +18,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,6 +32,7 @@ from raycomp.topology import Topology
 from raycomp.train.local_strategy import LocalState
 from raycomp.two_level import TwoLevelReducer
 from tests.distributed import run_distributed
+from tests.support.ranks import flat, gather
 from tests.support.wire import WireRecorder, transmitted_bytes
 
 SYNC_EVERY, STEPS = 4, 12
@@ -148,16 +148,6 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
 
 
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
-
-
-def _gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return out
-
-
 def _reducer_check(rank: int) -> dict:
     """One reduction, then a second: what the residual holds after each."""
     compressor = SparseLoCo(ratio=0.05, chunk_size=256)
@@ -182,7 +172,7 @@ def _local_run(rank: int, world: int, memory: str = "residual") -> dict:
     steps = LocalSteps(model, sync_every=SYNC_EVERY, plan=Plan.uniform("sparseloco"), memory=memory,
                        outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0), min_compress_numel=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    start = _flat(steps.global_params).clone()
+    start = flat(steps.global_params).clone()
     pseudo_sum = torch.zeros_like(start)
     syncs, weights = [], []
     with WireRecorder() as recorder:
@@ -193,23 +183,23 @@ def _local_run(rank: int, world: int, memory: str = "residual") -> dict:
             optimizer.step()
             due = (step + 1) % SYNC_EVERY == 0
             if due:  # this rank's pseudo-gradient of the sync about to run, and the mean of all
-                pseudo = _flat(steps.global_params) - _flat(steps.params)
-                pseudo_sum += torch.stack(_gather(pseudo)).mean(0)
+                pseudo = flat(steps.global_params) - flat(steps.params)
+                pseudo_sum += torch.stack(gather(pseudo)).mean(0)
             mark, ledger = recorder.mark(), steps.reducer.ledger.wire_total
             steps.step()
             calls = recorder.since(mark)
-            weights.append(_flat(model.parameters()).clone())
+            weights.append(flat(model.parameters()).clone())
             if due:
-                residual = _flat(steps.reducer.memory.residual(n) if steps.reducer.memory.residual(n) is not None
+                residual = flat(steps.reducer.memory.residual(n) if steps.reducer.memory.residual(n) is not None
                                  else torch.zeros_like(p) for n, p in zip(steps.names, steps.params, strict=True))
                 syncs.append({
                     "step": step,
                     "calls": [(c.op, c.dtype, c.numel) for c in calls],
                     "recorded": sum(transmitted_bytes(c) for c in calls),
                     "ledger": steps.reducer.ledger.wire_total - ledger,
-                    "moved": start - _flat(steps.global_params),
+                    "moved": start - flat(steps.global_params),
                     "pseudo_sum": pseudo_sum.clone(),
-                    "mean_residual": torch.stack(_gather(residual)).mean(0),
+                    "mean_residual": torch.stack(gather(residual)).mean(0),
                 })
             else:
                 assert not calls, (step, calls)
@@ -305,7 +295,7 @@ def _resumed(rank: int, world: int, resume_at: int | None) -> list[torch.Tensor]
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         steps.step()
-        weights.append(_flat(model.parameters()).clone())
+        weights.append(flat(model.parameters()).clone())
     return weights
 
 
@@ -344,7 +334,7 @@ def _two_levels(rank: int, world: int, pseudo: str) -> dict:
             mark = recorder.mark()
             steps.step()
             cross_calls += [(c.op, c.dtype, transmitted_bytes(c)) for c in recorder.since(mark) if c.group == cross]
-            weights.append(_flat(model.parameters()).clone())
+            weights.append(flat(model.parameters()).clone())
     out = {"weights": weights, "cross_calls": cross_calls, "wire": state.ledger.wire_total,
            "outer": steps.outer_steps}
     local.close()
@@ -366,33 +356,3 @@ def test_in_two_levels_the_pseudo_gradient_crosses_nodes_compressed():
         for node in range(NODES):  # a node's ranks stay equal
             assert torch.equal(at[node * PER_NODE], at[node * PER_NODE + 1]), step
         assert all(torch.equal(w, at[0]) for w in at) == ((step + 1) % SYNC_EVERY == 0), step
-
-
-def _two_levels_resumed(rank: int, world: int, resume_at: int | None) -> list[torch.Tensor]:
-    topology = Topology.of_rank(rank, NODES, PER_NODE)
-    model, _, _, local, optimizer = _build_two_levels(topology, "sparseloco")
-    weights = []
-    for step in range(STEPS):
-        if step == resume_at:
-            saved = (model.state_dict(), optimizer.state_dict(), local.state_dict())
-            local.close()
-            model, _, _, local, optimizer = _build_two_levels(topology, "sparseloco")
-            model.load_state_dict(saved[0])
-            optimizer.load_state_dict(saved[1])
-            local.load_state_dict(saved[2])
-        x, y = _batch(rank, step)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        local.steps.step()
-        weights.append(_flat(model.parameters()).clone())
-    local.close()
-    return weights
-
-
-def test_node_replicas_resume_bit_for_bit_mid_interval():
-    unbroken = run_distributed(_two_levels_resumed, NODES * PER_NODE, None)
-    resumed = run_distributed(_two_levels_resumed, NODES * PER_NODE, 6)
-    for a, b in zip(unbroken, resumed, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    assert not torch.equal(unbroken[0][5], unbroken[PER_NODE][5])  # the nodes had drifted when saved

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -24,6 +23,7 @@ from raycomp.topology import Topology
 from raycomp.train.local_strategy import LocalState
 from raycomp.two_level import TwoLevelReducer
 from tests.distributed import run_distributed
+from tests.support.ranks import flat, gather
 from tests.support.wire import WireRecorder, transmitted_bytes
 
 NODES, PER_NODE, SYNC_EVERY, STEPS = 2, 2, 4, 12
@@ -40,16 +40,6 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
 
 
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return out
-
-
 def _build(topology: Topology | None, pseudo: str, delay: int = 0, fragments: int = 1) -> tuple:
     model = DDP(_model(), bucket_cap_mb=0.01)
     state = CompressionState(model, Plan(), min_compress_numel=0, topology=topology)
@@ -63,17 +53,17 @@ def _build(topology: Topology | None, pseudo: str, delay: int = 0, fragments: in
     return model, state, steps, local, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), two_level
 
 
-def _resumed(rank: int, world: int, resume_at: int | None) -> list[torch.Tensor]:
-    """Node replicas under int8 syncs and DiLoCo's outer Nesterov; at ``resume_at`` every
-    object is rebuilt from a checkpoint of model, optimizer and local state."""
+def _resumed(rank: int, world: int, resume_at: int | None, pseudo: str) -> list[torch.Tensor]:
+    """Node replicas under ``pseudo`` syncs and DiLoCo's outer Nesterov; at ``resume_at``
+    every object is rebuilt from a checkpoint of model, optimizer and local state."""
     topology = Topology.of_rank(rank, NODES, PER_NODE)
-    model, _, _, local, optimizer, _ = _build(topology, "int8")
+    model, _, _, local, optimizer, _ = _build(topology, pseudo)
     weights = []
     for step in range(STEPS):
         if step == resume_at:
             saved = (model.state_dict(), optimizer.state_dict(), local.state_dict())
             local.close()
-            model, _, _, local, optimizer, _ = _build(topology, "int8")
+            model, _, _, local, optimizer, _ = _build(topology, pseudo)
             model.load_state_dict(saved[0])
             optimizer.load_state_dict(saved[1])
             local.load_state_dict(saved[2])
@@ -82,7 +72,7 @@ def _resumed(rank: int, world: int, resume_at: int | None) -> list[torch.Tensor]
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         local.steps.step()
-        weights.append(_flat(model).clone())
+        weights.append(flat(model.parameters()).clone())
     local.close()
     return weights
 
@@ -103,15 +93,15 @@ def _run(rank: int, world: int, levels: bool, pseudo: str) -> dict:
             nn.functional.cross_entropy(model(x), y).backward()
             if step == 0:
                 reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-                every = _gather(own_grads)
+                every = gather(own_grads)
                 node = rank // PER_NODE
                 node_mean = torch.stack(every[node * PER_NODE:(node + 1) * PER_NODE]).mean(0)
                 grad_error = float((reduced - node_mean).abs().max())
             optimizer.step()
             if (step + 1) % SYNC_EVERY == 0:  # the weights every rank holds before this sync
-                expected_syncs[step] = torch.stack(_gather(_flat(model))).mean(0)
+                expected_syncs[step] = torch.stack(gather(flat(model.parameters()))).mean(0)
             steps.step()
-            weights.append(_flat(model).clone())
+            weights.append(flat(model.parameters()).clone())
     by_group: dict[str, float] = {}
     for call in recorder.calls:
         by_group[call.group] = by_group.get(call.group, 0.0) + transmitted_bytes(call)
@@ -168,9 +158,10 @@ def test_a_sync_crosses_nodes_in_pieces_counted_at_torch_distributed(runs):
         assert 0 < rank["wire"] < 0.5 * flat[0]["wire"]  # 1/L of the pseudo-gradient over K ranks, not W
 
 
-def test_node_replicas_resume_bit_for_bit_mid_interval():
-    unbroken = run_distributed(_resumed, WORLD, None)
-    resumed = run_distributed(_resumed, WORLD, 6)  # two inner steps after a sync, two before the next
+@pytest.mark.parametrize("pseudo", ["int8", "sparseloco"])  # SparseLoCo's residuals per piece too
+def test_node_replicas_resume_bit_for_bit_mid_interval(pseudo):
+    unbroken = run_distributed(_resumed, WORLD, None, pseudo)
+    resumed = run_distributed(_resumed, WORLD, 6, pseudo)  # two inner steps after a sync, two before the next
     for a, b in zip(unbroken, resumed, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert not torch.equal(unbroken[0][5], unbroken[PER_NODE][5])  # the nodes had drifted when saved
@@ -192,7 +183,7 @@ def _overlapped(rank: int, world: int) -> dict:
             mark = recorder.mark()
             steps.step()
             issued.append(sorted({(c.op, kind.get(c.group, "world")) for c in recorder.since(mark)}))
-            weights.append(_flat(model).clone())
+            weights.append(flat(model.parameters()).clone())
     outer = steps.outer_steps
     local.close()
     return {"issued": issued, "weights": weights, "outer": outer}
@@ -236,7 +227,7 @@ def _fragments(rank: int, world: int) -> dict:
         after.append({"synced": steps.outer_steps > before,
                       "fragments": [torch.cat([params[i] for i in m]) for m in members]})
     steps.merge_all()
-    final = _flat(model).clone()
+    final = flat(model.parameters()).clone()
     local.close()
     return {"after": after, "final": final, "members": members}
 
