@@ -120,13 +120,14 @@ class Guard:
                 return Verdict(skip_update=False, changed=True)
         return Verdict(skip_update=False, changed=False)
 
-    def observe_error(self, step: int, max_error: float) -> Verdict:
+    def observe_error(self, step: int, max_error: float, where: str = "") -> Verdict:
         """A compression error measured apart from any step's judgement (the applied mean's,
-        at an agreement: :mod:`raycomp.mean_error`): above ``max_compression_error`` it falls
-        back; otherwise nothing changes (it is no clean step towards a recovery)."""
+        at an agreement: :mod:`raycomp.mean_error`; ``where``: the layer and step it was
+        measured at): above ``max_compression_error`` it falls back from the step after
+        ``step``; otherwise nothing changes (it is no clean step towards a recovery)."""
         if not self.enabled or not max_error > self.max_compression_error:
             return Verdict(skip_update=False, changed=False)
-        detail = f"relative error {max_error:.4g} > {self.max_compression_error}"
+        detail = f"relative error {max_error:.4g} > {self.max_compression_error}" + (f" ({where})" if where else "")
         return Verdict(skip_update=False, changed=self._fall_back(step, "compression_error", detail))
 
     def _fall_back(self, step: int, reason: str, detail: str) -> bool:

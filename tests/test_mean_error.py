@@ -123,10 +123,15 @@ def trained(in_turn):
 
 
 def test_a_mean_error_over_the_threshold_falls_back_at_the_agreement_after_its_statistics_step(trained):
+    from raycomp.train.loop import ANSWER_STEPS
+
     events, compressed = trained["strict"]["events"], trained["strict"]["compressed"]
     assert events and events[0]["kind"] == "fallback" and events[0]["reason"] == "compression_error"
-    # judged for the first compressed statistics step (the step before a boundary, K = 5)
-    assert events[0]["step"] == next(s for s in compressed if (s + 1) % 5 == 0), (events, compressed)
+    # measured at the first compressed statistics step (the step before a boundary, K = 5),
+    # judged at the agreement ANSWER_STEPS steps after that boundary: dense from the next step
+    measured = next(s for s in compressed if (s + 1) % 5 == 0)
+    assert events[0]["step"] == measured + ANSWER_STEPS, (events, compressed)
+    assert events[0]["detail"].endswith(f", step {measured})"), events
 
 
 def test_a_healthy_int4_run_raises_no_guard_event_at_the_default_threshold(trained):

@@ -392,7 +392,8 @@ class TrainLoop:
         self._errors_judged_at = step
         errors = layer_errors(self.state.mean_samples, self.compressible, self.state.position, self.control_group)
         if errors:
-            self._verdict(self.guard.judge_error(step, max(errors.values())))
+            layer = max(errors, key=errors.__getitem__)
+            self._verdict(self.guard.judge_error(self.global_step - 1, errors[layer], f"{layer}, step {step}"))
 
     def _install(self, controller_plan: Plan, step: int, kind: str = "plan") -> None:
         """Install the effective plan (the guard's dense override, or the controller's), in

@@ -139,11 +139,12 @@ class StepJudge:
         for each, oldest first."""
         return self.guard.observe(step, False, loss, None, grad_norm=None, compressing=self.compressing)
 
-    def judge_error(self, step: int, error: float) -> Verdict:
-        """The applied mean's worst relative compression error over the layers of the
-        statistics step ``step`` (:mod:`raycomp.mean_error`: the same on every rank),
-        judged against ``max_compression_error`` (no step's judgement: no clean step counts)."""
-        return self.guard.observe_error(step, error)
+    def judge_error(self, step: int, error: float, where: str = "") -> Verdict:
+        """The applied mean's worst relative compression error over the layers of a
+        statistics step (:mod:`raycomp.mean_error`: the same on every rank; ``where``: its
+        layer and step), judged at ``step`` against ``max_compression_error`` (no step's
+        judgement: no clean step counts); a fallback starts at the step after ``step``."""
+        return self.guard.observe_error(step, error, where)
 
     def stage(self, loss: float, applied: bool) -> None:
         """What rides in the next step's collective: this step's loss (unless the step was
