@@ -127,8 +127,11 @@ class Guard:
         ``step``; otherwise nothing changes (it is no clean step towards a recovery)."""
         if not self.enabled or not max_error > self.max_compression_error:
             return Verdict(skip_update=False, changed=False)
-        detail = f"relative error {max_error:.4g} > {self.max_compression_error}" + (f" ({where})" if where else "")
+        detail = self._error_detail(max_error) + (f" ({where})" if where else "")
         return Verdict(skip_update=False, changed=self._fall_back(step, "compression_error", detail))
+
+    def _error_detail(self, max_error: float) -> str:
+        return f"relative error {max_error:.4g} > {self.max_compression_error}"
 
     def _fall_back(self, step: int, reason: str, detail: str) -> bool:
         """Dense from the next step, the clean count restarted; whether the fallback began here."""
@@ -165,7 +168,7 @@ class Guard:
             return "loss_spike", (f"mean loss of the last {len(self.recent_losses)} steps {recent:.4g} > "
                                   f"{self.loss_spike_factor} x recent level {level:.4g}")
         if max_error is not None and max_error > self.max_compression_error:
-            return "compression_error", f"relative error {max_error:.4g} > {self.max_compression_error}"
+            return "compression_error", self._error_detail(max_error)
         return None
 
     def level(self, window: deque[float]) -> float | None:
