@@ -98,3 +98,16 @@ def test_an_agreement_carries_each_ranks_late_losses_and_hands_every_rank_their_
         assert late == [2.0, 4.0, 6.0] and none == []
         assert mismatch.startswith("ranks' guards disagree at step 60"), mismatch
         assert "rank 2: [0.0, 1.0]" in mismatch
+
+
+def preemption_notices(rank: int, world_size: int) -> list[float]:
+    """Agreements where only the last rank holds a notice (of 2 nodes), then none does."""
+    plans = PlanAgreement(rank, world_size, None, None, "run", Outages(), late_slots=0)
+    mine = 2.0 if rank == world_size - 1 else 0.0
+    return [plans.agree(INSTALLED, (0.0, 0.0), None, 40, notice=mine).notice,
+            plans.agree(INSTALLED, (0.0, 0.0), None, 50).notice]
+
+
+def test_a_preemption_notice_one_rank_holds_reaches_every_rank_in_the_agreement():
+    # the notice rides in the all-gather that runs anyway; every rank gets the largest
+    assert run_distributed(preemption_notices, 3) == [[2.0, 0.0]] * 3

@@ -3,8 +3,8 @@ machine (tests/support/elastic_run.py), ``ScalingConfig(num_workers=(1, 2))``.
 
 Mid-run the second node is drained with the preemption reason (``ray drain-node --reason
 DRAIN_NODE_REASON_PREEMPTION``), as a cloud's autoscaler announces a spot node's end; the
-ranks train on. At the next control boundary at which Ray Train hands the notice over,
-every rank checkpoints, once, and trains on; then the node is killed, and the run resumes
+ranks train on. At the next agreement of the ranks after Ray Train hands a worker the notice
+(it rides in the agreement's all-gather), every rank checkpoints, once, and trains on; then the node is killed, and the run resumes
 from that checkpoint on the remaining worker and finishes its step budget. No periodic
 checkpoint is configured: without the notice's the restart would start from step 0.
 """
@@ -51,7 +51,9 @@ def drill(tmp_path_factory) -> Path:
     return output
 
 
-def test_a_drained_node_s_notice_is_checkpointed_once_by_every_rank_at_one_boundary(drill):
+def test_a_drained_node_s_notice_is_checkpointed_once_by_every_rank_at_one_agreement(drill):
+    from raycomp.train.loop import ANSWER_STEPS
+
     driver = json.loads((drill / "driver.json").read_text())
     drains = [e for e in driver["events"] if e["event"] == "drain"]
     assert len(drains) == 1 and drains[0]["rc"] == 0, drains
@@ -60,7 +62,8 @@ def test_a_drained_node_s_notice_is_checkpointed_once_by_every_rank_at_one_bound
     steps = {n["step"] for n in notices}
     assert len(steps) == 1, notices  # the same boundary on every rank
     (step,) = steps
-    assert DRAIN_AFTER < step <= KILL_AFTER and step % K == 0
+    # the agreement ANSWER_STEPS after a boundary, where the notice rode in the all-gather
+    assert DRAIN_AFTER < step <= KILL_AFTER and (step - ANSWER_STEPS) % K == 0
     assert len({n["asked"] for n in notices}) == 1  # both had asked as often
 
 

@@ -422,10 +422,10 @@ class CheckpointSection(_Strict):
     every_epochs: Annotated[int | None, Field(ge=1)] = None
     #: also checkpoint every this many steps, so a crash on a long epoch replays few steps
     every_steps: Annotated[int | None, Field(ge=1)] = None
-    #: on a notice that a node hosting a worker is about to be preempted
-    #: (``ray.train.get_preemption_info()``, asked at control boundaries), every rank
-    #: checkpoints at that boundary, once per notice, and training goes on: the restart
-    #: replays only the steps after it. ``raycomp.train`` only; a framework checkpoints
+    #: on a notice that a node hosting a worker is about to be preempted (Ray Train's, read
+    #: by every rank at each agreement and carried in its all-gather), every rank
+    #: checkpoints there, once per notice, and training goes on: the restart replays only
+    #: the steps after it. ``raycomp.train`` only; a framework checkpoints
     #: through its own callbacks (``docs/elastic.md``)
     on_preemption: bool = True
     #: worker-group restarts a job allows: read by ``python -m jobs.train`` only (its

@@ -15,7 +15,7 @@ boundary or :attr:`TrainLoop.agree_after` steps later, the ranks prove they hold
 and guard state, and rank 0's newest plan is broadcast and installed for the next step
 (:mod:`raycomp.train.plan_agreement`). Every ``checkpoint.every_steps`` steps, and at epoch
 ends as :meth:`raycomp.config.CheckpointSection.at_report` says (by default the last
-only), and at the boundary where a preemption notice arrives
+only), and at the agreement a preemption notice reaches
 (:mod:`raycomp.train.preemption`), the model, optimizer and every rank's compression state
 go into a Ray Train checkpoint (:mod:`raycomp.train.resume`, :mod:`raycomp.train.checkpoint`); what goes to
 ``ray.train.report`` and the run's totals: :mod:`raycomp.train.ray_report`.
@@ -49,7 +49,7 @@ from raycomp.train.options import TrainOptions
 from raycomp.train.outputs import run_outputs
 from raycomp.train.plan_agreement import PlanAgreement
 from raycomp.train.plan_log import PlanLog
-from raycomp.train.preemption import PreemptionWatch, ray_preemption_info
+from raycomp.train.preemption import PreemptionWatch, local_notice, ray_preemption_info
 from raycomp.train.ray_report import (
     any_rank,
     check_report_checkpoint,
@@ -158,9 +158,10 @@ class TrainLoop:
         self.control_seconds = self.step_seconds = 0.0  # the controller's share of a rank's time
         self.boundary_seconds = 0.0  # the part of control_seconds spent at boundaries
         self.lr_ramp = LrRamp(options.compression.lr_scaling)
-        # asked at boundaries when raycomp owns the step (a framework checkpoints itself)
-        self.preemption = PreemptionWatch(ray_preemption_info() if options.checkpoint.on_preemption
-                                          and owns_optimizer else None)
+        # read at agreements when raycomp owns the step (a framework checkpoints itself)
+        self.preemption = PreemptionWatch((local_notice() or ray_preemption_info())
+                                          if options.checkpoint.on_preemption and owns_optimizer else None)
+        self._notice_checkpoint = False  # the latest agreement calls for a checkpoint
         self._lr_used = self._loss_value = 0.0
         # shapes, not element counts: the adaptive policy sizes PowerSGD's factors from them
         per_node = getattr(self.strategy, "per_node", 1)  # optional, as time_node_link
@@ -314,19 +315,18 @@ class TrainLoop:
             # it out now, in force from the next step (not from the next boundary)
             self._adopt(self.plans.broadcast(self.plans.take()))
         reports, agrees = self._is_boundary(self.global_step), self._is_boundary(self.global_step - self.agree_after)
-        preempted = False
+        self._notice_checkpoint = False
         if reports or agrees:
             started = time.perf_counter()
             if reports:
                 self._report_statistics()
-                preempted = self.preemption.checkpoint_due(self.global_step)  # every rank: a barrier
             if agrees:
                 self._adopt(self.agree_on_plan(self.plans.poll(self.controller_plan.version)))
             self.boundary_seconds += time.perf_counter() - started
             self.control_seconds += time.perf_counter() - started
         every = self.options.checkpoint.every_steps
         epoch_end = bool(self.steps_per_epoch) and self.global_step % self.steps_per_epoch == 0  # type: ignore[operator]
-        if preempted or (every and self.global_step % every == 0 and not epoch_end):
+        if self._notice_checkpoint or (every and self.global_step % every == 0 and not epoch_end):
             self.report({}, checkpoint=True)  # the epoch's own report checkpoints epoch ends
         self._restart_step_clock()
 
@@ -367,15 +367,18 @@ class TrainLoop:
     def agree_on_plan(self, offer: Plan | None) -> Plan | None:
         """Agreement check of plan and guard state; rank 0's ``offer`` on every rank. The
         losses that dense steps left out (:attr:`StepJudge.late`) ride along and are judged
-        here, on every rank alike, before the offer is installed."""
+        here, on every rank alike, before the offer is installed; so does the preemption
+        notice each rank holds (:mod:`raycomp.train.preemption`)."""
         guard = self.guard.guard
         late = self.guard.take_late()
         state = (float(self.skipped_steps), float(guard.active), float(len(guard.events)), float(len(late)),
                  *self.strategy.agreement())
-        agreed = self.plans.agree(self.state.plan, state, offer, self.global_step, late)
+        agreed = self.plans.agree(self.state.plan, state, offer, self.global_step, late, self.preemption.notice())
         for loss in agreed.late:
             self._verdict(self.guard.judge_late(self.global_step - 1, loss))
         self._judge_mean_error()
+        # a preemption notice any rank holds: every rank checkpoints after this step
+        self._notice_checkpoint = self.preemption.checkpoint_due(agreed.notice, self.global_step)
         return agreed.plan
 
     _errors_judged_at = -1  # the statistics step whose applied-mean error was judged last

@@ -26,6 +26,8 @@ class Agreed(NamedTuple):
 
     plan: Plan | None  #: rank 0's offer (None: none)
     late: list[float]  #: each late value's mean over the ranks, in the order given
+    #: the largest ``notice`` any rank gave (the nodes of a preemption notice it holds)
+    notice: float = 0.0
 
 
 class PlanMismatchError(RuntimeError):
@@ -120,13 +122,14 @@ class PlanAgreement:
         return self._receive(data, int(size))
 
     def agree(self, installed: Plan, guard_state: tuple[float, ...], offer: Plan | None, step: int,
-              late: Sequence[float] = ()) -> Agreed:
+              late: Sequence[float] = (), notice: float = 0.0) -> Agreed:
         """Prove agreement, then hand out rank 0's ``offer`` (or None).
 
         One all-gather carries every rank's guard state (skipped steps, fallback active,
         events, ...; include ``len(late)``) and the digest of its installed plan, rank 0's
         offer size, and ``late``: this rank's values that rode in no collective (at most
-        ``late_slots``), averaged over the ranks slot by slot. A broadcast of the offer's
+        ``late_slots``), averaged over the ranks slot by slot, and ``notice``, of which the
+        largest over the ranks comes back (a value a rank may hold before the others do). A broadcast of the offer's
         JSON follows only when there is one. Raises :class:`PlanMismatchError` unless all
         rows agree. The offer then needs no check of its own: every rank installs it from
         the same bytes, on the same (verified) guard state, before any gradient moves under it.
@@ -137,7 +140,7 @@ class PlanAgreement:
         digest = installed.digest()  # 63 bits: two exact float64 halves
         slots = [*map(float, late), *[0.0] * (self.late_slots - len(late))]  # one width on every rank
         row = torch.tensor([*slots, *guard_state, float(digest >> 32), float(digest & 0xFFFFFFFF),
-                            float(installed.version), float(len(data))], dtype=torch.float64)
+                            float(installed.version), float(notice), float(len(data))], dtype=torch.float64)
         rows = [row]
         if self.world_size > 1:
             rows = [torch.empty_like(row) for _ in range(self.world_size)]
@@ -154,7 +157,8 @@ class PlanAgreement:
                 + ", ".join(f"rank {i}: version {int(r[n + 2])}" for i, r in enumerate(table))
                 + "; refusing to communicate under different plans")
         means = [math.fsum(r[i].item() for r in rows) / len(rows) for i in range(len(late))]
-        return Agreed(self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer, means)
+        return Agreed(self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer, means,
+                      max(r[-2] for r in table))
 
     def _receive(self, data: bytes, size: int) -> Plan | None:
         if size == 0:

@@ -121,7 +121,7 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     per_epoch = len(y_train) // batch
     drill = config.get("drill") or {}
     epochs = -(-steps // per_epoch)
-    noticed = len(loop.preemption.handled)
+    noticed = loop.preemption.answered
     for epoch in loop.epochs(epochs, per_epoch):
         order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
         for i in range(loop.step_in_epoch, per_epoch):
@@ -136,8 +136,8 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
             _append(output / "progress.jsonl", {"rank": rank, "step": step, "world": world,
                                                 "loss": float(loss), "pid": os.getpid(), "node": node})
             time.sleep(config.get("step_sleep_s", 0.0))
-            if len(loop.preemption.handled) > noticed:  # raycomp checkpointed for a notice at this step
-                noticed = len(loop.preemption.handled)
+            if loop.preemption.answered > noticed:  # raycomp checkpointed for a notice at this step
+                noticed = loop.preemption.answered
                 _append(output / "notices.jsonl", {"rank": rank, "step": step, "world": world,
                                                    "asked": loop.preemption.asked, "time": time.time()})
             if world == config["max_workers"] and step == drill.get("drain_after_step") and rank == 0:
