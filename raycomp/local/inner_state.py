@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raycomp.local.flat import broadcast_in_place, first_rank, mean_in_place
+
 __all__ = ["equalize_inner_state"]
 
 
@@ -69,29 +71,15 @@ def _is_moment(param: torch.Tensor, value: torch.Tensor) -> bool:
 def _average(entries: list[tuple[torch.Tensor, str, torch.Tensor]], group: Any) -> None:
     moments = [value for param, _, value in entries if _is_moment(param, value)]
     others = [value for param, _, value in entries if not _is_moment(param, value) and value.numel() > 0]
-    world = dist.get_world_size(group)
     if moments:
-        flat = torch.cat([m.detach().reshape(-1).double().cpu() for m in moments])
-        dist.all_reduce(flat, group=group)
-        flat /= world
-        _scatter(flat, moments)
+        mean_in_place(moments, group, torch.float64, "cpu")
     if others:  # step counts and scalars: rank 0's, exactly (any dtype)
-        flat = torch.cat([o.detach().reshape(-1).double().cpu() for o in others])
-        dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        _scatter(flat, others)
-
-
-def _scatter(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for t in into:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
-            offset += t.numel()
+        broadcast_in_place(others, group, torch.float64, "cpu")
 
 
 def _take_rank0(optimizer: torch.optim.Optimizer, group: Any) -> None:
     state = [optimizer.state_dict()]
-    dist.broadcast_object_list(state, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    dist.broadcast_object_list(state, src=first_rank(group), group=group)
     optimizer.load_state_dict(state[0])
 
 

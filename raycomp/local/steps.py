@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raycomp.local.flat import first_rank, mean_in_place
 from raycomp.local.schedule import FragmentSchedule, split_fragments
 from raycomp.plan import Plan
 from raycomp.reducer import CompressedReducer
@@ -255,22 +256,14 @@ class LocalSteps:
         floats = [b for b in self.model.buffers() if b.is_floating_point() and b.numel()]
         if not floats:
             return
-        flat = torch.cat([b.detach().reshape(-1).float() for b in floats])
-        dist.all_reduce(flat, group=self.group)
-        flat /= dist.get_world_size(self.group)
+        flat = mean_in_place(floats, self.group)
         sent = self.reducer.group.allreduce_bytes(flat.numel() * flat.element_size())
         self.reducer.ledger.add("buffers", sent, sent)  # dense: what was sent is what dense costs
-        with torch.no_grad():
-            offset = 0
-            for b in floats:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b).to(b.dtype))
-                offset += b.numel()
 
     def _broadcast_start(self) -> None:
         with torch.no_grad():
             for t in [*self.params, *self.model.buffers()]:
-                dist.broadcast(t.data, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                               group=self.group)
+                dist.broadcast(t.data, src=first_rank(self.group), group=self.group)
 
     # --- checkpointing -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

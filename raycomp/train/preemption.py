@@ -69,7 +69,8 @@ class PreemptionWatch:
             return 0.0
         self.asked += 1
         found = self.read()
-        return float(len(getattr(found, "preempted_node_ids", []) or [0])) if found is not None else 0.0
+        # a notice naming no node still counts as one
+        return float(max(1, len(getattr(found, "preempted_node_ids", ())))) if found is not None else 0.0
 
     def checkpoint_due(self, agreed: float, step: int) -> bool:
         """Whether the agreement's notice (the largest any rank carried) calls for a

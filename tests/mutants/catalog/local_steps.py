@@ -347,7 +347,7 @@ MUTANTS = (
     ),
     mutant(
         "local-inner-moments-not-averaged", "_average",
-        "        dist.all_reduce(flat, group=group)\n        flat /= world\n",
+        "        mean_in_place(moments, group, torch.float64, \"cpu\")\n",
         "        pass\n",
         "tests/test_mode_switch.py -k equal_layouts",
         "each rank keeps its own moments when the replicas come back together",

@@ -150,8 +150,8 @@ MUTANTS = (
         "tests/test_plan_agreement.py -k past_two_ranks",
         "at W > 2 no rank compares its plan with the others' and only rank 0 gets the offer",
         ("PlanAgreement.agree",
-         "        return Agreed(self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer, means)\n",
-         "        return Agreed(self._receive(data, int(table[0][-1])) if self.world_size == 2 else offer, means)\n"),
+         "Agreed(self._receive(data, int(table[0][-1])) if self.world_size > 1 else offer, means,",
+         "Agreed(self._receive(data, int(table[0][-1])) if self.world_size == 2 else offer, means,"),
     ),
     mutant(
         "plan-agreement-compares-two-ranks", "PlanAgreement.agree",
