@@ -1,7 +1,7 @@
 """Prometheus exporter: the controller's state, rendered at every scrape.
 
 One HTTP endpoint serves every run (labels ``run``, ``rank``, ``layer``, ``reason``) from
-the catalogue in ``raycomp.metrics``. Nothing is copied into client-library metric
+the catalogue in ``raycomp._internal.observe.metrics``. Nothing is copied into client-library metric
 objects: the collector reads the :class:`~raycomp.controllers.service.Controller` directly, so
 finished runs disappear when the controller evicts them (after its grace period) and
 counters survive a controller restart with the snapshot.
@@ -31,11 +31,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import start_http_server
 
-from raycomp.guard import REASONS
-from raycomp.metrics import BY_NAME, CATALOGUE, SD_DIR, STEP_BUCKETS, group_layers
+from raycomp._internal.guard import REASONS
+from raycomp._internal.observe.metrics import BY_NAME, CATALOGUE, SD_DIR, STEP_BUCKETS, group_layers
 
 if TYPE_CHECKING:
-    from raycomp.controllers.state import RunState
+    from .state import RunState
 
 
 class ControllerView(Protocol):

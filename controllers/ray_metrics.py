@@ -6,7 +6,7 @@ puts raycomp's catalogue there too, beside the standalone exporter
 (:mod:`raycomp.controllers.exporter`), and from the same source: every tick it renders the
 controller with the exporter's own :class:`~raycomp.controllers.exporter.ControllerCollector`
 and records what that rendered into one Ray metric per catalogue entry
-(:data:`raycomp.metrics.CATALOGUE`). A series therefore has the same labels and value in
+(:data:`raycomp._internal.observe.metrics.CATALOGUE`). A series therefore has the same labels and value in
 both places, and a metric added to the catalogue appears in both.
 
 Names: Ray prefixes a custom metric with ``ray_`` and appends ``_total`` to a counter, so a
@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from raycomp.metrics import CATALOGUE, STEP_BUCKETS, Metric
+from raycomp._internal.observe.metrics import CATALOGUE, STEP_BUCKETS, Metric
 
 log = logging.getLogger("raycomp.controller")
 

@@ -21,13 +21,14 @@ from typing import Any
 
 import ray
 
-from raycomp.controllers.policies import make_policy
-from raycomp.controllers.policies.base import Policy
-from raycomp.controllers.policies.decision import checked
-from raycomp.controllers.ray_metrics import EVERY_S as RAY_METRICS_EVERY_S
-from raycomp.controllers.snapshots import SnapshotStore
-from raycomp.controllers.state import RunState
 from raycomp.messages import GradStats, ReportTooLarge, is_finite
+
+from .policies import make_policy
+from .policies.base import Policy
+from .policies.decision import checked
+from .ray_metrics import EVERY_S as RAY_METRICS_EVERY_S
+from .snapshots import SnapshotStore
+from .state import RunState
 
 log = logging.getLogger("raycomp.controller")
 
@@ -67,9 +68,9 @@ class Controller:
         ``layers`` maps parameter names to element counts or, better, shapes: the adaptive
         policy sizes PowerSGD's factors from a shape (from a count it assumes a square).
         ``per_node``: the ranks of a node when compressed steps reduce in two levels
-        (``raycomp.two_level``), 1 when flat; the cost model prices the cross-node hop with it.
+        (``raycomp._internal.reduce.two_level``), 1 when flat; the cost model prices the cross-node hop with it.
         ``node_link``: seconds per byte of an all-reduce inside a node, timed as the run
-        started (``raycomp.node_link``); the cost model prices the node's own hops with it.
+        started (``raycomp._internal.node_link``); the cost model prices the node's own hops with it.
         None: not timed (those hops are then learned only as part of what a plan measured).
         """
         node_link = checked_node_link(node_link)
@@ -282,14 +283,14 @@ class ControllerService:
         self._plan_changed = threading.Condition(self.lock)
         self.exporter = None
         if metrics is not None:
-            from raycomp.controllers.exporter import Exporter
+            from .exporter import Exporter
 
             self.exporter = Exporter(self.controller, metrics["host"], metrics["port"], metrics.get("sd_file"),
                                      lock=self.lock)
         self.ray_metrics = None
         if ray_metrics_every_s is not None:
-            from raycomp.controllers.exporter import ControllerCollector
-            from raycomp.controllers.ray_metrics import RayMetrics
+            from .exporter import ControllerCollector
+            from .ray_metrics import RayMetrics
 
             self.ray_metrics = RayMetrics(ControllerCollector(self.controller, self.lock))
             self.ray_metrics.start(ray_metrics_every_s)

@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from raycomp._internal.observe.metrics import STEP_BUCKETS
 from raycomp.messages import GradStats
-from raycomp.metrics import STEP_BUCKETS
 from raycomp.plan import Plan
 
 HISTORY = 256  # boundary steps kept per series
@@ -90,10 +90,10 @@ class RunState:
                  eval_kind: str = "accuracy") -> None:
         self.run_id = run_id
         self.world_size = world_size
-        #: ranks per node of a two-level run (raycomp.two_level), 1 when every rank is its own node
+        #: ranks per node of a two-level run (raycomp._internal.reduce.two_level), 1 when every rank is its own node
         self.per_node = 1
         #: seconds per byte of an all-reduce inside a node, timed as the run started
-        #: (raycomp.node_link); None: not timed, or flat
+        #: (raycomp._internal.node_link); None: not timed, or flat
         self.node_link: float | None = None
         self.policy = policy
         self.options = options

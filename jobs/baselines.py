@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from jobs.config import DDP_BASELINES, FSDP_BASELINES, BenchmarkSection
-from raycomp.buckets import ddp_kwargs, gradient_mb
+from raycomp._internal.ddp.buckets import ddp_kwargs, gradient_mb
 from raycomp.train.gradient_strategy import GradientStrategy, GradientStrategyFactory, StrategySetup
 
 __all__ = ["HOOKS", "ddp_options", "hsdp_mesh", "one_bucket_cap_mb", "register_torch_hook", "torch_baseline"]
@@ -51,12 +51,12 @@ __all__ = ["HOOKS", "ddp_options", "hsdp_mesh", "one_bucket_cap_mb", "register_t
 
 def hsdp_mesh(device: torch.device) -> Any:
     """torch's HSDP mesh for this run: ``(nodes, workers per node)``, replicate x shard, from
-    the topology Ray Train gives (:func:`raycomp.topology.discover`). Ranks must be numbered
+    the topology Ray Train gives (:func:`raycomp._internal.topology.discover`). Ranks must be numbered
     node by node (Ray Train numbers them so); anything else is refused."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raycomp.topology import discover
+    from raycomp._internal.topology import discover
 
     place = discover()
     world = dist.get_world_size()
@@ -130,7 +130,7 @@ def register_torch_hook(model: torch.nn.parallel.DistributedDataParallel, benchm
 
 def ddp_options(benchmark: BenchmarkSection, compression: Any, model: torch.nn.Module) -> dict[str, Any]:
     """DDP's keyword arguments for a torch hook: ``benchmark.bucket_cap_mb`` when set, else
-    the buckets raycomp's hook would get (:func:`raycomp.buckets.ddp_kwargs`)."""
+    the buckets raycomp's hook would get (:func:`raycomp._internal.ddp.buckets.ddp_kwargs`)."""
     if benchmark.bucket_cap_mb is not None:
         return {"bucket_cap_mb": float(benchmark.bucket_cap_mb)}
     return ddp_kwargs(compression, model)
@@ -150,7 +150,7 @@ def torch_baseline(benchmark: BenchmarkSection) -> GradientStrategyFactory:
             raise ValueError(f"benchmark.baseline: {benchmark.baseline!r} does not fit strategy "
                              f"{setup.options.strategy!r}; allowed there: {allowed}")
         if fsdp:  # FSDP's own reduce-scatter; raycomp's state keeps the guard's rows
-            from raycomp.train.sharding import FsdpStrategy, shard_model, sharded_state
+            from raycomp._internal.train.sharding import FsdpStrategy, shard_model, sharded_state
 
             reduce_dtype = torch.bfloat16 if benchmark.baseline == "torch_fsdp_bf16" else None
             mesh = hsdp_mesh(setup.device) if benchmark.baseline == "torch_hsdp" else None
@@ -165,7 +165,7 @@ def torch_baseline(benchmark: BenchmarkSection) -> GradientStrategyFactory:
             from jobs.postlocal_sgd import post_local_sgd
 
             return post_local_sgd(model, setup, benchmark, options)
-        from raycomp.train.ddp_strategy import DdpStrategy, compression_state, wrap_ddp
+        from raycomp._internal.train.ddp_strategy import DdpStrategy, compression_state, wrap_ddp
 
         model = wrap_ddp(model, setup, options)
         strategy = DdpStrategy(model, compression_state(model, setup), hook=None)

@@ -2,7 +2,7 @@
 
     python -m jobs.dashboard [--check]
 
-Writes what :mod:`raycomp.dashboard` generates (``raycomp dashboard --out DIR`` for an
+Writes what :mod:`raycomp._internal.observe.dashboard` generates (``raycomp dashboard --out DIR`` for an
 installed raycomp) into ``dashboards/``: ``grafana/raycomp.json``,
 ``prometheus/prometheus.yml`` and ``prometheus/alerts.yml``. ``--check`` exits 1 if the
 committed files differ from what the catalogue generates.
@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from raycomp.dashboard import alert_rules, dashboard, prometheus_config
-from raycomp.dashboard import files as files_under
+from raycomp._internal.observe.dashboard import alert_rules, dashboard, prometheus_config
+from raycomp._internal.observe.dashboard import files as files_under
 
 __all__ = ["ROOT", "alert_rules", "dashboard", "files", "main", "prometheus_config"]
 

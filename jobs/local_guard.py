@@ -1,6 +1,6 @@
 """The guard's inputs made to agree across ranks that keep their own gradients.
 
-raycomp's guard (:mod:`raycomp.train.step_judge`) decides from the norm of the reduced
+raycomp's guard (:mod:`raycomp._internal.train.step_judge`) decides from the norm of the reduced
 gradient, the same tensor on every rank, and from control rows that ride in the step's
 gradient collective or, when nothing carried them (torch's hooks), in one small all-reduce
 of their own. A baseline whose ranks do not reduce gradients (torch's post-local SGD after
@@ -23,16 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycomp.ledger import WireLedger
+from raycomp._internal.reduce.stats import LayerStats
+from raycomp._internal.wire.ledger import WireLedger
 from raycomp.plan import Plan
-from raycomp.stats import LayerStats
 
 __all__ = ["LocalGuardState"]
 
 
 class LocalGuardState:
     """A :class:`~raycomp.train.gradient_strategy.GradientState` over ``inner`` (a
-    :class:`~raycomp.hook.CompressionState` whose hook is not raycomp's) whose
+    :class:`~raycomp._internal.ddp.hook.CompressionState` whose hook is not raycomp's) whose
     :meth:`gradient_norm` agrees across ranks.
 
     Args:

@@ -175,8 +175,8 @@ def _workload(config: str) -> tuple[dict[str, tuple[int, ...]], str]:
     ("always" or "never", as ``raycomp.train`` resolves ``lossy: auto``)."""
     from jobs.config import load_config
     from jobs.workloads import build, optimizer_for
+    from raycomp._internal.train.lossy import lossy_setting
     from raycomp.config.policy_options import AdaptiveOptions
-    from raycomp.train.lossy import lossy_setting
 
     workload = load_config(Path(config)).workload
     model = build(workload, 0, 1, 0).model

@@ -12,7 +12,7 @@ After its warm-up torch's hook keeps all-reducing gradients inside a *subgroup*,
 the ranks of one machine (``dist.new_subgroups()``, sized by the CUDA device count: it
 raises on a CPU-only host), meant for GPUs that share a fast interconnect. Where the workers
 sit several to a node on several nodes (``compression.levels`` auto and a topology of two
-levels, :mod:`raycomp.topology`), the subgroup is the node's group: torch's two-level
+levels, :mod:`raycomp._internal.topology`), the subgroup is the node's group: torch's two-level
 recipe, gradients all-reduced inside the node every step and parameters averaged across all
 ranks every H steps. Where every worker is its own node (one per Ray node, or flat), its
 subgroup would hold one rank and reduce nothing: the state is then built with
@@ -30,7 +30,7 @@ import torch
 
 from jobs.config import BenchmarkSection
 from jobs.local_guard import LocalGuardState
-from raycomp.train.ddp_strategy import DdpStrategy, compression_state, wrap_ddp
+from raycomp._internal.train.ddp_strategy import DdpStrategy, compression_state, wrap_ddp
 from raycomp.train.gradient_strategy import StrategySetup
 
 __all__ = ["PostLocalSgdStrategy", "post_local_sgd", "register_post_local_sgd"]

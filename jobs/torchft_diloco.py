@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from jobs.config import BenchmarkSection
 from jobs.local_guard import LocalGuardState
-from raycomp.train.ddp_strategy import compression_state
+from raycomp._internal.train.ddp_strategy import compression_state
 from raycomp.train.gradient_strategy import StrategySetup
 
 __all__ = ["DilocoReplica", "TorchftDilocoStrategy", "torchft_diloco"]

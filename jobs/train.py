@@ -92,7 +92,7 @@ def train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         eval_metric=None,  # evaluate() below records each evaluation, also those between reports
         strategy=config.scaling.strategy)
     precision = Precision(config.workload.precision, ray.train.torch.get_device().type)
-    strategy = raycomp.train.default_strategy.raycomp_strategy
+    strategy = raycomp._internal.train.default_strategy.raycomp_strategy
     if config.benchmark.baseline != "none":  # torch's own communication in raycomp's place
         from jobs.baselines import torch_baseline
 
@@ -203,7 +203,7 @@ class TargetStop:
 def quiet_worker_logs(ray_logs: bool) -> None:
     """raycomp's own lines (progress, guard events) at INFO; Ray's per-report chatter only
     when ``run.ray_logs`` is set."""
-    from raycomp.train.step_log import show_progress
+    from raycomp._internal.train.step_log import show_progress
 
     show_progress()
     if not ray_logs:  # some Ray Train modules name their logger by file path
@@ -218,8 +218,8 @@ def controller_for(config: JobConfig, runs_dir: Path) -> Any:
 
     Its snapshots default to ``<runs_dir>/_controller``, beside the runs it steers.
     """
+    from raycomp._internal.observe.metrics import SD_DIR
     from raycomp.controllers.service import get_or_create
-    from raycomp.metrics import SD_DIR
 
     c = config.controller
     sd_file = c.metrics_sd_file or f"{SD_DIR}/{c.name}.json"
@@ -346,7 +346,7 @@ def build_summary(config: JobConfig, run_id: str, status: str, error: str | None
 
 def write_summary(summary: dict[str, Any], output: Path) -> None:
     """``summary.json``, replaced atomically."""
-    from raycomp.train.summary import write_summary as write
+    from raycomp._internal.train.summary import write_summary as write
 
     write(summary, output)
 

@@ -6,13 +6,13 @@ it exports is the hook API a user calls (:func:`compression_hook` on a DDP model
 users start at :mod:`raycomp.train`. Everything else is internal and may change.
 """
 
-from raycomp.buckets import bucket_cap_mb
+from raycomp._internal.ddp.buckets import bucket_cap_mb
+from raycomp._internal.ddp.hook import CompressionState, compression_hook
+from raycomp._internal.reduce.stats import LayerStats
+from raycomp._internal.wire.ledger import WireLedger
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors import COMPRESSORS, Compressor, make_compressor
-from raycomp.hook import CompressionState, compression_hook
-from raycomp.ledger import WireLedger
-from raycomp.payload import Payload
 from raycomp.plan import DENSE, CompressorSpec, LocalMode, Plan
-from raycomp.stats import LayerStats
 
 __version__ = "0.2.0"
 

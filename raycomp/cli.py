@@ -68,10 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command in ("inspect", "plot"):
-        from raycomp import run_report
+        from raycomp._internal.observe import run_report
         return run_report.main(args)
     if args.command == "dashboard":
-        from raycomp import dashboard
+        from raycomp._internal.observe import dashboard
         return dashboard.main(args)
     from raycomp.config import reference
     return reference.main(args)

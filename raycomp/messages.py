@@ -32,7 +32,7 @@ class GradStats:
     """What one rank reports every ``controller.interval_steps`` steps (fire-and-forget).
 
     Timing and loss are means over the interval; byte counts are the rank's running totals.
-    ``layers`` holds :class:`~raycomp.stats.LayerStats` dicts of the latest statistics step.
+    ``layers`` holds :class:`~raycomp._internal.reduce.stats.LayerStats` dicts of the latest statistics step.
     """
 
     run_id: str
@@ -56,7 +56,7 @@ class GradStats:
     loss_scale: float | None = None  # the GradScaler's scale at the boundary (fp16; None without one)
     outer_steps: int = 0  # outer steps (syncs of local steps) this rank applied so far
     lr: float | None = None  # the optimizer's learning rate at the boundary (its largest group's)
-    #: bytes this rank sent inside its node so far (two levels, raycomp.two_level; 0 when flat):
+    #: bytes this rank sent inside its node so far (two levels, raycomp._internal.reduce.two_level; 0 when flat):
     #: ``wire_bytes`` then counts what crossed nodes
     intra_bytes: float = 0.0
 

@@ -74,7 +74,7 @@ class LocalMode:
     exchanging gradients, then average their pseudo-gradients (global - local weights),
     each layer compressed as the plan's spec for it says, and an outer optimizer steps the
     global weights. ``fragments`` pieces of the model sync in turn, ``sync_every /
-    fragments`` steps apart (:class:`raycomp.local.LocalSteps`)."""
+    fragments`` steps apart (:class:`raycomp._internal.local.LocalSteps`)."""
 
     sync_every: int
     fragments: int = 1

@@ -61,14 +61,14 @@ def numel(shape: list[int]) -> int:
 
 
 def layer_bytes(name: str, spec_name: str, params: dict) -> float:
-    """What raycomp's ledger counts for one rank and step (raycomp.transports)."""
+    """What raycomp's ledger counts for one rank and step (raycomp._internal.transports)."""
     shape, n = SHAPES[name], numel(SHAPES[name])
     if spec_name == "powersgd":
         rows, cols = shape[0], n // shape[0]
         return 2 * (W - 1) / W * 4 * (rows + cols) * min(params["rank"], rows, cols)
     if spec_name == "topk":
         return (W - 1) * 8 * math.ceil(params["ratio"] * n)
-    if spec_name == "int8":  # raycomp.transports ScalableAllreduce: all-to-all, then all-gather
+    if spec_name == "int8":  # raycomp._internal.transports ScalableAllreduce: all-to-all, then all-gather
         return 2 * (W - 1) / W * (n + 8 * math.ceil(n / 2048))  # W = 2: one all-gather, the same bytes
     if spec_name == "int4":  # two codes a byte, the same (min, max) per chunk
         return 2 * (W - 1) / W * (math.ceil(n / 2) + 8 * math.ceil(n / 2048))
@@ -168,7 +168,7 @@ def test_the_near_lossless_rungs_go_heaviest_first_and_int4_and_int8_share_their
     assert AdaptiveOptions().near_lossless == ["int4", "int8", "bf16"]
     assert AdaptiveOptions(near_lossless=["bf16", "int8", "fp16", "int4"]).near_lossless == \
         ["int4", "int8", "bf16", "fp16"]
-    # int4 and int8 layers go out in one batch of the scalable transport (raycomp.reducer):
+    # int4 and int8 layers go out in one batch of the scalable transport (raycomp._internal.reduce.reducer):
     # its all-gather (W = 2) or all-to-all + all-gather (W > 2) once, not once per quantizer
     assert family_rounds({"int4", "int8"}, 2) == {"quantized": 1}
     assert family_rounds({"int4", "int8", "none"}, 4) == {"quantized": 2}
@@ -311,7 +311,7 @@ def test_the_warm_up_state_survives_a_controller_restart():
 
 
 def test_a_sharded_run_gets_int8_on_a_slow_link_and_dense_on_a_fast_one():
-    # what a FSDP run registers (raycomp.train.sharding.sharded_options): a reduce-scatter row
+    # what a FSDP run registers (raycomp._internal.train.sharding.sharded_options): a reduce-scatter row
     # carries int8 or bf16, never PowerSGD or Top-K
     slow = Sim(sharded=True)
     slow.run(8, SLOW)  # past the critical start: the layers are calm now
@@ -512,7 +512,7 @@ def test_a_critical_layer_already_on_a_near_lossless_rung_stays_there():
 
 
 def test_without_lossy_rungs_the_ladder_is_int4_int8_bf16_dense_and_critical_layers_stay_on_int4():
-    # what raycomp.train registers for an AdamW run (raycomp.train.lossy): no PowerSGD, no
+    # what raycomp.train registers for an AdamW run (raycomp._internal.train.lossy): no PowerSGD, no
     # Top-K, at any error; the critical start is the first rung, not two rungs past it (bf16)
     sim = Sim(near_lossless=["int4", "int8", "bf16"], lossy="never")
     first = sim.run(4, SLOW)  # step 19: every layer critical

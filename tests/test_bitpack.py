@@ -1,4 +1,4 @@
-"""Dense packing of 1/2/4/8-bit codes (raycomp.bitpack)."""
+"""Dense packing of 1/2/4/8-bit codes (raycomp._internal.wire.bitpack)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from raycomp.bitpack import (
+from raycomp._internal.wire.bitpack import (
     ALLOWED_BITS,
     pack_bits,
     pack_codes_into,

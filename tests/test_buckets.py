@@ -1,4 +1,4 @@
-"""DDP's buckets under raycomp's hook (raycomp/buckets.py): about eight, so that most of a
+"""DDP's buckets under raycomp's hook (raycomp/_internal/ddp/buckets.py): about eight, so that most of a
 step's communication is handed to the hook while backward is still computing."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from jobs.baselines import ddp_options
 from jobs.config import BenchmarkSection
 from jobs.workloads import model_of
 from raycomp import CompressionState, Plan, bucket_cap_mb, compression_hook
-from raycomp.buckets import MAX_CAP_MB, MIN_CAP_MB, ddp_kwargs
+from raycomp._internal.ddp.buckets import MAX_CAP_MB, MIN_CAP_MB, ddp_kwargs
 from raycomp.config import CompressionSection
 from tests.distributed import run_distributed
 

@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
+from raycomp._internal.reduce.reducer import CompressedReducer
 from raycomp.plan import CompressorSpec, Plan
-from raycomp.reducer import CompressedReducer
 from tests.distributed import run_distributed
 
 RUNS = int(os.environ.get("RAYCOMP_ORDER_RUNS", "6"))

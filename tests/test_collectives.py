@@ -9,9 +9,7 @@ import math
 import pytest
 import torch
 
-from raycomp.compressors import make_compressor
-from raycomp.plan import CompressorSpec
-from raycomp.transports import (
+from raycomp._internal.transports import (
     Group,
     ScalableAllreduce,
     dense_allreduce,
@@ -19,6 +17,8 @@ from raycomp.transports import (
     sparse_allgather,
     summable_allreduce,
 )
+from raycomp.compressors import make_compressor
+from raycomp.plan import CompressorSpec
 from tests.distributed import run_distributed
 from tests.support.wire import WireRecorder
 

@@ -1,4 +1,4 @@
-"""Compressors (raycomp.compressors) and their wire payloads (raycomp.payload).
+"""Compressors (raycomp.compressors) and their wire payloads (raycomp._internal.wire.payload).
 
 Everything is single-process and deterministic: compressors draw their random numbers
 from their own seeded generators, and test data comes from seeded generators too.
@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from raycomp.bitpack import unpack_bits
+from raycomp._internal.wire.bitpack import unpack_bits
+from raycomp._internal.wire.payload import Payload, pack, unpack_like
 from raycomp.compressors import (
     COMPRESSORS,
     Compressor,
@@ -22,7 +23,6 @@ from raycomp.compressors import (
     make_compressor,
 )
 from raycomp.compressors.minmax import MinMaxInt4
-from raycomp.payload import Payload, pack, unpack_like
 
 NAMES = sorted(COMPRESSORS)
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -154,7 +154,7 @@ def test_minmax_error_is_at_most_half_a_step_per_chunk(name: str, steps: int, ch
 @pytest.mark.parametrize(("n", "chunk_size"), [(600_001, 2048), (600_001, 9), (9, 9), (7, 8)])
 def test_minmax_bytes_hold_each_elements_nearest_level(name: str, bits: int, n: int, chunk_size: int) -> None:
     # several cache-sized encoding blocks, an odd count, odd chunks: every code lands where
-    # the bit layout (raycomp.bitpack) puts it, and the codes past the last element are zeros
+    # the bit layout (raycomp._internal.wire.bitpack) puts it, and the codes past the last element are zeros
     x = randn((n,), seed=11) * torch.linspace(0.01, 10, n)
     payload = make_compressor(name, chunk_size=chunk_size).compress(x)
     packed = payload.tensors["codes"]

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from raycomp.control_rows import GuardRow, SyncRow
-from raycomp.guard import Guard
+from raycomp._internal.guard import Guard
+from raycomp._internal.train.step_judge import StepJudge
+from raycomp._internal.wire.control_rows import GuardRow, SyncRow
 from raycomp.plan import Plan
-from raycomp.train.step_judge import StepJudge
 
 
 def test_each_layout_keeps_its_floats_in_order_and_reads_them_back():

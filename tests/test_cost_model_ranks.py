@@ -253,7 +253,7 @@ def test_a_mixed_precision_model_is_priced_by_each_layers_own_element_size():
 
 
 def test_a_model_sharded_per_node_prices_every_plan_in_two_levels_and_its_shards_sharing_the_link():
-    """FSDP sharded per node (:mod:`raycomp.sharded_levels`): a dense step too reduce-
+    """FSDP sharded per node (:mod:`raycomp._internal.fsdp.two_level`): a dense step too reduce-
     scatters inside the node (at the timed node link) and all-reduces each rank's 1/L shard
     across the K nodes, the L shards of a node on its link at once. A dense interval's
     bytes (a rank's shard on the ring of K nodes) calibrate the link as the node's; the

@@ -1,5 +1,5 @@
 """raycomp.train's DDP sync on real gloo processes (:class:`DdpStrategy`,
-:mod:`raycomp.ddp_sync`): a dense step is DDP's own reduction (a statistics step reads each
+:mod:`raycomp._internal.ddp.ddp_sync`): a dense step is DDP's own reduction (a statistics step reads each
 rank's own gradient norms on the way), and raycomp's hook joins at the first compressed
 step, the same step on every rank."""
 
@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
-from raycomp.train.ddp_strategy import DdpStrategy
-from raycomp.transports import OVERHEAD
+from raycomp._internal.train.ddp_strategy import DdpStrategy
+from raycomp._internal.transports import OVERHEAD
 from tests.distributed import run_distributed
 
 CONTROL = 2  # control values each rank stages per step

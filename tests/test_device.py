@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from raycomp._internal.wire.payload import Payload, pack, unpack_like
 from raycomp.compressors import PowerSGD
 from raycomp.compressors.base import SeededDraws
-from raycomp.payload import Payload, pack, unpack_like
 from raycomp.plan import CompressorSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,9 +135,9 @@ def test_powersgd_sync_free_path_matches_the_cpu_path(monkeypatch: pytest.Monkey
 
 @pytest.fixture
 def loopback_all_to_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    """raycomp.sharded's collective without a process group: two ranks whose all-to-all
+    """raycomp._internal.fsdp.reduce_scatter's collective without a process group: two ranks whose all-to-all
     hands every row back unchanged (device-agnostic, meta tensors included)."""
-    import raycomp.sharded as sharded
+    import raycomp._internal.fsdp.reduce_scatter as sharded
 
     monkeypatch.setattr(sharded.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(sharded.dist, "all_to_all_single",
@@ -147,7 +147,7 @@ def loopback_all_to_all(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("name", ["int8", "sign", "bf16", "qsgd"])
 @pytest.mark.usefixtures("meta_generators", "loopback_all_to_all")
 def test_sharded_reduce_scatter_follows_the_input_device_without_host_syncs(name: str) -> None:
-    from raycomp.sharded import CompressedReduceScatter
+    from raycomp._internal.fsdp.reduce_scatter import CompressedReduceScatter
 
     comm = CompressedReduceScatter(CompressorSpec.of(name), name="unit")
     for _ in range(2):  # the second call compensates with the residual (sign)
@@ -160,7 +160,7 @@ def test_sharded_reduce_scatter_follows_the_input_device_without_host_syncs(name
 def test_sharded_residual_from_a_cpu_checkpoint_follows_the_gradient_device() -> None:
     """A checkpoint loaded with map_location="cpu" resumes on CUDA (first seen on an H100:
     'Expected all tensors to be on the same device' in CompressedReduceScatter.__call__)."""
-    from raycomp.sharded import CompressedReduceScatter
+    from raycomp._internal.fsdp.reduce_scatter import CompressedReduceScatter
 
     trained = CompressedReduceScatter(CompressorSpec.of("sign"), name="unit")
     trained(torch.empty(500), torch.randn(1000), None, torch.distributed.ReduceOp.AVG)
@@ -253,7 +253,7 @@ def test_the_gpu_tests_two_rank_runner_reports_what_each_rank_saw(tmp_path) -> N
 def test_the_sharded_control_row_is_built_on_the_gradient_device_without_host_syncs() -> None:
     """FSDP's last unit carries this row; built on the CPU it read the norm and copied the
     row back, two host syncs a step on CUDA. On meta, any such read raises."""
-    from raycomp.sharded_state import control_row
+    from raycomp._internal.fsdp.state import control_row
 
     row = control_row([3.0, 1.0, 0.5], torch.zeros((), device=META))
     assert row.device == META and row.dtype == torch.float32 and row.shape == (5,)

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from raycomp import Plan
+from raycomp._internal.reduce.reducer import CompressedReducer
+from raycomp._internal.transports import ScalableAllreduce
 from raycomp.compressors import Transport
-from raycomp.reducer import CompressedReducer
-from raycomp.transports import ScalableAllreduce
 from tests.distributed import run_distributed
 
 NUMEL = 4096

@@ -148,7 +148,7 @@ def test_the_injected_step_takes_what_the_loops_step_takes(tmp_path):
     import inspect
 
     from jobs.faults import FaultInjector, FaultsSection
-    from raycomp.train.loop import TrainLoop
+    from raycomp._internal.train.loop import TrainLoop
 
     calls = []
 

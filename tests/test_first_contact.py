@@ -70,8 +70,8 @@ def test_a_bad_option_is_one_line_naming_its_dotted_key(build, message):
 def test_the_quick_starts_report_keeps_its_own_epoch():
     """The quick start reports ``{"epoch": epoch, ...}`` without ``loop.epochs(...)``, where
     raycomp's epoch stays 0: the metrics' own epoch and step are kept, raycomp's added else."""
-    from raycomp.ledger import WireLedger
-    from raycomp.train.ray_report import report_metrics
+    from raycomp._internal.train.ray_report import report_metrics
+    from raycomp._internal.wire.ledger import WireLedger
 
     ledger = WireLedger()
     ledger.add("w", 10.0, 40.0)

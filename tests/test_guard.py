@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raycomp.guard import Guard
+from raycomp._internal.guard import Guard
 
 
 def feed(guard: Guard, steps: range, loss: float = 1.0, norm: float = 1.0):
@@ -77,7 +77,7 @@ def test_an_inner_step_is_judged_on_its_own_norms_and_a_bad_one_never_enters_the
 
     import torch
 
-    from raycomp.train.step_judge import StepJudge
+    from raycomp._internal.train.step_judge import StepJudge
 
     class OneRank:  # during local steps the norm is this rank's own gradient's
         norm = 1.0

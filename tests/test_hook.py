@@ -20,10 +20,10 @@ from raycomp import (
     bucket_cap_mb,
     compression_hook,
 )
+from raycomp._internal.reduce.reducer import CompressedReducer
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors import Compressor, Transport
 from raycomp.compressors.minmax import MinMaxInt8
-from raycomp.payload import Payload
-from raycomp.reducer import CompressedReducer
 from tests.distributed import run_distributed
 
 
@@ -638,7 +638,7 @@ def test_bad_input_is_rejected_with_the_field_named():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_step_flag_sees_every_non_finite_element_wherever_it_sits(dtype):
-    from raycomp.signals import all_finite
+    from raycomp._internal.reduce.signals import all_finite
 
     grads = [torch.randn(5, 7).to(dtype), torch.empty(0, dtype=dtype), torch.randn(4097).to(dtype)]
     assert bool(all_finite(grads))
@@ -671,7 +671,7 @@ def test_the_step_flag_covers_compressed_layers_and_the_mean_carries_dense_ones(
 
 
 def test_flat_view_finds_tensors_that_lie_back_to_back_and_nothing_else():
-    from raycomp.transports import flat_view
+    from raycomp._internal.transports import flat_view
 
     buffer = torch.arange(20, dtype=torch.float32)
     a, b, c = buffer[2:8].view(2, 3), buffer[8:12], buffer[12:20].view(4, 2)
@@ -753,8 +753,8 @@ def test_statistics_tell_the_gradient_from_the_gradient_plus_residual():
 def test_a_cast_decodes_what_it_sent_only_where_statistics_read_it():
     # the summable transport hands back the input as a cast's contribution (nothing is kept
     # for it), except on statistics steps, which measure its rounding error
-    from raycomp.transports import summable_allreduce
-    from raycomp.transports.work import Group
+    from raycomp._internal.transports import summable_allreduce
+    from raycomp._internal.transports.work import Group
 
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(32, 16, generator=gen), torch.randn(40, generator=gen)]
@@ -779,9 +779,9 @@ def test_a_cast_decodes_what_it_sent_only_where_statistics_read_it():
 def test_a_cast_that_encodes_its_own_way_keeps_its_encoding():
     # the one-buffer cast path serves plain casts only: a subclass's own _compress and
     # decompress still run (here: scaled by 1024 on the wire, as a user's fp16 might be)
+    from raycomp._internal.transports import summable_allreduce
+    from raycomp._internal.transports.work import Group
     from raycomp.compressors.casts import Cast
-    from raycomp.transports import summable_allreduce
-    from raycomp.transports.work import Group
 
     class Scaled(Cast):
         name, wire_dtype, calls = "scaled_fp16_test", torch.float16, 0

@@ -75,7 +75,7 @@ def _two_level_post_local_sgd(rank: int, world: int, period: int, start: int, st
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from jobs.postlocal_sgd import PostLocalSgdStrategy, register_post_local_sgd
-    from raycomp.topology import Topology, node_groups
+    from raycomp._internal.topology import Topology, node_groups
 
     levels = node_groups(Topology.of_rank(rank, 2, 2))
     model = _model()
@@ -110,10 +110,10 @@ def test_two_level_post_local_sgd_reduces_inside_the_node_every_step_and_average
 # --- the guard's agreement -------------------------------------------------------------------
 def _guard_decisions(rank: int, world: int) -> list[tuple[bool, float, list[list[float]]]]:
     from jobs.local_guard import LocalGuardState
-    from raycomp.guard import Guard
-    from raycomp.hook import CompressionState
+    from raycomp._internal.ddp.hook import CompressionState
+    from raycomp._internal.guard import Guard
+    from raycomp._internal.train.step_judge import StepJudge
     from raycomp.plan import Plan
-    from raycomp.train.step_judge import StepJudge
 
     model = _model()
     state = LocalGuardState(CompressionState(model, Plan()), rank, world)
@@ -147,7 +147,7 @@ def test_ranks_with_their_own_gradients_take_the_same_guard_decision():
 
 def test_the_guard_sees_the_largest_local_norm_and_every_rank_s_control_row():
     from jobs.local_guard import LocalGuardState
-    from raycomp.hook import CompressionState
+    from raycomp._internal.ddp.hook import CompressionState
     from raycomp.plan import Plan
 
     model = _model()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from raycomp._internal.local import resolve_delay
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from raycomp.controllers.service import Controller
-from raycomp.local import resolve_delay
 from raycomp.plan import Plan
 from tests.test_adaptive_policy import (
     FAST,
@@ -30,7 +30,7 @@ from tests.test_adaptive_policy import (
 class LocalSim(Sim):
     """The adaptive policy's simulation, registered with ``compression.local``; ``fallback``
     is what the workers' reports say of the guard. ``min_gain`` is registered resolved, as a
-    worker does (:func:`raycomp.train.lossy.local_min_gain`): an SGD run's unless given.
+    worker does (:func:`raycomp._internal.train.lossy.local_min_gain`): an SGD run's unless given.
 
     Under local steps the workers report inner steps and syncs: ``link.compute`` a step, and
     per step 1/H of a sync, which costs ``sync_factor`` x what its bytes and round take on

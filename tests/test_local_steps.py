@@ -1,4 +1,4 @@
-"""Local steps (raycomp.local) on real gloo processes: the outer step, the averaged
+"""Local steps (raycomp._internal.local) on real gloo processes: the outer step, the averaged
 pseudo-gradient, the fragment schedule, overlap, buffers, compression on the wire, resume."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from raycomp import Plan
-from raycomp.local import FragmentSchedule, LocalSteps, resolve_delay, split_fragments
+from raycomp._internal.local import FragmentSchedule, LocalSteps, resolve_delay, split_fragments
 from tests.distributed import run_distributed
 from tests.support.wire import WireRecorder
 

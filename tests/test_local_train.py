@@ -274,12 +274,12 @@ def test_local_steps_are_refused_with_fsdp_before_anything_starts(tmp_path):
 
 
 def _local_state(**section) -> tuple[torch.nn.Module, object]:
-    """The test model in DDP and the :class:`~raycomp.train.local_strategy.LocalState` of a run
+    """The test model in DDP and the :class:`~raycomp._internal.train.local_strategy.LocalState` of a run
     with ``compression.local`` set to ``section`` (on every rank: the constructor broadcasts)."""
+    from raycomp._internal.ddp.hook import CompressionState
+    from raycomp._internal.local import LocalSteps
+    from raycomp._internal.train.local_strategy import LocalState
     from raycomp.config import LocalSection
-    from raycomp.hook import CompressionState
-    from raycomp.local import LocalSteps
-    from raycomp.train.local_strategy import LocalState
     from tests.test_local_steps import _model
 
     model = _model()
@@ -371,8 +371,8 @@ def test_the_last_step_of_the_epochs_merges_the_replicas_and_finish_sends_nothin
 def _drained_rows(rank: int, world: int) -> list:
     """LocalStepsStrategy with the default delay, H=4, each rank's loss 1 + rank: what
     ``after_optimizer_step`` and ``drain`` return, step by step."""
+    from raycomp._internal.train.local_strategy import LocalStepsStrategy
     from raycomp.plan import LocalMode, Plan
-    from raycomp.train.local_strategy import LocalStepsStrategy
     from tests.test_local_steps import _inner_step
 
     model, state = _local_state(mode="fixed", sync_every=H)
@@ -400,10 +400,10 @@ def _skipped_sync_rows(rank: int, world: int) -> tuple[list, bool, bool, str]:
     """LocalStepsStrategy over dense pseudo-gradients (no compressed layer: no rank flags its own row),
     H=4, each rank's loss 1 + rank; before the first sync rank 1's first bias turns NaN. The
     rows the sync hands over, and the guard's verdict on them."""
-    from raycomp.guard import Guard
+    from raycomp._internal.guard import Guard
+    from raycomp._internal.train.local_strategy import LocalStepsStrategy
+    from raycomp._internal.train.step_judge import StepJudge
     from raycomp.plan import LocalMode, Plan
-    from raycomp.train.local_strategy import LocalStepsStrategy
-    from raycomp.train.step_judge import StepJudge
     from tests.test_local_steps import _inner_step
 
     model, state = _local_state(mode="fixed", sync_every=H, delay=0)
@@ -436,7 +436,7 @@ def test_a_local_steps_run_registers_its_nodes_ranks_with_the_controller():
     priced flat)."""
     from types import SimpleNamespace
 
-    from raycomp.train.local_strategy import LocalStepsStrategy
+    from raycomp._internal.train.local_strategy import LocalStepsStrategy
 
     for per_node in (1, 2, 4):
         state = SimpleNamespace(ddp=False, hook=SimpleNamespace(per_node=per_node))

@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import Plan
-from raycomp.hook import CompressionState, compression_hook
-from raycomp.memory import DGCMemory
+from raycomp._internal.ddp.hook import CompressionState, compression_hook
+from raycomp._internal.reduce.memory import DGCMemory
 from tests.distributed import run_distributed
 
 # the scale each step's backward runs under: growths and backoffs, and a change at step 6,

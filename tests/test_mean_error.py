@@ -1,4 +1,4 @@
-"""The applied mean's compression error (raycomp.mean_error), on real gloo processes: flat at
+"""The applied mean's compression error (raycomp._internal.reduce.mean_error), on real gloo processes: flat at
 W = 2 and 4 (int4's scalable route quantizes once at two ranks, twice at four) and in two
 levels at 2 nodes x 2 ranks, every layer small enough that its sample is the whole layer (or
 piece), so the measure must equal the exact ``||applied - mean|| / ||mean||`` computed here
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raycomp.mean_error import SAMPLES
+from raycomp._internal.reduce.mean_error import SAMPLES
 from tests.distributed import run_distributed
 
 SHAPES = {"a": (8, 12), "b": (12, 4), "c": (100,)}  # every layer (and piece) <= SAMPLES elements
@@ -26,11 +26,11 @@ def _grads(rank: int) -> list[torch.Tensor]:
 
 
 def _measured(rank: int, world: int, spec: str, levels: bool) -> dict:
-    from raycomp.mean_error import layer_errors
+    from raycomp._internal.reduce.mean_error import layer_errors
+    from raycomp._internal.reduce.reducer import CompressedReducer
+    from raycomp._internal.reduce.two_level import TwoLevelReducer
+    from raycomp._internal.topology import Topology, node_groups
     from raycomp.plan import Plan
-    from raycomp.reducer import CompressedReducer
-    from raycomp.topology import Topology, node_groups
-    from raycomp.two_level import TwoLevelReducer
 
     plan = Plan.uniform(spec)
     if levels:
@@ -123,7 +123,7 @@ def trained(in_turn):
 
 
 def test_a_mean_error_over_the_threshold_falls_back_at_the_agreement_after_its_statistics_step(trained):
-    from raycomp.train.loop import ANSWER_STEPS
+    from raycomp._internal.train.loop import ANSWER_STEPS
 
     events, compressed = trained["strict"]["events"], trained["strict"]["compressed"]
     assert events and events[0]["kind"] == "fallback" and events[0]["reason"] == "compression_error"

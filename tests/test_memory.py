@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raycomp._internal.reduce.memory import DGCMemory, NoMemory, ResidualMemory
+from raycomp._internal.reduce.reducer import CompressedReducer
 from raycomp.compressors import make_compressor
-from raycomp.memory import DGCMemory, NoMemory, ResidualMemory
 from raycomp.plan import Plan
-from raycomp.reducer import CompressedReducer
 
 
 def _running_gaps(name: str, memory, steps: int = 200, **params) -> tuple[float, float]:

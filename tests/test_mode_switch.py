@@ -9,7 +9,7 @@ every rank holds the same weights, and the optimizer's state too; during local s
 ranks of a node hold the same weights (two levels), the replicas drift apart, and the
 first per-step step after a switch finds them equal again.
 
-The steps follow :class:`raycomp.train.loop.TrainLoop`'s order: backward, the optimizer
+The steps follow :class:`raycomp._internal.train.loop.TrainLoop`'s order: backward, the optimizer
 step, the strategy's after-step work (a sync starts or lands), then a new plan installed
 for the next step.
 """
@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+from raycomp._internal.topology import Topology
 from raycomp.plan import CompressorSpec, LocalMode, Plan
-from raycomp.topology import Topology
 from tests.distributed import run_distributed
 from tests.support.ranks import gather
 
@@ -63,11 +63,11 @@ def _optimizer(kind: str, params) -> torch.optim.Optimizer:
 
 
 def _switching(rank: int, world: int, levels: bool, kind: str) -> list[dict]:
+    from raycomp._internal.ddp.hook import CompressionState, compression_hook
+    from raycomp._internal.local import LocalSteps
+    from raycomp._internal.reduce.two_level import TwoLevelReducer
+    from raycomp._internal.train.local_strategy import LocalState, LocalStepsStrategy
     from raycomp.config import LocalSection
-    from raycomp.hook import CompressionState, compression_hook
-    from raycomp.local import LocalSteps
-    from raycomp.train.local_strategy import LocalState, LocalStepsStrategy
-    from raycomp.two_level import TwoLevelReducer
 
     topology = Topology.of_rank(rank, 2, world // 2) if levels else None
     model = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
@@ -140,8 +140,8 @@ def test_during_local_steps_replicas_drift_and_a_node_s_ranks_stay_together(swit
 def _equalized(rank: int, world: int, layout_differs: bool) -> dict:
     """Each rank's own Adam state (rank 1 skipped a step, or, with ``layout_differs``, every
     step, so that it holds no state at all) and its own GradScaler scale, then
-    :func:`~raycomp.local.equalize_inner_state`."""
-    from raycomp.local import equalize_inner_state
+    :func:`~raycomp._internal.local.equalize_inner_state`."""
+    from raycomp._internal.local import equalize_inner_state
 
     torch.manual_seed(0)
     model = nn.Linear(4, 3)

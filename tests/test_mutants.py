@@ -75,8 +75,8 @@ def applied(edit: Edit, index: Index) -> tuple[str, str]:
 
 
 def test_an_edit_lands_in_its_method(tmp_path):
-    rel, text = applied(EDIT, tree(tmp_path, {"raycomp/memory.py": MEMORY}))
-    assert rel == "raycomp/memory.py"
+    rel, text = applied(EDIT, tree(tmp_path, {"raycomp/_internal/reduce/memory.py": MEMORY}))
+    assert rel == "raycomp/_internal/reduce/memory.py"
     assert text == MEMORY.replace(
         "        self.residuals[name] = residual_of(compensated, sent, scale=1.0)\n",
         "        self.residuals.pop(name, None)\n        return None\n")
@@ -99,7 +99,7 @@ def test_an_edit_follows_its_method_to_another_module_reindented_and_rewrapped(t
 def test_a_replacement_keeps_its_relative_indentation_at_a_shallower_site(tmp_path):
     edit = Edit("ResidualMemory.update", "            self.residuals[name] = residual_of(compensated, sent, scale=1.0)\n",
                 "            if name:\n                    pass\n")
-    _, text = applied(edit, tree(tmp_path, {"raycomp/memory.py": MEMORY}))
+    _, text = applied(edit, tree(tmp_path, {"raycomp/_internal/reduce/memory.py": MEMORY}))
     assert "\n        if name:\n                pass\n\n    def reset" in text
 
 
@@ -110,9 +110,9 @@ def test_an_inline_snippet_is_replaced_in_place(tmp_path):
 
 
 def test_stale_when_the_snippet_is_not_in_the_anchor(tmp_path):
-    index = tree(tmp_path, {"raycomp/memory.py": MEMORY})
+    index = tree(tmp_path, {"raycomp/_internal/reduce/memory.py": MEMORY})
     # the code exists in the module, but not in the method the edit names
-    with pytest.raises(Stale, match=r"anchor ResidualMemory.reset \(raycomp/memory.py:12\): "
+    with pytest.raises(Stale, match=r"anchor ResidualMemory.reset \(raycomp/_internal/reduce/memory.py:12\): "
                                     r"snippet 'self.residuals\[name\] = .*' found 0 times \(expected once\)"):
         locate(Edit("ResidualMemory.reset", EDIT.original, EDIT.replacement), index)
 
@@ -120,19 +120,19 @@ def test_stale_when_the_snippet_is_not_in_the_anchor(tmp_path):
 def test_stale_when_the_snippet_occurs_twice_in_the_anchor(tmp_path):
     twice = MEMORY.replace("        self.residuals.clear()\n",
                            "        self.residuals.clear()\n        self.residuals.clear()\n")
-    index = tree(tmp_path, {"raycomp/memory.py": twice})
+    index = tree(tmp_path, {"raycomp/_internal/reduce/memory.py": twice})
     with pytest.raises(Stale, match=r"snippet 'self.residuals.clear\(\)' found 2 times \(expected once\)"):
         locate(Edit("ResidualMemory.reset", "        self.residuals.clear()\n", "        pass\n"), index)
 
 
 def test_stale_when_the_anchor_is_gone(tmp_path):
-    index = tree(tmp_path, {"raycomp/memory.py": MEMORY.replace("def update", "def store")})
+    index = tree(tmp_path, {"raycomp/_internal/reduce/memory.py": MEMORY.replace("def update", "def store")})
     with pytest.raises(Stale, match=r"^anchor ResidualMemory.update is not defined under raycomp/, controllers/, jobs/$"):
         locate(EDIT, index)
 
 
 def test_stale_when_a_whole_line_snippet_is_found_only_inside_a_line(tmp_path):
-    index = tree(tmp_path, {"raycomp/memory.py": MEMORY})
+    index = tree(tmp_path, {"raycomp/_internal/reduce/memory.py": MEMORY})
     with pytest.raises(Stale, match="starts inside a line"):
         locate(Edit("ResidualMemory.update", "    residual_of(compensated, sent, scale=1.0)\n", "    0\n"), index)
     with pytest.raises(Stale, match="ends inside a line"):
@@ -164,18 +164,18 @@ def test_a_name_defined_twice_needs_the_snippet_once_across_both_or_a_path(tmp_p
 
 
 def test_a_mutant_with_edits_in_two_methods_is_applied_to_a_copy(tmp_path):
-    index = tree(tmp_path, {"raycomp/memory.py": MEMORY})
+    index = tree(tmp_path, {"raycomp/_internal/reduce/memory.py": MEMORY})
     m = mutant("two-edits", "ResidualMemory.update", "sent, scale=1.0", "sent, scale=2.0",
                "tests/test_memory.py", "an example", ("ResidualMemory.reset", "self.residuals.clear()", "pass"))
     sites, problems = place(m, index)
     assert problems == [] and [s.line for s in sites] == [10, 13]
     apply(m, tmp_path)
-    text = (tmp_path / "raycomp/memory.py").read_text()
+    text = (tmp_path / "raycomp/_internal/reduce/memory.py").read_text()
     assert "self.residuals[name] = residual_of(compensated, sent, scale=2.0)\n" in text and "        pass\n" in text
 
 
 def test_overlapping_edits_are_stale(tmp_path):
-    index = tree(tmp_path, {"raycomp/memory.py": MEMORY})
+    index = tree(tmp_path, {"raycomp/_internal/reduce/memory.py": MEMORY})
     m = mutant("overlap", "ResidualMemory.update", "residual_of(compensated, sent, scale=1.0)", "0",
                "tests/test_memory.py", "an example", ("ResidualMemory.update", "scale=1.0", "scale=2.0"))
     assert any("overlap" in p for p in place(m, index)[1])
@@ -191,7 +191,7 @@ def test_the_catalog_is_well_formed():
 
 
 def test_a_mutant_reports_which_of_its_edits_is_stale(tmp_path):
-    index = tree(tmp_path, {"raycomp/memory.py": MEMORY})
+    index = tree(tmp_path, {"raycomp/_internal/reduce/memory.py": MEMORY})
     m = mutant("one-stale", "ResidualMemory.store", "sent", "0", "tests/test_memory.py", "an example",
                ("ResidualMemory.reset", "self.residuals.clear()", "pass"))
     sites, problems = place(m, index)

@@ -1,4 +1,4 @@
-"""Timing the link inside a node (raycomp.node_link) on real gloo processes: the nodes time
+"""Timing the link inside a node (raycomp._internal.node_link) on real gloo processes: the nodes time
 their own node's group at once, with one untimed and PROBE_ROUNDS timed all-reduces of the
 model's gradient size there and nothing across nodes, and divide by what a rank of a ring
 sends; a flat run times nothing."""
@@ -10,10 +10,10 @@ import types
 import pytest
 from torch import nn
 
-import raycomp.node_link
-from raycomp.hook import CompressionState
-from raycomp.node_link import PROBE_ROUNDS
-from raycomp.topology import Topology
+import raycomp._internal.node_link
+from raycomp._internal.ddp.hook import CompressionState
+from raycomp._internal.node_link import PROBE_ROUNDS
+from raycomp._internal.topology import Topology
 from tests.distributed import run_distributed
 from tests.support.wire import WireRecorder
 
@@ -22,7 +22,7 @@ ROUND_SECONDS = 0.5  # what the clock says each timed round took
 
 def _time(rank: int, world: int, per_node: int) -> dict:
     clock = iter([10.0, 10.0 + PROBE_ROUNDS * ROUND_SECONDS])  # read before and after the timed rounds
-    raycomp.node_link.time = types.SimpleNamespace(perf_counter=lambda: next(clock))  # this process only
+    raycomp._internal.node_link.time = types.SimpleNamespace(perf_counter=lambda: next(clock))  # this process only
     model = nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 10))
     with CompressionState(model, topology=Topology.of_rank(rank, world // per_node, per_node)) as state:
         with WireRecorder() as recorder:

@@ -18,10 +18,10 @@ import yaml
 from jobs import dashboard
 from jobs.faults import DrillConfig
 from jobs.train import prepare, run
+from raycomp._internal.observe.metrics import CATALOGUE, series_names
 from raycomp.controllers.exporter import Exporter
 from raycomp.controllers.service import Controller
 from raycomp.controllers.state import RunState
-from raycomp.metrics import CATALOGUE, series_names
 from tests.conftest import REPO
 from tests.distributed import free_port
 from tests.test_controller import register, report
@@ -199,7 +199,7 @@ def test_raycomp_dashboard_writes_the_committed_files(tmp_path):
 def test_the_dashboard_reads_the_metrics_from_either_source():
     """Every query names its metrics through the ``source`` variable: the exporter's names
     with one choice, Ray's (``ray_`` + the same name) with the other, never both at once."""
-    from raycomp.dashboard import SOURCES
+    from raycomp._internal.observe.dashboard import SOURCES
 
     board = json.loads((REPO / "dashboards" / "grafana" / "raycomp.json").read_text())
     source = next(v for v in board["templating"]["list"] if v["name"] == "source")
@@ -237,7 +237,7 @@ def test_exporter_survives_bad_input_and_counts_rejects(tmp_path):
 
 
 def test_layer_labels_are_bounded():
-    from raycomp.metrics import MAX_LAYER_LABELS, OTHER_LAYERS, group_layers
+    from raycomp._internal.observe.metrics import MAX_LAYER_LABELS, OTHER_LAYERS, group_layers
 
     sizes = {f"l{i}": i + 1 for i in range(100)}
     grouped = group_layers({n: 1.0 for n in sizes}, sizes, "rss")
@@ -249,7 +249,7 @@ def test_metrics_endpoint_binds_loopback_by_default():
     from raycomp.config import ControllerSection
 
     assert ControllerSection().metrics_host == "127.0.0.1"
-    from raycomp.metrics import SD_DIR
+    from raycomp._internal.observe.metrics import SD_DIR
 
     prometheus_yml = (REPO / "dashboards" / "prometheus" / "prometheus.yml").read_text()
     assert f"{SD_DIR}/*.json" in prometheus_yml

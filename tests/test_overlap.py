@@ -1,4 +1,4 @@
-"""raycomp.overlap.BucketThreads driven by hand. Chained: a bucket's decoding waits for its
+"""raycomp._internal.ddp.overlap.BucketThreads driven by hand. Chained: a bucket's decoding waits for its
 own collectives and for the bucket issued before it, whatever order the collectives complete
 in, and a failure reaches every bucket after it. Threads: the next bucket is sent while the
 one before is still on the wire."""
@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from raycomp.overlap import BucketThreads
-from raycomp.transports import Pending
+from raycomp._internal.ddp.overlap import BucketThreads
+from raycomp._internal.transports import Pending
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The control boundary's agreement check (``raycomp.train.plan_agreement.PlanAgreement.agree``) on two
+"""The control boundary's agreement check (``raycomp._internal.train.plan_agreement.PlanAgreement.agree``) on two
 real gloo processes: agreeing ranks get rank 0's offer from the same bytes; ranks that hold
 different plans, or whose guards differ, both fail with ``PlanMismatchError`` at that
 boundary instead of communicating under different plans. The same failure through a whole
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from raycomp._internal.train.plan_agreement import PlanAgreement, PlanMismatchError
+from raycomp._internal.train.reporter import Outages
 from raycomp.plan import Plan
-from raycomp.train.plan_agreement import PlanAgreement, PlanMismatchError
-from raycomp.train.reporter import Outages
 from tests.distributed import run_distributed
 
 INSTALLED = Plan.uniform("int8", version=3, reason="installed")

@@ -71,8 +71,8 @@ def test_a_plan_decided_at_a_boundary_is_in_force_within_a_few_steps_on_every_ra
 
 
 def test_at_boundaries_the_ranks_agree_two_steps_after_the_boundary_and_the_plan_starts_there(in_turn):
+    from raycomp._internal.train.loop import ANSWER_STEPS
     from raycomp.config import ControllerSection
-    from raycomp.train.loop import ANSWER_STEPS
 
     totals = in_turn["at_boundaries"]["value"]
     assert totals["steps"] == 3 * K

@@ -1,4 +1,4 @@
-"""When a preemption notice calls for a checkpoint (raycomp.train.preemption), with Ray's own
+"""When a preemption notice calls for a checkpoint (raycomp._internal.train.preemption), with Ray's own
 ``PreemptionInfo``: a rank carries the number of nodes its notice names into the agreement;
 the agreed number (the largest any rank carried) checkpoints once, and again only for a
 notice that names more nodes; what was answered survives a checkpoint; nothing is read when
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ray.train import PreemptionInfo
 
-from raycomp.train.preemption import PreemptionWatch, local_notice, ray_preemption_info
+from raycomp._internal.train.preemption import PreemptionWatch, local_notice, ray_preemption_info
 
 
 def test_a_rank_carries_the_nodes_its_notice_names():

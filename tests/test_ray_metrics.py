@@ -15,11 +15,11 @@ from prometheus_client.core import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from raycomp._internal.observe.metrics import CATALOGUE, STEP_BUCKETS, Metric
 from raycomp.controllers.exporter import ControllerCollector
 from raycomp.controllers.policies import StaticOptions
 from raycomp.controllers.ray_metrics import RayMetrics, ray_name
 from raycomp.controllers.service import Controller
-from raycomp.metrics import CATALOGUE, STEP_BUCKETS, Metric
 from tests.test_controller import LAYERS, register, report
 
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]

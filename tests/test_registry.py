@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jobs import config as job_config
 from raycomp import compressors, config
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors import Compressor, Transport, make_compressor
 from raycomp.config.policy_options import POLICY_OPTIONS
 from raycomp.controllers.policies import (
@@ -29,7 +30,6 @@ from raycomp.controllers.policies import (
 from raycomp.controllers.policies.base import compressible_layers
 from raycomp.controllers.state import RunState
 from raycomp.messages import GradStats
-from raycomp.payload import Payload
 from raycomp.plan import CompressorSpec, Plan
 from tests.distributed import run_distributed
 
@@ -90,7 +90,7 @@ def _grads(rank: int) -> dict[str, torch.Tensor]:
 
 
 def _reduce_on_ranks(rank: int, world_size: int, plan: Plan) -> dict[str, Any]:
-    from raycomp.reducer import CompressedReducer
+    from raycomp._internal.reduce.reducer import CompressedReducer
 
     grads = _grads(rank)
     reducer = CompressedReducer(plan, min_compress_numel=1024, stats_every=1)

@@ -1,4 +1,4 @@
-"""An elastic resize: a checkpoint of W workers restored on W' (raycomp.train.resize).
+"""An elastic resize: a checkpoint of W workers restored on W' (raycomp._internal.train.resize).
 
 Every rank's state is accounted for: the error-feedback mass the old ranks owed the model
 is owed by the new ones (the mean of the residuals, server residuals included), what must
@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from raycomp import CompressionState
+from raycomp._internal.train import checkpoint, resize, resume
+from raycomp._internal.train.preemption import PreemptionWatch
 from raycomp.compressors.base import mix_seed
 from raycomp.plan import CompressorSpec, Plan
-from raycomp.train import checkpoint, resize, resume
-from raycomp.train.preemption import PreemptionWatch
 from tests.distributed import run_distributed
 
 SIZES = [(4, 3), (4, 2), (2, 4), (3, 4)]

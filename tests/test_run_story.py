@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from raycomp import cli, run_report
+from raycomp import cli
+from raycomp._internal.observe import run_report
 from raycomp.controllers.policies.reasons import AdaptiveWhy
 from tests.support.run_story import held_dense, write_run
 

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 
 from raycomp import cli
+from raycomp._internal.train.outputs import RunOutputs, run_outputs
+from raycomp._internal.train.plan_log import PlanLog
+from raycomp._internal.train.step_log import StepLog
 from raycomp.plan import CompressorSpec, Plan
 from raycomp.train import TrainOptions
-from raycomp.train.outputs import RunOutputs, run_outputs
-from raycomp.train.plan_log import PlanLog
-from raycomp.train.step_log import StepLog
 
 EPOCHS, STEPS = 2, 15  # per epoch: 30 steps, boundaries every 5 (and at 3)
 INT8_FROM = 12  # the schedule's second stage

@@ -1,4 +1,4 @@
-"""Compressed reduce-scatter for FSDP2 (raycomp/sharded.py) in real gloo processes: the
+"""Compressed reduce-scatter for FSDP2 (raycomp/_internal/fsdp/reduce_scatter.py) in real gloo processes: the
 sharded gradients against an independently computed mean, what reaches torch.distributed,
 error feedback's effect, state round trip, and the errors for what cannot work."""
 
@@ -10,8 +10,12 @@ import pytest
 import torch
 from torch import nn
 
+from raycomp._internal.fsdp.reduce_scatter import (
+    CompressedReduceScatter,
+    check_sharded_spec,
+    compress_fsdp,
+)
 from raycomp.plan import CompressorSpec
-from raycomp.sharded import CompressedReduceScatter, check_sharded_spec, compress_fsdp
 from tests.distributed import run_distributed
 from tests.support.wire import FLIGHT_RECORDER_ENV
 
@@ -250,8 +254,8 @@ def _local_norm(rank: int, step: int) -> float:
 
 
 def _state_steps(rank, world):
+    from raycomp._internal.fsdp.state import ShardedState
     from raycomp.plan import Plan
-    from raycomp.sharded_state import ShardedState
     from tests.support.wire import WireRecorder
 
     model = _sharded(_model(), world)

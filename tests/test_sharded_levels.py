@@ -1,4 +1,4 @@
-"""FSDP2 in two levels (:mod:`raycomp.sharded_levels`) on 4 real gloo processes, 2 nodes x 2:
+"""FSDP2 in two levels (:mod:`raycomp._internal.fsdp.two_level`) on 4 real gloo processes, 2 nodes x 2:
 units sharded over each node's group, dense inside the node, each shard's mean across nodes
 compressed as the plan says."""
 
@@ -22,7 +22,7 @@ INT8 = Plan.per_layer({"0": CompressorSpec.of("int8"), "2": CompressorSpec.of("i
 def _per_node(levels) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    from raycomp.sharded_levels import node_mesh
+    from raycomp._internal.fsdp.two_level import node_mesh
 
     model, mesh = _model(), node_mesh(levels, "cpu")
     for layer in model:
@@ -38,8 +38,8 @@ def _two_level_steps(rank, world, plans, nan_at=None):
     statistics; then the state and a refused resume."""
     import torch.distributed as dist
 
-    from raycomp.sharded_state import ShardedState
-    from raycomp.topology import Topology, node_groups
+    from raycomp._internal.fsdp.state import ShardedState
+    from raycomp._internal.topology import Topology, node_groups
     from tests.support.wire import WireRecorder
 
     levels = node_groups(Topology.of_rank(rank, NODES, PER_NODE))
@@ -182,8 +182,8 @@ def test_statistics_and_residuals_are_the_shards_and_the_state_resumes_only_at_i
 
 
 def _residual_run(rank, world):
-    from raycomp.sharded_state import ShardedState
-    from raycomp.topology import Topology, node_groups
+    from raycomp._internal.fsdp.state import ShardedState
+    from raycomp._internal.topology import Topology, node_groups
 
     levels = node_groups(Topology.of_rank(rank, NODES, PER_NODE))
     model = _per_node(levels)
@@ -203,8 +203,8 @@ def test_each_rank_keeps_the_residual_of_its_own_shard_only():
 
 
 def test_levels_without_the_cross_node_hop_are_refused():
-    from raycomp.sharded_state import ShardedState
-    from raycomp.topology import Levels, Topology
+    from raycomp._internal.fsdp.state import ShardedState
+    from raycomp._internal.topology import Levels, Topology
 
     with pytest.raises(ValueError, match="install: a model sharded per node needs raycomp's cross-node hop"):
         ShardedState(nn.Linear(2, 2), install=False, levels=Levels(Topology(2, 2), None, None))  # type: ignore[arg-type]

@@ -22,15 +22,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
+from raycomp._internal.local import LocalSteps
+from raycomp._internal.reduce.reducer import CompressedReducer
+from raycomp._internal.reduce.two_level import TwoLevelReducer
+from raycomp._internal.topology import Topology
+from raycomp._internal.train.local_strategy import LocalState
 from raycomp.compressors import COMPRESSORS, Transport, make_compressor
 from raycomp.compressors.sparseloco import SparseLoCo
 from raycomp.config import CompressionSection, LocalSection
-from raycomp.local import LocalSteps
 from raycomp.plan import CompressorSpec, LocalMode
-from raycomp.reducer import CompressedReducer
-from raycomp.topology import Topology
-from raycomp.train.local_strategy import LocalState
-from raycomp.two_level import TwoLevelReducer
 from tests.distributed import run_distributed
 from tests.support.ranks import flat, gather
 from tests.support.wire import WireRecorder, transmitted_bytes

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
-from raycomp.guard import Guard
-from raycomp.train.step_judge import StepJudge
+from raycomp._internal.guard import Guard
+from raycomp._internal.train.step_judge import StepJudge
 from tests.distributed import run_distributed
 
 NAN_STEP = 3

@@ -80,7 +80,7 @@ def test_a_grad_scaler_trains_compressed_and_resumes_where_the_checkpoint_left_i
 
 def test_a_grad_scaler_is_refused_where_raycomp_train_cannot_follow_it():
     import raycomp.train
-    from raycomp.train.scaler_check import refuse_scaler
+    from raycomp._internal.train.scaler_check import refuse_scaler
 
     model, scaler = torch.nn.Linear(2, 2), torch.amp.GradScaler("cpu")
     with pytest.raises(ValueError, match=r"^grad_scaler: expected a torch.amp.GradScaler or None, got str$"):

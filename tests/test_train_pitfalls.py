@@ -108,7 +108,7 @@ def test_an_epoch_scheduler_steps_at_each_epoch_end_and_resumes_where_the_checkp
 
 def test_a_scheduler_needs_its_interval_and_clip_grad_norm_a_positive_norm():
     import raycomp.train
-    from raycomp.train.step_arguments import check_clip
+    from raycomp._internal.train.step_arguments import check_clip
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from raycomp._internal.train.step_log import StepLog
 from raycomp.config import CheckpointSection
 from raycomp.train import TrainOptions
-from raycomp.train.step_log import StepLog
 from tests.conftest import fit_with_controller
 
 EPOCHS, STEPS = 4, 5  # per epoch; 20 steps in all
@@ -164,7 +164,7 @@ def _state():
 def test_the_final_report_is_taken_before_send_returns_and_only_once(ray_cluster):
     import ray
 
-    from raycomp.train.reporter import Outages, StatsReporter
+    from raycomp._internal.train.reporter import Outages, StatsReporter
 
     inbox = _inbox(fail=False)
     reporter = StatsReporter(inbox, "r", 1, Outages())
@@ -182,7 +182,7 @@ def test_the_final_report_is_taken_before_send_returns_and_only_once(ray_cluster
 def test_an_evaluation_after_a_final_boundary_goes_with_that_interval_sent_again(ray_cluster):
     import ray
 
-    from raycomp.train.reporter import Outages, StatsReporter
+    from raycomp._internal.train.reporter import Outages, StatsReporter
 
     inbox = _inbox(fail=False)
     reporter = StatsReporter(inbox, "r", 0, Outages())
@@ -207,7 +207,7 @@ def test_an_evaluation_after_a_final_boundary_goes_with_that_interval_sent_again
 def test_a_final_report_the_controller_refuses_is_one_outage(ray_cluster):
     import ray
 
-    from raycomp.train.reporter import Outages, StatsReporter
+    from raycomp._internal.train.reporter import Outages, StatsReporter
 
     inbox = _inbox(fail=True)
     reporter = StatsReporter(inbox, "r", 0, Outages())
@@ -224,7 +224,7 @@ def test_only_the_first_interval_leaves_out_its_first_step_and_only_beside_other
     model prices every plan with; an interval of that one step still reports it."""
     import ray
 
-    from raycomp.train.reporter import Outages, StatsReporter
+    from raycomp._internal.train.reporter import Outages, StatsReporter
 
     inbox = _inbox(fail=False)
     lone = StatsReporter(inbox, "r", 0, Outages())

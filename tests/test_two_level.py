@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from raycomp._internal.reduce.reducer import CompressedReducer
+from raycomp._internal.reduce.two_level import ShardLayout, TwoLevelReducer
+from raycomp._internal.topology import Topology, node_groups
 from raycomp.plan import Plan
-from raycomp.reducer import CompressedReducer
-from raycomp.topology import Topology, node_groups
-from raycomp.two_level import ShardLayout, TwoLevelReducer
 from tests.distributed import run_distributed
 from tests.support.wire import WireRecorder, transmitted_bytes
 

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
-from raycomp.topology import Topology
-from raycomp.two_level import TwoLevelReducer
+from raycomp._internal.reduce.two_level import TwoLevelReducer
+from raycomp._internal.topology import Topology
 from tests.distributed import run_distributed
 
 NODES, PER_NODE = 2, 2

@@ -3,7 +3,7 @@
 Inner steps are data-parallel inside the node (DDP's buckets all-reduced over the node's
 group by the hook, dense): the ranks of a node hold the same weights after every step, the
 two nodes drift apart, and each inner gradient is the node's mean. Every ``sync_every``
-steps the pseudo-gradient crosses nodes in pieces (:class:`raycomp.two_level.TwoLevelReducer`),
+steps the pseudo-gradient crosses nodes in pieces (:class:`raycomp._internal.reduce.two_level.TwoLevelReducer`),
 and every rank ends the sync with the mean of the nodes' weights. At torch.distributed, the
 cross-node bytes of an int8 sync are what the ledger says, under half of a flat run's.
 """
@@ -16,12 +16,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
+from raycomp._internal.local import LocalSteps
+from raycomp._internal.reduce.two_level import TwoLevelReducer
+from raycomp._internal.topology import Topology
+from raycomp._internal.train.local_strategy import LocalState
 from raycomp.config import LocalSection
-from raycomp.local import LocalSteps
 from raycomp.plan import CompressorSpec, LocalMode
-from raycomp.topology import Topology
-from raycomp.train.local_strategy import LocalState
-from raycomp.two_level import TwoLevelReducer
 from tests.distributed import run_distributed
 from tests.support.ranks import flat, gather
 from tests.support.wire import WireRecorder, transmitted_bytes

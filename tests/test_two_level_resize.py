@@ -1,6 +1,6 @@
 """A two-level checkpoint restored at another size or layout: every old rank's piece of the
 owed correction is accounted for. Real states from 4 gloo processes as 2 nodes x 2 ranks
-(Top-K, so every piece holds a residual), merged by raycomp.train.resize for 3 flat ranks and
+(Top-K, so every piece holds a residual), merged by raycomp._internal.train.resize for 3 flat ranks and
 for 2 nodes x 2 ranks again; the new ranks owe the global mean exactly what the old ones did."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raycomp._internal.reduce.two_level import TwoLevelReducer, cut
+from raycomp._internal.topology import Topology, node_groups
+from raycomp._internal.train import resize
 from raycomp.plan import Plan
-from raycomp.topology import Topology, node_groups
-from raycomp.train import resize
-from raycomp.two_level import TwoLevelReducer, cut
 from tests.distributed import run_distributed
 
 SHAPES = {"w": (40, 33), "v": (2048,), "b": (3,)}

@@ -45,10 +45,10 @@ def _build(root: Path) -> Path:
 
 
 def _sources() -> set[str]:
-    """The modules a wheel must hold, as paths inside it: raycomp/ as it is, except the
-    checkout's stand-in for the controller, which the wheel replaces with controllers/."""
+    """The modules a wheel must hold, as paths inside it: raycomp/ as it is, and controllers/
+    where the checkout's link raycomp/controllers points (rglob does not follow the link)."""
+    assert (REPO / "raycomp" / "controllers").resolve() == REPO / "controllers"
     paths = {str(p.relative_to(REPO)) for p in (REPO / "raycomp").rglob("*.py") if "__pycache__" not in p.parts}
-    paths.discard("raycomp/controllers/__init__.py")
     paths |= {"raycomp/" + str(p.relative_to(REPO)) for p in (REPO / "controllers").rglob("*.py")
               if "__pycache__" not in p.parts}
     return paths

@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raycomp import CompressionState, Plan, compression_hook
+from raycomp._internal.reduce.reducer import CompressedReducer
 from raycomp.compressors import COMPRESSORS, Transport
-from raycomp.reducer import CompressedReducer
 from tests.distributed import run_distributed
 from tests.support.wire import FLIGHT_RECORDER_ENV, Call, WireRecorder, transmitted_bytes
 

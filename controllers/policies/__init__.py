@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from raycomp._internal.registry import Registry
 from raycomp.config import LocalSection, policy_sections
 from raycomp.config.base import one_line
 from raycomp.config.policy_options import (
@@ -35,18 +36,18 @@ from raycomp.config.policy_options import (
     ScheduleStage,
     StaticOptions,
 )
-from raycomp.controllers.policies.adaptive import AdaptivePolicy
-from raycomp.controllers.policies.bandwidth import BandwidthPolicy
-from raycomp.controllers.policies.base import MIN_COMPRESS_NUMEL, Policy
-from raycomp.controllers.policies.critical import CriticalPolicy
-from raycomp.controllers.policies.decision import Decision, Why
-from raycomp.controllers.policies.error_budget import ErrorBudgetPolicy
-from raycomp.controllers.policies.fallback_gate import FallbackGate
-from raycomp.controllers.policies.local import LocalChoice
-from raycomp.controllers.policies.reasons import Said
-from raycomp.controllers.policies.schedule import SchedulePolicy
-from raycomp.controllers.policies.static import StaticPolicy
-from raycomp.registry import Registry
+
+from .adaptive import AdaptivePolicy
+from .bandwidth import BandwidthPolicy
+from .base import MIN_COMPRESS_NUMEL, Policy
+from .critical import CriticalPolicy
+from .decision import Decision, Why
+from .error_budget import ErrorBudgetPolicy
+from .fallback_gate import FallbackGate
+from .local import LocalChoice
+from .reasons import Said
+from .schedule import SchedulePolicy
+from .static import StaticPolicy
 
 
 def _check_class(name: str, cls: Any) -> type[Policy]:

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from raycomp.config.policy_options import AdaptiveOptions
-from raycomp.controllers.policies.base import Policy
-from raycomp.controllers.policies.chooser import Chooser, ChooserState
-from raycomp.controllers.policies.cost_model import CostModel, CostState
-from raycomp.controllers.policies.decision import Decision
-from raycomp.controllers.policies.reasons import WarmupWhy
-from raycomp.controllers.state import RunState
+
+from ..state import RunState
+from .base import Policy
+from .chooser import Chooser, ChooserState
+from .cost_model import CostModel, CostState
+from .decision import Decision
+from .reasons import WarmupWhy
 
 
 @dataclass

@@ -17,7 +17,7 @@ Training Systems", MLSys 2022: compression pays only where communication is expo
         hysteresis: switch only when two consecutive choices differ from the current r
 
 ``f(r) = W r``: Top-K is all-gathered, ``(W - 1) * 8 r N`` bytes per rank, against
-``2 (W - 1) / W * 4 N`` for the dense ring all-reduce (see ``raycomp.transports``);
+``2 (W - 1) / W * 4 N`` for the dense ring all-reduce (see ``raycomp._internal.transports``);
 with two ranks this is ``2 r`` (values + indices). Layers below ``min_compress_numel``
 are not listed and stay dense.
 """
@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raycomp.config.policy_options import BandwidthOptions
-from raycomp.controllers.policies.base import Policy, compressible_layers
-from raycomp.controllers.policies.decision import Decision
-from raycomp.controllers.policies.reasons import BandwidthWhy
-from raycomp.controllers.state import RunState
 from raycomp.plan import CompressorSpec, Plan
+
+from ..state import RunState
+from .base import Policy, compressible_layers
+from .decision import Decision
+from .reasons import BandwidthWhy
 
 HISTORY = 32
 PATIENCE = 2  # consecutive differing choices before a switch

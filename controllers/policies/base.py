@@ -23,11 +23,12 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from raycomp.config.base import CompressorConfig
-from raycomp.controllers.policies import serial
-from raycomp.controllers.policies.decision import Decision
-from raycomp.controllers.policies.reasons import Said
-from raycomp.controllers.state import RunState
 from raycomp.plan import CompressorSpec, Plan
+
+from ..state import RunState
+from . import serial
+from .decision import Decision
+from .reasons import Said
 
 MIN_COMPRESS_NUMEL = 1024  # the reducer's default
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from raycomp.controllers.policies.cost_model import CostModel, mean
-from raycomp.controllers.policies.decision import Decision
-from raycomp.controllers.policies.ladders import Ladders, label
-from raycomp.controllers.policies.reasons import AdaptiveWhy, Said
-from raycomp.controllers.state import LayerHistory, RunState
 from raycomp.plan import CompressorSpec, Plan
+
+from ..state import LayerHistory, RunState
+from .cost_model import CostModel, mean
+from .decision import Decision
+from .ladders import Ladders, label
+from .reasons import AdaptiveWhy, Said
 
 if TYPE_CHECKING:
     from raycomp.config.policy_options import AdaptiveOptions

@@ -14,12 +14,12 @@ compressor declares (:class:`raycomp.compressors.Cost` and ``payload_bytes``)::
 (the decode term only with a ``decode_rate``; without one a family's measured round
 overhead holds its decode, at the run's own W).
 
-A two-level run (``RunState.per_node`` = L > 1: ``raycomp.two_level``) sends a compressed
+A two-level run (``RunState.per_node`` = L > 1: ``raycomp._internal.reduce.two_level``) sends a compressed
 plan's layers across nodes as L pieces, one per rank of the node, over K = W / L nodes: its
 bytes are the node's, L pieces of each layer at K ranks, on the node's one slow link, and
 its rounds and decode are at K; its reduce-scatter and all-gather inside the node move what
 an all-reduce of the whole gradient there does, priced at the node's own link as the run
-timed it (``RunState.node_link``, :mod:`raycomp.node_link`; untimed, they are learned as
+timed it (``RunState.node_link``, :mod:`raycomp._internal.node_link`; untimed, they are learned as
 part of the families' overhead). A plan dense everywhere stays one flat all-reduce at W.
 
 The derivation and its measured grounds: ``docs/cost-model.md``.
@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raycomp._internal.reduce.two_level import cut
 from raycomp.compressors import Compressor, Transport, compressor_class, make_compressor
-from raycomp.controllers.state import LayerHistory, RunState
 from raycomp.plan import DENSE, CompressorSpec
-from raycomp.two_level import cut
+
+from ..state import LayerHistory, RunState
 
 SMOOTHING = 0.5  # EMA weight of the newest measurement
 DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
@@ -67,7 +68,7 @@ class CostModel:
         bandwidth: bytes per second per rank to plan for (None: measured on dense steps).
         sharded: the run reduce-scatters (FSDP): each element is sent (W-1)/W times instead
             of an all-reduce's 2(W-1)/W, in one all-to-all a unit whatever it carries.
-            Sharded per node (``RunState.per_node`` > 1, :mod:`raycomp.sharded_levels`),
+            Sharded per node (``RunState.per_node`` > 1, :mod:`raycomp._internal.fsdp.two_level`),
             every plan goes in two levels, the dense one too: a reduce-scatter inside the
             node, then each rank's 1/L shard all-reduced across the K nodes by the
             ordinary transports, the node's L shards sharing its link, priced as a
@@ -374,7 +375,7 @@ def matrix(h: LayerHistory) -> tuple[int, int]:
 
 def piece(h: LayerHistory, parts: int) -> tuple[int, tuple[int, ...]]:
     """(elements, shape) of the largest of ``parts`` pieces of a layer, as
-    :func:`raycomp.two_level.cut` cuts it (whole rows where it can, else flat)."""
+    :func:`raycomp._internal.reduce.two_level.cut` cuts it (whole rows where it can, else flat)."""
     if parts == 1:
         return h.numel, h.shape if h.shape is not None else matrix(h)
     _, size, shape = cut(torch.Size(h.shape if h.shape is not None else (h.numel,)), parts)[0]

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raycomp.config.policy_options import CriticalOptions
-from raycomp.controllers.policies.base import Policy, compressible_layers, spec
-from raycomp.controllers.policies.decision import Decision
-from raycomp.controllers.policies.reasons import CriticalWhy
-from raycomp.controllers.state import RunState
 from raycomp.plan import Plan
+
+from ..state import RunState
+from .base import Policy, compressible_layers, spec
+from .decision import Decision
+from .reasons import CriticalWhy
 
 LOW, HIGH = "low", "high"
 

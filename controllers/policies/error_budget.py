@@ -29,11 +29,12 @@ import numpy as np
 
 from raycomp.compressors.sparse import sparse_k
 from raycomp.config.policy_options import ErrorBudgetOptions
-from raycomp.controllers.policies.base import Policy, compressible_layers
-from raycomp.controllers.policies.decision import Decision
-from raycomp.controllers.policies.reasons import BudgetWhy
-from raycomp.controllers.state import RunState
 from raycomp.plan import CompressorSpec, Plan
+
+from ..state import RunState
+from .base import Policy, compressible_layers
+from .decision import Decision
+from .reasons import BudgetWhy
 
 BINS = 400
 

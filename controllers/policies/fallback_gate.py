@@ -2,8 +2,8 @@
 
 The fallback state machine (non-finite gradient, loss spike and compression-error
 triggers; ``stable_steps`` hysteresis before compressing again) lives on the workers in
-``raycomp/guard.py``: every rank runs it on the same inputs (the reduced gradient's norm,
-and control floats that ride in the step's gradient collective; ``raycomp/train/step_judge.py``)
+``raycomp/_internal/guard.py``: every rank runs it on the same inputs (the reduced gradient's norm,
+and control floats that ride in the step's gradient collective; ``raycomp/_internal/train/step_judge.py``)
 and switches to dense in the same step, without asking the controller. The workers report it in
 ``GradStats.fallback_active``; this wrapper then answers::
 
@@ -23,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from raycomp.controllers.policies.base import Policy
-from raycomp.controllers.policies.decision import Decision, checked
-from raycomp.controllers.policies.reasons import Said
-from raycomp.controllers.state import RunState
 from raycomp.plan import Plan
+
+from ..state import RunState
+from .base import Policy
+from .decision import Decision, checked
+from .reasons import Said
 
 
 @dataclass

@@ -10,9 +10,10 @@ then dense.
 
 from __future__ import annotations
 
-from raycomp.controllers.policies.cost_model import matrix
-from raycomp.controllers.state import LayerHistory
 from raycomp.plan import DENSE, CompressorSpec
+
+from ..state import LayerHistory
+from .cost_model import matrix
 
 LOWRANK, ALLGATHER = "powersgd", "topk"  # the lossy rungs' compressors
 

@@ -27,15 +27,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from raycomp._internal.local import resolve_delay
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
-from raycomp.controllers.policies.base import Policy, compressible_layers
-from raycomp.controllers.policies.cost_model import CostModel
-from raycomp.controllers.policies.decision import Decision, checked
-from raycomp.controllers.policies.local_state import LocalRecord, LocalState, Measured, Sample
-from raycomp.controllers.policies.reasons import LocalFixedWhy, LocalWhy, Said
-from raycomp.controllers.state import RunState
-from raycomp.local import resolve_delay
 from raycomp.plan import CompressorSpec, LocalMode, Plan
+
+from ..state import RunState
+from .base import Policy, compressible_layers
+from .cost_model import CostModel
+from .decision import Decision, checked
+from .local_state import LocalRecord, LocalState, Measured, Sample
+from .reasons import LocalFixedWhy, LocalWhy, Said
 
 __all__ = ["PATIENCE", "LocalChoice", "replica_share"]
 
@@ -149,7 +150,7 @@ class LocalChoice(Policy):
 
     def _delay(self, h: int) -> int:
         """The inner steps a sync of local steps at ``h`` overlaps
-        (:func:`raycomp.local.resolve_delay`, as every rank resolves it)."""
+        (:func:`raycomp._internal.local.resolve_delay`, as every rank resolves it)."""
         return resolve_delay(self.local.delay, h, self._fragments(h))
 
     def _probe(self, target: int, allowed: float | None) -> int:
@@ -171,7 +172,7 @@ class LocalChoice(Policy):
     def _stall(self, sync: float, compute: float, h: int) -> float:
         """The seconds a sync of local steps at ``h`` holds training up. A measured sync
         already is that (its wait, after the inner steps it overlapped); a predicted one
-        overlaps the delay's inner steps (:func:`raycomp.local.resolve_delay`), each
+        overlaps the delay's inner steps (:func:`raycomp._internal.local.resolve_delay`), each
         ``compute`` long, and holds up only what they do not cover."""
         if self.state.sync_scale is not None:
             return sync

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raycomp.controllers.policies.cost_model import CostState
 from raycomp.plan import Plan
+
+from .cost_model import CostState
 
 
 @dataclass

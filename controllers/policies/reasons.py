@@ -75,7 +75,7 @@ class AdaptiveWhy:
     lossy_off: bool  # lossy rungs not offered
     prior_band: float | None  # the fastest plan was priced on the assumed round overhead: its band
     passed_over_margin: float | None  # a lossy plan was faster, but not by this margin
-    #: (nodes, ranks per node) of a two-level run (raycomp.two_level); None: flat
+    #: (nodes, ranks per node) of a two-level run (raycomp._internal.reduce.two_level); None: flat
     levels: tuple[int, int] | None = None
     #: bytes/s of an all-reduce inside a node, as the run timed it (two levels); None: untimed
     node_link: float | None = None

@@ -7,11 +7,12 @@ Lin et al., "Deep Gradient Compression", ICLR 2018, Sec. 3.3 (warm-up training: 
 from __future__ import annotations
 
 from raycomp.config.policy_options import ScheduleOptions
-from raycomp.controllers.policies.base import Policy, spec
-from raycomp.controllers.policies.decision import Decision
-from raycomp.controllers.policies.reasons import ScheduleWhy
-from raycomp.controllers.state import RunState
 from raycomp.plan import Plan
+
+from ..state import RunState
+from .base import Policy, spec
+from .decision import Decision
+from .reasons import ScheduleWhy
 
 
 class SchedulePolicy(Policy):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from raycomp.config.policy_options import StaticOptions
-from raycomp.controllers.policies.base import Policy, spec
-from raycomp.controllers.policies.decision import Decision
-from raycomp.controllers.policies.reasons import Said
-from raycomp.controllers.state import RunState
 from raycomp.plan import Plan
+
+from ..state import RunState
+from .base import Policy, spec
+from .decision import Decision
+from .reasons import Said
 
 
 class StaticPolicy(Policy):

@@ -3,7 +3,7 @@
 For each (compressor, ranks, levels) case, ``W`` real gloo processes on this machine train
 the BatchNorm CNN on Fashion-MNIST through raycomp's DDP hook with that compressor from step
 0, statistics every step, and record after each step the worst layer's error of the applied
-mean against the exact mean of the inputs (:func:`raycomp.mean_error.layer_errors`, what the
+mean against the exact mean of the inputs (:func:`raycomp._internal.reduce.mean_error.layer_errors`, what the
 guard judges) beside each rank's own error (what it judged before). The report
 (``docs/benchmarks/guard-mean-error.md``) gives their median, 90th percentile and maximum.
 
@@ -59,8 +59,8 @@ def _train(rank: int, world: int, case: tuple, steps: int, skip: int) -> tuple[l
     from jobs.data import fashion_mnist
     from jobs.models import bn_cnn
     from raycomp import CompressionState, Plan, compression_hook
-    from raycomp.mean_error import layer_errors
-    from raycomp.topology import Topology
+    from raycomp._internal.reduce.mean_error import layer_errors
+    from raycomp._internal.topology import Topology
 
     name, params, _, levels = case
     train, _ = fashion_mnist()

@@ -102,7 +102,7 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     import raycomp.train
     from jobs.data import fashion_mnist, kjv_corpus
     from jobs.models import char_lstm, fashion_cnn, lm_loss
-    from raycomp.buckets import ddp_kwargs
+    from raycomp._internal.ddp.buckets import ddp_kwargs
     from raycomp.config import CompressionSection, ControllerSection
 
     torch.set_num_threads(1)
@@ -194,7 +194,7 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
             order = list(sides) if pair % 2 == 0 else list(reversed(sides))
             times = {side: sides[side](pair * block) for side in order}
             rows.append({"pair": pair, **times, "counted": pair >= config["warmup_pairs"]})
-    sync = getattr(loop.strategy, "sync", None)  # how raycomp.train's steps travelled (raycomp.ddp_sync)
+    sync = getattr(loop.strategy, "sync", None)  # how raycomp.train's steps travelled (raycomp._internal.ddp.ddp_sync)
     ways = {} if sync is None else {way.value: n for way, n in sync.steps.items()}
     places = {"interval": loop.interval, "first": loop.first_boundary, "agree_after": loop.agree_after,
               "steps_log": str(loop.log.path)}
@@ -267,7 +267,7 @@ def median_interval(ratios: list[float], draws: int = 2000, seed: int = 0) -> tu
 
 
 def _ways_line(ways: dict[str, int]) -> str:
-    """How raycomp.train's steps travelled (:mod:`raycomp.ddp_sync`), in a sentence."""
+    """How raycomp.train's steps travelled (:mod:`raycomp._internal.ddp.ddp_sync`), in a sentence."""
     if not ways:
         return ""
     return f"Its steps: {ways.get('ddp', 0)} by DDP's own reduction, {ways.get('hook', 0)} by raycomp's hook."

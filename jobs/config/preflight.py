@@ -48,7 +48,7 @@ def check_resources(config: JobConfig) -> None:
             "compression.memory: 'dgc' applies momentum itself; set workload.momentum=0 "
             f"(got {config.workload.momentum})"
         )
-    from raycomp.metrics import SD_DIR
+    from raycomp._internal.observe.metrics import SD_DIR
 
     address = os.environ.get("RAY_ADDRESS")
     check_sizes(config)

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from raycomp._internal.imports import import_object
 from raycomp.config import CheckpointSection, CompressionSection, ControllerSection
-from raycomp.imports import import_object
 
 __all__ = ["DDP_BASELINES", "FSDP_BASELINES", "WORKLOAD_MODELS", "BenchmarkSection", "JobConfig",
            "RunSection", "ScalingSection", "Section", "WorkloadSection", "resolve_entrypoint"]

@@ -4,7 +4,7 @@ A compressor is named in a plan or config by a built-in name (:data:`COMPRESSORS
 given to :func:`register` in this process, or an import path ``"package.module:Class"``,
 imported on first use in whichever process builds the compressor (driver, controller
 actor, Ray Train workers): the robust way to use your own compressor across processes,
-since a plan carries only the name (:mod:`raycomp.registry`).
+since a plan carries only the name (:mod:`raycomp._internal.registry`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from raycomp._internal.registry import Registry
 from raycomp.compressors.base import Compressor, Cost, Transport
 from raycomp.compressors.casts import Bf16, Fp16
 from raycomp.compressors.dense import Dense
@@ -24,7 +25,6 @@ from raycomp.compressors.sparseloco import SparseLoCo
 from raycomp.compressors.terngrad import TernGrad
 from raycomp.compressors.threshold import Threshold
 from raycomp.compressors.topk import SampledTopK, TopK
-from raycomp.registry import Registry
 
 
 def _check_class(name: str, cls: Any) -> type[Compressor]:

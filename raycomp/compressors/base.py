@@ -1,8 +1,8 @@
 """The compressor interface and the checks every compressor shares.
 
-A compressor turns a floating-point tensor into a :class:`~raycomp.payload.Payload`
+A compressor turns a floating-point tensor into a :class:`~raycomp._internal.wire.payload.Payload`
 and back. It also declares its *transport*: how payloads from several ranks can be
-combined, which decides the collective that carries them (see ``raycomp.transports``).
+combined, which decides the collective that carries them (see ``raycomp._internal.transports``).
 Compressors are per layer and may hold state (warm-start factors, random draws); that
 state round-trips through ``state_dict()`` / ``load_state_dict()``.
 """
@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.sparse import scatter_dense
-from raycomp.payload import Payload
 
 
 class Transport(str, enum.Enum):
@@ -78,7 +78,7 @@ class Compressor(ABC):
     carries_nonfinite: ClassVar[bool] = False
     #: The loss scale the tensors given to :meth:`compress` carry under fp16 loss scaling
     #: (a 0-d tensor; None without a ``torch.amp.GradScaler``), set by the reducer before
-    #: each compression (``raycomp.loss_scale``). A compressor that compares values with an
+    #: each compression (``raycomp._internal.reduce.loss_scale``). A compressor that compares values with an
     #: absolute constant must scale the constant by it (``threshold``); one whose choices do
     #: not change when its input is multiplied by a constant (Top-K, the quantizers,
     #: PowerSGD, sign) ignores it.

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor
-from raycomp.payload import Payload
 
 __all__ = ["compress_each", "decompress_each"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor, Cost, Transport
-from raycomp.payload import Payload
 
 
 class Cast(Compressor):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor, Cost, Transport
-from raycomp.payload import Payload
 
 
 class Dense(Compressor):

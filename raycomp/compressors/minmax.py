@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from raycomp.bitpack import pack_codes_into, packed_nbytes, unpack_bits_into
+from raycomp._internal.wire.bitpack import pack_codes_into, packed_nbytes, unpack_bits_into
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor, Cost, Transport, check_float_tensor, check_int
-from raycomp.payload import Payload
 
 CPU_BLOCK_ELEMENTS = 1 << 18  # 1 MiB of fp32 per block
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor, Cost, SeededDraws, Transport, check_int
-from raycomp.payload import Payload
 
 
 class PowerSGD(Compressor):
@@ -20,7 +20,7 @@ class PowerSGD(Compressor):
         return P^ Q^T        (Q kept to warm-start the next step)
 
     The steps are methods (:meth:`project`, :meth:`orthogonalize`, :meth:`back_project`,
-    :meth:`remember`) so ``raycomp.transports`` can put the two all-reduces between them;
+    :meth:`remember`) so ``raycomp._internal.transports`` can put the two all-reduces between them;
     :meth:`compress` runs them locally. ``Q`` starts from a seed shared by all ranks.
     Gram-Schmidt skips columns whose norm is below ``epsilon`` (they become zero) instead of
     dividing by ~0. Wire: ``(rows + cols) * r`` fp32.

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor, SeededDraws, Transport, check_int, check_ratio
 from raycomp.compressors.sparse import sparse_k
-from raycomp.payload import Payload
 
 
 class RandomK(Compressor):

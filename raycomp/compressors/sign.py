@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from raycomp.bitpack import pack_bits, unpack_bits
+from raycomp._internal.wire.bitpack import pack_bits, unpack_bits
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor, Transport
-from raycomp.payload import Payload
 
 
 class ScaledSign(Compressor):

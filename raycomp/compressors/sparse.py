@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from raycomp.payload import Payload
+from raycomp._internal.wire.payload import Payload
 
 
 def sparse_k(numel: int, ratio: float) -> int:

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from raycomp.bitpack import pack_codes_into, packed_nbytes, unpack_bits
+from raycomp._internal.wire.bitpack import pack_codes_into, packed_nbytes, unpack_bits
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor, Cost, Transport, check_int, check_ratio
 from raycomp.compressors.sparse import sparse_k
-from raycomp.payload import Payload
 
 #: positions inside a chunk travel as uint16 up to this chunk size, as int32 above it
 UINT16_CHUNK = 1 << 16

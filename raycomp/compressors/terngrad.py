@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from raycomp.bitpack import pack_bits, unpack_bits
+from raycomp._internal.wire.bitpack import pack_bits, unpack_bits
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor, SeededDraws, Transport
-from raycomp.payload import Payload
 
 
 class TernGrad(Compressor):

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import Compressor, Transport, check_positive
 from raycomp.compressors.sparse import scatter_dense, sparse_payload
-from raycomp.payload import Payload
 
 
 class Threshold(Compressor):

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from raycomp._internal.wire.payload import Payload
 from raycomp.compressors.base import (
     Compressor,
     Cost,
@@ -16,7 +17,6 @@ from raycomp.compressors.base import (
     check_ratio,
 )
 from raycomp.compressors.sparse import scatter_dense, sparse_k, sparse_payload
-from raycomp.payload import Payload
 
 
 class TopK(Compressor):

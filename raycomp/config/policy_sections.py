@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from raycomp._internal.registry import ANY_PATH, IMPORT_PATH
 from raycomp.config.base import Strict, one_line
 from raycomp.config.policy_options import POLICY_OPTIONS
-from raycomp.registry import ANY_PATH, IMPORT_PATH
 
 if TYPE_CHECKING:
-    from raycomp.registry import Registry
+    from raycomp._internal.registry import Registry
 
 #: the policies registered in this process (``raycomp.controllers.policies.REGISTRY``, once imported)
 _registry: Registry[Any] | None = None

@@ -67,7 +67,7 @@ class LrScalingSection(_Strict):
 
 
 #: ``compression.local.min_gain: auto``, by the optimizer's kind: linear in the gradient
-#: (SGD) or not (the Adam family); see :func:`raycomp.train.lossy.local_min_gain`
+#: (SGD) or not (the Adam family); see :func:`raycomp._internal.train.lossy.local_min_gain`
 LOCAL_MIN_GAIN = {"linear": 0.1, "other": 1.0}
 
 
@@ -107,7 +107,7 @@ class LocalSection(_Strict):
     on short runs with few ranks it lost less than DiLoCo's settings (lr 0.7, momentum
     0.9, Nesterov: tuned for ``sync_every`` = 500, 8 replicas and long runs), which you
     get with ``outer_lr: 0.7, outer_momentum: 0.9, nesterov: true``. The building block
-    :class:`raycomp.local.LocalSteps`, used on its own, defaults to the other choice:
+    :class:`raycomp._internal.local.LocalSteps`, used on its own, defaults to the other choice:
     DiLoCo's Nesterov outer step and ``delay=0``, the published algorithm as written;
     this section's defaults are what raycomp's runs (short, few ranks, ``auto`` choosing
     H at run time) lost least with, and ``delay: auto`` overlaps a sync with one inner step.
@@ -136,7 +136,7 @@ class LocalSection(_Strict):
     fragments: Annotated[int, Field(ge=1, le=1024)] = 1
     #: inner steps a sync stays on the wire while training goes on (0: the sync is waited
     #: for at once); at most ``sync_every / fragments - 1``. "auto" (default): one step
-    #: wherever the syncs are two or more steps apart (:func:`raycomp.local.resolve_delay`).
+    #: wherever the syncs are two or more steps apart (:func:`raycomp._internal.local.resolve_delay`).
     #: The ranks go on from the new synchronised weights plus what their inner steps moved
     #: meanwhile (Streaming DiLoCo's overlap); ``mode: auto`` counts the hidden part when it
     #: predicts a sync's cost
@@ -161,7 +161,7 @@ class LocalSection(_Strict):
     #: local step moves the loss less than a synchronous one, and much more so under Adam,
     #: where each rank's Adam normalises a gradient of its own, smaller batch: a smaller H
     #: does not help, and a step only a little faster loses time to target
-    #: (:mod:`raycomp.train.lossy`)
+    #: (:mod:`raycomp._internal.train.lossy`)
     min_gain: Annotated[float, Field(ge=0, le=10)] | Literal["auto"] = "auto"
     #: ``auto``: the share of the compute a sync may add per step
     target_overhead: Annotated[float, Field(gt=0, le=10)] = 0.1
@@ -242,10 +242,10 @@ class CompressionSection(_Strict):
     min_compress_numel: Annotated[int, Field(ge=0)] = 1024
     #: "auto" (default): where Ray Train places several workers on each of several nodes,
     #: compressed steps reduce in two levels, dense inside each node and compressed across
-    #: nodes, one piece per worker of the node (raycomp.two_level); one node, or one worker
+    #: nodes, one piece per worker of the node (raycomp._internal.reduce.two_level); one node, or one worker
     #: per node, is the flat path. "flat": every worker is its own node. A checkpoint
     #: restored at another size or layout merges every worker's pieces
-    #: (raycomp.train.resize). Under local steps a replica is then a node: inner steps
+    #: (raycomp._internal.train.resize). Under local steps a replica is then a node: inner steps
     #: data-parallel inside it, syncs across nodes in pieces
     levels: Literal["flat", "auto"] = "auto"
     #: the dense fallback: see :class:`GuardSection`

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from raycomp._internal.train.ddp_strategy import ddp_hook_strategy
 from raycomp.train import TrainLoop, TrainOptions
-from raycomp.train.ddp_strategy import ddp_hook_strategy
 from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
 __all__ = ["LOGGED", "FrameworkStep", "batch_size", "framework_strategy", "refuse_unsupported"]
@@ -113,17 +113,17 @@ class FrameworkStep:
 
 def framework_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> GradientStrategy:
     """The integrations' default ``gradient_strategy``: raycomp's hook on the DDP model the
-    framework built (:func:`raycomp.train.ddp_strategy.ddp_hook_strategy`), or with
+    framework built (:func:`raycomp._internal.train.ddp_strategy.ddp_hook_strategy`), or with
     ``compression.local.mode`` fixed or auto, local steps over it while the plan says so
-    (:func:`raycomp.train.local_strategy.local_hook_strategy`).
+    (:func:`raycomp._internal.train.local_strategy.local_hook_strategy`).
 
     The one place where a framework-driven run picks how its gradients travel, as
-    :func:`raycomp.train.default_strategy.raycomp_strategy` is for ``prepare_model``. A strategy gets the
+    :func:`raycomp._internal.train.default_strategy.raycomp_strategy` is for ``prepare_model``. A strategy gets the
     framework's DDP model before its first backward, and its
     ``after_optimizer_step(applied, loss)`` runs once per optimizer step, after the
     framework's."""
     if setup.options.compression.local.mode != "off":
-        from raycomp.train.local_strategy import local_hook_strategy
+        from raycomp._internal.train.local_strategy import local_hook_strategy
 
         return local_hook_strategy(model, optimizer, setup)
     return ddp_hook_strategy(model, optimizer, setup)

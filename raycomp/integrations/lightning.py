@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from ray.train.lightning import RayDDPStrategy
 
-from raycomp.buckets import ddp_kwargs
+from raycomp._internal.ddp.buckets import ddp_kwargs
 from raycomp.integrations import state_files
 from raycomp.integrations.framework_step import (
     FrameworkStep,

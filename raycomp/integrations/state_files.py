@@ -2,7 +2,7 @@
 
 The framework checkpoints the model, the optimizer, its scheduler, its GradScaler and its
 loop counters; what only raycomp holds is per rank (error-feedback residuals, compressor
-state, the guard, the controller's plan, counters; :func:`raycomp.train.resume.own_state`),
+state, the guard, the controller's plan, counters; :func:`raycomp._internal.train.resume.own_state`),
 so every rank writes its own file into a directory beside the framework's files::
 
     <directory>/rank<r>.pt     every rank
@@ -23,15 +23,16 @@ from typing import Any
 
 import torch
 
-from raycomp.train import TrainLoop, checkpoint
-from raycomp.train.resume import load_merged, load_own, own_state
+from raycomp._internal.train import checkpoint
+from raycomp._internal.train.resume import load_merged, load_own, own_state
+from raycomp.train import TrainLoop
 
 __all__ = ["OLD_RANKS", "load_state", "resume_with", "save_state"]
 
 log = logging.getLogger("raycomp.train")
 
 #: the key of :func:`load_state`'s answer for a checkpoint of another number of workers:
-#: every old rank's state, merged by :func:`resume_with`'s loop (raycomp.train.resize)
+#: every old rank's state, merged by :func:`resume_with`'s loop (raycomp._internal.train.resize)
 OLD_RANKS = "old_ranks"
 
 

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from raycomp.buckets import ddp_kwargs
+from raycomp._internal.ddp.buckets import ddp_kwargs
 from raycomp.integrations import state_files
 from raycomp.integrations.framework_step import (
     FrameworkStep,

@@ -39,17 +39,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from raycomp._internal.train.default_strategy import raycomp_strategy
+from raycomp._internal.train.finish_watch import watch
+from raycomp._internal.train.loop import TrainLoop
+from raycomp._internal.train.plan_agreement import PlanMismatchError
+from raycomp._internal.train.resume import forget_finished_run
+from raycomp._internal.train.scaler_check import refuse_scaler
+from raycomp._internal.train.step_arguments import SchedulerInterval, check_scheduler
+from raycomp._internal.train.wrapped_model import refuse_wrapped
 from raycomp.train.callback import ControllerCallback
-from raycomp.train.default_strategy import raycomp_strategy
-from raycomp.train.finish_watch import watch
 from raycomp.train.gradient_strategy import GradientStrategyFactory
-from raycomp.train.loop import TrainLoop
 from raycomp.train.options import TrainOptions, resolve_options
-from raycomp.train.plan_agreement import PlanMismatchError
-from raycomp.train.resume import forget_finished_run
-from raycomp.train.scaler_check import refuse_scaler
-from raycomp.train.step_arguments import SchedulerInterval, check_scheduler
-from raycomp.train.wrapped_model import refuse_wrapped
 
 if TYPE_CHECKING:
     import ray.train
@@ -197,14 +197,14 @@ def finish() -> dict[str, Any]:
     """Run totals over all ranks (a collective), then close this worker's loop; rank 0 also
     tells the controller the run is done and writes ``<output_dir>/summary.json``; each rank's
     files then reach the run's storage if they were not written there
-    (:mod:`raycomp.train.outputs`). A run in
+    (:mod:`raycomp._internal.train.outputs`). A run in
     local steps first merges the ranks' weights (one last sync of every fragment), so that
     every rank ends with the same model.
 
     Call it at the end of the training function, on every rank. A function that returns
     without it gets a warning, and raycomp finishes the run for it as the worker's
     training thread ends, unless Ray Train shuts the worker down first
-    (:mod:`raycomp.train.finish_watch`)."""
+    (:mod:`raycomp._internal.train.finish_watch`)."""
     return finish_loop(current())
 
 
@@ -230,7 +230,7 @@ def _write_summary(loop: TrainLoop, totals: dict[str, Any]) -> None:
 
     import ray
 
-    from raycomp.train.summary import worker_summary, write_summary
+    from raycomp._internal.train.summary import worker_summary, write_summary
 
     controller: dict[str, Any] = {}
     try:

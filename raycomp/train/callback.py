@@ -18,7 +18,7 @@ __all__ = ["ControllerCallback"]
 
 log = logging.getLogger("raycomp.train")
 
-#: a rank's own file of raycomp's state in a checkpoint (:mod:`raycomp.train.checkpoint`,
+#: a rank's own file of raycomp's state in a checkpoint (:mod:`raycomp._internal.train.checkpoint`,
 #: :mod:`raycomp.integrations.state_files`): every rank writes one, whoever reports
 _RANK_FILE = re.compile(r"^rank\d+\.pt$")
 
@@ -35,8 +35,8 @@ class ControllerCallback(UserCallback):
     """
 
     def __init__(self, controller: ControllerSection | None = None, snapshot_dir: str | None = None) -> None:
+        from raycomp._internal.observe.metrics import SD_DIR
         from raycomp.controllers.service import get_or_create
-        from raycomp.metrics import SD_DIR
 
         c = controller or ControllerSection()
         metrics = {"host": c.metrics_host, "port": c.metrics_port,

@@ -5,7 +5,7 @@ The loop never looks at how the gradients are reduced. It asks a factory
 :func:`raycomp.train.prepare_model`, and from then on only uses the protocol: the model to
 train, the state that carries the plan and the guard's control rows, one call after each
 backward and one after each optimizer step. raycomp's own factory is
-:func:`raycomp.train.default_strategy.raycomp_strategy`. Another factory
+:func:`raycomp._internal.train.default_strategy.raycomp_strategy`. Another factory
 (``prepare_model(..., gradient_strategy=...)``) can put something else in its place, e.g.
 torch's own DDP hooks for a side-by-side benchmark, as long as it keeps the protocol.
 """
@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import torch
 
-from raycomp.ledger import WireLedger
+from raycomp._internal.reduce.stats import LayerStats
+from raycomp._internal.wire.ledger import WireLedger
 from raycomp.plan import Plan
-from raycomp.stats import LayerStats
 from raycomp.train.options import TrainOptions
 
 __all__ = ["GradientState", "GradientStrategy", "GradientStrategyFactory", "StrategySetup"]
@@ -29,7 +29,7 @@ __all__ = ["GradientState", "GradientStrategy", "GradientStrategyFactory", "Stra
 class GradientState(Protocol):
     """What the loop, its guard and its reporter read and steer on a rank: the plan, the
     byte ledger, the statistics and the guard's control rows. Kept by
-    :class:`raycomp.hook.CompressionState` (DDP) and :class:`raycomp.sharded_state.ShardedState`
+    :class:`raycomp._internal.ddp.hook.CompressionState` (DDP) and :class:`raycomp._internal.fsdp.state.ShardedState`
     (FSDP2)."""
 
     ledger: WireLedger
@@ -43,7 +43,7 @@ class GradientState(Protocol):
     #: True: the state keeps, on statistics steps, ``mean_samples`` (layer -> this rank's
     #: sample of its input and of the applied mean), ``stats_plan`` (the plan of that step)
     #: and ``position`` (its place in the reduction), and the guard judges the applied
-    #: mean's error at agreements (:mod:`raycomp.mean_error`). False: each rank's own error
+    #: mean's error at agreements (:mod:`raycomp._internal.reduce.mean_error`). False: each rank's own error
     #: rides in the step's control rows instead
     measures_mean_error: bool
 

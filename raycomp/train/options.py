@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 from pydantic import ValidationError
 
+from raycomp._internal.train.lossy import local_min_gain, lossy_setting
 from raycomp.config import (
     CheckpointSection,
     CompressionSection,
@@ -17,7 +18,6 @@ from raycomp.config import (
     ControllerSection,
     one_line,
 )
-from raycomp.train.lossy import local_min_gain, lossy_setting
 
 __all__ = ["TrainOptions", "resolve_options"]
 
@@ -49,7 +49,7 @@ class TrainOptions:
             Default: the Ray Train run's directory, ``<storage_path>/<name>`` of its
             ``RunConfig``, beside its checkpoints (on remote storage the files are written
             to ``<tmp>/raycomp/<run_id>`` and copied there at :func:`raycomp.train.finish`;
-            :mod:`raycomp.train.outputs`). ``raycomp inspect`` reads them.
+            :mod:`raycomp._internal.train.outputs`). ``raycomp inspect`` reads them.
         run_id: the run's key at the controller (default: the Ray Train run name, stable
             across worker restarts).
         seed: base seed of the compressors' random draws (same on every rank).
@@ -132,8 +132,8 @@ def resolve_options(options: TrainOptions, optimizer: torch.optim.Optimizer) -> 
     """``options`` as the run uses and registers them, resolved once: the adaptive policy is
     told what raycomp knows of the run, whether it is sharded (``strategy="fsdp"``: int4,
     int8, bf16 or dense per unit, priced as a reduce-scatter) and whether the optimizer
-    suits lossy rungs (``lossy="auto"``, :func:`raycomp.train.lossy.lossy_setting`); local
-    steps' ``min_gain`` (``"auto"``: :func:`raycomp.train.lossy.local_min_gain`)."""
+    suits lossy rungs (``lossy="auto"``, :func:`raycomp._internal.train.lossy.lossy_setting`); local
+    steps' ``min_gain`` (``"auto"``: :func:`raycomp._internal.train.lossy.local_min_gain`)."""
     compression = options.compression
     update: dict[str, Any] = {"lossy": lossy_setting(compression.adaptive, optimizer)}
     if options.strategy == "fsdp":

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycomp.payload import Payload
+from raycomp._internal.wire.payload import Payload
 from raycomp.plan import CompressorSpec
 
 __all__ = [

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from raycomp.bitpack import pack_bits, unpack_bits
+from raycomp._internal.wire.bitpack import pack_bits, unpack_bits
+from raycomp._internal.wire.payload import Payload, pack, unpack_like
 from raycomp.compressors import COMPRESSORS
-from raycomp.payload import Payload, pack, unpack_like
 from tests.gpu.support import (
     CUDA,
     DTYPES,

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raycomp.buckets import bucket_cap_mb
-from raycomp.hook import CompressionState, compression_hook
+from raycomp._internal.ddp.buckets import bucket_cap_mb
+from raycomp._internal.ddp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
 from tests.gpu.models import kjv_transformer
 from tests.gpu.ranks import Check, Nccl, TwoRanks
@@ -129,7 +129,7 @@ def test_hook_on_the_callers_cuda_stream(ranks: Nccl | TwoRanks, plan: str, asyn
 CPU_RUN = """
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from raycomp.hook import CompressionState, compression_hook
+from raycomp._internal.ddp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
 from tests.gpu.models import kjv_transformer
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)

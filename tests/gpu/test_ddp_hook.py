@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raycomp.buckets import bucket_cap_mb
-from raycomp.hook import CompressionState, compression_hook
+from raycomp._internal.ddp.buckets import bucket_cap_mb
+from raycomp._internal.ddp.hook import CompressionState, compression_hook
 from raycomp.plan import DENSE, CompressorSpec, Plan
 from tests.gpu.models import mixed_model
 from tests.gpu.ranks import Check, Nccl, TwoRanks

@@ -1,4 +1,4 @@
-"""raycomp.train's way of reducing a DDP model on CUDA (:mod:`raycomp.ddp_sync`): a dense
+"""raycomp.train's way of reducing a DDP model on CUDA (:mod:`raycomp._internal.ddp.ddp_sync`): a dense
 step is DDP's own reduction (a statistics step reads each rank's own gradient norms on the
 way), the hook joins at the first compressed step; the means are DDP's own bit for bit where
 the plan is dense, and the same on every rank throughout."""
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raycomp.ddp_sync import DdpSync
-from raycomp.hook import CompressionState
+from raycomp._internal.ddp.ddp_sync import DdpSync
+from raycomp._internal.ddp.hook import CompressionState
 from raycomp.plan import Plan
 from tests.gpu.ranks import Check, Nccl, TwoRanks
 from tests.gpu.support import same_on_every_rank

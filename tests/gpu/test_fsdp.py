@@ -31,11 +31,11 @@ _PLAIN_FAILURES: dict[bool, str] = {}
 
 
 def need_fsdp(own_all_gather: bool) -> None:
-    """Skips where this torch cannot run ``raycomp.sharded`` under FSDP2."""
+    """Skips where this torch cannot run ``raycomp._internal.fsdp.reduce_scatter`` under FSDP2."""
     try:
-        import raycomp.sharded  # noqa: F401
+        import raycomp._internal.fsdp.reduce_scatter  # noqa: F401
     except ImportError as error:
-        pytest.skip(f"torch {torch.__version__}: raycomp.sharded does not import ({error})")
+        pytest.skip(f"torch {torch.__version__}: raycomp._internal.fsdp.reduce_scatter does not import ({error})")
     from torch.distributed.fsdp import FSDPModule
 
     if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
@@ -114,7 +114,7 @@ def fsdp_train(device: torch.device, rank: int, world: int, label: str, own_all_
     need_fsdp(own_all_gather)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from raycomp.sharded import compress_fsdp
+    from raycomp._internal.fsdp.reduce_scatter import compress_fsdp
 
     name, bf16_params = VARIANTS[label]
     if name is None and plain_reason:
@@ -171,7 +171,7 @@ def sharded_state(device: torch.device, rank: int, world: int, own_all_gather: b
     own where FSDP calls none), every rank's row on every rank, statistics at the stats
     step, a NaN on the last rank flagged everywhere; the host syncs of a step."""
     need_fsdp(own_all_gather)
-    from raycomp.sharded_state import ShardedState
+    from raycomp._internal.fsdp.state import ShardedState
 
     model = sharded_model(device)
     _shard(model, device, world, own_all_gather)

@@ -1,4 +1,4 @@
-"""Local steps (:class:`raycomp.local.LocalSteps`) on CUDA: the outer step on the averaged,
+"""Local steps (:class:`raycomp._internal.local.LocalSteps`) on CUDA: the outer step on the averaged,
 compressed pseudo-gradient, the default schedule (one fragment, each sync on the wire for
 one inner step) drained and resumed, the staggered fragments with a delay, BatchNorm
 buffers, a non-finite pseudo-gradient, and resuming from a checkpoint loaded on the CPU.
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raycomp.local import LocalSteps, nesterov_outer, resolve_delay
+from raycomp._internal.local import LocalSteps, nesterov_outer, resolve_delay
 from raycomp.plan import Plan
 from tests.gpu.ranks import Check, Nccl, TwoRanks
 from tests.gpu.support import count_syncs, cpu_copy, rel_err, same, same_on_every_rank, sites

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raycomp.hook import CompressionState, compression_hook
+from raycomp._internal.ddp.hook import CompressionState, compression_hook
 from raycomp.plan import Plan
 from tests.gpu.ranks import Check, Nccl, TwoRanks
 from tests.gpu.support import count_syncs, same_on_every_rank, sites

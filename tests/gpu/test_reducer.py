@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from raycomp._internal.reduce.reducer import CompressedReducer
 from raycomp.plan import Plan
-from raycomp.reducer import CompressedReducer
 from tests.gpu.ranks import Check, Nccl, TwoRanks
 from tests.gpu.support import (
     CUDA,
@@ -145,9 +145,9 @@ def test_nccl_refuses_cpu_tensors() -> None:
 
 @pytest.mark.usefixtures("nccl_group")
 def test_timeout_of_reads_a_new_nccl_groups_timeout() -> None:
-    """``raycomp.ddp.timeout_of``: the hook's own group takes DDP's timeout; on NCCL the
+    """``raycomp._internal.ddp.torch_ddp.timeout_of``: the hook's own group takes DDP's timeout; on NCCL the
     options sit behind the CUDA device."""
-    from raycomp.ddp import timeout_of
+    from raycomp._internal.ddp.torch_ddp import timeout_of
 
     wanted = datetime.timedelta(seconds=77)
     got = timeout_of(dist.new_group(timeout=wanted))

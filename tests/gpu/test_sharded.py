@@ -1,4 +1,4 @@
-""":class:`raycomp.sharded.CompressedReduceScatter` on CUDA, called as FSDP2 calls it: the
+""":class:`raycomp._internal.fsdp.reduce_scatter.CompressedReduceScatter` on CUDA, called as FSDP2 calls it: the
 shard each rank receives against the true mean of every rank's input (computed here,
 without a collective), and resumed from a state loaded on the CPU."""
 
@@ -22,11 +22,11 @@ LOSSY = ("sign", "qsgd", "terngrad")  # finite, on the device, error noted
 
 
 def need_sharded() -> None:
-    """Skips where this torch cannot run ``raycomp.sharded``."""
+    """Skips where this torch cannot run ``raycomp._internal.fsdp.reduce_scatter``."""
     try:
-        import raycomp.sharded  # noqa: F401
+        import raycomp._internal.fsdp.reduce_scatter  # noqa: F401
     except ImportError as error:
-        pytest.skip(f"torch {torch.__version__}: raycomp.sharded does not import ({error})")
+        pytest.skip(f"torch {torch.__version__}: raycomp._internal.fsdp.reduce_scatter does not import ({error})")
 
 
 def _input(rank: int, world: int, step: int = 0) -> torch.Tensor:
@@ -42,7 +42,7 @@ def reduce_scatter(device: torch.device, rank: int, world: int, name: str) -> st
     """The shard's error against the true mean (bounded for the near-lossless ones), on the
     device; on gloo also the same call on CPU tensors; SUM for the dense plan; the syncs."""
     need_sharded()
-    from raycomp.sharded import CompressedReduceScatter
+    from raycomp._internal.fsdp.reduce_scatter import CompressedReduceScatter
 
     group = dist.group.WORLD
     mine = _mine(rank, world)
@@ -82,7 +82,7 @@ def reduce_scatter(device: torch.device, rank: int, world: int, name: str) -> st
 def bf16_reduce_scatter(device: torch.device, rank: int, world: int) -> str:
     """FSDP with ``reduce_dtype=bf16`` hands the comm bf16 tensors: int8 in and out."""
     need_sharded()
-    from raycomp.sharded import CompressedReduceScatter
+    from raycomp._internal.fsdp.reduce_scatter import CompressedReduceScatter
 
     comm = CompressedReduceScatter(CompressorSpec.of("int8"), name="unit", rank=rank)
     out = comm.allocate((N,), dtype=torch.bfloat16, device=device)
@@ -97,7 +97,7 @@ def resume(device: torch.device, rank: int, world: int, name: str) -> str:
     """A comm's state saved after two calls and loaded on the CPU (sign: a residual; qsgd:
     random draws) resumes bit for bit like the run that never stopped."""
     need_sharded()
-    from raycomp.sharded import CompressedReduceScatter
+    from raycomp._internal.fsdp.reduce_scatter import CompressedReduceScatter
 
     group = dist.group.WORLD
     first = CompressedReduceScatter(CompressorSpec.of(name, **PARAMS[name]), name="unit", rank=rank)

@@ -14,10 +14,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from jobs.models import char_transformer, lm_loss
-from raycomp.buckets import bucket_cap_mb
-from raycomp.ddp_sync import DdpSync, Way
-from raycomp.hook import CompressionState, compression_hook
-from raycomp.local import LocalSteps
+from raycomp._internal.ddp.buckets import bucket_cap_mb
+from raycomp._internal.ddp.ddp_sync import DdpSync, Way
+from raycomp._internal.ddp.hook import CompressionState, compression_hook
+from raycomp._internal.local import LocalSteps
 from raycomp.plan import Plan
 from tests.gpu.models import rule_tokens
 from tests.gpu.support import CUDA
@@ -38,7 +38,7 @@ RUNS = {  # label: (plan, or None for plain DDP; raycomp.bucket_cap_mb's buckets
     "plain-ddp-fp16-autocast": (None, False, True),
     "hook-topk-1%-fp16-autocast": (Plan.uniform("topk", ratio=0.01), False, True),
 }
-#: runs that go through raycomp.train's way of reducing a DDP model (raycomp.ddp_sync: DDP's
+#: runs that go through raycomp.train's way of reducing a DDP model (raycomp._internal.ddp.ddp_sync: DDP's
 #: own reduction while the plan is dense), not the hook registered by hand
 SYNCED = {"sync-dense"}
 
@@ -134,7 +134,7 @@ def test_char_transformer_trains_with_local_steps(tokens: torch.Tensor, note: Ca
 @pytest.mark.usefixtures("nccl_group")
 def test_a_dense_plan_steps_like_plain_ddp_in_blocks_in_turn(tokens: torch.Tensor,
                                                              note: Callable[[str], None]) -> None:
-    """Plain DDP, raycomp.train's way on a dense plan (:mod:`raycomp.ddp_sync`: DDP's own
+    """Plain DDP, raycomp.train's way on a dense plan (:mod:`raycomp._internal.ddp.ddp_sync`: DDP's own
     reduction) and the hook registered by hand on a dense plan, stepped in blocks in turn
     (the order reversed every pair) on the same batches: the median over pairs of each
     one's block time against plain DDP's is noted (the 5% goal lives in docs/gpu.md, not

@@ -83,7 +83,10 @@ def copy_repo(repo: Path, files: list[str], dest: Path) -> None:
     for f in files:
         target = dest / f
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(repo / f, target)
+        if (repo / f).is_symlink():  # raycomp/controllers: the copy links to its own controllers/
+            target.symlink_to(os.readlink(repo / f))
+        else:
+            shutil.copy2(repo / f, target)
 
 
 def missing_test_files(m: Mutant, root: Path) -> list[str]:

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from raycomp.train.ddp_strategy import DdpStrategy, ddp_hook_strategy
+from raycomp._internal.train.ddp_strategy import DdpStrategy, ddp_hook_strategy
 from raycomp.train.gradient_strategy import StrategySetup
 
 
 class ObservedStrategy:
-    """:class:`~raycomp.train.ddp_strategy.DdpStrategy`'s protocol, delegated; ``calls`` holds
+    """:class:`~raycomp._internal.train.ddp_strategy.DdpStrategy`'s protocol, delegated; ``calls`` holds
     ``(reductions so far, applied)`` per ``after_optimizer_step``."""
 
     def __init__(self, inner: DdpStrategy) -> None:
@@ -43,5 +43,5 @@ class ObservedStrategy:
 
 
 def observed_ddp_hook_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: StrategySetup) -> Any:
-    """A ``gradient_strategy`` factory: :func:`raycomp.train.ddp_strategy.ddp_hook_strategy`, observed."""
+    """A ``gradient_strategy`` factory: :func:`raycomp._internal.train.ddp_strategy.ddp_hook_strategy`, observed."""
     return ObservedStrategy(ddp_hook_strategy(model, optimizer, setup))

@@ -11,7 +11,7 @@ the originals are restored on exit. Calls from every thread of the process are r
 (the DDP hook communicates on a background thread).
 
 Each call is converted into the bytes this rank *transmits* by :func:`transmitted_bytes`,
-under the traffic model documented in ``raycomp.transports`` — it depends only on the
+under the traffic model documented in ``raycomp._internal.transports`` — it depends only on the
 collective, its tensor and the group size, never on what the bytes encode:
 
 =========================  ==========================================================

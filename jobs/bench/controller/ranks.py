@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from jobs.bench.controller.stats import percentile
-from raycomp.train.reporter import MAX_REPORTS_IN_FLIGHT  # the workers' backpressure, mirrored here
+from raycomp._internal.train.reporter import (
+    MAX_REPORTS_IN_FLIGHT,  # the workers' backpressure, mirrored here
+)
 
 __all__ = [
     "LATENCY_SAMPLE_CAP", "LAYER_NUMEL", "MAX_REPORTS_IN_FLIGHT", "PHASE_STEPS", "TOPK_RATIOS", "WINDOW_STEPS",

@@ -188,7 +188,7 @@ def render_markdown(res: dict[str, Any], command: str, info: dict[str, Any]) -> 
         f"- {cfg['generators']} load-generator actors (`num_cpus=0`) each drive their ranks from one "
         "thread: report k of a rank is due at start + k / rate and submitted fire-and-forget "
         + (f"unless that rank has {cfg['max_in_flight']} reports unanswered, in which case it is dropped "
-           "and counted, exactly as a worker's session does (`raycomp.train.reporter.MAX_REPORTS_IN_FLIGHT`). "
+           "and counted, exactly as a worker's session does (`raycomp._internal.train.reporter.MAX_REPORTS_IN_FLIGHT`). "
            if cfg.get("max_in_flight") else "whether or not earlier ones were answered (open loop). ")
         + "Reports are valid "
         "`GradStats` dicts (per-layer norms, errors, byte counts, Top-K error profile), step "

@@ -104,7 +104,7 @@ def driver(spec_path: str) -> int:
     from jobs.baselines import one_bucket_cap_mb
     from jobs.config import load_config
     from jobs.workloads import build
-    from raycomp.buckets import ddp_kwargs
+    from raycomp._internal.ddp.buckets import ddp_kwargs
 
     logging.basicConfig(level=logging.WARNING)
     spec = json.loads(Path(spec_path).read_text())

@@ -1,4 +1,4 @@
-"""Elastic resizes: a checkpoint of W workers restored on W' (raycomp.train.resize) and the
+"""Elastic resizes: a checkpoint of W workers restored on W' (raycomp._internal.train.resize) and the
 controller's view of the new size."""
 
 from ..mutant import mutant

@@ -1,4 +1,4 @@
-"""Two-level reduction (raycomp.two_level): the node's exchange, the pieces across nodes, the
+"""Two-level reduction (raycomp._internal.reduce.two_level): the node's exchange, the pieces across nodes, the
 all-gather back, and what rides with them."""
 
 from ..mutant import mutant

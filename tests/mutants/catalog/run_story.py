@@ -22,7 +22,7 @@ MUTANTS = (
         timeout_s=400,
     ),
     mutant(
-        "inspect-hides-why-dense", "raycomp/run_report.py:inspect",
+        "inspect-hides-why-dense", "raycomp/_internal/observe/run_report.py:inspect",
         "    if held:\n",
         "    if False:\n",
         f"{STORY} -k held_dense",
@@ -55,7 +55,7 @@ MUTANTS = (
         "every plan band carries its whole description on one line: narrow bands' labels overlap",
     ),
     mutant(
-        "plot-names-bare-matplotlib", "raycomp/run_report.py:main",
+        "plot-names-bare-matplotlib", "raycomp/_internal/observe/run_report.py:main",
         'print(f"raycomp plot: needs {missing}, not installed: {PLOT_INSTALL}", file=sys.stderr)',
         'print(f"raycomp plot: needs {missing}, not installed: pip install {missing}", file=sys.stderr)',
         f"{STORY} -k plot_without",

@@ -1,5 +1,5 @@
 """Sharded data parallel (FSDP2): the control row, plan installation, residuals, and the two
-levels of a model sharded per node (raycomp.sharded_levels)."""
+levels of a model sharded per node (raycomp._internal.fsdp.two_level)."""
 
 from ..mutant import mutant
 
