@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from jobs.baseline_guard import BaselineGuardState
 from jobs.config import BenchmarkSection
-from jobs.local_guard import LocalGuardState
 from raycomp._internal.train.ddp_strategy import DdpStrategy, compression_state, wrap_ddp
 from raycomp.train.gradient_strategy import StrategySetup
 
@@ -57,7 +57,7 @@ def register_post_local_sgd(model: torch.nn.parallel.DistributedDataParallel, be
 class PostLocalSgdStrategy(DdpStrategy):
     """DDP with ``post_localSGD_hook``; the parameters averaged every H optimizer steps."""
 
-    def __init__(self, model: torch.nn.Module, state: LocalGuardState, averager: object | None) -> None:
+    def __init__(self, model: torch.nn.Module, state: BaselineGuardState, averager: object | None) -> None:
         super().__init__(model, state, hook=None)  # type: ignore[arg-type]
         self.averager = averager
         module = getattr(model, "module", model)
@@ -79,7 +79,7 @@ def post_local_sgd(model: torch.nn.Module, setup: StrategySetup, benchmark: Benc
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     compression = compression_state(model, setup)  # its topology: the node's group, where there are two levels
-    state = LocalGuardState(compression, rank, world, setup.control_group)
+    state = BaselineGuardState(compression, rank, world, setup.control_group)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     levels = compression.levels
     averager = register_post_local_sgd(model, benchmark, levels.intra.handle if levels else None) if ddp else None

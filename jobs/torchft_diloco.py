@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from jobs.baseline_guard import BaselineGuardState
 from jobs.config import BenchmarkSection
-from jobs.local_guard import LocalGuardState
 from raycomp._internal.train.ddp_strategy import compression_state
 from raycomp.train.gradient_strategy import StrategySetup
 
@@ -90,7 +90,7 @@ class DilocoReplica:
             self.lighthouse.shutdown()
 
 
-class _DilocoState(LocalGuardState):
+class _DilocoState(BaselineGuardState):
     """The guard's agreed state; closing it also closes torchft (the loop closes its state)."""
 
     def __init__(self, inner: Any, rank: int, world_size: int, group: Any, replica: DilocoReplica | None) -> None:
@@ -109,7 +109,7 @@ class TorchftDilocoStrategy:
 
     sharded = False
     bucket_cap_mb = None
-    per_step = True  # the loop's guard runs every step (its inputs agreed by LocalGuardState)
+    per_step = True  # the loop's guard runs every step (its inputs agreed by BaselineGuardState)
 
     def __init__(self, model: torch.nn.Module, state: _DilocoState) -> None:
         self.model, self.state = model, state

@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None, schema: type[JobConfig] = JobConfig) -> 
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from jobs.plan_report import intro, outcome
+    from jobs.policy_report import intro, outcome
 
     print("\n".join(intro(config)), flush=True)  # the link the policy plans for
     summary = run(config, run_id, output)

@@ -126,8 +126,7 @@ def test_raycomp_config_markdown_prints_the_reference(capsys):
 
 
 def test_docs_job_configuration_md_is_the_generators_output_and_covers_every_job_section():
-    from jobs.config import JobConfig
-    from jobs.config import reference as job_reference
+    from jobs.config import JobConfig, job_reference
 
     assert (REPO / "docs" / "job-configuration.md").read_text(encoding="utf-8") == job_reference.markdown(), (
         f"docs/job-configuration.md is stale: regenerate it with `{job_reference.REGENERATE}`")
@@ -140,8 +139,7 @@ def test_docs_job_configuration_md_is_the_generators_output_and_covers_every_job
 
 
 def test_the_job_example_yaml_is_a_whole_job_config_at_exactly_the_defaults(capsys):
-    from jobs.config import JobConfig
-    from jobs.config import reference as job_reference
+    from jobs.config import JobConfig, job_reference
 
     assert job_reference.main([]) == 0
     data = yaml.safe_load(capsys.readouterr().out)

@@ -1,6 +1,6 @@
 """The local-step baselines of the benchmark on real gloo processes: torch's post-local SGD
 (``jobs/postlocal_sgd.py``), torchft's DiLoCo (``jobs/torchft_diloco.py``) and the guard's
-agreement when ranks keep their own gradients (``jobs/local_guard.py``); their config errors."""
+agreement when ranks keep their own gradients (``jobs/baseline_guard.py``); their config errors."""
 
 from __future__ import annotations
 
@@ -109,14 +109,14 @@ def test_two_level_post_local_sgd_reduces_inside_the_node_every_step_and_average
 
 # --- the guard's agreement -------------------------------------------------------------------
 def _guard_decisions(rank: int, world: int) -> list[tuple[bool, float, list[list[float]]]]:
-    from jobs.local_guard import LocalGuardState
+    from jobs.baseline_guard import BaselineGuardState
     from raycomp._internal.ddp.hook import CompressionState
     from raycomp._internal.guard import Guard
     from raycomp._internal.train.step_judge import StepJudge
     from raycomp.plan import Plan
 
     model = _model()
-    state = LocalGuardState(CompressionState(model, Plan()), rank, world)
+    state = BaselineGuardState(CompressionState(model, Plan()), rank, world)
     guard = StepJudge(Guard(), state, rank, world)
     out = []
     for step in range(8):
@@ -146,14 +146,14 @@ def test_ranks_with_their_own_gradients_take_the_same_guard_decision():
 
 
 def test_the_guard_sees_the_largest_local_norm_and_every_rank_s_control_row():
-    from jobs.local_guard import LocalGuardState
+    from jobs.baseline_guard import BaselineGuardState
     from raycomp._internal.ddp.hook import CompressionState
     from raycomp.plan import Plan
 
     model = _model()
     for p in model.parameters():
         p.grad = torch.full_like(p, 2.0)
-    state = LocalGuardState(CompressionState(model, Plan()), rank=0, world_size=1)
+    state = BaselineGuardState(CompressionState(model, Plan()), rank=0, world_size=1)
     state.stage_control([1.5, 1.0, 0.25])
     expected = 2.0 * math.sqrt(sum(p.numel() for p in model.parameters()))
     assert state.gradient_norm(list(model.parameters())) == pytest.approx(expected)

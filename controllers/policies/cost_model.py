@@ -82,7 +82,7 @@ class CostModel:
             the families' round overheads are learned from it, so it is not counted
             twice. Set it from a benchmark of the decompressor (payload bytes over
             decompress seconds, ``docs/benchmarks/kernels.json``) to price a W the run
-            is not at, as ``python -m jobs.plan`` does. None: no term of its own; the
+            is not at, as ``python -m jobs.projection`` does. None: no term of its own; the
             decode is then part of the family's measured round overhead, measured at the
             run's own W and forgotten on a resize (:meth:`forget`), so the run's own
             predictions stay consistent but do not extrapolate to another W.

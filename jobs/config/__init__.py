@@ -7,6 +7,17 @@ YAML is parsed with ``yaml.safe_load`` only: a config is data, never code. The s
 worker reads (compression, controller, checkpoint) are raycomp's own (:mod:`raycomp.config`).
 """
 
+from jobs.config.job_sections import (
+    DDP_BASELINES,
+    FSDP_BASELINES,
+    WORKLOAD_MODELS,
+    BenchmarkSection,
+    JobConfig,
+    RunSection,
+    ScalingSection,
+    WorkloadSection,
+    resolve_entrypoint,
+)
 from jobs.config.loading import (
     apply_overrides,
     load_config,
@@ -25,17 +36,6 @@ from jobs.config.preflight import (
     check_writable_file,
     local_cpus,
     train_examples,
-)
-from jobs.config.sections import (
-    DDP_BASELINES,
-    FSDP_BASELINES,
-    WORKLOAD_MODELS,
-    BenchmarkSection,
-    JobConfig,
-    RunSection,
-    ScalingSection,
-    WorkloadSection,
-    resolve_entrypoint,
 )
 from raycomp.config import ConfigError, one_line
 

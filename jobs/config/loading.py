@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from jobs.config.sections import JobConfig
+from jobs.config.job_sections import JobConfig
 from raycomp.config import ConfigError, one_line
 
 __all__ = ["apply_overrides", "load_config", "parse_override", "read_yaml_mapping", "validate"]

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jobs.config.sections import JobConfig
+from jobs.config.job_sections import JobConfig
 from raycomp.config import ConfigError
 
 __all__ = ["DIGITS_TRAIN_EXAMPLES", "check_cluster_fits", "check_controller_paths", "check_metrics_endpoint",

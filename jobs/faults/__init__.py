@@ -26,7 +26,7 @@ import torch
 from pydantic import Field, model_validator
 
 from jobs.config import JobConfig
-from jobs.config.sections import Section
+from jobs.config.job_sections import Section
 
 __all__ = ["DrillConfig", "FaultInjector", "FaultsSection"]
 

@@ -23,7 +23,7 @@ from jobs.config import (
     read_yaml_mapping,
     validate,
 )
-from jobs.config.sections import Section
+from jobs.config.job_sections import Section
 from jobs.tune.space import domain_values, flatten_search, set_key
 
 __all__ = ["OBJECTIVE_MODES", "AshaSection", "BaseSection", "ObjectiveSection", "TunePlan", "TuneSpec",

@@ -1,7 +1,7 @@
 """What would the adaptive policy choose, and gain, on a cluster this machine is not? A
 projection on paper.
 
-    python -m jobs.plan --config jobs/configs/gpt_kjv.yaml --workers 64 --link 25gbit \\
+    python -m jobs.projection --config jobs/configs/gpt_kjv.yaml --workers 64 --link 25gbit \\
         --compute-ms 120 [--round-ms 1] [--decode-rate 3.4e7] [--lossy auto|always|never] [--intervals 30]
 
 It runs the controller's own adaptive policy (the cost model, ladders and chooser the
@@ -132,12 +132,12 @@ def project(shapes: dict[str, tuple[int, ...]], setting: Setting, intervals: int
     options = {"bandwidth": setting.bandwidth, "round_seconds": setting.round_seconds, "warmup": "dense",
                "lossy": setting.lossy, "decode_rate": setting.decode_rate}
     controller = Controller()
-    controller.register_run("plan", w, {n: list(s) for n, s in shapes.items()}, "adaptive", options, 0, INTERVAL,
+    controller.register_run("projection", w, {n: list(s) for n, s in shapes.items()}, "adaptive", options, 0, INTERVAL,
                             MIN_COMPRESS_NUMEL)
     step, wire_total, dense_total = -1, 0.0, 0.0
     dense_step = sum(layer_bytes("none", {}, math.prod(s), s, w) for s in shapes.values())
     for _ in range(intervals):
-        plan: Plan = controller.runs["plan"].plan
+        plan: Plan = controller.runs["projection"].plan
         step += INTERVAL
         layers, wire, decoded, kinds = [], 0.0, 0.0, set()
         for name, shape in shapes.items():
@@ -157,12 +157,12 @@ def project(shapes: dict[str, tuple[int, ...]], setting: Setting, intervals: int
         dense_total += dense_step * INTERVAL
         for rank in range(w):
             controller.ingest({
-                "run_id": "plan", "rank": rank, "step": step, "epoch": 0, "plan_version": plan.version,
+                "run_id": "projection", "rank": rank, "step": step, "epoch": 0, "plan_version": plan.version,
                 "loss": 1.0, "step_seconds": setting.compute + comm, "compute_seconds": setting.compute,
                 "comm_seconds": comm, "samples_per_second": 1000.0, "wire_bytes": wire_total,
                 "dense_bytes": dense_total, "layers": layers})
-    plan = controller.runs["plan"].plan
-    details = controller.policies["plan"].details()
+    plan = controller.runs["projection"].plan
+    details = controller.policies["projection"].details()
     predicted = details["predicted_step_s"]
     dense = setting.compute + dense_step / setting.bandwidth
     chosen = predicted[details["shift"]] if details["shift"] is not None and not details["dense"] else dense
@@ -186,7 +186,7 @@ def _workload(config: str) -> tuple[dict[str, tuple[int, ...]], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.projection", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a job config whose workload's model to project")
     parser.add_argument("--workers", type=int, required=True, help="ranks W (2 or more)")
     parser.add_argument("--link", required=True, help="per-rank link rate, e.g. 100mbit, 25gbit")
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         setting = Setting(args.workers, rate / 8, args.compute_ms / 1000, args.round_ms / 1000,
                           lossy if args.lossy == "auto" else args.lossy, args.error, decode_rate)
     except (ValueError, OSError) as error:
-        print(f"python -m jobs.plan: {error}", file=sys.stderr)
+        print(f"python -m jobs.projection: {error}", file=sys.stderr)
         return 2
     out = project(shapes, setting, args.intervals)
     print(f"{args.config}: {sum(math.prod(s) for s in shapes.values()):,} parameters, W={args.workers}, "

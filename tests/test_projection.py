@@ -1,4 +1,4 @@
-"""``python -m jobs.plan``: the controller's adaptive policy projected onto W ranks and a
+"""``python -m jobs.projection``: the controller's adaptive policy projected onto W ranks and a
 link this machine is not, on simulated intervals priced by the transports' traffic."""
 
 from __future__ import annotations
@@ -8,7 +8,14 @@ import math
 
 import pytest
 
-from jobs.plan import DECODE_RATE_FALLBACK, KERNELS, Setting, default_decode_rate, main, project
+from jobs.projection import (
+    DECODE_RATE_FALLBACK,
+    KERNELS,
+    Setting,
+    default_decode_rate,
+    main,
+    project,
+)
 
 #: a matrix PowerSGD can shrink, and a large 1-D tensor only Top-K (an all-gather) or the
 #: near-lossless rungs can
@@ -69,14 +76,14 @@ def test_a_bad_decode_rate_is_one_line_and_exit_2(capsys):
         assert main(["--config", "jobs/configs/digits.yaml", "--workers", "4", "--link", "1gbit",
                      "--compute-ms", "10", "--decode-rate", bad]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("python -m jobs.plan: --decode-rate:"), err
+        assert err.count("\n") == 1 and err.startswith("python -m jobs.projection: --decode-rate:"), err
 
 
 def test_bad_input_is_one_line_and_exit_2(capsys):
     assert main(["--config", "jobs/configs/digits.yaml", "--workers", "1", "--link", "1gbit",
                  "--compute-ms", "10"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "python -m jobs.plan: --workers: must be 2 or more, got 1"
+    assert err == "python -m jobs.projection: --workers: must be 2 or more, got 1"
     assert main(["--config", "jobs/configs/digits.yaml", "--workers", "4", "--link", "fast",
                  "--compute-ms", "10"]) == 2
     assert "--link" in capsys.readouterr().err
@@ -101,12 +108,12 @@ def _report(tmp_path, world=4, methods=("dense", "raycomp_int4")):
     return report, path
 
 
-def test_plan_check_prices_the_reports_static_plans_from_what_it_measured(tmp_path):
-    from jobs import plan_check
-    from jobs.plan import _workload
+def test_projection_check_prices_the_reports_static_plans_from_what_it_measured(tmp_path):
+    from jobs import projection_check
+    from jobs.projection import _workload
 
     report, _ = _report(tmp_path)
-    rows = plan_check.check(report)
+    rows = projection_check.check(report)
     assert [r[2] for r in rows[:2]] == ["dense (static)", "raycomp_int4 (static)"]
     shapes, _ = _workload("jobs/configs/digits.yaml")
     numel = sum(math.prod(s) for s in shapes.values())
@@ -116,17 +123,17 @@ def test_plan_check_prices_the_reports_static_plans_from_what_it_measured(tmp_pa
     assert rows[1][3] < rows[0][3] and rows[1][4] == pytest.approx(200.0)
     assert rows[2][2].startswith("the projection's choice") and rows[2][4] is None
     # at two ranks the ring moves (W-1)/W of what it moves at four, per byte: 1 against 1.5
-    two = plan_check.check(_report(tmp_path, world=2)[0])
+    two = projection_check.check(_report(tmp_path, world=2)[0])
     assert (two[0][3] - 100.0) == pytest.approx((rows[0][3] - 100.0) / 1.5)
-    assert [r[2] for r in plan_check.check(_report(tmp_path, methods=("dense",))[0])][:1] == ["dense (static)"]
+    assert [r[2] for r in projection_check.check(_report(tmp_path, methods=("dense",))[0])][:1] == ["dense (static)"]
 
 
-def test_plan_check_prints_a_table_and_a_bad_report_is_one_line(tmp_path, capsys):
-    from jobs import plan_check
+def test_projection_check_prints_a_table_and_a_bad_report_is_one_line(tmp_path, capsys):
+    from jobs import projection_check
 
     _, path = _report(tmp_path)
-    assert plan_check.main([str(path)]) == 0
+    assert projection_check.main([str(path)]) == 0
     assert "| mlp 4x1 | 4 | dense (static) |" in capsys.readouterr().out
-    assert plan_check.main([str(tmp_path / "missing.json")]) == 2
+    assert projection_check.main([str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m jobs.plan_check: ") and "\n" not in err
+    assert err.startswith("python -m jobs.projection_check: ") and "\n" not in err

@@ -8,7 +8,7 @@ its warm-up, torchft's DiLoCo) gives each rank a norm of its own: ranks that jud
 different norms could skip different steps, and the next control boundary would find them
 disagreeing (``PlanMismatchError``).
 
-:class:`LocalGuardState` wraps the rank's state and makes that one small all-reduce carry two
+:class:`BaselineGuardState` wraps the rank's state and makes that one small all-reduce carry two
 more numbers per rank: its local gradient norm and whether its gradient is finite. The guard
 then sees, on every rank, the largest norm of any rank (NaN if any rank's gradient is not
 finite): the same decision everywhere, with no collective added to the step.
@@ -27,10 +27,10 @@ from raycomp._internal.reduce.stats import LayerStats
 from raycomp._internal.wire.ledger import WireLedger
 from raycomp.plan import Plan
 
-__all__ = ["LocalGuardState"]
+__all__ = ["BaselineGuardState"]
 
 
-class LocalGuardState:
+class BaselineGuardState:
     """A :class:`~raycomp.train.gradient_strategy.GradientState` over ``inner`` (a
     :class:`~raycomp._internal.ddp.hook.CompressionState` whose hook is not raycomp's) whose
     :meth:`gradient_norm` agrees across ranks.

@@ -1,6 +1,6 @@
-"""``python -m jobs.plan``'s step model checked against the steps an end-to-end report measured.
+"""``python -m jobs.projection``'s step model checked against the steps an end-to-end report measured.
 
-    python -m jobs.plan_check docs/benchmarks/e2e-cnn-100mbit.json docs/benchmarks/e2e-cnn-4x1-100mbit.json
+    python -m jobs.projection_check docs/benchmarks/e2e-cnn-100mbit.json docs/benchmarks/e2e-cnn-4x1-100mbit.json
 
 For each report it feeds the projection what the run measured -- W, the link's measured
 rate, the step without communication as the compute, ``--round-ms`` and ``--decode-rate`` at
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.bench.report import markdown_table
-from jobs.plan import (
+from jobs.projection import (
     MIN_COMPRESS_NUMEL,
     ROUND_MS,
     Setting,
@@ -76,7 +76,7 @@ def check(report: dict[str, Any]) -> list[list[Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.plan_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.projection_check", description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", help="end-to-end report JSON files (docs/benchmarks/e2e-*.json)")
     args = parser.parse_args(argv)
     rows = []
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             report = json.loads(Path(path).read_text())
             rows += check(report)
         except (OSError, ValueError, KeyError, TypeError) as error:
-            print(f"python -m jobs.plan_check: {path}: {error}", file=sys.stderr)
+            print(f"python -m jobs.projection_check: {path}: {error}", file=sys.stderr)
             return 2
     print(markdown_table(["report", "W", "plan", "predicted ms", "measured ms", "error"],
                          [[r[0], r[1], r[2], f"{r[3]:.0f}", "—" if r[4] is None else f"{r[4]:.0f}",

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from jobs.config import load_config
-from jobs.plan_report import chosen, intro, link, outcome
-from tests.conftest import REPO
+from jobs.policy_report import chosen, intro, link, outcome
+from tests.support.repo import REPO
 
 FASHION = str(REPO / "jobs" / "configs" / "fashion_mnist.yaml")
 

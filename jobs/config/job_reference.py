@@ -3,8 +3,8 @@
 
 ::
 
-    python -m jobs.config.reference               # a job config at every default, commented
-    python -m jobs.config.reference --markdown    # docs/job-configuration.md
+    python -m jobs.config.job_reference               # a job config at every default, commented
+    python -m jobs.config.job_reference --markdown    # docs/job-configuration.md
 
 The Markdown covers the sections only a job has (run, workload, scaling, benchmark); the
 worker-side ones are in docs/configuration.md (``raycomp config --markdown``). The YAML
@@ -17,13 +17,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jobs.config.sections import BenchmarkSection, RunSection, ScalingSection, WorkloadSection
+from jobs.config.job_sections import BenchmarkSection, RunSection, ScalingSection, WorkloadSection
 from raycomp.config import reference
 
 __all__ = ["JOB_SECTIONS", "OWN_SECTIONS", "REGENERATE", "example_yaml", "main", "markdown"]
 
 #: the command that writes docs/job-configuration.md
-REGENERATE = "python -m jobs.config.reference --markdown > docs/job-configuration.md"
+REGENERATE = "python -m jobs.config.job_reference --markdown > docs/job-configuration.md"
 
 #: the sections only a job config has
 OWN_SECTIONS = (("run", RunSection), ("workload", WorkloadSection), ("scaling", ScalingSection),
@@ -35,7 +35,7 @@ _INTRO = """\
 The sections a job config of `python -m jobs.train` has besides raycomp's own
 `compression`, `controller` and `checkpoint`, which [configuration.md](configuration.md)
 documents. A job config is YAML (`--config FILE`) plus `key=value` overrides, validated
-before Ray is touched. `python -m jobs.config.reference > my.yaml` writes a whole job
+before Ray is touched. `python -m jobs.config.job_reference > my.yaml` writes a whole job
 config at its defaults, each field with its meaning."""
 
 _HEADER = """\
@@ -54,7 +54,7 @@ def example_yaml() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.config.reference", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m jobs.config.job_reference", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--markdown", action="store_true", help="the reference of the job's own sections")
     args = parser.parse_args(argv)
