@@ -67,9 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    if args.command in ("inspect", "plot"):
+    if args.command == "inspect":
         from raycomp._internal.observe import run_report
         return run_report.main(args)
+    if args.command == "plot":
+        from raycomp._internal.observe import run_plot
+        return run_plot.main(args)
     if args.command == "dashboard":
         from raycomp._internal.observe import dashboard
         return dashboard.main(args)

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from raycomp import cli
-from raycomp._internal.observe import run_report
-from raycomp.controllers.policies.reasons import AdaptiveWhy
+from raycomp._internal.observe import run_files, run_plot, run_report
+from raycomp.controllers.policies.adaptive_why import AdaptiveWhy
 from tests.support.run_story import held_dense, write_run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def test_plot_draws_bytes_from_zero_and_plan_labels_that_do_not_overlap(tmp_path
     import matplotlib.pyplot as plt
 
     _guarded_run(tmp_path / "run")
-    fig = run_report.figure(run_report.load(tmp_path / "run"))
+    fig = run_plot.figure(run_files.load(tmp_path / "run"))
     try:
         _, bytes_ax, plan_ax = fig.axes[:3]
         assert bytes_ax.get_yscale() == "linear" and bytes_ax.get_ylim()[0] == 0

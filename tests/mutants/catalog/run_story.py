@@ -55,7 +55,7 @@ MUTANTS = (
         "every plan band carries its whole description on one line: narrow bands' labels overlap",
     ),
     mutant(
-        "plot-names-bare-matplotlib", "raycomp/_internal/observe/run_report.py:main",
+        "plot-names-bare-matplotlib", "raycomp/_internal/observe/run_plot.py:main",
         'print(f"raycomp plot: needs {missing}, not installed: {PLOT_INSTALL}", file=sys.stderr)',
         'print(f"raycomp plot: needs {missing}, not installed: pip install {missing}", file=sys.stderr)',
         f"{STORY} -k plot_without",
@@ -76,7 +76,7 @@ MUTANTS = (
         "the plan timeline's header counts 2 switches above 7 rows",
     ),
     mutant(
-        "bytes-rows-merge-a-plan-s-stretches", "_levels",
+        "bytes-rows-merge-a-plan-s-stretches", "_stretches",
         "                stretch, previous = stretch + 1, plan\n",
         "                previous = plan\n",
         f"{STORY} -k counts_what",
