@@ -1,5 +1,5 @@
 """torch's own gradient communication, the baselines raycomp is measured against: a
-gradient-sync factory (:func:`torch_baseline`) that ``jobs.train`` passes to
+gradient-strategy factory (:func:`torch_baseline`) that ``jobs.train`` passes to
 ``raycomp.train.prepare_model(..., gradient_strategy=...)`` when ``benchmark.baseline`` is set.
 The guard, the controller link, the step log and checkpoints stay raycomp's; its plans are
 then not applied and nothing is counted on the wire. The plan in force stays raycomp's dense

@@ -63,9 +63,9 @@ def test_help_shows_how_to_use_the_search_not_the_module_map(capsys):
 
 
 def test_the_transformer_search_covers_local_steps_and_a_trial_gets_them():
-    plan = tune.load_tune_config(REPO / "jobs" / "configs" / "tune_gpt.yaml", output="/nonexistent/never-created")
-    assert {"compression.local.mode", "compression.local.sync_every"} <= plan.search.keys()
-    config = tune.trial_config(plan.base, "sampled", {"compression.local.mode": "fixed",
+    tuning = tune.load_tune_config(REPO / "jobs" / "configs" / "tune_gpt.yaml", output="/nonexistent/never-created")
+    assert {"compression.local.mode", "compression.local.sync_every"} <= tuning.search.keys()
+    config = tune.trial_config(tuning.base, "sampled", {"compression.local.mode": "fixed",
                                                       "compression.local.sync_every": 16})
     assert (config.compression.local.mode, config.compression.local.sync_every) == ("fixed", 16)
 

@@ -25,8 +25,8 @@ from jobs.tune.cli import main, prepare, run
 from jobs.tune.objective import METRIC, Objective
 from jobs.tune.results import pareto_front
 from jobs.tune.space import flatten_search, trial_config
-from jobs.tune.spec import ObjectiveSection, TunePlan, TuneSpec, load_tune_config
+from jobs.tune.spec import ObjectiveSection, TuneSetup, TuneSpec, load_tune_config
 from jobs.tune.trials import RunRegistry
 
-__all__ = ["METRIC", "Objective", "ObjectiveSection", "RunRegistry", "TunePlan", "TuneSpec", "flatten_search",
+__all__ = ["METRIC", "Objective", "ObjectiveSection", "RunRegistry", "TuneSetup", "TuneSpec", "flatten_search",
            "load_tune_config", "main", "pareto_front", "prepare", "run", "trial_config"]

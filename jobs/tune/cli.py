@@ -14,7 +14,7 @@ from jobs.config import ConfigError
 from jobs.tune.objective import METRIC
 from jobs.tune.results import report
 from jobs.tune.search import search
-from jobs.tune.spec import TunePlan, load_tune_config
+from jobs.tune.spec import TuneSetup, load_tune_config
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "main", "parse_args", "prepare", "run"]
 
@@ -36,11 +36,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prepare(argv: list[str] | None = None) -> TunePlan:
+def prepare(argv: list[str] | None = None) -> TuneSetup:
     """Everything that can fail on bad input, before Ray is touched."""
     args = parse_args(argv)
-    plan = load_tune_config(args.config, args.overrides, args.output, args.name)
-    saved = plan.exp_dir / "tune_config.json"
+    tuning = load_tune_config(args.config, args.overrides, args.output, args.name)
+    saved = tuning.exp_dir / "tune_config.json"
     if saved.exists():
         try:
             before = json.loads(saved.read_text())
@@ -49,40 +49,40 @@ def prepare(argv: list[str] | None = None) -> TunePlan:
         if not (isinstance(before, dict) and isinstance(before.get("spec"), dict) and "base" in before):
             raise ConfigError(f"output: {str(saved)!r} is unreadable or not a tune config; use another "
                               "--name or --output, or delete that folder to start over")
-        if before != json.loads(json.dumps(plan.fingerprint())):
-            changed = sorted(k for k in before["spec"] if before["spec"].get(k) != plan.fingerprint()["spec"].get(k))
-            if before["base"] != plan.fingerprint()["base"]:
+        if before != json.loads(json.dumps(tuning.fingerprint())):
+            changed = sorted(k for k in before["spec"] if before["spec"].get(k) != tuning.fingerprint()["spec"].get(k))
+            if before["base"] != tuning.fingerprint()["base"]:
                 changed.append("base config")
             raise ConfigError(
-                f"output: {str(plan.exp_dir)!r} holds a search with a different config "
+                f"output: {str(tuning.exp_dir)!r} holds a search with a different config "
                 f"(changed: {', '.join(changed) or 'search space'}); use another --name or --output, "
                 "or delete that folder to start over")
-    return plan
+    return tuning
 
 
-def run(plan: TunePlan) -> dict[str, Any]:
+def run(tuning: TuneSetup) -> dict[str, Any]:
     import ray
 
-    plan.exp_dir.mkdir(parents=True, exist_ok=True)
-    (plan.exp_dir / "tune_config.json").write_text(json.dumps(plan.fingerprint(), indent=2))
+    tuning.exp_dir.mkdir(parents=True, exist_ok=True)
+    (tuning.exp_dir / "tune_config.json").write_text(json.dumps(tuning.fingerprint(), indent=2))
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         ray.init(address=address or "local", log_to_driver=True,
                  runtime_env=None if address else {"env_vars": {"PYTHONPATH": str(REPO)}})
-    grid = search(plan)
-    return report(plan, grid)
+    grid = search(tuning)
+    return report(tuning, grid)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        plan = prepare(argv)
-        outputs = run(plan)
+        tuning = prepare(argv)
+        outputs = run(tuning)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     best = outputs["best"]
-    print(f"search {plan.spec.name}: {outputs['trials']} of {outputs['expected_trials']} trials")
+    print(f"search {tuning.spec.name}: {outputs['trials']} of {outputs['expected_trials']} trials")
     if not outputs["complete"]:
         print(f"search interrupted: partial results in {outputs['results_md']}; "
               "run the same command again to resume it")
@@ -90,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     if best is None:
         print("no trial completed: no best config (see results.md)")
     else:
-        print(f"best: trial {best['trial_id']} ({best['variant']}), {plan.spec.objective.kind} "
-              f"{best[METRIC]:.6g}, {plan.metric_key.replace('_', ' ')} {best[plan.metric_key]:.4f}, "
+        print(f"best: trial {best['trial_id']} ({best['variant']}), {tuning.spec.objective.kind} "
+              f"{best[METRIC]:.6g}, {tuning.metric_key.replace('_', ' ')} {best[tuning.metric_key]:.4f}, "
               f"wire bytes {best['wire_bytes']:.4g}")
         print(f"best config: {outputs['best_config']}")
     print(f"results: {outputs['results_md']} (+ results.csv)")
     print(f"pareto plot: {outputs['pareto_png']}")
-    print(f"output: {plan.exp_dir}")
+    print(f"output: {tuning.exp_dir}")
     return 0 if best is not None else 1

@@ -8,7 +8,7 @@ from typing import Any
 from jobs.config import ConfigError
 from jobs.tune.objective import METRIC, TIME_ATTR
 from jobs.tune.space import to_tune_domain
-from jobs.tune.spec import TunePlan
+from jobs.tune.spec import TuneSetup
 from jobs.tune.trials import (
     RunRegistry,
     ensure_controller,
@@ -22,21 +22,21 @@ __all__ = ["TRIAL_RESOURCES", "search", "trial_cpus"]
 TRIAL_RESOURCES = {"CPU": 0, "memory": 128 * 2**20}  # the trial function (a waiting driver)
 
 
-def trial_cpus(plan: TunePlan) -> float:
-    scaling = plan.base["scaling"]
+def trial_cpus(tuning: TuneSetup) -> float:
+    scaling = tuning.base["scaling"]
     return scaling["num_workers"] * scaling["cpus_per_worker"]
 
 
-def search(plan: TunePlan) -> Any:
+def search(tuning: TuneSetup) -> Any:
     """Run (or resume) the search; returns Tune's ResultGrid."""
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
     from ray.tune.search import BasicVariantGenerator
 
-    spec = plan.spec
+    spec = tuning.spec
     cpus = ray.cluster_resources().get("CPU", 0)
-    need = trial_cpus(plan)
+    need = trial_cpus(tuning)
     if need > cpus:
         raise ConfigError(f"base: scaling: a trial needs {need:g} CPUs "
                           f"(num_workers x cpus_per_worker), the cluster has {cpus:g}")
@@ -48,20 +48,20 @@ def search(plan: TunePlan) -> Any:
     registry_id = registry_name(spec)
     registry = ray.remote(RunRegistry).options(name=registry_id[0], namespace=registry_id[1],
                                                get_if_exists=True, num_cpus=0).remote()
-    setup = {"name": spec.name, "base": plan.base, "runs_dir": str(plan.runs_dir),
+    setup = {"name": spec.name, "base": tuning.base, "runs_dir": str(tuning.runs_dir),
              "objective": spec.objective.scorer(), "registry": list(registry_id)}
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_RESOURCES)
-    callbacks = [stop_train_runs_callback(spec.name, registry_id, plan.epochs),
-                 _progress_callback(plan.metric_key)]
+    callbacks = [stop_train_runs_callback(spec.name, registry_id, tuning.epochs),
+                 _progress_callback(tuning.metric_key)]
 
-    plan.runs_dir.mkdir(parents=True, exist_ok=True)
-    ray.get(ensure_controller(plan).health.remote())  # up, outside any trial's placement group
-    if tune.Tuner.can_restore(str(plan.tuner_dir)):
-        print(f"resuming the search in {plan.tuner_dir}", flush=True)
-        tuner = tune.Tuner.restore(str(plan.tuner_dir), trainable=trainable,
+    tuning.runs_dir.mkdir(parents=True, exist_ok=True)
+    ray.get(ensure_controller(tuning).health.remote())  # up, outside any trial's placement group
+    if tune.Tuner.can_restore(str(tuning.tuner_dir)):
+        print(f"resuming the search in {tuning.tuner_dir}", flush=True)
+        tuner = tune.Tuner.restore(str(tuning.tuner_dir), trainable=trainable,
                                    resume_unfinished=True, resume_errored=False)
     else:
-        scheduler = (ASHAScheduler(time_attr=TIME_ATTR, max_t=plan.epochs,
+        scheduler = (ASHAScheduler(time_attr=TIME_ATTR, max_t=tuning.epochs,
                                    grace_period=spec.asha.grace_period,
                                    reduction_factor=spec.asha.reduction_factor,
                                    stop_last_trials=False)  # finishing trials end on their own
@@ -69,7 +69,7 @@ def search(plan: TunePlan) -> Any:
         tuner = tune.Tuner(
             trainable,
             param_space={"variant": "search",
-                         "params": {key: to_tune_domain(*domain) for key, domain in plan.search.items()}},
+                         "params": {key: to_tune_domain(*domain) for key, domain in tuning.search.items()}},
             tune_config=tune.TuneConfig(
                 metric=METRIC, mode=spec.objective.mode, scheduler=scheduler,
                 # Tune ignores TuneConfig.max_concurrent_trials next to a BasicVariantGenerator
@@ -78,7 +78,7 @@ def search(plan: TunePlan) -> Any:
                     max_concurrent=concurrent, random_state=spec.seed),
                 num_samples=spec.num_samples + len(spec.baselines),  # each point replaces a sample
             ),
-            run_config=tune.RunConfig(name=plan.tuner_dir.name, storage_path=str(plan.exp_dir),
+            run_config=tune.RunConfig(name=tuning.tuner_dir.name, storage_path=str(tuning.exp_dir),
                                       failure_config=tune.FailureConfig(max_failures=0),
                                       callbacks=callbacks, verbose=0),
         )

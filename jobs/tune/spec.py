@@ -26,7 +26,7 @@ from jobs.config import (
 from jobs.config.job_sections import Section
 from jobs.tune.space import domain_values, flatten_search, set_key
 
-__all__ = ["OBJECTIVE_MODES", "AshaSection", "BaseSection", "ObjectiveSection", "TunePlan", "TuneSpec",
+__all__ = ["OBJECTIVE_MODES", "AshaSection", "BaseSection", "ObjectiveSection", "TuneSetup", "TuneSpec",
            "load_tune_config"]
 
 OBJECTIVE_MODES = {"accuracy_at_budget": "max", "loss_at_budget": "min", "bytes_to_target": "min",
@@ -101,7 +101,7 @@ class TuneSpec(Section):
     seed: Annotated[int, Field(ge=0)] = 0  # of the search's random sampling
 
 
-class TunePlan(BaseModel):
+class TuneSetup(BaseModel):
     """A validated tune config, resolved: everything the driver and the trials need."""
 
     spec: TuneSpec
@@ -133,7 +133,7 @@ class TunePlan(BaseModel):
 
 
 def load_tune_config(path: str | Path, overrides: list[str] = (), output: str | None = None,
-                     name: str | None = None) -> TunePlan:
+                     name: str | None = None) -> TuneSetup:
     """Read, validate and resolve a tune config; raises ConfigError (one line)."""
     path = Path(path)
     data = apply_overrides(read_yaml_mapping(path, "tune config"), list(overrides))
@@ -191,4 +191,4 @@ def load_tune_config(path: str | Path, overrides: list[str] = (), output: str | 
             check_metrics_endpoint(c.metrics_host, c.metrics_port)  # the trials' controller binds it here
         except ConfigError as error:
             raise ConfigError(f"base: {error}") from None
-    return TunePlan(spec=spec, base=base, search=search, exp_dir=exp_dir)
+    return TuneSetup(spec=spec, base=base, search=search, exp_dir=exp_dir)

@@ -12,7 +12,7 @@ from typing import Any
 from jobs.config import JobConfig, validate
 from jobs.tune.objective import TIME_ATTR, Objective
 from jobs.tune.space import trial_config
-from jobs.tune.spec import TunePlan, TuneSpec
+from jobs.tune.spec import TuneSetup, TuneSpec
 
 __all__ = ["RunRegistry", "ensure_controller", "finish_run", "registry_name", "run_trial",
            "stop_train_runs_callback"]
@@ -178,12 +178,12 @@ def run_trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
         raise RuntimeError(f"run {run_id} failed: {summary['error']}")
 
 
-def ensure_controller(plan: TunePlan) -> Any:
+def ensure_controller(tuning: TuneSetup) -> Any:
     """Start the controller service from the driver, as ``jobs.train.run`` would: a service
     that cannot start then ends the search before any trial takes CPUs."""
     from jobs.train import controller_for
 
-    return controller_for(validate(plan.base), plan.runs_dir)
+    return controller_for(validate(tuning.base), tuning.runs_dir)
 
 
 def finish_run(config: JobConfig | dict[str, Any], run_id: str, status: str) -> None:

@@ -36,7 +36,7 @@ def layer_names(n: int) -> list[str]:
 
 def grad_norm(layer_index: int, step: int, rank: int) -> float:
     """Half of the layers (alternating every PHASE_STEPS) have a norm that doubles and halves
-    every WINDOW_STEPS steps (critical regime); the others are flat (not critical)."""
+    every WINDOW_STEPS steps (critical regime); the others hold steady (not critical)."""
     moving = (layer_index + step // PHASE_STEPS) % 2 == 0
     base = (2.0 if (step // WINDOW_STEPS) % 2 else 1.0) if moving else 1.0
     return base * (1.0 + 0.001 * rank)

@@ -184,7 +184,7 @@ def render_markdown(res: dict[str, Any], command: str, info: dict[str, Any]) -> 
         f"- {cfg['runs']} runs registered with the `critical` policy (warm-up {cfg['warmup_steps']} steps, "
         f"window {cfg['window_steps']} steps, {cfg['layers']} layers of {cfg['layer_numel']:,} elements); "
         "half of the layers have a gradient norm that doubles and halves (critical), the other half "
-        "is flat, and the halves swap every 100 steps, so plans change during the load.",
+        "holds steady, and the halves swap every 100 steps, so plans change during the load.",
         f"- {cfg['generators']} load-generator actors (`num_cpus=0`) each drive their ranks from one "
         "thread: report k of a rank is due at start + k / rate and submitted fire-and-forget "
         + (f"unless that rank has {cfg['max_in_flight']} reports unanswered, in which case it is dropped "
