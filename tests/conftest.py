@@ -25,23 +25,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-# faster, quieter Ray Train for tests (see shared field notes)
-RAY_TEST_ENV = {
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "120",
-    "PYTHONPATH": str(REPO),
-}
-#: set for the whole session before anything imports ray (see the module docstring)
-SESSION_ENV = {**{k: v for k, v in RAY_TEST_ENV.items() if k != "PYTHONPATH"}, "RAY_AUTH_MODE": "token"}
+from tests.support.ray_env import RAY_TEST_ENV, SESSION_ENV
+from tests.support.repo import REPO
 
 os.environ.update(SESSION_ENV)
 if "ray._raylet" in sys.modules:  # imported before this conftest (a plugin): refresh its cached config
@@ -62,30 +50,6 @@ def ray_cluster():
              runtime_env={"env_vars": RAY_TEST_ENV}, namespace="raycomp-tests")
     yield ray
     ray.shutdown()
-
-
-def fit_with_controller(train_func, tmp_path: Path, prefix: str, max_failures: int = 0,
-                        worker_env: dict[str, str] | None = None):
-    """Rank 0's return value of a 2-worker Ray Train run of ``train_func``, with a controller
-    service of its own (metrics off). ``train_func`` gets ``{"controller": its name,
-    "output_dir": tmp_path / "out"}``; ``max_failures`` worker-group restarts are allowed;
-    ``worker_env``: environment variables the workers start with (before their process
-    group exists, e.g. the wire recorder's ``FLIGHT_RECORDER_ENV``)."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    import raycomp.train
-    from raycomp.config import ControllerSection
-
-    name = f"{prefix}-{tmp_path.name}"[:60]
-    callback = raycomp.train.ControllerCallback(ControllerSection(name=name, metrics_enabled=False))
-    trainer = TorchTrainer(
-        train_func, train_loop_config={"controller": name, "output_dir": str(tmp_path / "out")},
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name=name, storage_path=str(tmp_path), callbacks=[callback],
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             worker_runtime_env={"env_vars": {**RAY_TEST_ENV, **worker_env}} if worker_env else None))
-    return trainer.fit().return_value
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from tests.conftest import REPO
 from tests.distributed import run_distributed
+from tests.support.repo import REPO
 
 pytest.importorskip("accelerate")
 

@@ -7,10 +7,6 @@ per-layer gradient norms, compression errors and bytes)."""
 from __future__ import annotations
 
 import json
-import math
-import random
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 
@@ -21,125 +17,20 @@ from raycomp.controllers.policies import make_policy
 from raycomp.controllers.policies.cost_model import family_rounds
 from raycomp.controllers.service import Controller
 from raycomp.plan import Plan
+from tests.support.policy_sim import (
+    FAST,
+    MEDIUM,
+    SHAPES,
+    SLOW,
+    K,
+    Link,
+    Sim,
+    W,
+    layer_bytes,
+    numel,
+)
 
-#: the digits MLP (hidden 512) plus a large 1-D parameter that PowerSGD cannot take
-SHAPES = {"fc1.weight": [512, 64], "fc1.bias": [512], "fc2.weight": [512, 512], "fc2.bias": [512],
-          "out.weight": [10, 512], "out.bias": [10], "norm.weight": [4096]}
 MATRICES = ("fc1.weight", "fc2.weight", "out.weight")
-K, WARMUP, WINDOW = 5, 20, 20
-W = 2
-#: the ladder the mechanism tests below were worked out on (their byte counts and predicted
-#: steps); the default ladder, int4 first, has its own tests
-TWO_RUNGS = ["int8", "bf16"]
-#: ... and their critical layers' rung: the first near-lossless one, which a boost of 4
-#: reaches from rank 1 past the four ranks. The default boost (2: rank 1 -> rank 4,
-#: Accordion's pair) has its own test
-TO_NEAR_LOSSLESS = 4
-#: ... and no margin for the lossy rungs: the mechanism tests compare plans on time alone. The
-#: default margin has its own test
-ON_TIME_ALONE = 0.0
-#: ... and a dense warm-up: their boundaries count from the first decision. The default
-#: warm-up (near-lossless once the link is timed) has its own tests
-DENSE_WARMUP = "dense"
-
-
-@dataclass
-class Link:
-    bandwidth: float  # bytes/s per rank
-    #: seconds per extra collective round (latency + codec): one figure, or per collective
-    #: family ("powersgd", "topk", "quantized": int8/int4, "bf16")
-    overhead: float | dict[str, float] = 0.002
-    compute: float = 0.05  # seconds per step
-    noise: float = 0.0  # relative jitter of compute and comm, uniform +-
-    #: seconds a compressed step's codec takes on the rank's own thread: counted as compute
-    #: by the rank (it is not waiting for the link), on every step that compresses a layer
-    codec: float = 0.0
-
-
-def numel(shape: list[int]) -> int:
-    return math.prod(shape)
-
-
-def layer_bytes(name: str, spec_name: str, params: dict) -> float:
-    """What raycomp's ledger counts for one rank and step (raycomp._internal.transports)."""
-    shape, n = SHAPES[name], numel(SHAPES[name])
-    if spec_name == "powersgd":
-        rows, cols = shape[0], n // shape[0]
-        return 2 * (W - 1) / W * 4 * (rows + cols) * min(params["rank"], rows, cols)
-    if spec_name == "topk":
-        return (W - 1) * 8 * math.ceil(params["ratio"] * n)
-    if spec_name == "int8":  # raycomp._internal.transports ScalableAllreduce: all-to-all, then all-gather
-        return 2 * (W - 1) / W * (n + 8 * math.ceil(n / 2048))  # W = 2: one all-gather, the same bytes
-    if spec_name == "int4":  # two codes a byte, the same (min, max) per chunk
-        return 2 * (W - 1) / W * (math.ceil(n / 2) + 8 * math.ceil(n / 2048))
-    if spec_name == "int2":  # tests/support/cheap_codec.py: four codes a byte
-        return 2 * (W - 1) / W * (math.ceil(n / 4) + 8 * math.ceil(n / 2048))
-    if spec_name == "bf16":
-        return 2 * (W - 1) / W * 2 * n
-    return 2 * (W - 1) / W * 4 * n
-
-
-class Sim:
-    def __init__(self, errors: dict[str, float] | None = None, **options) -> None:
-        self.options = AdaptiveOptions(**{"window_steps": WINDOW, "near_lossless": TWO_RUNGS,
-                                                "critical_boost": TO_NEAR_LOSSLESS, "lossy_margin": ON_TIME_ALONE,
-                                                "warmup": DENSE_WARMUP, **options}).model_dump(mode="json")
-        self.controller = Controller()
-        self.controller.register_run("run", W, SHAPES, "adaptive", self.options, WARMUP, K, 1024)
-        self.step = -1
-        self.wire = self.dense = 0.0
-        self.errors = errors or {}  # "powersgd r=1" -> relative error the workers measure
-        self.rng = random.Random(0)
-        self.plans: list[Plan] = []  # the plan in force at each boundary
-        # a sharded (FSDP) run: a reduce-scatter sends each element (W-1)/W times, half an
-        # all-reduce's 2(W-1)/W, in one all-to-all per unit whatever it carries
-        self.sharded = bool(options.get("sharded"))
-
-    @property
-    def plan(self) -> Plan:
-        return self.controller.runs["run"].plan
-
-    def run(self, intervals: int, link: Link, norm: Callable[[int, str], float] = lambda s, n: 1.0,
-            steps: int = K, stats: bool = True) -> Plan:
-        """``intervals`` boundaries ``steps`` apart; ``stats=False``: reports without layer
-        statistics (the workers measure them every K steps, so an early boundary has none)."""
-        for _ in range(intervals):
-            plan = self.plan  # workers run the latest published plan for the whole interval
-            self.step += steps
-            layers, wire, kinds = [], 0.0, set()
-            for name, shape in SHAPES.items():
-                spec = plan.spec_for(name)
-                kind = spec.name if numel(shape) >= 1024 and not spec.is_dense else "none"
-                kinds.add(kind)
-                b = layer_bytes(name, kind, dict(spec.params)) * (0.5 if self.sharded else 1)
-                wire += b
-                label = f"powersgd r={dict(spec.params)['rank']}" if kind == "powersgd" else kind
-                layers.append({"layer": name, "compressor": kind, "numel": numel(shape),
-                               "grad_norm": norm(self.step, name),
-                               "compression_error": self.errors.get(label, 0.5) if kind != "none" else 0.0,
-                               "residual_norm": 0.0, "wire_bytes": b * W,
-                               "dense_bytes": layer_bytes(name, "none", {}) * (0.5 if self.sharded else 1)})
-            dense = sum(layer_bytes(n, "none", {}) for n in SHAPES) * (0.5 if self.sharded else 1)
-            rounds = {} if self.sharded else {
-                "powersgd": 2 * ("powersgd" in kinds), "topk": int("topk" in kinds),
-                "quantized": (1 if W == 2 else 2) * bool({"int8", "int4", "int2"} & kinds), "bf16": int("bf16" in kinds)}
-            per_round = link.overhead if isinstance(link.overhead, dict) else dict.fromkeys(rounds, link.overhead)
-            jitter = lambda: 1 + self.rng.uniform(-link.noise, link.noise)  # noqa: E731
-            comm = (wire / link.bandwidth + sum(r * per_round[f] for f, r in rounds.items())) * jitter()
-            compute = (link.compute + link.codec * bool(kinds - {"none"})) * jitter()
-            self.wire += wire * steps
-            self.dense += dense * steps
-            for rank in range(W):
-                assert self.controller.ingest({
-                    "run_id": "run", "rank": rank, "step": self.step, "epoch": 0, "plan_version": plan.version,
-                    "loss": 1.0, "step_seconds": compute + comm, "compute_seconds": compute,
-                    "comm_seconds": comm, "samples_per_second": 1000.0, "wire_bytes": self.wire,
-                    "dense_bytes": self.dense, "layers": layers if stats else []})
-            self.plans.append(self.plan)
-        return self.plan
-
-    def details(self) -> dict:
-        return self.controller.policies["run"].details()
 
 
 def ranks(plan: Plan) -> dict[str, int | float | str | None]:
@@ -151,11 +42,6 @@ def ranks(plan: Plan) -> dict[str, int | float | str | None]:
         params = dict(spec.params)
         out[name] = None if spec.is_dense else params.get("rank", params.get("ratio", spec.name))
     return out
-
-
-SLOW = Link(bandwidth=1.2e6)  # dense comm 1.0 s per step against 0.05 s of compute: ~20x
-MEDIUM = Link(bandwidth=4e6)  # dense comm ~6x compute
-FAST = Link(bandwidth=1e9)  # dense comm 1.2 ms: 0.02x compute
 
 
 def test_default_policy_is_adaptive_and_registered():
@@ -365,7 +251,7 @@ def test_a_lossy_plan_must_be_lossy_margin_faster_than_the_fastest_plan_without_
 
 
 def test_a_dense_choice_is_explained_by_the_compressed_plan_it_could_have_taken():
-    from raycomp.controllers.policies.reasons import AdaptiveWhy
+    from raycomp.controllers.policies.adaptive_why import AdaptiveWhy
 
     # a lossy plan (286 ms) lost the lossy margin, and the fastest that may be chosen (343
     # ms) is within the slack of dense (361 ms): dense, weighed against 343, not 286
@@ -821,9 +707,9 @@ def test_digits_job_on_a_slow_link_starts_on_int4_tries_powersgd_and_keeps_accur
 def test_a_two_level_decision_says_what_each_level_does(monkeypatch):
     """Two nodes of two ranks: the node's link is the one measured and priced (the ranks
     of a node share it); inside each node the exchange is dense."""
-    import tests.test_adaptive_policy as here
+    import tests.support.policy_sim as simulated
 
-    monkeypatch.setattr(here, "W", 4)
+    monkeypatch.setattr(simulated, "W", 4)
     sim = Sim(near_lossless=AdaptiveOptions().near_lossless)
     sim.controller.runs["run"].per_node = 2
     plan = sim.run(4, SLOW)

@@ -13,6 +13,7 @@ import pytest
 
 from jobs.bench.e2e import analysis, judge, methods, report, stats, traces
 from jobs.config import load_config
+from tests.support.bench_records import raw_run, step_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,18 +39,9 @@ def test_target_index_other_run_lengths():
     assert traces.target_index([3, 1], 2.0, True, consecutive=1) == 1
 
 
-def _steps(n: int, pauses: dict[int, float] | None = None, step_s: float = 1.0, t0: float = 100.0):
-    """Step records: step i ends at t0 + (i + 1) * step_s, plus the pauses before it."""
-    out, extra = [], 0.0
-    for i in range(n):
-        extra += (pauses or {}).get(i, 0.0)
-        out.append({"step": i, "time": t0 + (i + 1) * step_s + extra, "wire_bytes": 0, "dense_bytes": 0})
-    return out
-
-
 def test_training_clock_uses_the_record_before_the_evaluation_and_drops_pauses():
     # evaluations after 10 and 20 steps, 5 s and 7 s long (they sit before records 10 and 20)
-    steps = _steps(30, {10: 5.0, 20: 7.0})
+    steps = step_records(30, {10: 5.0, 20: 7.0})
     clock = traces.training_clock(steps, [10, 20, 30])
     assert clock[1] == 0.0  # the clock starts at the end of step 0
     assert clock[10] == pytest.approx(9.0)  # record 9: nine 1-s steps after step 0, no pause yet
@@ -64,7 +56,7 @@ def test_training_clock_uses_the_record_before_the_evaluation_and_drops_pauses()
 
 
 def test_steady_step_time_excludes_evaluation_gaps():
-    steps = _steps(30, {10: 5.0, 20: 7.0}, step_s=0.5)
+    steps = step_records(30, {10: 5.0, 20: 7.0}, step_s=0.5)
     seconds, n = traces.steady_step_s(steps, [10, 20], start=5)
     assert seconds == pytest.approx(0.5) and n == 25 - 2  # gaps 5..29 minus the two with evaluations
     seconds, n = traces.steady_step_s(steps, [], start=5)
@@ -305,15 +297,15 @@ def _phase(path: Path, runs: list[dict[str, Any]], methods_: list[str], seeds: l
 def test_phases_of_one_benchmark_merge_into_one_report(tmp_path):
     from jobs.bench.e2e.merge import merge_work
 
-    dense = [_raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.15, 0.0),
-             *[_raw_run("dense", s, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0) for s in (0, 1)],
-             *[_raw_run(methods.NO_COMM, s, [3.0, 3.0], 0.25, 0.0) for s in (0, 1)]]
+    dense = [raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.15, 0.0),
+             *[raw_run("dense", s, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0) for s in (0, 1)],
+             *[raw_run(methods.NO_COMM, s, [3.0, 3.0], 0.25, 0.0) for s in (0, 1)]]
     first = _phase(tmp_path / "a", dense, ["dense"], [0, 1], 2.40001)  # the others typed it as 2.4
-    grid = [_raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.5, 0.0), _raw_run(methods.NO_COMM, 0, [3.0, 3.0], 0.9, 0.0),
-            _raw_run("raycomp_local_h4", 0, [3.0, 2.4, 2.4, 2.4], 0.3, 0.0),
-            _raw_run("raycomp_local_h8", 0, [3.0, 2.6, 2.4, 2.4], 0.3, 0.0)]
+    grid = [raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.5, 0.0), raw_run(methods.NO_COMM, 0, [3.0, 3.0], 0.9, 0.0),
+            raw_run("raycomp_local_h4", 0, [3.0, 2.4, 2.4, 2.4], 0.3, 0.0),
+            raw_run("raycomp_local_h8", 0, [3.0, 2.6, 2.4, 2.4], 0.3, 0.0)]
     second = _phase(tmp_path / "b", grid, ["raycomp_local"], [0], 2.4)
-    best = _phase(tmp_path / "c", [_raw_run("raycomp_local_h4", 1, [3.0, 2.6, 2.4, 2.4], 0.3, 0.0)],
+    best = _phase(tmp_path / "c", [raw_run("raycomp_local_h4", 1, [3.0, 2.6, 2.4, 2.4], 0.3, 0.0)],
                   ["raycomp_local_h4"], [1], 2.4)
     raw, meta = merge_work([first, second, best])
     assert [(r["method"], r["seed"]) for r in raw["runs"]] == [
@@ -332,7 +324,7 @@ def test_phases_of_one_benchmark_merge_into_one_report(tmp_path):
     with pytest.raises(ValueError, match="stopped at target 2.5"):
         merge_work([first, _phase(tmp_path / "e", grid, ["raycomp_local"], [0], 2.5)])
     # a method re-run in a later directory replaces the earlier runs of the same seeds
-    rerun = _phase(tmp_path / "f", [_raw_run("raycomp_local_h8", 0, [3.0, 2.4, 2.4, 2.4], 0.2, 0.0)],
+    rerun = _phase(tmp_path / "f", [raw_run("raycomp_local_h8", 0, [3.0, 2.4, 2.4, 2.4], 0.2, 0.0)],
                    ["raycomp_local_h8"], [0], 2.4)
     raw, _ = merge_work([first, second, best, rerun])
     h8 = [r for r in raw["runs"] if r["method"] == "raycomp_local_h8"]
@@ -559,39 +551,22 @@ def test_fsdp_goals_and_report_names():
 
 
 # --- schema ---------------------------------------------------------------------------------
-def _raw_run(method, seed, values, step_s, wire_per_step, every=10):
-    n = every * len(values)
-    steps = _steps(n, {s: 3.0 for s in range(every, n, every)}, step_s=step_s)
-    for i, r in enumerate(steps):
-        r["dense_bytes"] = 800.0 * (i + 1)
-        r["wire_bytes"] = 800.0 * min(i + 1, 20) + wire_per_step * max(0, i + 1 - 20)
-        r["loss"] = 1.0
-    evals = [{"time": steps[every * (k + 1) - 1]["time"] + 2.0, "step": every * (k + 1), "epoch": k,
-              "eval_loss": v} for k, v in enumerate(values)]
-    evals.append(dict(evals[-1]))  # a loop that evaluates at eval_every_steps and at epoch ends
-    nic = [[steps[0]["time"] - 1, 0, 0], [steps[-1]["time"] + 1, 1000 * n, 1000 * n]]
-    return {"method": method, "seed": seed, "summary": {"status": "succeeded", "steps": n,
-                                                         "control_overhead": 0.004},
-            "t_start": steps[0]["time"] - 10, "t_end": steps[-1]["time"] + 5, "nic": nic,
-            "evals": evals, "steps": steps, "controller_cpu_s": 0.1, "placement": {"rank0": "a", "rank1": "b"}}
-
-
 def test_analyze_writes_the_documented_schema(tmp_path):
     settings = {"workload": "gpt", "config": "jobs/configs/gpt_kjv.yaml", "mode": "quick", "steps": 40,
                 "eval_every": 10, "seeds": [0, 1], "target": None, "link": "100mbit"}
     raw = {"layers": {"w": [100, 2], "b": [2]}, "metric": "loss", "interval_steps": 10, "bucket_cap_mb": 1.0,
            "default_policy": "critical", "idle": [{"seconds": 10.0, "tx_bytes": 50, "rx_bytes": 50}],
-           "runs": [_raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.15, 0.0),
-                    _raw_run("dense", 0, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0),
-                    _raw_run("dense", 1, [3.0, 2.7, 2.4, 2.3], 1.0, 800.0),
-                    _raw_run(methods.NO_COMM, 0, [3.0, 3.0], 0.25, 0.0),
-                    _raw_run("torch_postlocalsgd_h4", 0, [3.0, 2.6, 2.4, 2.4], 0.35, 0.0),
-                    _raw_run("torch_postlocalsgd_h8", 0, [3.0, 2.4, 2.4, 2.4], 0.3, 0.0),
-                    _raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.4, 2.35], 0.3, 8.0),
-                    _raw_run(methods.NO_COMM, 1, [3.0, 3.0], 0.2, 0.0),
-                    _raw_run("torch_postlocalsgd_h4", 1, [3.0, 2.6, 2.4, 2.4], 0.35, 0.0),
-                    _raw_run("torch_postlocalsgd_h8", 1, [3.0, 2.4, 2.4, 2.4], 0.3, 0.0),
-                    _raw_run("raycomp_adaptive", 1, [3.0, 2.6, 2.6, 2.6], 0.4, 8.0)]}
+           "runs": [raw_run(methods.COMPUTE, 0, [3.0, 3.0], 0.15, 0.0),
+                    raw_run("dense", 0, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0),
+                    raw_run("dense", 1, [3.0, 2.7, 2.4, 2.3], 1.0, 800.0),
+                    raw_run(methods.NO_COMM, 0, [3.0, 3.0], 0.25, 0.0),
+                    raw_run("torch_postlocalsgd_h4", 0, [3.0, 2.6, 2.4, 2.4], 0.35, 0.0),
+                    raw_run("torch_postlocalsgd_h8", 0, [3.0, 2.4, 2.4, 2.4], 0.3, 0.0),
+                    raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.4, 2.35], 0.3, 8.0),
+                    raw_run(methods.NO_COMM, 1, [3.0, 3.0], 0.2, 0.0),
+                    raw_run("torch_postlocalsgd_h4", 1, [3.0, 2.6, 2.4, 2.4], 0.35, 0.0),
+                    raw_run("torch_postlocalsgd_h8", 1, [3.0, 2.4, 2.4, 2.4], 0.3, 0.0),
+                    raw_run("raycomp_adaptive", 1, [3.0, 2.6, 2.6, 2.6], 0.4, 8.0)]}
     check = {"a_to_b": {"bits_per_s": 95.7e6}, "b_to_a": {"bits_per_s": 95.6e6}, "rtt": {"median_s": 2e-5}}
     shaping = {"qdisc": {"a": "tbf rate 100000000bit"}, "rate": "100mbit"}
     results = analysis.analyze(raw, settings, shaping, check)
@@ -652,9 +627,9 @@ def test_a_run_stopped_early_reports_the_seeds_that_ran(tmp_path):
                 "eval_every": 10, "seeds": [0, 1, 2], "target": None, "link": "100mbit"}
     raw = {"layers": {"w": [100, 2]}, "metric": "loss", "interval_steps": 10, "bucket_cap_mb": 1.0,
            "default_policy": "adaptive", "idle": [],
-           "runs": [_raw_run("dense", 0, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0),
-                    _raw_run("dense", 1, [3.0, 2.7, 2.5, 2.3], 1.0, 800.0),
-                    _raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.45, 2.4], 0.3, 8.0)]}  # stopped here
+           "runs": [raw_run("dense", 0, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0),
+                    raw_run("dense", 1, [3.0, 2.7, 2.5, 2.3], 1.0, 800.0),
+                    raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.45, 2.4], 0.3, 8.0)]}  # stopped here
     check = {"a_to_b": {"bits_per_s": 95.7e6}, "b_to_a": {"bits_per_s": 95.6e6}, "rtt": {"median_s": 2e-5}}
     results = analysis.analyze(raw, settings, {"qdisc": {"a": "tbf"}, "rate": "100mbit"}, check)
     # dense ran seeds 0 and 1, adaptive seed 0 only: one seed ran every method

@@ -12,7 +12,7 @@ from jobs.bench.e2e import analysis, cli, judge, methods, predictions, report
 from jobs.bench.e2e.topology import Topology, parse_topology
 from jobs.bench.netns import ThrottledLink
 from jobs.bench.netns.switch import SwitchedNetwork
-from tests.test_bench_e2e import _raw_run
+from tests.support.bench_records import raw_run
 
 
 @pytest.mark.parametrize("text, shape", [("4x1", (4, 1)), ("2x2", (2, 2)), (" 8 x 1 ", (8, 1))])
@@ -104,9 +104,9 @@ def test_a_plan_held_too_briefly_or_unpriced_is_not_scored():
 def _four_workers_raw(adaptive_gap):
     raw = {"layers": {"w": [100, 2]}, "metric": "loss", "interval_steps": 10, "bucket_cap_mb": 1.0,
            "default_policy": "adaptive", "idle": [],
-           "runs": [_raw_run("dense", 0, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0),
-                    _raw_run("raycomp_int4", 0, [3.0, 2.5, 2.4, 2.4], 0.5, 100.0),
-                    _raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.4, 2.4], adaptive_gap, 8.0)]}
+           "runs": [raw_run("dense", 0, [3.0, 2.6, 2.4, 2.3], 1.0, 800.0),
+                    raw_run("raycomp_int4", 0, [3.0, 2.5, 2.4, 2.4], 0.5, 100.0),
+                    raw_run("raycomp_adaptive", 0, [3.0, 2.5, 2.4, 2.4], adaptive_gap, 8.0)]}
     raw["runs"][2]["plans"] = [{"step": 0, "kind": "start", "why": None},
                                {"step": 5, "kind": "plan", "why": _why([0.3, 1.0], 0)}]
     return raw

@@ -11,7 +11,7 @@ import pytest
 
 from jobs.config import ConfigError, load_config
 from jobs.train import prepare
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 DIGITS = str(REPO / "jobs" / "configs" / "digits.yaml")
 

@@ -17,7 +17,7 @@ from raycomp import cli
 from raycomp.config import CheckpointSection, CompressionSection, ControllerSection, reference
 from raycomp.config.base import CompressorConfig, Strict
 from raycomp.config.policy_options import POLICY_OPTIONS
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 DOC = REPO / "docs" / "configuration.md"
 

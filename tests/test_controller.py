@@ -7,23 +7,9 @@ import shutil
 
 import pytest
 
-from raycomp.controllers.policies import CriticalOptions, StaticOptions
+from raycomp.controllers.policies import CriticalOptions
 from raycomp.controllers.service import Controller
-
-LAYERS = {"fc1.weight": 32768, "fc2.weight": 5120, "fc1.bias": 512}
-
-
-def report(run_id: str, rank: int, step: int, loss: float = 1.0, norm: float = 1.0, **extra) -> dict:
-    layers = [{"layer": name, "compressor": "topk", "numel": n, "grad_norm": norm, "compression_error": 0.9,
-               "residual_norm": 0.1, "wire_bytes": 100.0, "dense_bytes": 1000.0} for name, n in LAYERS.items()]
-    return {"run_id": run_id, "rank": rank, "step": step, "epoch": 0, "plan_version": 0, "loss": loss,
-            "step_seconds": 0.1, "compute_seconds": 0.08, "comm_seconds": 0.02, "samples_per_second": 640.0,
-            "wire_bytes": 1000.0 * step, "dense_bytes": 10000.0 * step, "layers": layers, **extra}
-
-
-def register(controller: Controller, run_id: str, policy: str = "static", options=None, warmup: int = 10):
-    options = options or StaticOptions().model_dump(mode="json")
-    return controller.register_run(run_id, 2, LAYERS, policy, options, warmup, 5, 1024)
+from tests.support.controller_reports import register, report
 
 
 def test_warm_up_then_policy_plan_once_all_ranks_reported():

@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 DOCS = REPO / "docs"
 INDEX = DOCS / "README.md"

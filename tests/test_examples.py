@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 
 def _load(name: str):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import ray
 
+from tests.support.job_runs import train
 from tests.support.step_logs import step_logs
-from tests.test_train_job import train
 
 
 def kill_controller_when(output: Path, step: int, name: str, restart: bool, namespace: str = "raycomp"):

@@ -17,7 +17,7 @@ import raycomp.train
 from raycomp.config import CheckpointSection, CompressionSection, ControllerSection, GuardSection
 from raycomp.config.policy_options import AdaptiveOptions, StaticOptions
 from raycomp.train import TrainOptions
-from tests.conftest import RAY_TEST_ENV
+from tests.support.ray_env import RAY_TEST_ENV
 
 # --- options: plain dicts at every level, one-line errors ---------------------------------
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.job_runs import last_checkpoint, train
 from tests.support.step_logs import step_logs
-from tests.test_train_job import last_checkpoint, train
 
 #: the digits MLP's fully_shard units (nn.Sequential children 0, 2, 4); "4" (5,130 elements)
 UNITS = {"0", "2", "4"}

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.support.fake_loop import fake_loop
+from tests.support.repo import REPO
 
 
 def test_raycomp_its_train_api_the_controllers_and_the_jobs_import_no_framework():
@@ -61,16 +62,6 @@ def test_a_batch_size_is_the_first_dimension_of_its_first_tensor():
     assert batch_size({"input_ids": torch.zeros(5, 9), "labels": torch.zeros(5, 9)}) == 5
     assert batch_size({"meta": "text", "inputs": [torch.tensor(1.0), torch.zeros(4, 2)]}) == 4
     assert batch_size("text") == batch_size(torch.tensor(3.0)) == batch_size([]) == 0
-
-
-def fake_loop(ratio: float | None = 4.0, version: int = 3, active: bool = False, kinds=("fallback", "recovered")):
-    """What :meth:`FrameworkStep.logged` reads of a :class:`~raycomp.train.TrainLoop`."""
-    from types import SimpleNamespace
-
-    events = [SimpleNamespace(kind=k) for k in kinds]
-    return SimpleNamespace(state=SimpleNamespace(ledger=SimpleNamespace(compression_ratio=ratio),
-                                                 plan=SimpleNamespace(version=version)),
-                           guard=SimpleNamespace(guard=SimpleNamespace(active=active, events=events)))
 
 
 def test_the_logged_values_are_the_run_s_ratio_plan_version_and_fallbacks():

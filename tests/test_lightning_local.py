@@ -12,9 +12,15 @@ import pytest
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from tests.conftest import fit_with_controller  # noqa: E402
 from tests.gpu.support import same_on_every_rank  # noqa: E402
-from tests.test_lightning import Classifier, lightning_trainer, loaders, options, static  # noqa: E402
+from tests.support.controller_fit import fit_with_controller  # noqa: E402
+from tests.support.lightning_classifier import (  # noqa: E402
+    Classifier,
+    lightning_trainer,
+    loaders,
+    options,
+    static,
+)
 
 H = 3  # 16 optimizer steps: the last one falls between two syncs
 

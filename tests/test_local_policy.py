@@ -8,94 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from raycomp._internal.local import resolve_delay
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
-from raycomp.controllers.service import Controller
 from raycomp.plan import Plan
-from tests.test_adaptive_policy import (
+from tests.support.policy_sim import (
     FAST,
     MEDIUM,
-    SHAPES,
     SLOW,
-    WARMUP,
-    K,
     Link,
-    Sim,
-    W,
-    layer_bytes,
-    numel,
+    LocalSim,
+    int4_sync,
 )
-
-
-class LocalSim(Sim):
-    """The adaptive policy's simulation, registered with ``compression.local``; ``fallback``
-    is what the workers' reports say of the guard. ``min_gain`` is registered resolved, as a
-    worker does (:func:`raycomp._internal.train.lossy.local_min_gain`): an SGD run's unless given.
-
-    Under local steps the workers report inner steps and syncs: ``link.compute`` a step, and
-    per step 1/H of a sync, which costs ``sync_factor`` x what its bytes and round take on
-    the link (its codec, the outer step), less what the ``delay``'s inner steps hide (the
-    tests register ``delay: 0``, a sync waited for at once, unless they ask for another); an
-    interval that starts by leaving local steps or changing H also holds the sync of every
-    fragment that the switch runs. ``overlap``: the compute that per-step intervals report,
-    as a multiple of the real one (backward shares the cores with the reduction).
-    ``slowdown``: the seconds a sync kept on the wire adds to the inner step it overlaps
-    (its codec on the same cores), which the workers time as compute."""
-
-    def __init__(self, local: dict, sync_factor: float = 1.0, overlap: float = 1.0, slowdown: float = 0.0,
-                 **options) -> None:
-        super().__init__(**options)
-        self.controller = Controller()
-        local = {"min_gain": LOCAL_MIN_GAIN["linear"], "delay": 0, **local}
-        self.delay = local["delay"]
-        self.controller.register_run("run", W, SHAPES, "adaptive",
-                                     {**self.options, "local": LocalSection(**local).model_dump(mode="json")},
-                                     WARMUP, K, 1024)
-        self.fallback = False
-        self.events: list[dict] = []
-        self.loss = 1.0  # the training loss the workers report
-        self.lr: float | None = None  # the learning rate they report (None: not reported)
-        self.sync_factor, self.overlap, self.slowdown = sync_factor, overlap, slowdown
-        self.link: Link | None = None
-        self.previous_mode = None  # the local steps of the previous interval (None: per step)
-        ingest = self.controller.ingest
-
-        def with_workers_view(report: dict) -> bool:
-            mode = self.plan.local_steps
-            taken = ingest({**report, **self._timing(report, mode), "fallback_active": self.fallback,
-                            "events": self.events if report["rank"] == 0 else [], "loss": self.loss,
-                            "lr": self.lr})
-            if report["rank"] == W - 1:
-                self.previous_mode = mode
-            return taken
-
-        self.controller.ingest = with_workers_view
-
-    def run(self, intervals: int, link: Link, *args, **kwargs) -> Plan:
-        self.link = link
-        return super().run(intervals, link, *args, **kwargs)
-
-    def _timing(self, report: dict, mode) -> dict:
-        sync = int4_sync(self.link) * self.sync_factor
-        switch = sync / K if self.previous_mode is not None and mode != self.previous_mode else 0.0
-        if mode is None:  # per step: the compute looks larger by the overlap, comm as measured
-            compute = report["compute_seconds"] * self.overlap
-            comm = report["comm_seconds"] + switch
-        else:
-            delay = resolve_delay(self.delay, mode.sync_every, mode.fragments)
-            compute = self.link.compute + (self.slowdown / mode.sync_every if delay else 0.0)
-            comm = max(0.0, sync - delay * self.link.compute) / mode.sync_every + switch
-        return {"compute_seconds": compute, "comm_seconds": comm, "step_seconds": compute + comm}
-
-    def local_details(self) -> dict:
-        return self.details()["local"]
-
-
-def int4_sync(link: Link) -> float:
-    """A sync's seconds on ``link`` by its bytes: int4 pseudo-gradients of every compressible
-    layer, and int4's one extra collective round at two ranks."""
-    return sum(layer_bytes(n, "int4", {}) for n, s in SHAPES.items() if numel(s) >= 1024) / link.bandwidth \
-        + link.overhead
 
 
 def expected_interval(link: Link, largest: int, target: float = 0.1) -> int:
@@ -561,7 +483,7 @@ def test_the_learning_rates_cap_is_set_for_two_replicas_and_lower_for_more(world
     two-replica distance (a node is one replica where a run steps in two levels)."""
     from raycomp.controllers.policies import make_policy
     from raycomp.controllers.policies.local import LocalChoice
-    from raycomp.controllers.policies.reasons import LocalWhy
+    from raycomp.controllers.policies.local_why import LocalWhy
     from raycomp.controllers.state import RunState
 
     policy = LocalChoice(make_policy("adaptive", {"min_compress_numel": 1024}),
@@ -614,7 +536,7 @@ def test_a_sync_kept_on_the_wire_stalls_only_what_its_delays_inner_steps_do_not_
     flat or a node replica's (whose cross-node hop stays in flight the same way)."""
     from raycomp.controllers.policies import make_policy
     from raycomp.controllers.policies.local import LocalChoice
-    from raycomp.controllers.policies.reasons import LocalWhy
+    from raycomp.controllers.policies.local_why import LocalWhy
     from raycomp.controllers.state import RunState
 
     policy = LocalChoice(make_policy("adaptive", {"min_compress_numel": 1024}),

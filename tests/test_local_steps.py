@@ -7,46 +7,15 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from raycomp import Plan
 from raycomp._internal.local import FragmentSchedule, LocalSteps, resolve_delay, split_fragments
 from tests.distributed import run_distributed
+from tests.support.local_model import inner_step, small_model
+from tests.support.ranks import flat, gather
 from tests.support.wire import WireRecorder
 
 H = 4
-
-
-def _model(seed: int = 0, batchnorm: bool = False) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    layers: list[torch.nn.Module] = [torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
-                                     torch.nn.Tanh(), torch.nn.Linear(64, 4)]
-    if batchnorm:
-        layers.insert(1, torch.nn.BatchNorm1d(64))
-    return torch.nn.Sequential(*layers)
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(7919 * rank + step)
-    x = torch.randn(16, 8, generator=gen) + rank  # the ranks see different data
-    return x, torch.randint(0, 4, (16,), generator=gen)
-
-
-def _inner_step(model, opt, rank, step) -> None:
-    x, y = _batch(rank, step)
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-
-
-def _gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return out
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 # --- the schedule (pure) --------------------------------------------------------------------
@@ -84,27 +53,27 @@ def test_the_delay_resolves_to_one_step_where_the_syncs_are_two_or_more_apart():
 
 # --- on gloo ------------------------------------------------------------------------------
 def _averaging_run(rank, world, outer_lr, momentum):
-    model = _model(seed=rank)  # different starts: the constructor must broadcast rank 0's
+    model = small_model(seed=rank)  # different starts: the constructor must broadcast rank 0's
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     def outer(params):
         return torch.optim.SGD(params, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
 
     local = LocalSteps(model, sync_every=H, outer_optimizer=outer)
-    start = _flat(model).clone()
-    starts_equal = all(torch.equal(t, start) for t in _gather(start))
+    start = flat(model.parameters()).clone()
+    starts_equal = all(torch.equal(t, start) for t in gather(start))
     global_w, buf, syncs = start.clone(), torch.zeros_like(start), []
     for step in range(1, 3 * H + 1):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         if step % H == 0:
-            pseudo = torch.stack(_gather(global_w - _flat(model))).mean(0)  # independent mean
+            pseudo = torch.stack(gather(global_w - flat(model.parameters()))).mean(0)  # independent mean
             buf = momentum * buf + pseudo
             global_w = global_w - outer_lr * (pseudo + momentum * buf if momentum else pseudo)
         synced = local.step()
         syncs.append(synced)
         if step % H == 0:
             assert synced
-            assert torch.allclose(_flat(model), global_w, atol=1e-6), (step, (_flat(model) - global_w).abs().max())
-    return starts_equal, syncs, _flat(model), local.outer_steps
+            assert torch.allclose(flat(model.parameters()), global_w, atol=1e-6), (step, (flat(model.parameters()) - global_w).abs().max())
+    return starts_equal, syncs, flat(model.parameters()), local.outer_steps
 
 
 @pytest.mark.parametrize("outer_lr, momentum", [(1.0, 0.0), (0.7, 0.9)], ids=["averaging", "nesterov"])
@@ -118,15 +87,15 @@ def test_the_outer_step_applies_the_mean_pseudo_gradient_on_every_rank(outer_lr,
 
 
 def _fragments_run(rank, world):
-    model = _model()
+    model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     local = LocalSteps(model, sync_every=H, fragments=2, outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
     members = local.fragment_members
     seen = []
     for step in range(1, 2 * H + 1):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         local.step()
-        same = [all(torch.equal(t, local.params[i].detach()) for t in _gather(local.params[i].detach()))
+        same = [all(torch.equal(t, local.params[i].detach()) for t in gather(local.params[i].detach()))
                 for i in range(len(local.params))]
         seen.append((step, [all(same[i] for i in m) for m in members], [any(same[i] for i in m) for m in members]))
     return members, seen
@@ -145,23 +114,23 @@ def test_fragments_sync_in_turn_and_only_their_own_parameters():
 
 
 def _delay_run(rank, world):
-    model = _model()
+    model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     local = LocalSteps(model, sync_every=H, delay=1, outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
-    global_w = _flat(model).clone()
+    global_w = flat(model.parameters()).clone()
     for step in range(1, 2 * H + 2):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         if step % H == 0:
-            mean_local = torch.stack(_gather(_flat(model))).mean(0)
-            at_start = _flat(model).clone()
+            mean_local = torch.stack(gather(flat(model.parameters()))).mean(0)
+            at_start = flat(model.parameters()).clone()
         if step % H == 1 and step > 1:  # the sync started one step ago lands now
             global_w = mean_local
-            expected = global_w + (_flat(model) - at_start)
+            expected = global_w + (flat(model.parameters()) - at_start)
         applied = local.step()
         assert local.quiescent == (step % H != 0)
         if step % H == 1 and step > 1:
             assert applied
-            assert torch.allclose(_flat(model), expected, atol=1e-6), step
+            assert torch.allclose(flat(model.parameters()), expected, atol=1e-6), step
     return True
 
 
@@ -172,36 +141,36 @@ def test_an_overlapped_sync_keeps_the_inner_steps_that_ran_meanwhile():
 def _merge_run(rank, world):
     """Nesterov outer steps (momentum 0.9), H=4 with a sync kept on the wire: H + 2 inner
     steps, then ``merge_all`` twice, then once more after a checkpoint round trip."""
-    model = _model()
+    model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     local = LocalSteps(model, sync_every=H, delay=1)  # nesterov_outer: lr 0.7, momentum 0.9
     for step in range(1, H + 3):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         local.step()
-    before = _flat(model).clone()
-    apart = not torch.equal(*_gather(before))
+    before = flat(model.parameters()).clone()
+    apart = not torch.equal(*gather(before))
     # the sync on the wire lands (its outer step), then every fragment syncs once more
     first = local.merge_all()
-    merged, wire = _flat(model).clone(), local.reducer.ledger.wire_total
+    merged, wire = flat(model.parameters()).clone(), local.reducer.ledger.wire_total
     again = local.merge_all()  # nothing ran since: no sync, no outer step on its momentum
-    unchanged = torch.equal(_flat(model), merged) and local.reducer.ledger.wire_total == wire
+    unchanged = torch.equal(flat(model.parameters()), merged) and local.reducer.ledger.wire_total == wire
     saved = copy.deepcopy(local.state_dict())
     restored = LocalSteps(model, sync_every=H, delay=1)
     restored.load_state_dict(saved)
     after_resume = restored.merge_all()
-    return (apart, first, local.outer_steps, torch.equal(*_gather(merged)), again, unchanged, after_resume,
-            torch.equal(_flat(model), merged))
+    return (apart, first, local.outer_steps, torch.equal(*gather(merged)), again, unchanged, after_resume,
+            torch.equal(flat(model.parameters()), merged))
 
 
 def _merge_after_sync_run(rank, world, fragments):
     """``merge_all`` right after the schedule's sync at step H (waited for at once), then
     after one more inner step: the outer steps applied, and whether bytes were sent."""
-    model = _model()
+    model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     local = LocalSteps(model, sync_every=H, fragments=fragments)  # nesterov_outer
     seen = []
     for step in range(1, H + 2):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         local.step()
         if step >= H:
             wire = local.reducer.ledger.wire_total
@@ -221,14 +190,14 @@ def test_merging_at_the_end_leaves_every_rank_with_the_same_weights_once():
 
 
 def _buffers_run(rank, world, mode):
-    model = _model(batchnorm=True)
+    model = small_model(batchnorm=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     local = LocalSteps(model, sync_every=H, buffers=mode)
     for step in range(1, H + 1):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         local.step()
     bn = model[1]
-    return [torch.equal(t, bn.running_mean) for t in _gather(bn.running_mean)]
+    return [torch.equal(t, bn.running_mean) for t in gather(bn.running_mean)]
 
 
 @pytest.mark.parametrize("mode, equal", [("average", True), ("local", False)])
@@ -238,13 +207,13 @@ def test_batchnorm_statistics_are_averaged_at_the_sync_or_kept_local(mode, equal
 
 
 def _wire_run(rank, world, plan_name):
-    model = _model()
+    model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = Plan.uniform(plan_name) if plan_name else None
     local = LocalSteps(model, sync_every=H, plan=plan, min_compress_numel=256, buffers="local")
     with WireRecorder() as recorder:
         for step in range(1, 2 * H + 1):
-            _inner_step(model, opt, rank, step)
+            inner_step(model, opt, rank, step)
             local.step()
     return recorder.transmitted, local.reducer.ledger.wire_total, local.reducer.ledger.dense_total
 
@@ -259,20 +228,20 @@ def test_int8_pseudo_gradients_shrink_the_bytes_at_torch_distributed():
 
 
 def _resume_run(rank, world, stop_at):
-    model = _model()
+    model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     plan = Plan.uniform("topk", ratio=0.1)
     make = lambda m: LocalSteps(m, sync_every=H, plan=plan, min_compress_numel=64)  # noqa: E731
     local = make(model)
     saved = None
     for step in range(1, 3 * H + 1):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         local.step()
         if step == stop_at:
             saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "local": local.state_dict()})
-    uninterrupted = _flat(model)
+    uninterrupted = flat(model.parameters())
     # a fresh process state: a different model, rebuilt and loaded from the checkpoint
-    model = _model(seed=99)
+    model = small_model(seed=99)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model.load_state_dict(saved["model"])
     local = make(model)  # broadcasts rank 0's weights: equal on every rank anyway
@@ -280,9 +249,9 @@ def _resume_run(rank, world, stop_at):
     opt.load_state_dict(saved["opt"])
     local.load_state_dict(saved["local"])
     for step in range(stop_at + 1, 3 * H + 1):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         local.step()
-    return torch.equal(_flat(model), uninterrupted)
+    return torch.equal(flat(model.parameters()), uninterrupted)
 
 
 @pytest.mark.parametrize("stop_at", [H, H + 2], ids=["at-a-sync", "mid-interval"])
@@ -300,13 +269,13 @@ def _feedback(local: LocalSteps) -> dict[str, list[str]]:
 def _skipped_sync_run(rank, world):
     """Top-k pseudo-gradients with error feedback, H=4, three syncs; before the second, rank 1's
     first bias (a dense layer: its NaN reaches the mean) turns NaN."""
-    model = _model()
+    model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     local = LocalSteps(model, sync_every=H, plan=Plan.uniform("topk", ratio=0.1), min_compress_numel=256,
                        outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
     seen = {}
     for step in range(1, 3 * H + 1):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         if step == 2 * H:
             if rank == 1:
                 with torch.no_grad():
@@ -314,10 +283,10 @@ def _skipped_sync_run(rank, world):
             seen["kept_before"] = _feedback(local)
         applied = local.step()
         if step % H == 0:
-            weights = _flat(model)
+            weights = flat(model.parameters())
             seen[step] = {"applied": applied, "feedback": _feedback(local), "finite": bool(weights.isfinite().all()),
                           "global": torch.equal(weights, torch.cat([p.detach().reshape(-1) for p in local.global_params])),
-                          "equal": torch.equal(*_gather(weights)), "merged": local.merged,
+                          "equal": torch.equal(*gather(weights)), "merged": local.merged,
                           "counts": (local.outer_steps, local.skipped_outer)}
     return seen
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
 from tests.gpu.support import same_on_every_rank
+from tests.support.job_runs import last_checkpoint, train
+from tests.support.repo import REPO
 from tests.support.step_logs import step_logs
-from tests.test_train_job import last_checkpoint, train
 
 H = 4
 SPIKE_STEP = 29  # the loss reported at this step is multiplied by 1000 on every rank
@@ -280,9 +280,9 @@ def _local_state(**section) -> tuple[torch.nn.Module, object]:
     from raycomp._internal.local import LocalSteps
     from raycomp._internal.train.local_strategy import LocalState
     from raycomp.config import LocalSection
-    from tests.test_local_steps import _model
+    from tests.support.local_model import small_model
 
-    model = _model()
+    model = small_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     return model, LocalState(ddp, CompressionState(ddp), LocalSteps(model, sync_every=H), LocalSection(**section))
 
@@ -291,17 +291,18 @@ def _leave_mid_interval(rank: int, world: int) -> tuple[bool, bool]:
     """Two inner steps of H=4 on each rank's own data, then a per-step plan is installed (the
     controller or the guard leaving local steps between two syncs)."""
     from raycomp.plan import LocalMode, Plan
-    from tests.test_local_steps import _flat, _gather, _inner_step
+    from tests.support.local_model import inner_step
+    from tests.support.ranks import flat, gather
 
     model, state = _local_state(mode="fixed", sync_every=H)
     state.set_plan(Plan(local=LocalMode(H)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         state.steps.step()
-    apart = len({tuple(t.tolist()) for t in _gather(_flat(model))}) > 1
+    apart = len({tuple(t.tolist()) for t in gather(flat(model.parameters()))}) > 1
     state.set_plan(Plan())  # per step again
-    together = len({tuple(t.tolist()) for t in _gather(_flat(model))}) == 1
+    together = len({tuple(t.tolist()) for t in gather(flat(model.parameters()))}) == 1
     return apart, together
 
 
@@ -315,7 +316,7 @@ def _default_delay(rank: int, world: int) -> list[tuple[int, bool]]:
     """The run's LocalState with the section's defaults: per H installed, the schedule's
     delay, and whether the sync started after H inner steps is still on the wire then."""
     from raycomp.plan import LocalMode, Plan
-    from tests.test_local_steps import _inner_step
+    from tests.support.local_model import inner_step
 
     model, state = _local_state(mode="auto")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -323,7 +324,7 @@ def _default_delay(rank: int, world: int) -> list[tuple[int, bool]]:
     for mode in (LocalMode(H), LocalMode(1), LocalMode(H, fragments=H)):
         state.set_plan(Plan(local=mode))
         for step in range(mode.sync_every // mode.fragments):
-            _inner_step(model, opt, rank, step)
+            inner_step(model, opt, rank, step)
             state.steps.step()
         seen.append((state.steps.schedule.delay, not state.steps.quiescent))
     return seen
@@ -373,7 +374,7 @@ def _drained_rows(rank: int, world: int) -> list:
     ``after_optimizer_step`` and ``drain`` return, step by step."""
     from raycomp._internal.train.local_strategy import LocalStepsStrategy
     from raycomp.plan import LocalMode, Plan
-    from tests.test_local_steps import _inner_step
+    from tests.support.local_model import inner_step
 
     model, state = _local_state(mode="fixed", sync_every=H)
     strategy = LocalStepsStrategy(state.model, state)
@@ -381,7 +382,7 @@ def _drained_rows(rank: int, world: int) -> list:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
     for step in range(2 * H + 1):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         seen.append(strategy.after_optimizer_step(True, 1.0 + rank))
         if step == H - 1:  # the first strategy is on the wire: drained (a checkpoint)
             seen.append(("drain", strategy.drain(), strategy.state.steps.quiescent))
@@ -404,7 +405,7 @@ def _skipped_sync_rows(rank: int, world: int) -> tuple[list, bool, bool, str]:
     from raycomp._internal.train.local_strategy import LocalStepsStrategy
     from raycomp._internal.train.step_judge import StepJudge
     from raycomp.plan import LocalMode, Plan
-    from tests.test_local_steps import _inner_step
+    from tests.support.local_model import inner_step
 
     model, state = _local_state(mode="fixed", sync_every=H, delay=0)
     strategy = LocalStepsStrategy(state.model, state)
@@ -412,7 +413,7 @@ def _skipped_sync_rows(rank: int, world: int) -> tuple[list, bool, bool, str]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rows = None
     for step in range(H):
-        _inner_step(model, opt, rank, step)
+        inner_step(model, opt, rank, step)
         if step == H - 1 and rank == 1:
             with torch.no_grad():
                 model[0].bias[0] = float("nan")

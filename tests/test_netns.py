@@ -10,17 +10,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from jobs.bench.netns import (
-    NS_PREFIX,
     NetnsError,
     ThrottledLink,
     namespaces,
@@ -28,38 +25,20 @@ from jobs.bench.netns import (
     parse_rate,
     rate_label,
 )
+from tests.support.netns import TOLERANCE, alive, links, needs_netns
+from tests.support.repo import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 RATE = "50mbit"
-TOLERANCE = 0.20
-
-
-def _netns_usable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "needs iproute2 (ip, tc)"
-    probe = f"{NS_PREFIX}probe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None if made.returncode == 0 else f"cannot create network namespaces: {made.stderr!r}"
-
-
-needs_netns = pytest.mark.skipif(_netns_usable() is not None, reason=str(_netns_usable()))
-
-
-def _links() -> str:
-    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
 
 
 def _assert_gone(link: ThrottledLink, pids: list[int] = ()) -> None:
     assert link.leftovers() == []
     assert not set(link.ns.values()) & set(namespaces())
-    listing = _links()
+    listing = links()
     for dev in link.dev.values():
         assert dev not in listing
     for pid in pids:
-        assert not _alive(pid), f"process {pid} survived the tear-down"
+        assert not alive(pid), f"process {pid} survived the tear-down"
 
 
 def _pids_soon(link: ThrottledLink, side: str) -> list[int]:
@@ -68,14 +47,6 @@ def _pids_soon(link: ThrottledLink, side: str) -> list[int]:
     while not (pids := link.pids(side)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 # --- pure helpers --------------------------------------------------------------------------
@@ -133,7 +104,7 @@ def test_setup_throttle_and_teardown() -> None:
             kinds = {q["kind"] for q in link.qdisc_stats(side)}
             assert "tbf" in kinds
         # nothing of ours in the root namespace
-        assert not any(dev in _links() for dev in link.dev.values())
+        assert not any(dev in links() for dev in link.dev.values())
         # the throttle holds, each way
         measured = link.measure_throughput(2.0, "a")
         assert measured["bits_per_s"] == pytest.approx(parse_rate(RATE), rel=TOLERANCE)
@@ -238,8 +209,8 @@ def test_teardown_on_signal(sig: int) -> None:
     while time.monotonic() < deadline and set(ns) & set(namespaces()):
         time.sleep(0.1)
     assert not set(ns) & set(namespaces())
-    assert not any(dev in _links() for dev in devs)
-    assert not any(_alive(p) for p in pids)
+    assert not any(dev in links() for dev in devs)
+    assert not any(alive(p) for p in pids)
 
 
 def test_rate_units_match_tc() -> None:

@@ -22,9 +22,9 @@ from raycomp._internal.observe.metrics import CATALOGUE, series_names
 from raycomp.controllers.exporter import Exporter
 from raycomp.controllers.service import Controller
 from raycomp.controllers.state import RunState
-from tests.conftest import REPO
 from tests.distributed import free_port
-from tests.test_controller import register, report
+from tests.support.controller_reports import register, report
+from tests.support.repo import REPO
 
 DIGITS = str(REPO / "jobs" / "configs" / "digits.yaml")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jobs.bench import outage
-from tests.test_netns import needs_netns
+from tests.support.netns import needs_netns
 
 
 def _run_dir(root: Path, name: str, steps: int, state: dict, summary: dict) -> dict:

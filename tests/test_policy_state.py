@@ -13,6 +13,7 @@ from raycomp.controllers.policies import make_policy, serial
 from raycomp.controllers.policies.local_state import LocalState, Measured
 from raycomp.plan import CompressorSpec, Plan
 from tests.support.policy_replay import _ReplaySim, _scenario
+from tests.support.policy_sim import SLOW, Sim
 
 #: one seed of each kind of recorded run (tests.support.policy_replay), local steps included
 KINDS = ("adaptive", "local_auto", "local_fixed", "critical", "error_budget", "bandwidth", "schedule", "static")
@@ -24,8 +25,6 @@ def _seed_of(kind: str) -> int:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_policys_whole_state_round_trips_and_decides_the_same(kind):
-    from tests.test_adaptive_policy import SLOW
-
     sim = _ReplaySim(_scenario(_seed_of(kind)))
     sim.lr = 0.1
     sim.run(12, SLOW)
@@ -46,8 +45,6 @@ def test_a_policys_whole_state_round_trips_and_decides_the_same(kind):
 
 def test_the_local_state_holds_typed_records_not_positional_lists():
     sim = _ReplaySim(_scenario(_seed_of("local_auto")))
-    from tests.test_adaptive_policy import SLOW
-
     sim.run(30, SLOW)
     state = sim.controller.policies["run"].inner.state
     assert isinstance(state, LocalState) and state.history
@@ -100,7 +97,6 @@ def test_a_bad_saved_state_is_refused_in_one_line_naming_the_field(edit, message
 
 def test_each_plan_switch_carries_its_decisions_facts_to_the_summary_and_the_metrics():
     from raycomp.controllers.exporter import ControllerCollector
-    from tests.test_adaptive_policy import SLOW, Sim
 
     sim = Sim()
     sim.run(8, SLOW)
@@ -122,7 +118,7 @@ def test_each_plan_switch_carries_its_decisions_facts_to_the_summary_and_the_met
 
 def test_a_decisions_facts_name_its_rule_and_a_plain_why_gives_its_rule_alone():
     from raycomp.controllers.policies import Decision, Said
-    from raycomp.controllers.policies.reasons import WarmupWhy
+    from raycomp.controllers.policies.adaptive_why import WarmupWhy
 
     class Plain:
         rule = "mine"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 SCRIPT = REPO / "examples" / "quickstart.py"
 MARK = re.compile(r"^(?P<indent>\s*)(?P<code>.*?)\s*# raycomp: (?P<note>.*)$")

@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import RAY_TEST_ENV, REPO
+from tests.support.ray_env import RAY_TEST_ENV
+from tests.support.repo import REPO
 
 BIN = Path(sys.executable).parent
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}

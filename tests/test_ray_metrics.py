@@ -20,7 +20,7 @@ from raycomp.controllers.exporter import ControllerCollector
 from raycomp.controllers.policies import StaticOptions
 from raycomp.controllers.ray_metrics import RayMetrics, ray_name
 from raycomp.controllers.service import Controller
-from tests.test_controller import LAYERS, register, report
+from tests.support.controller_reports import LAYERS, register, report
 
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 LABELS = {label for m in CATALOGUE for label in m.labels} | {"le"}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 DISABLES_AUTH = re.compile(r"""RAY_AUTH_MODE["']?\s*[:=]\s*["']?disabled""")
 SECRET = re.compile(r"""(?i)(token|secret|password|passwd|api[_-]?key)["']?\s*[:=]\s*["'][A-Za-z0-9+/_\-]{20,}["']""")

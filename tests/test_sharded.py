@@ -17,31 +17,8 @@ from raycomp._internal.fsdp.reduce_scatter import (
 )
 from raycomp.plan import CompressorSpec
 from tests.distributed import run_distributed
+from tests.support.fsdp_mlp import IN, OUT, local_norm, mlp, mlp_batch, reference_mean_grads
 from tests.support.wire import FLIGHT_RECORDER_ENV
-
-IN, OUT, BATCH = 24, 8, 16
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, 96), nn.ReLU(), nn.Linear(96, 80), nn.ReLU(), nn.Linear(80, OUT))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
-
-
-def _reference_mean_grads(world: int, step: int) -> dict[str, torch.Tensor]:
-    """The mean over ranks of each rank's gradient, computed here without any collective."""
-    total: dict[str, torch.Tensor] = {}
-    for r in range(world):
-        model = _model()
-        x, y = _batch(r, step)
-        nn.functional.mse_loss(model(x), y).backward()
-        for name, p in model.named_parameters():
-            total[name] = total.get(name, 0) + p.grad / world
-    return total
 
 
 def _sharded(model: nn.Module, world: int) -> nn.Module:
@@ -62,12 +39,12 @@ def _fsdp_backward(rank, world, specs):
     of the backward, and the comms' bytes. One process pair for all: spawning is the cost."""
     from tests.support.wire import WireRecorder
 
-    reference = _reference_mean_grads(world, 0)
+    reference = reference_mean_grads(world, 0)
     results = {}
     for key, spec in specs.items():
-        model = _sharded(_model(), world)
+        model = _sharded(mlp(), world)
         comms = compress_fsdp(model, CompressorSpec.from_dict(spec)) if spec is not None else {}
-        x, y = _batch(rank, 0)
+        x, y = mlp_batch(rank, 0)
         loss = nn.functional.mse_loss(model(x), y)
         with WireRecorder() as wire:
             loss.backward()
@@ -241,24 +218,16 @@ def test_compressors_without_a_fixed_row_size_are_refused(spec, message):
 
 def test_a_model_without_fully_shard_is_refused():
     with pytest.raises(ValueError, match="no fully_shard unit found"):
-        compress_fsdp(_model(), CompressorSpec.of("int8"))
+        compress_fsdp(mlp(), CompressorSpec.of("int8"))
 
 
 # --- ShardedState: the plan over units, the ledger, statistics and the guard's rows ------------
-def _local_norm(rank: int, step: int) -> float:
-    """This rank's own (unreduced) gradient norm, computed without any collective."""
-    model = _model()
-    x, y = _batch(rank, step)
-    nn.functional.mse_loss(model(x), y).backward()
-    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
-
-
 def _state_steps(rank, world):
     from raycomp._internal.fsdp.state import ShardedState
     from raycomp.plan import Plan
     from tests.support.wire import WireRecorder
 
-    model = _sharded(_model(), world)
+    model = _sharded(mlp(), world)
     state = ShardedState(model, stats_every=2)
     out = {"sizes": dict(state.sizes), "steps": []}
     plans = [Plan(), Plan.per_layer({"0": CompressorSpec.of("int8"), "2": CompressorSpec.of("bf16"),
@@ -267,7 +236,7 @@ def _state_steps(rank, world):
         if plan is not None:
             state.set_plan(plan)
         state.stage_control([10.0 * rank + step, 1.0, 0.5])  # (loss, has loss, worst error)
-        x, y = _batch(rank, 0)
+        x, y = mlp_batch(rank, 0)
         if step == 2 and rank == 1:
             x = x * float("nan")
         loss = nn.functional.mse_loss(model(x), y)
@@ -329,7 +298,7 @@ def test_sharded_state_carries_every_ranks_control_floats_and_gradient_norm_in_t
         norms = [r["steps"][step]["norm"] for r in state_runs]
         assert norms[0] == norms[1]
     # the norm the guard watches: the RMS of each rank's own gradient norm (step 0: dense)
-    own = [_local_norm(r, 0) for r in range(2)]
+    own = [local_norm(r, 0) for r in range(2)]
     assert state_runs[0]["steps"][0]["norm"] == pytest.approx(math.sqrt((own[0] ** 2 + own[1] ** 2) / 2), rel=1e-5)
     # rank 1's NaN gradient at step 2: flagged in its row on every rank, the norm non-finite
     for result in state_runs:

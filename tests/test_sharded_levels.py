@@ -12,7 +12,7 @@ from torch import nn
 
 from raycomp.plan import CompressorSpec, Plan
 from tests.distributed import run_distributed
-from tests.test_sharded import IN, OUT, _batch, _local_norm, _model, _reference_mean_grads
+from tests.support.fsdp_mlp import IN, OUT, local_norm, mlp, mlp_batch, reference_mean_grads
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
@@ -24,7 +24,7 @@ def _per_node(levels) -> nn.Module:
 
     from raycomp._internal.fsdp.two_level import node_mesh
 
-    model, mesh = _model(), node_mesh(levels, "cpu")
+    model, mesh = mlp(), node_mesh(levels, "cpu")
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -50,7 +50,7 @@ def _two_level_steps(rank, world, plans, nan_at=None):
     for step, plan in enumerate(plans):
         state.set_plan(Plan.from_dict(plan))
         state.stage_control([10.0 * rank + step, 1.0, 0.5])
-        x, y = _batch(rank, step)
+        x, y = mlp_batch(rank, step)
         if step == nan_at and rank == 3:
             x = x * float("nan")
         loss = nn.functional.mse_loss(model(x), y)
@@ -101,7 +101,7 @@ def dense_then_int8():
 
 
 def test_a_dense_plan_gives_every_rank_the_mean_of_all_four(dense_then_int8):
-    reference = _reference_mean_grads(WORLD, 0)
+    reference = reference_mean_grads(WORLD, 0)
     for result in dense_then_int8:
         grads = result["steps"][0]["grads"]
         for name, ref in reference.items():
@@ -109,7 +109,7 @@ def test_a_dense_plan_gives_every_rank_the_mean_of_all_four(dense_then_int8):
 
 
 def test_an_int8_plan_is_close_to_the_mean_and_every_node_holds_the_same_weights(dense_then_int8):
-    reference = _reference_mean_grads(WORLD, 1)
+    reference = reference_mean_grads(WORLD, 1)
     for result in dense_then_int8:
         grads = result["steps"][1]["grads"]
         errors = {n: float((grads[n] - ref).norm() / ref.norm()) for n, ref in reference.items()}
@@ -148,7 +148,7 @@ def test_only_the_shards_cross_nodes_and_the_ledgers_are_what_reached_the_wire(d
 
 
 def test_every_rank_holds_every_ranks_control_row_and_a_nan_is_flagged_on_its_step(dense_then_int8):
-    own = [_local_norm(r, 0) for r in range(WORLD)]
+    own = [local_norm(r, 0) for r in range(WORLD)]
     for step in range(3):
         rows = [r["steps"][step]["rows"] for r in dense_then_int8]
         assert all(r == rows[0] for r in rows)
@@ -188,7 +188,7 @@ def _residual_run(rank, world):
     levels = node_groups(Topology.of_rank(rank, NODES, PER_NODE))
     model = _per_node(levels)
     state = ShardedState(model, plan=INT8, levels=levels)
-    x, y = _batch(rank, 0)
+    x, y = mlp_batch(rank, 0)
     nn.functional.mse_loss(model(x), y).backward()
     state.end_backward()
     memory = state.cross.reducer.memory.state_dict()["residuals"]

@@ -18,19 +18,10 @@ import pytest
 
 from jobs.bench.netns import NetnsError, namespaces, parse_rate
 from jobs.bench.netns.switch import SwitchedNetwork
-from tests.test_netns import REPO, TOLERANCE, _alive, _links, needs_netns
+from tests.support.netns import TOLERANCE, alive, assert_switch_gone, links, needs_netns
+from tests.support.repo import REPO
 
 RATE = "50mbit"
-
-
-def _assert_gone(net: SwitchedNetwork, pids: list[int] = ()) -> None:
-    assert net.leftovers() == []
-    assert not {net.switch_ns, *net.ns.values()} & set(namespaces())
-    listing = _links()
-    for dev in (net.bridge, *net.dev.values(), *net.port.values()):
-        assert dev not in listing
-    for pid in pids:
-        assert not _alive(pid), f"process {pid} survived the tear-down"
 
 
 def _reachable(net: SwitchedNetwork, src: int) -> dict[str, str]:
@@ -82,7 +73,7 @@ def test_every_node_reaches_every_other_through_its_own_shaped_link(nodes: int) 
     rate = parse_rate(RATE)
     with SwitchedNetwork(nodes, RATE) as net:
         assert {net.switch_ns, *net.ns.values()} <= set(namespaces())
-        listing = _links()  # nothing of ours in the root namespace
+        listing = links()  # nothing of ours in the root namespace
         assert not any(dev in listing for dev in (net.bridge, *net.dev.values(), *net.port.values()))
         for i in range(nodes):
             # shaped on both ends of the node's link
@@ -108,7 +99,7 @@ def test_every_node_reaches_every_other_through_its_own_shaped_link(nodes: int) 
         local = net.measure_throughput(0, 0, 0.5)
         assert local["bits_per_s"] > 4 * rate
         assert net.counters(0)["tx_bytes"] - before < 100_000  # a few stray frames at most
-    _assert_gone(net)
+    assert_switch_gone(net)
 
 
 @needs_netns
@@ -120,7 +111,7 @@ def test_fast_links_are_unshaped_veths() -> None:
                 assert "tbf" not in {q["kind"] for q in net.qdisc_stats(i, end)}
         assert set(_reachable(net, 2).values()) == {"ConnectionRefusedError"}
         assert net.measure_throughput(0, 2, 0.5)["bits_per_s"] > 2 * parse_rate("100mbit")
-    _assert_gone(net)
+    assert_switch_gone(net)
 
 
 @needs_netns
@@ -133,7 +124,7 @@ def test_teardown_on_error_kills_every_node_process_and_close_is_idempotent() ->
             pids += _wait_pids(net, i)
         assert len(pids) == 3
         raise RuntimeError("boom")
-    _assert_gone(net, pids)
+    assert_switch_gone(net, pids)
     net.close()
     with pytest.raises(NetnsError):
         net.popen(0, ["true"])
@@ -150,7 +141,7 @@ def test_a_failed_setup_leaves_nothing_behind() -> None:
         assert net.leftovers() == [taken]  # only the one we did not create
     finally:
         subprocess.run(["ip", "netns", "del", taken], check=False)
-    _assert_gone(net)
+    assert_switch_gone(net)
 
 
 _CHILD = """
@@ -189,7 +180,7 @@ def test_teardown_on_sigterm() -> None:
     while time.monotonic() < deadline and set(ns) & set(namespaces()):
         time.sleep(0.1)
     assert not set(ns) & set(namespaces())
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 _GLOO_RANK = """
@@ -230,7 +221,7 @@ def test_gloo_ranks_of_one_node_talk_over_its_loopback_and_ranks_of_two_nodes_ov
     with SwitchedNetwork(2, RATE) as net:
         same_node = _gloo_all_reduce(net, [0, 0], 29511)
         two_nodes = _gloo_all_reduce(net, [0, 1], 29512)
-    _assert_gone(net)
+    assert_switch_gone(net)
     print(json.dumps({"veth_tx_bytes_same_node": same_node, "veth_tx_bytes_two_nodes": two_nodes}))
     assert same_node < 0.05 * ALL_REDUCE_BYTES, same_node
     assert two_nodes > 0.5 * ALL_REDUCE_BYTES, two_nodes

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.netns import needs_netns
 from tests.support.step_logs import step_logs
 from tests.support.testbed import drive
-from tests.test_netns import needs_netns
 
 pytestmark = [needs_netns, pytest.mark.long]
 pytest.importorskip("lightning.pytorch")

@@ -38,8 +38,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.netns import needs_netns
 from tests.support.testbed import drive
-from tests.test_netns import needs_netns
 
 pytestmark = [needs_netns, pytest.mark.long]
 

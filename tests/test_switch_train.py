@@ -23,9 +23,8 @@ import pytest
 
 from jobs.bench.cluster import REPO, driver_env, ray_nodes
 from jobs.bench.netns.switch import SwitchedNetwork
+from tests.support.netns import assert_switch_gone, needs_netns
 from tests.support.step_logs import step_logs
-from tests.test_netns import needs_netns
-from tests.test_switch import _assert_gone
 
 
 @needs_netns
@@ -48,7 +47,7 @@ def test_replicas_stay_bit_identical_and_plans_agree_across_nodes(tmp_path: Path
                                env=driver_env(net, address), stdout=log, stderr=log, cwd=REPO)
             code = driver.wait(timeout=600)
         sent = {i: net.counters(i)["tx_bytes"] - before[i] for i in range(nodes)}
-    _assert_gone(net)
+    assert_switch_gone(net)
     print(json.dumps({"cluster_up_s": round(up - started, 1), "total_s": round(time.monotonic() - started, 1),
                       "veth_tx_bytes_during_fit": sent}))
     log_tail = (tmp_path / "driver.log").read_text(errors="replace")[-4000:]

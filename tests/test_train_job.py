@@ -10,36 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.config import JobConfig
-from jobs.faults import DrillConfig
-from jobs.train import prepare, run
-from tests.conftest import REPO
+from tests.support.job_runs import last_checkpoint, train
+from tests.support.repo import REPO
 from tests.support.step_logs import step_logs
-
-DIGITS = str(REPO / "jobs" / "configs" / "digits.yaml")
-
-
-def train(tmp_path: Path, name: str, *overrides: str) -> dict:
-    """One run of ``python -m jobs.train``; of ``python -m jobs.faults`` (the drill's config,
-    :class:`jobs.faults.DrillConfig`) when an override sets ``faults.*``."""
-    drill = any(o.startswith("faults.") for o in overrides)
-    config, run_id, output = prepare(["--config", DIGITS, "--output", str(tmp_path / name),
-                                      "--run-id", f"{name}-{tmp_path.name}", *overrides],
-                                     DrillConfig if drill else JobConfig)
-    summary = run(config, run_id, output)
-    assert json.loads((output / "summary.json").read_text())["run_id"] == run_id
-    return summary
-
-
-def latest_checkpoint(output: Path) -> Path:
-    return sorted(p for p in output.glob("checkpoint_*") if p.is_dir())[-1]
-
-
-def last_checkpoint(summary: dict) -> Path:
-    """A run's last checkpoint: in its output directory, or, for a run trained in the shared
-    fit (tests/support/runs_in_turn.py), the one its summary names."""
-    return Path(summary["checkpoint"]) if "checkpoint" in summary else latest_checkpoint(Path(summary["output_dir"]))
-
 
 # The runs that need no fault of the worker group train in turn in the session's one shared
 # Ray Train fit (tests/support/runs_in_turn.py; a fit costs ~20 s of start-up on 2 cores);

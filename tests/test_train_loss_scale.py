@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jobs.train import Precision
-from tests.conftest import fit_with_controller
+from tests.support.controller_fit import fit_with_controller
 
 
 def _train_with_a_scaler(config: dict) -> dict:

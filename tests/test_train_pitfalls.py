@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import fit_with_controller
+from tests.support.controller_fit import fit_with_controller
 
 EPOCHS, STEPS = 3, 4  # the checkpoint run: 12 steps, a crash after epoch 0
 LR, GAMMA = 0.1, 0.5

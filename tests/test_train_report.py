@@ -14,7 +14,7 @@ import torch
 from raycomp._internal.train.step_log import StepLog
 from raycomp.config import CheckpointSection
 from raycomp.train import TrainOptions
-from tests.conftest import fit_with_controller
+from tests.support.controller_fit import fit_with_controller
 
 EPOCHS, STEPS = 4, 5  # per epoch; 20 steps in all
 

@@ -23,74 +23,14 @@ transformers = pytest.importorskip("transformers")
 
 from tests.gpu.support import same_on_every_rank  # noqa: E402
 from tests.support.framework_runs import assert_guard_run, fit_and_read  # noqa: E402
+from tests.support.gpt2_trainer import BATCH, gpt2, hf_trainer, options, sequences, static  # noqa: E402
 from tests.support.step_logs import step_logs  # noqa: E402
 
 GRADIENT_DTYPES = ("Float", "Half", "BFloat16", "Double")  # the flight recorder's names
 
-VOCAB, LENGTH, SEQUENCES, BATCH = 64, 24, 256, 8  # an epoch: 256 / (2 ranks x 8) = 16 steps
 NAN_STEP, STABLE, SWITCH = 9, 6, 14  # the guard's run: NaN on rank 1, hysteresis, int8 from here
 KILL_AT = 20  # global step, in the second epoch
 LOCAL_H = 3  # the local-step run: a sync every 3 optimizer steps; the last of 16 falls between two
-
-
-def gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)  # the same initial weights on every rank and in every run
-    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=VOCAB, n_positions=LENGTH,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def sequences(n: int, seed: int) -> list[dict]:
-    """Arithmetic sequences modulo VOCAB (start and stride drawn): learnable from context."""
-    gen = torch.Generator().manual_seed(seed)
-    start, stride = torch.randint(0, VOCAB, (n, 1), generator=gen), torch.randint(1, 4, (n, 1), generator=gen)
-    tokens = (start + stride * torch.arange(LENGTH)) % VOCAB
-    return [{"input_ids": t, "labels": t} for t in tokens]
-
-
-class FaultyTrainer(transformers.Trainer):
-    """A Trainer whose loss is NaN on rank ``nan_rank`` at global step ``nan_at`` (a fault)."""
-
-    nan_at: int | None = None
-    nan_rank = 1
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.state.global_step == self.nan_at and self.args.process_index == self.nan_rank:
-            loss = loss * float("nan")
-        return loss
-
-
-def hf_trainer(output_dir: str, seed: int = 0, callbacks=(), nan_at: int | None = None,
-               **args) -> transformers.Trainer:
-    arguments = transformers.TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=BATCH, per_device_eval_batch_size=32,
-        learning_rate=3e-3, warmup_steps=0, num_train_epochs=args.pop("epochs", 2), eval_strategy="epoch",
-        save_strategy=args.pop("save_strategy", "no"), logging_steps=1000, report_to="none",
-        disable_tqdm=True, seed=0, use_cpu=True, **args)
-    trainer = FaultyTrainer(model=gpt2(), args=arguments, train_dataset=sequences(SEQUENCES, seed),
-                            eval_dataset=sequences(64, 999), callbacks=list(callbacks))
-    trainer.nan_at = nan_at
-    return trainer
-
-
-def options(config: dict, run: str, **compression):
-    import raycomp.train
-    from raycomp.config import CompressionSection, ControllerSection
-
-    return raycomp.train.TrainOptions(
-        compression=CompressionSection(**compression),
-        controller=ControllerSection(name=config["controller"], interval_steps=2),
-        output_dir=f"{config['output_dir']}/{run}", run_id=f"{run}-{config['controller']}", eval_kind="loss")
-
-
-def static(name: str, **params) -> dict:
-    """``compression`` options: the static policy with one compressor from the first step."""
-    from raycomp.config import compressor
-    from raycomp.controllers.policies import StaticOptions
-
-    return {"policy": "static", "warmup_steps": 0, "static": StaticOptions(compressor=compressor(name, **params))}
 
 
 def eval_loss(trainer) -> float:
@@ -370,7 +310,7 @@ def test_every_entry_the_trainer_logs_while_training_has_raycomps_values(tmp_pat
     from raycomp.integrations.framework_step import LOGGED, FrameworkStep, framework_strategy
     from raycomp.integrations.transformers import RaycompCallback, _with_raycomp
     from raycomp.train import TrainOptions
-    from tests.test_integrations import fake_loop
+    from tests.support.fake_loop import fake_loop
 
     arguments = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH,
                                                max_steps=3, logging_steps=1, save_strategy="no", report_to="none",

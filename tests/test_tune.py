@@ -18,7 +18,7 @@ from jobs.bench.report import machine_info
 from jobs.config import ConfigError, load_config
 from jobs.train import prepare
 from jobs.tune import trials as tune_trials
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 TUNE_DIGITS = str(REPO / "jobs" / "configs" / "tune_digits.yaml")
 TUNE_GPT = str(REPO / "jobs" / "configs" / "tune_gpt.yaml")

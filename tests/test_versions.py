@@ -18,7 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -157,7 +157,7 @@ def test_char_lstm_learns_the_kjv_with_momentum_sgd(small):
 
 
 def test_the_shipped_lstm_config_builds_a_1_1m_parameter_lstm_trained_with_sgd(cache, monkeypatch):
-    from tests.conftest import REPO
+    from tests.support.repo import REPO
 
     monkeypatch.setenv("RAYCOMP_CACHE_DIR", str(cache))
     config = load_config(REPO / "jobs" / "configs" / "lstm_kjv.yaml", [])

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import fit_with_controller
+from tests.support.controller_fit import fit_with_controller
 from tests.support.step_logs import step_logs
 from tests.support.wire import FLIGHT_RECORDER_ENV
 

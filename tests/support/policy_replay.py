@@ -28,8 +28,7 @@ from typing import Any
 
 from raycomp.config import LOCAL_MIN_GAIN, LocalSection
 from raycomp.controllers.policies import make_policy
-from tests.test_adaptive_policy import SHAPES, WARMUP, K, Link, W
-from tests.test_local_policy import LocalSim
+from tests.support.policy_sim import SHAPES, WARMUP, K, Link, LocalSim, W
 
 RUNS = 300
 INTERVALS = 48  # control boundaries per run

@@ -7,7 +7,7 @@ importing torch and Ray Train), more than a small run's training, so the runs th
 fault of the worker group share one. Each test module lists its own in ``IN_TURN``, name ->
 either the overrides of a ``python -m jobs.train`` run of ``jobs/configs/digits.yaml`` (its
 summary comes back, as ``summary.json`` holds it) or a training function of the module
-(``fn(config) -> value``, ``config`` as :func:`tests.conftest.fit_with_controller` gives it,
+(``fn(config) -> value``, ``config`` as :func:`tests.support.controller_fit.fit_with_controller` gives it,
 plus ``"run_id"``; rank 0's value comes back with the run's output directory). Runs that only
 long checks read (``-m long``, left out of the default run) go in ``LONG_IN_TURN``. The
 session's one fit trains the runs the selected tests read (:func:`collected_runs`); the

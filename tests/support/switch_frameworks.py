@@ -4,8 +4,8 @@ tests/test_switch_frameworks.py.
 ``python -m tests.support.switch_frameworks SPEC.json`` runs as the driver inside the head
 node's namespace, against the Ray cluster in ``RAY_ADDRESS`` (as
 :mod:`tests.support.switch_runs`). One Ray Train fit on ``workers`` ranks trains, in turn,
-Lightning with ``RaycompStrategy`` (tests/test_lightning.py's classifier) and the Hugging
-Face Trainer under raycomp's ``prepare_trainer`` (tests/test_transformers.py's two-layer
+Lightning with ``RaycompStrategy`` (tests/support/lightning_classifier.py) and the Hugging
+Face Trainer under raycomp's ``prepare_trainer`` (tests/support/gpt2_trainer.py's two-layer
 GPT-2), each with int8 from the first step and ``compression.levels`` at its default
 (auto: the topology from Ray Train's context). Every rank writes ``<output>/<framework>/
 rank<r>.json``: the reducer its hook used, where it ran, the digest of its parameters at
@@ -40,8 +40,8 @@ def train_func(config: dict[str, Any]) -> None:
 
     from raycomp.integrations.lightning import RaycompStrategy
     from raycomp.integrations.transformers import prepare_trainer
-    from tests import test_lightning as lightning
-    from tests import test_transformers as hf
+    from tests.support import gpt2_trainer as hf
+    from tests.support import lightning_classifier as lightning
 
     rank = ray.train.get_context().get_world_rank()
     output = Path(config["output_dir"])

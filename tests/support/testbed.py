@@ -21,7 +21,7 @@ def drive(work: Path, nodes: int, per_node: int, module: str, spec: dict[str, An
     check it is gone. Returns the driver's ``<spec output>/driver.json`` (asserted
     succeeded) with the testbed's ``net``, ``node_of_inode`` (each node's namespace by
     inode) and the seconds it took (``cluster_up_s``, ``total_s``)."""
-    from tests.test_switch import _assert_gone
+    from tests.support.netns import assert_switch_gone
 
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -34,7 +34,7 @@ def drive(work: Path, nodes: int, per_node: int, module: str, spec: dict[str, An
             driver = net.popen(0, [sys.executable, "-m", module, str(spec_path)],
                                env=driver_env(net, address), stdout=log, stderr=log, cwd=REPO)
             code = driver.wait(timeout=timeout_s)
-    _assert_gone(net)
+    assert_switch_gone(net)
     log_tail = (work / "driver.log").read_text(errors="replace")[-4000:]
     assert code == 0, log_tail
     report = json.loads((Path(spec["output"]) / "driver.json").read_text())
