@@ -7,7 +7,8 @@ users start at :mod:`raycomp.train`. Everything else is internal and may change.
 """
 
 from raycomp._internal.ddp.buckets import bucket_cap_mb
-from raycomp._internal.ddp.hook import CompressionState, compression_hook
+from raycomp._internal.ddp.hook import compression_hook
+from raycomp._internal.ddp.state import CompressionState
 from raycomp._internal.reduce.stats import LayerStats
 from raycomp._internal.wire.ledger import WireLedger
 from raycomp._internal.wire.payload import Payload

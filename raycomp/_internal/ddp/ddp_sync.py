@@ -1,5 +1,5 @@
 """Which way a step's gradients travel in a DDP model under a
-:class:`~raycomp._internal.ddp.hook.CompressionState`, decided before the step's forward.
+:class:`~raycomp._internal.ddp.state.CompressionState`, decided before the step's forward.
 
 A plan that compresses nothing should cost what plain DDP costs. So the dense step is DDP's
 own, and raycomp's comm hook joins only when a plan needs it. Two ways; which one a step

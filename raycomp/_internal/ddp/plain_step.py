@@ -37,7 +37,7 @@ __all__ = ["PlainStep"]
 
 
 class PlainStep:
-    """The plain step of one :class:`~raycomp._internal.ddp.hook.CompressionState`.
+    """The plain step of one :class:`~raycomp._internal.ddp.state.CompressionState`.
 
     Args:
         reducer: the state's reducer: its step, control values, ledger and statistics.
@@ -45,7 +45,7 @@ class PlainStep:
         name_of: the state's name of a bucket's parameter (ValueError for a parameter of
             another model).
         end_step: ends the step and counts the wait since the time it is given as
-            communication (:attr:`~raycomp._internal.ddp.hook.CompressionState.comm_seconds`).
+            communication (:attr:`~raycomp._internal.ddp.state.CompressionState.comm_seconds`).
     """
 
     def __init__(self, reducer: CompressedReducer, bucketed: Sequence[tuple[str, torch.Tensor]],

@@ -1,4 +1,4 @@
-"""The FSDP2 counterpart of :class:`raycomp._internal.ddp.hook.CompressionState`: one plan over the
+"""The FSDP2 counterpart of :class:`raycomp._internal.ddp.state.CompressionState`: one plan over the
 ``fully_shard`` units of a model, with the byte ledger, the controller's statistics and
 the guard's control rows.
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from raycomp._internal.reduce.held_back import HeldBackUpdates
 from raycomp._internal.reduce.loss_scale import ScaleFollower
 from raycomp._internal.reduce.mean_error import sample
 from raycomp._internal.reduce.memory import Memory, make_memory
@@ -105,11 +106,9 @@ class CompressedReducer:
         self.stats_plan: Plan | None = None
         self.local_nonfinite = False  # this rank's compressed gradients held NaN/Inf at the last step
         self.signals = StepSignals(self.group)  # the step's finiteness flag and control values
-        #: hold back the memory update of a lossy layer whose gradient is all zero on this
-        #: rank, until :meth:`settle_unused` learns whether any rank used it (the DDP hook
-        #: with ``find_unused_parameters``: DDP drops the mean of a layer no rank used)
-        self.defer_unused = False
-        self._unsettled: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        #: memory updates of lossy layers idle on this rank, held back while
+        #: :attr:`defer_unused` until :meth:`settle_unused` (:mod:`raycomp._internal.reduce.held_back`)
+        self.held_back = HeldBackUpdates()
 
     # --- plan and step boundaries -----------------------------------------------------
     @property
@@ -132,7 +131,7 @@ class CompressedReducer:
             return
         if self._pending is not None:
             self._plan, self._pending = self._pending, None
-        if self._unsettled:  # nothing settled the last step's (no backward ran it): as sent
+        if self.holding_back:  # nothing settled the last step's (no backward ran it): as sent
             self.settle_unused(lambda name: True)
         factor = self.loss_scale.change()
         if factor is not None:  # the memory joins gradients scaled by this step's scale
@@ -198,7 +197,7 @@ class CompressedReducer:
         compensated = [self.memory.compensate(n, g) for n, g in zip(names, grads, strict=True)]  # 2. compensate
         self.signals.watch([g for g, kind, c in zip(grads, kinds, compressors, strict=True)
                             if kind is not Transport.DENSE and not c.carries_nonfinite])
-        used = [g.any() for g in grads] if self.defer_unused else []  # before an in-place reduction
+        used = self.held_back.used_flags(grads)  # before an in-place reduction
         if control is None and closes_step:
             control = self.signals.take(grads[0].device if grads else torch.device("cpu"))
         measuring = self.collecting_stats  # statistics read the gradients: never overwrite them then
@@ -208,7 +207,7 @@ class CompressedReducer:
 
         def finish() -> list[torch.Tensor]:
             reduced, overhead = sending.finish()  # 4. decompress: the mean, and what this rank sent
-            self._update_memory(names, compressors, compensated, reduced, used)  # 5. update memory
+            self.held_back.update(self.memory, names, compressors, compensated, reduced, used)  # 5. update memory
             self._count_bytes(names, grads, reduced, overhead, dense_bytes)
             if measuring:
                 self._measure(names, compressors, grads, compensated, reduced)
@@ -231,22 +230,6 @@ class CompressedReducer:
             dense_bytes = [self.send_group.allreduce_bytes(g.numel() * g.element_size()) for g in grads]
         for name, dense, result in zip(names, dense_bytes, reduced, strict=True):
             self.ledger.add(name, result.wire_bytes, dense)
-
-    def _update_memory(self, names: Sequence[str], compressors: Sequence[Compressor],
-                       compensated: Sequence[torch.Tensor], reduced: Sequence[Reduced],
-                       used: Sequence[torch.Tensor]) -> None:
-        """Keep what was not sent. A layer sent in full, or by a compressor that takes no
-        error feedback, leaves nothing; a lossy layer idle here waits for
-        :meth:`settle_unused` (``defer_unused``)."""
-        idle = _none_true(used) if used else [False] * len(names)
-        for i, name in enumerate(names):
-            result, compressor = reduced[i], compressors[i]
-            lossy = result.sent is not compensated[i] and compressor.error_feedback
-            sent = result.sent if lossy else compensated[i]
-            if lossy and idle[i]:
-                self._unsettled[name] = (compensated[i], sent, compressor.sparse)
-            else:
-                self.memory.update(name, compensated[i], sent, compressor.sparse)
 
     def _measure(self, names: Sequence[str], compressors: Sequence[Compressor], grads: Sequence[torch.Tensor],
                  compensated: Sequence[torch.Tensor], reduced: Sequence[Reduced]) -> None:
@@ -298,19 +281,24 @@ class CompressedReducer:
 
     # --- held-back and discarded memory ------------------------------------------------
     @property
+    def defer_unused(self) -> bool:
+        """Hold back the memory update of a lossy layer whose gradient is all zero on this
+        rank, until :meth:`settle_unused` learns whether any rank used it (the DDP hook
+        with ``find_unused_parameters``: DDP drops the mean of a layer no rank used)."""
+        return self.held_back.enabled
+
+    @defer_unused.setter
+    def defer_unused(self, on: bool) -> None:
+        self.held_back.enabled = on
+
+    @property
     def holding_back(self) -> bool:  # memory updates wait for settle_unused
-        return bool(self._unsettled)
+        return self.held_back.holding
 
     def settle_unused(self, used: Callable[[str], bool]) -> None:
         """Apply the held-back memory updates: as sent where ``used(layer)`` (some rank used
-        the layer, so its mean reached the optimizer), else as if nothing had been sent
-        (the residual keeps all it held: DDP dropped the mean of a layer no rank used)."""
-        unsettled, self._unsettled = self._unsettled, {}
-        for name, (compensated, sent, sparse) in unsettled.items():
-            if used(name):
-                self.memory.update(name, compensated, sent, sparse)
-            else:
-                self.memory.update(name, compensated, torch.zeros_like(sent), False)
+        the layer), else as if nothing had been sent (:meth:`HeldBackUpdates.settle`)."""
+        self.held_back.settle(self.memory, used)
 
     def discard_step(self) -> None:
         """Forget the error-feedback memory after a step the optimizer skipped.
@@ -321,14 +309,14 @@ class CompressedReducer:
         bad gradient. Every rank calls this at the same step (the guard's decision is shared).
         """
         self.memory.reset()
-        self._unsettled.clear()
+        self.held_back.clear()
         for communicator in self.communicators.values():
             communicator.reset()
 
     # --- checkpointing -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-for-bit: step, plan, memory, compressor state."""
-        if self._unsettled:  # held back by a step no backward closed: as sent, as the next step would
+        if self.holding_back:  # held back by a step no backward closed: as sent, as the next step would
             self.settle_unused(lambda name: True)
         return {
             "step": self.step,
@@ -355,8 +343,3 @@ class CompressedReducer:
         self.router.load_state_dict(state["compressors"])
         self.ledger.load_state_dict(state["ledger"])
         self.loss_scale.load_state_dict(state.get("loss_scale", {"scale": None}))
-
-
-def _none_true(flags: Sequence[torch.Tensor]) -> list[bool]:
-    """``not flag`` for each boolean scalar tensor, read in one host transfer."""
-    return (~torch.stack([f.to(flags[0].device) for f in flags])).tolist()

@@ -4,10 +4,10 @@ from ..mutant import mutant
 
 MUTANTS = (
     mutant(
-        "ef-skipped-for-sparse", "CompressedReducer._update_memory",
-        "                else:\n                    self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
+        "ef-skipped-for-sparse", "HeldBackUpdates.update",
+        "                else:\n                    memory.update(name, compensated[i], sent, compressor.sparse)\n",
         "                elif not compressor.sparse:\n"
-        "                    self.memory.update(name, compensated[i], sent, compressor.sparse)\n",
+        "                    memory.update(name, compensated[i], sent, compressor.sparse)\n",
         "tests/test_error_feedback.py",
         "the reducer skips the memory update for sparse compressors (Top-K, DGC, threshold, Random-K)",
     ),
@@ -26,9 +26,9 @@ MUTANTS = (
         "rank 1 defers a plan set between steps to the end of the next step",
         ("CompressedReducer.begin_step",
          "        if self._pending is not None:\n            self._plan, self._pending = self._pending, None\n"
-         "        if self._unsettled:",
+         "        if self.holding_back:",
          "        if self._pending is not None and self.group.rank != 1:\n"
-         "            self._plan, self._pending = self._pending, None\n        if self._unsettled:"),
+         "            self._plan, self._pending = self._pending, None\n        if self.holding_back:"),
     ),
     mutant(
         "finite-flag-reads-max-only", "all_finite",
@@ -66,15 +66,15 @@ MUTANTS = (
         "the compression error is measured against the gradient, not what was compressed (gradient plus residual)",
     ),
     mutant(
-        "unused-layer-residual-spent", "CompressedReducer.settle_unused",
-        "                self.memory.update(name, compensated, torch.zeros_like(sent), False)\n",
-        "                self.memory.update(name, compensated, sent, sparse)\n",
+        "unused-layer-residual-spent", "HeldBackUpdates.settle",
+        "                memory.update(name, compensated, torch.zeros_like(sent), False)\n",
+        "                memory.update(name, compensated, sent, sparse)\n",
         "tests/test_hook.py -k keeps_its_error",
         "a layer no rank used loses from its residual what was sent, though DDP dropped that mean",
     ),
     mutant(
         "held-updates-left-over", "CompressedReducer.begin_step",
-        "        if self._unsettled:  # nothing settled the last step's (no backward ran it): as sent\n",
+        "        if self.holding_back:  # nothing settled the last step's (no backward ran it): as sent\n",
         "        if False:  # nothing settled the last step's (no backward ran it): as sent\n",
         "tests/test_hook.py -k held_back",
         "updates no callback settled stay held back: the next step compensates with a stale residual",
@@ -88,7 +88,7 @@ MUTANTS = (
     ),
     mutant(
         "checkpoint-without-held-updates", "CompressedReducer.state_dict",
-        "        if self._unsettled:  # held back by a step no backward closed: as sent, as the next step would\n",
+        "        if self.holding_back:  # held back by a step no backward closed: as sent, as the next step would\n",
         "        if False:  # held back by a step no backward closed: as sent, as the next step would\n",
         "tests/test_hook.py -k checkpoint_between_steps",
         "a joined rank checkpointed between a shadow step and its next step saves its memory without the update",
