@@ -5,9 +5,8 @@ several nodes that is the slow one between them. A two-level run also talks insi
 node (:mod:`raycomp._internal.reduce.two_level`): a compressed step reduce-scatters and all-gathers there,
 and every inner step of local steps between nodes all-reduces the whole gradient there.
 No flat dense step times that link, and a plan priced without it looks faster than it
-steps (local steps on an unshaped CNN at 2 x 2 were priced 20-36% fast). So every node
-times its own link once, before the run registers: a few all-reduces of the model's
-gradient size over the node's group, as an inner step sends them.
+steps. So every node times its own link once, before the run registers: a few all-reduces
+of the model's gradient size over the node's group, as an inner step sends them.
 """
 
 from __future__ import annotations

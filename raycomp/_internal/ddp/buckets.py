@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["BUCKETS", "MAX_CAP_MB", "MIN_CAP_MB", "bucket_cap_mb", "ddp_kwargs", "gradient_mb"]
 
-#: buckets a model is cut into; the step is flat around it (4 to 13 gave the same step)
+#: buckets a model is cut into; 4 to 13 gave the same step time (docs/benchmarks/history.md)
 BUCKETS = 8
 #: the bounds, MB: DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``) and its default cap
 MIN_CAP_MB, MAX_CAP_MB = 1.0, 25.0

@@ -6,8 +6,8 @@ Two ways, each keeping bucket order (the same on every rank):
   (backward, in DDP's hook) encodes the bucket and issues its collectives; its decoding runs
   when they complete, on the thread that completes them, after the previous bucket's, as
   torch's own hooks chain ``then`` on a collective's future. Backward never waits for the
-  wire, and no thread of ours takes the cores that backward and gloo share: on 4 gloo ranks
-  of a 2-core machine the threads made a bf16 step 1.145x plain DDP's, chaining 1.098x.
+  wire, and no thread of ours takes the cores that backward and gloo share (on a machine
+  with fewer cores than ranks that is what the threads cost).
 * **threads** (a bucket whose reduction waits for an earlier round before its last, e.g.
   PowerSGD's P before Q; every bucket on CUDA): the sending thread compresses each bucket
   and issues its collectives; the receiving thread waits for them and decodes. So the
