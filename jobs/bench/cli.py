@@ -27,7 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "controller": "jobs.bench.controller.cli",
     "tune": "jobs.bench.tune",
     "outage": "jobs.bench.outage",
-    "overhead": "jobs.bench.overhead",
+    "overhead": "jobs.bench.overhead.cli",
     "guard-error": "jobs.bench.guard_error",
 }
 
