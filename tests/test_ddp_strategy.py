@@ -1,5 +1,5 @@
 """raycomp.train's DDP sync on real gloo processes (:class:`DdpStrategy`,
-:mod:`raycomp._internal.ddp.ddp_sync`): a dense step is DDP's own reduction (a statistics step reads each
+:mod:`raycomp._internal.ddp.step_route`): a dense step is DDP's own reduction (a statistics step reads each
 rank's own gradient norms on the way), and raycomp's hook joins at the first compressed
 step, the same step on every rank."""
 

@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from jobs.models import char_transformer, lm_loss
 from raycomp._internal.ddp.buckets import bucket_cap_mb
-from raycomp._internal.ddp.ddp_sync import DdpSync, Way
 from raycomp._internal.ddp.hook import CompressionState, compression_hook
+from raycomp._internal.ddp.step_route import StepRoute, Way
 from raycomp._internal.local import LocalSteps
 from raycomp.plan import Plan
 from tests.gpu.models import rule_tokens
@@ -28,7 +28,7 @@ VOCAB, BLOCK, BATCH, STEPS, TOKENS = 32, 64, 32, 50, 200_000
 RUNS = {  # label: (plan, or None for plain DDP; raycomp.bucket_cap_mb's buckets; fp16 autocast + GradScaler)
     "plain-ddp": (None, False, False),
     "hook-dense": (Plan(), False, False),
-    "sync-dense": (Plan(), False, False),
+    "routed-dense": (Plan(), False, False),
     "hook-powersgd-r2": (Plan.uniform("powersgd", rank=2), False, False),
     "hook-topk-1%": (Plan.uniform("topk", ratio=0.01), False, False),
     "hook-int8": (Plan.uniform("int8"), False, False),
@@ -38,9 +38,9 @@ RUNS = {  # label: (plan, or None for plain DDP; raycomp.bucket_cap_mb's buckets
     "plain-ddp-fp16-autocast": (None, False, True),
     "hook-topk-1%-fp16-autocast": (Plan.uniform("topk", ratio=0.01), False, True),
 }
-#: runs that go through raycomp.train's way of reducing a DDP model (raycomp._internal.ddp.ddp_sync: DDP's
+#: runs that go through raycomp.train's way of reducing a DDP model (raycomp._internal.ddp.step_route: DDP's
 #: own reduction while the plan is dense), not the hook registered by hand
-SYNCED = {"sync-dense"}
+ROUTED = {"routed-dense"}
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +61,11 @@ def test_char_transformer_trains(label: str, tokens: torch.Tensor, note: Callabl
     model = char_transformer(VOCAB, block=BLOCK).to(CUDA)
     ddp = DDP(model, device_ids=[CUDA.index], **({"bucket_cap_mb": bucket_cap_mb(model)} if auto_buckets else {}))
     scaler = torch.amp.GradScaler("cuda") if amp else None
-    state = sync = None
+    state = route = None
     if plan is not None:
         state = CompressionState(ddp, plan, grad_scaler=scaler)
-        if label in SYNCED:
-            sync = DdpSync(ddp, state)
+        if label in ROUTED:
+            route = StepRoute(ddp, state)
         else:
             ddp.register_comm_hook(state, compression_hook)
     opt = torch.optim.Adam(ddp.parameters(), lr=3e-3)
@@ -79,8 +79,8 @@ def test_char_transformer_trains(label: str, tokens: torch.Tensor, note: Callabl
             loss = lm_loss(ddp(window[:, :-1]), window[:, 1:])
         opt.zero_grad()
         (loss if scaler is None else scaler.scale(loss)).backward()
-        if sync is not None:
-            sync.end_backward()
+        if route is not None:
+            route.end_backward()
         if scaler is None:
             opt.step()
         else:
@@ -134,21 +134,21 @@ def test_char_transformer_trains_with_local_steps(tokens: torch.Tensor, note: Ca
 @pytest.mark.usefixtures("nccl_group")
 def test_a_dense_plan_steps_like_plain_ddp_in_blocks_in_turn(tokens: torch.Tensor,
                                                              note: Callable[[str], None]) -> None:
-    """Plain DDP, raycomp.train's way on a dense plan (:mod:`raycomp._internal.ddp.ddp_sync`: DDP's own
+    """Plain DDP, raycomp.train's way on a dense plan (:mod:`raycomp._internal.ddp.step_route`: DDP's own
     reduction) and the hook registered by hand on a dense plan, stepped in blocks in turn
     (the order reversed every pair) on the same batches: the median over pairs of each
     one's block time against plain DDP's is noted (the 5% goal lives in docs/gpu.md, not
     here). All three hold the same weights bit for bit at the end: at one rank each
     divides by one and adds nothing."""
-    models, optimizers, states, syncs = {}, {}, [], {}
-    for side in ("plain", "sync", "hook"):
+    models, optimizers, states, routes = {}, {}, [], {}
+    for side in ("plain", "routed", "hook"):
         torch.manual_seed(0)
         ddp = DDP(char_transformer(VOCAB, block=BLOCK).to(CUDA), device_ids=[CUDA.index])
         if side != "plain":
             state = CompressionState(ddp, Plan())
             states.append(state)
-            if side == "sync":
-                syncs[side] = DdpSync(ddp, state)
+            if side == "routed":
+                routes[side] = StepRoute(ddp, state)
             else:
                 ddp.register_comm_hook(state, compression_hook)
         models[side], optimizers[side] = ddp, torch.optim.Adam(ddp.parameters(), lr=3e-3)
@@ -156,22 +156,22 @@ def test_a_dense_plan_steps_like_plain_ddp_in_blocks_in_turn(tokens: torch.Tenso
     windows = [_window(tokens, torch.Generator().manual_seed(i)) for i in range(block)]
 
     def run_block(side: str) -> float:
-        model, opt, sync = models[side], optimizers[side], syncs.get(side)
+        model, opt, route = models[side], optimizers[side], routes.get(side)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for window in windows:
             loss = lm_loss(model(window[:, :-1]), window[:, 1:])
             opt.zero_grad()
             loss.backward()
-            if sync is not None:
-                sync.end_backward()
+            if route is not None:
+                route.end_backward()
             opt.step()
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    ratios: dict[str, list[float]] = {"sync": [], "hook": []}
+    ratios: dict[str, list[float]] = {"routed": [], "hook": []}
     for pair in range(pairs + warmup):
-        order = ["plain", "sync", "hook"] if pair % 2 == 0 else ["hook", "sync", "plain"]
+        order = ["plain", "routed", "hook"] if pair % 2 == 0 else ["hook", "routed", "plain"]
         times = {side: run_block(side) for side in order}
         if pair >= warmup:
             for side in ratios:
@@ -181,7 +181,7 @@ def test_a_dense_plan_steps_like_plain_ddp_in_blocks_in_turn(tokens: torch.Tenso
     note(", ".join(f"{side} {statistics.median(r):.3f}x plain DDP (quartiles "
                    f"{statistics.quantiles(r, n=4)[0]:.3f}-{statistics.quantiles(r, n=4)[2]:.3f})"
                    for side, r in ratios.items()) + f", {pairs} pairs of {block} steps")
-    assert syncs["sync"].steps[Way.DDP] == (pairs + warmup) * block, syncs["sync"].steps
-    for side in ("sync", "hook"):
+    assert routes["routed"].steps[Way.DDP] == (pairs + warmup) * block, routes["routed"].steps
+    for side in ("routed", "hook"):
         for a, b in zip(models["plain"].parameters(), models[side].parameters(), strict=True):
             assert torch.equal(a, b), f"{side}: the weights left plain DDP's"

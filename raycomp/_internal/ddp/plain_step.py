@@ -6,7 +6,7 @@ nothing to route, encode or remember: its gradients are all-reduced as flat buff
 (:meth:`PlainStep.start_flat`: the same division, sum and control values as a dense layer
 of :class:`~raycomp._internal.reduce.reducer.CompressedReducer`'s compressed path), as torch's all-reduce
 hook does. It goes one
-of two ways, decided the same on every rank (:mod:`raycomp._internal.ddp.ddp_sync` says which when):
+of two ways, decided the same on every rank (:mod:`raycomp._internal.ddp.step_route` says which when):
 
 * **in DDP** (:meth:`PlainStep.begin_in_ddp`, :meth:`PlainStep.end_in_ddp`): DDP's own
   reduction carries the gradients; the step adds the control values' all-reduce, counts

@@ -1,6 +1,6 @@
 """``strategy="ddp"``: the model in DDP (``ray.train.torch.prepare_model``); DDP's own
 reduction while the plan is dense, raycomp's comm hook (each bucket's all-reduce compressed
-as the plan says) from the first step that compresses (:mod:`raycomp._internal.ddp.ddp_sync`)."""
+as the plan says) from the first step that compresses (:mod:`raycomp._internal.ddp.step_route`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from raycomp._internal.ddp.buckets import ddp_kwargs
-from raycomp._internal.ddp.ddp_sync import DdpSync
 from raycomp._internal.ddp.hook import CompressionState, compression_hook
+from raycomp._internal.ddp.step_route import StepRoute
 from raycomp._internal.topology import discover
 from raycomp.plan import Plan
 from raycomp.train.gradient_strategy import StrategySetup
@@ -23,7 +23,7 @@ class DdpStrategy:
     """A :class:`~raycomp.train.gradient_strategy.GradientStrategy` over a DDP model (or, with one
     worker, the bare model) and its :class:`~raycomp._internal.ddp.hook.CompressionState`.
 
-    On a DDP model each step's gradients travel the way :class:`raycomp._internal.ddp.ddp_sync.DdpSync`
+    On a DDP model each step's gradients travel the way :class:`raycomp._internal.ddp.step_route.StepRoute`
     decides before its forward: DDP's own reduction while the plan is dense, raycomp's hook
     from the first step that compresses. ``hook=None`` leaves DDP's reduction to whoever
     registered a hook of their own (a benchmark's torch hook): then nothing of raycomp
@@ -38,7 +38,7 @@ class DdpStrategy:
         self.model, self.state = model, state
         self.ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         self.bucket_cap_mb = model.bucket_bytes_cap / 2**20 if self.ddp else None
-        self.sync = DdpSync(model, state, hook) if self.ddp and hook is not None else None
+        self.sync = StepRoute(model, state, hook) if self.ddp and hook is not None else None
 
     def layers(self) -> dict[str, list[int]]:
         return parameter_shapes(self.model)

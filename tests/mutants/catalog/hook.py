@@ -219,7 +219,7 @@ MUTANTS = (
         "a flat dense step never ends: the step counter stands still and plans never install",
     ),
     mutant(
-        "ddp-sync-decides-inside-no-sync", "DdpSync._before_forward",
+        "step-route-decides-inside-no-sync", "StepRoute._before_forward",
         "                or not module.require_backward_grad_sync):  # inside the user's no_sync()\n",
         "                ):\n",
         "tests/test_ddp_strategy.py -k no_sync",
@@ -227,14 +227,14 @@ MUTANTS = (
         "accumulation ends",
     ),
     mutant(
-        "ddp-sync-decides-in-eval", "DdpSync._before_forward",
+        "step-route-decides-in-eval", "StepRoute._before_forward",
         "                or not torch.is_grad_enabled()  # an evaluation\n",
         "",
         "tests/test_ddp_strategy.py -k without_gradients",
         "an evaluation forward under no_grad decides a way: a step begins that no backward ends",
     ),
     mutant(
-        "ddp-sync-never-registers-the-hook", "DdpSync._before_forward",
+        "step-route-never-registers-the-hook", "StepRoute._before_forward",
         "            if not self.hooked:\n                self._register_hook()\n",
         "",
         "tests/test_ddp_strategy.py -k registers_the_hook",
@@ -242,7 +242,7 @@ MUTANTS = (
         "thinks they were compressed",
     ),
     mutant(
-        "ddp-sync-ddp-way-after-the-hook", "DdpSync._before_forward",
+        "step-route-ddp-way-after-the-hook", "StepRoute._before_forward",
         "        if self.hooked or not self.state.next_step_plain():\n",
         "        if not self.state.next_step_plain():\n",
         "tests/test_ddp_strategy.py -k registers_the_hook",
@@ -250,14 +250,14 @@ MUTANTS = (
         "steps open at once",
     ),
     mutant(
-        "ddp-sync-ddp-way-drops-control", "PlainStep.begin_in_ddp",
+        "step-route-ddp-way-drops-control", "PlainStep.begin_in_ddp",
         "        control = None if reducer.signals.drop() else reducer.signals.take(device)\n",
         "        control = None\n",
         "tests/test_ddp_strategy.py -k control_values_beside",
         "the guard's control values do not travel with DDP's own step: no loss, no plan offer reaches the guard",
     ),
     mutant(
-        "ddp-sync-ddp-way-uncounted", "PlainStep.end_in_ddp",
+        "step-route-ddp-way-uncounted", "PlainStep.end_in_ddp",
         "        self.count()\n",
         "",
         "tests/test_ddp_strategy.py -k control_values_beside",
@@ -278,7 +278,7 @@ MUTANTS = (
         "a dense run under DDP's own reduction sends the controller no layer statistics: its policies decide blind",
     ),
     mutant(
-        "ddp-sync-ddp-way-wait-uncounted", "DdpSync.end_backward",
+        "step-route-ddp-way-wait-uncounted", "StepRoute.end_backward",
         "self._grads_ready or time.perf_counter()",
         "time.perf_counter()",
         "tests/test_ddp_strategy.py -k control_values_beside",

@@ -1,4 +1,4 @@
-"""Which way a step's gradients travel in a DDP model under a
+"""A step's route: which way its gradients travel in a DDP model under a
 :class:`~raycomp._internal.ddp.state.CompressionState`, decided before the step's forward.
 
 A plan that compresses nothing should cost what plain DDP costs. So the dense step is DDP's
@@ -23,7 +23,7 @@ rank holds alike, so every rank takes the same way at the same step:
 DDP with ``find_unused_parameters`` or ``static_graph`` keeps its own bookkeeping of a step
 that a late hook would miss, so there the hook is registered at once and carries every
 step. A forward without gradients (evaluation) or inside the user's ``no_sync()`` decides
-nothing: the synchronising forward after the accumulation does.
+nothing: the forward after the accumulation, outside ``no_sync()``, does.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raycomp._internal.ddp.hook import CompressionState, compression_hook
 
-__all__ = ["DdpSync", "Way"]
+__all__ = ["StepRoute", "Way"]
 
 
 class Way(enum.Enum):
@@ -46,7 +46,7 @@ class Way(enum.Enum):
     HOOK = "hook"  #: raycomp's comm hook
 
 
-class DdpSync:
+class StepRoute:
     """The way of each step of ``model`` (a DDP) under ``state``.
 
     Args:
@@ -55,7 +55,7 @@ class DdpSync:
         hook: the comm hook registered when a step first needs one (raycomp's; a test may
             wrap it to count its calls).
 
-    Call :meth:`end_backward` after every synchronising backward, before reading the
+    Call :meth:`end_backward` after every backward outside ``no_sync()``, before reading the
     gradients: it finishes what the step's way left for after backward.
     """
 

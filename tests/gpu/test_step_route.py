@@ -1,4 +1,4 @@
-"""raycomp.train's way of reducing a DDP model on CUDA (:mod:`raycomp._internal.ddp.ddp_sync`): a dense
+"""raycomp.train's way of reducing a DDP model on CUDA (:mod:`raycomp._internal.ddp.step_route`): a dense
 step is DDP's own reduction (a statistics step reads each rank's own gradient norms on the
 way), the hook joins at the first compressed step; the means are DDP's own bit for bit where
 the plan is dense, and the same on every rank throughout."""
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raycomp._internal.ddp.ddp_sync import DdpSync
 from raycomp._internal.ddp.hook import CompressionState
+from raycomp._internal.ddp.step_route import StepRoute
 from raycomp.plan import Plan
 from tests.gpu.ranks import Check, Nccl, TwoRanks
 from tests.gpu.support import same_on_every_rank
@@ -34,7 +34,7 @@ def ways(device: torch.device, rank: int, world: int) -> str:
     plain = DDP(_model(device), device_ids=[device.index])
     ddp = DDP(_model(device), device_ids=[device.index])
     state = CompressionState(ddp, Plan(), min_compress_numel=0, stats_every=3)
-    sync = DdpSync(ddp, state)
+    route = StepRoute(ddp, state)
     gen = torch.Generator().manual_seed(rank)
     seen, equal = [], []
     stats_checked = False
@@ -48,9 +48,9 @@ def ways(device: torch.device, rank: int, world: int) -> str:
         own = [float(g.norm()) for g in torch.autograd.grad(nn.functional.cross_entropy(ddp.module(x), y),
                                                             list(ddp.module.parameters()))]
         loss = nn.functional.cross_entropy(ddp(x), y)
-        seen.append(sync.way.value)
+        seen.append(route.way.value)
         loss.backward()
-        sync.end_backward()
+        route.end_backward()
         if state.stats_step == state.step - 1 and seen[-1] == "ddp":  # this rank's own norms, not the mean's
             measured = [st.grad_norm for st in state.stats]
             assert measured == pytest.approx(own, rel=1e-5), (measured, own)
