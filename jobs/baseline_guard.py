@@ -1,4 +1,4 @@
-"""The guard's inputs made to agree across ranks that keep their own gradients.
+"""The guard's inputs made to agree for baselines whose ranks keep their own gradients.
 
 raycomp's guard (:mod:`raycomp._internal.train.step_judge`) decides from the norm of the reduced
 gradient, the same tensor on every rank, and from control rows that ride in the step's
@@ -23,16 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycomp._internal.reduce.stats import LayerStats
-from raycomp._internal.wire.ledger import WireLedger
-from raycomp.plan import Plan
+from raycomp import LayerStats, Plan, WireLedger
 
 __all__ = ["BaselineGuardState"]
 
 
 class BaselineGuardState:
     """A :class:`~raycomp.train.gradient_strategy.GradientState` over ``inner`` (a
-    :class:`~raycomp._internal.ddp.hook.CompressionState` whose hook is not raycomp's) whose
+    :class:`~raycomp.CompressionState` whose hook is not raycomp's) whose
     :meth:`gradient_norm` agrees across ranks.
 
     Args:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from jobs.config import DDP_BASELINES, FSDP_BASELINES, BenchmarkSection
-from raycomp._internal.ddp.buckets import ddp_kwargs, gradient_mb
+from raycomp._internal.ddp.buckets import ddp_kwargs
 from raycomp.train.gradient_strategy import GradientStrategy, GradientStrategyFactory, StrategySetup
 
 __all__ = ["HOOKS", "ddp_options", "hsdp_mesh", "one_bucket_cap_mb", "register_torch_hook", "torch_baseline"]
@@ -70,7 +70,8 @@ HOOKS = DDP_BASELINES
 
 def one_bucket_cap_mb(model: torch.nn.Module, margin: float = 1.25) -> float:
     """A ``bucket_cap_mb`` that holds every gradient of ``model`` in one bucket (fp32 size x margin)."""
-    return round(max(1.0, margin * gradient_mb(model)), 1)
+    gradient_mb = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
+    return round(max(1.0, margin * gradient_mb), 1)
 
 
 class _Warmup:

@@ -86,4 +86,3 @@ def main(argv: list[str] | None = None, schema: type[JobConfig] = JobConfig) -> 
           f"compression ratio {ratio:.1f}x" if ratio else f"run {run_id}: {summary['status']}")
     print(f"output: {output}")
     return 0 if summary["status"] == "succeeded" else 1
-
