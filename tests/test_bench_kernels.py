@@ -53,7 +53,7 @@ def test_quick_run_writes_one_row_per_compressor(tmp_path: Path) -> None:
         "randomk": 656 * 4,  # values only
         "sign": 65536 // 8 + 4,  # 1 bit each + fp32 scale
         "terngrad": 65536 // 4 + 4,  # 2 bits each + fp32 scale
-        "qsgd": 65536 // 2 + 4 * 128,  # 7 levels -> 4 bits; one fp32 norm per 512
+        "qsgd": 65536 // 2 + 4 * 128,  # 7 points -> 4 bits; one fp32 norm per 512
         "int8": 65536 + 8 * 32,  # 1 byte each + fp32 (min, max) per 2048
         "powersgd": 4 * (1024 + 64) * 4,  # 1024 x 64 view, rank 4: P and Q in fp32
     }

@@ -23,6 +23,7 @@ from raycomp.compressors import (
     make_compressor,
 )
 from raycomp.compressors.minmax import MinMaxInt4
+from raycomp.plan import CompressorSpec
 
 NAMES = sorted(COMPRESSORS)
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -152,7 +153,7 @@ def test_minmax_error_is_at_most_half_a_step_per_chunk(name: str, steps: int, ch
 
 @pytest.mark.parametrize(("name", "bits"), [("int8", 8), ("int4", 4)])
 @pytest.mark.parametrize(("n", "chunk_size"), [(600_001, 2048), (600_001, 9), (9, 9), (7, 8)])
-def test_minmax_bytes_hold_each_elements_nearest_level(name: str, bits: int, n: int, chunk_size: int) -> None:
+def test_minmax_bytes_hold_each_elements_nearest_code(name: str, bits: int, n: int, chunk_size: int) -> None:
     # several cache-sized encoding blocks, an odd count, odd chunks: every code lands where
     # the bit layout (raycomp._internal.wire.bitpack) puts it, and the codes past the last element are zeros
     x = randn((n,), seed=11) * torch.linspace(0.01, 10, n)
@@ -161,8 +162,8 @@ def test_minmax_bytes_hold_each_elements_nearest_level(name: str, bits: int, n: 
     codes = unpack_bits(packed, bits, packed.numel() * (8 // bits)).float()
     padded = torch.cat([x, x[-1:].expand((-n) % chunk_size)]).view(-1, chunk_size)
     low, high = padded.amin(1, keepdim=True), padded.amax(1, keepdim=True)
-    levels = ((padded - low) / (high - low) * (2**bits - 1)).reshape(-1)[:n]
-    assert (codes[:n] - levels).abs().max() <= 0.5 + 1e-3
+    exact = ((padded - low) / (high - low) * (2**bits - 1)).reshape(-1)[:n]
+    assert (codes[:n] - exact).abs().max() <= 0.5 + 1e-3
     assert not codes[n:].any()
     assert torch.equal(payload.tensors["bounds"], torch.cat([low, high], dim=1))
 
@@ -178,18 +179,18 @@ def test_terngrad_and_sign_value_sets() -> None:
     torch.testing.assert_close(y, torch.where(x >= 0, scale, -scale))
 
 
-@pytest.mark.parametrize("levels", [1, 7, 127])
-def test_qsgd_values_are_levels_of_the_bucket_norm(levels: int) -> None:
+@pytest.mark.parametrize("points", [1, 7, 127])
+def test_qsgd_values_are_points_of_the_bucket_norm(points: int) -> None:
     x = randn((300,), seed=7)
     bucket = 100
-    y = round_trip(make_compressor("qsgd", levels=levels, bucket_size=bucket), x)
+    y = round_trip(make_compressor("qsgd", points=points, bucket_size=bucket), x)
     for start in range(0, 300, bucket):
         norm = torch.linalg.vector_norm(x[start : start + bucket])
-        steps = y[start : start + bucket] / (norm / levels)
-        torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-3)
-        # |x| lies between the level below and the level above: never further than one step
+        multiples = y[start : start + bucket] / (norm / points)
+        torch.testing.assert_close(multiples, multiples.round(), rtol=0, atol=1e-3)
+        # |x| lies between the point below and the point above: never further than one apart
         assert (
-            (x[start : start + bucket] - y[start : start + bucket]).abs() <= norm / levels + 1e-5
+            (x[start : start + bucket] - y[start : start + bucket]).abs() <= norm / points + 1e-5
         ).all()
         assert (
             (y[start : start + bucket] == 0)
@@ -240,10 +241,10 @@ def _wire_cases() -> list[tuple[str, dict[str, Any], tuple, torch.dtype, Any]]:
                 ),
                 ("randomk", {"ratio": ratio}, shape, torch.bfloat16, lambda x, k=k: 2 * k),
             ]
-        for levels, bits in ((1, 2), (2, 4), (7, 4), (8, 8), (127, 8)):
+        for points, bits in ((1, 2), (2, 4), (7, 4), (8, 8), (127, 8)):
             for bucket in (512, 64, 100):
                 expected = math.ceil(n * bits / 8) + 4 * math.ceil(n / bucket)
-                params = {"levels": levels, "bucket_size": bucket}
+                params = {"points": points, "bucket_size": bucket}
                 cases.append(("qsgd", params, shape, torch.float32, lambda x, e=expected: e))
         for chunk in (2048, 100, 8):
             expected = n + 8 * math.ceil(n / chunk)
@@ -290,9 +291,9 @@ def test_wire_bytes_match_formula(
 HAND_COMPUTED = [
     ("sign", {}, (64, 33), {"bits": (torch.uint8, 264), "scale": (torch.float32, 1)}),  # 2112 / 8
     ("terngrad", {}, (1000,), {"codes": (torch.uint8, 250), "scale": (torch.float32, 1)}),  # 1000 / 4
-    # 7 levels -> 15 codes -> 4 bits: 1000 * 4 / 8 = 500 bytes; buckets of 512 -> 2 norms
-    ("qsgd", {"levels": 7, "bucket_size": 512}, (1000,), {"codes": (torch.uint8, 500), "norms": (torch.float32, 2)}),
-    ("qsgd", {"levels": 1, "bucket_size": 100}, (64, 33), {"codes": (torch.uint8, 528), "norms": (torch.float32, 22)}),
+    # 7 points -> 15 codes -> 4 bits: 1000 * 4 / 8 = 500 bytes; buckets of 512 -> 2 norms
+    ("qsgd", {"points": 7, "bucket_size": 512}, (1000,), {"codes": (torch.uint8, 500), "norms": (torch.float32, 2)}),
+    ("qsgd", {"points": 1, "bucket_size": 100}, (64, 33), {"codes": (torch.uint8, 528), "norms": (torch.float32, 22)}),
     # 2112 codes, ceil(2112 / 256) = 9 chunks of (min, max)
     ("int8", {"chunk_size": 256}, (64, 33), {"codes": (torch.uint8, 2112), "bounds": (torch.float32, 18)}),
     # 1001 codes, two a byte -> 501 bytes; ceil(1001 / 100) = 11 chunks of (min, max)
@@ -407,8 +408,8 @@ def _bounded_away_from_zero(n: int, seed: int) -> torch.Tensor:
 UNBIASED_CASES = [
     ("none", {}),
     ("qsgd", {}),
-    ("qsgd", {"levels": 1, "bucket_size": 64}),
-    ("qsgd", {"levels": 127, "bucket_size": 64, "seed": 3}),
+    ("qsgd", {"points": 1, "bucket_size": 64}),
+    ("qsgd", {"points": 127, "bucket_size": 64, "seed": 3}),
     ("terngrad", {}),
     ("randomk", {"ratio": 0.25, "scale": True}),
     ("randomk", {"ratio": 0.05, "scale": True, "seed": 5}),
@@ -491,7 +492,7 @@ STATE_PARAMS = {
     "powersgd": {"rank": 2},
     "randomk": {"ratio": 0.1},
     "dgc_topk": {"ratio": 0.01},
-    "qsgd": {"levels": 7, "bucket_size": 128},
+    "qsgd": {"points": 7, "bucket_size": 128},
     "terngrad": {},
 }
 
@@ -712,13 +713,23 @@ def test_bad_powersgd_rank(rank: Any) -> None:
         make_compressor("powersgd", rank=rank)
 
 
-@pytest.mark.parametrize("levels", [0, 200, 128, 2.0])
-def test_bad_qsgd_levels(levels: Any) -> None:
-    with pytest.raises(ValueError, match=r"^levels: .*1"):
-        make_compressor("qsgd", levels=levels)
-    if isinstance(levels, int):
-        with pytest.raises(ValueError, match=r"^levels: must be in \[1, 127\], got "):
-            make_compressor("qsgd", levels=levels)
+@pytest.mark.parametrize("points", [0, 200, 128, 2.0])
+def test_bad_qsgd_points(points: Any) -> None:
+    with pytest.raises(ValueError, match=r"^points: .*1"):
+        make_compressor("qsgd", points=points)
+    if isinstance(points, int):
+        with pytest.raises(ValueError, match=r"^points: must be in \[1, 127\], got "):
+            make_compressor("qsgd", points=points)
+
+
+def test_qsgd_levels_is_refused_in_one_line_naming_points():
+    # QSGD's option was "levels" up to 0.2: that word names the two-level topology now
+    with pytest.raises(ValueError) as info:
+        make_compressor("qsgd", levels=7, bucket_size=64)
+    assert str(info.value) == ("compressor 'qsgd': parameter 'levels' is now 'points'; write points: 7 "
+                               "(the same value, the same meaning)")
+    with pytest.raises(ValueError, match=r"^compressor 'qsgd': parameter 'levels' is now 'points'"):
+        CompressorSpec.of("qsgd", levels=3)
 
 
 @pytest.mark.parametrize(
@@ -797,7 +808,7 @@ def _mixed_payloads(seed: int) -> list[Payload]:
         (make_compressor("sign"), (13,), torch.float32),
         (make_compressor("fp16"), (7,), torch.float32),
         (make_compressor("topk", ratio=0.1), (101,), torch.float64),
-        (make_compressor("qsgd", levels=3, bucket_size=16, seed=2), (37,), torch.float32),
+        (make_compressor("qsgd", points=3, bucket_size=16, seed=2), (37,), torch.float32),
         (make_compressor("int8", chunk_size=16), (101,), torch.float32),
         (make_compressor("powersgd", rank=2, seed=3), (16, 8), torch.float32),
         (make_compressor("randomk", ratio=0.2, seed=4), (50,), torch.bfloat16),

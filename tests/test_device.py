@@ -34,7 +34,7 @@ SYNC_FREE = {
     "fp16": {},
     "bf16": {},
     "topk": {"ratio": 0.01},
-    "qsgd": {"levels": 7, "bucket_size": 128},
+    "qsgd": {"points": 7, "bucket_size": 128},
     "terngrad": {},
     "sign": {},
     "int8": {"chunk_size": 256},

@@ -76,7 +76,7 @@ def test_payload_bytes_are_what_the_payload_holds(n, dtype):
     k = sum(_kept_per_chunk(n, 4096, 0.0156))
     assert payload.tensors["positions"].dtype == torch.uint16 and payload.tensors["positions"].numel() == k
     assert payload.tensors["codes"].numel() == math.ceil(k / 4)
-    assert payload.tensors["levels"].shape == (math.ceil(n / 4096), 2)
+    assert payload.tensors["magnitudes"].shape == (math.ceil(n / 4096), 2)
     out = c.decompress(payload)
     assert out.dtype == dtype and out.shape == (n,)
 
@@ -102,7 +102,7 @@ def test_each_chunk_keeps_its_own_largest_even_beside_a_louder_chunk():
         assert torch.equal(torch.sign(sent[sorted(expected)]), torch.sign(part[sorted(expected)]))
 
 
-def test_two_bits_a_value_the_two_levels_are_the_means_of_the_halves():
+def test_two_bits_a_value_the_two_magnitudes_are_the_means_of_the_halves():
     chunk, ratio = 512, 0.05
     x = _randn(2 * chunk, seed=2)
     c = SparseLoCo(ratio=ratio, chunk_size=chunk)
@@ -112,7 +112,7 @@ def test_two_bits_a_value_the_two_levels_are_the_means_of_the_halves():
         kept = torch.nonzero(sent).squeeze(1)
         magnitude = part[kept].abs()
         high = magnitude > (magnitude.min() + magnitude.max()) / 2
-        assert 0 < int(high.sum()) < kept.numel()  # both levels in use
+        assert 0 < int(high.sum()) < kept.numel()  # both magnitudes in use
         expected = torch.where(high, magnitude[high].mean(), magnitude[~high].mean())
         torch.testing.assert_close(sent[kept].abs(), expected, rtol=1e-6, atol=0)
         assert sent[kept].abs().unique().numel() == 2

@@ -37,7 +37,7 @@ SPECS: dict[str, dict] = {
     "topk": {"ratio": 0.02},
     "dgc_topk": {"ratio": 0.02},
     "threshold": {"threshold": 2.0},
-    "qsgd": {"levels": 7, "bucket_size": 512},
+    "qsgd": {"points": 7, "bucket_size": 512},
     "terngrad": {},
     "sign": {},
     "int8": {"chunk_size": 256},
@@ -58,8 +58,8 @@ def _model() -> nn.Module:
 
 
 # --- the documented wire formats (from each compressor's docstring) ----------------------
-def _qsgd_bits(levels: int) -> int:
-    return next(b for b in (2, 4, 8) if 2 * levels + 1 <= 2**b)  # "smallest that holds 2s+1 codes"
+def _qsgd_bits(points: int) -> int:
+    return next(b for b in (2, 4, 8) if 2 * points + 1 <= 2**b)  # "smallest that holds 2s+1 codes"
 
 
 def _chunked_kept(params: dict, n: int) -> int:
@@ -88,12 +88,12 @@ def wire_format(name: str, params: dict, shape: Sequence[int], kept: int | None 
     if name == "terngrad":  # ceil(N / 4) bytes + one fp32 scale
         return [(U8, math.ceil(n / 4)), (F32, 1)]
     if name == "qsgd":  # ceil(N * bits / 8) bytes + one fp32 norm per bucket
-        return [(U8, math.ceil(n * _qsgd_bits(params["levels"]) / 8)), (F32, math.ceil(n / params["bucket_size"]))]
+        return [(U8, math.ceil(n * _qsgd_bits(params["points"]) / 8)), (F32, math.ceil(n / params["bucket_size"]))]
     if name == "int8":  # N bytes + (min, max) fp32 per chunk
         return [(U8, n), (F32, 2 * math.ceil(n / params["chunk_size"]))]
     if name == "int4":  # ceil(N / 2) bytes + (min, max) fp32 per chunk
         return [(U8, math.ceil(n / 2)), (F32, 2 * math.ceil(n / params["chunk_size"]))]
-    if name == "sparseloco":  # uint16 positions in the chunk, 2-bit codes, two fp32 levels per chunk
+    if name == "sparseloco":  # uint16 positions in the chunk, 2-bit codes, two fp32 magnitudes per chunk
         k = _chunked_kept(params, n)
         return [(U16, k), (U8, math.ceil(k / 4)), (F32, 2 * math.ceil(n / params["chunk_size"]))]
     if name == "powersgd":  # P (rows x r) and Q (cols x r), fp32
@@ -479,8 +479,8 @@ def _check_requantized_chunk(name: str, mean: torch.Tensor, avg: torch.Tensor) -
     elif name == "terngrad":  # values in {-s, 0, s}, s = max |x|, never of the wrong sign
         s = avg.abs().max()
         assert bool(((mean == 0) | ((mean - s * avg.sign()).abs() <= 1e-6 * s)).all())
-    elif name == "qsgd":  # within one level (norm / s) of the input, never of the wrong sign
-        bound = float(torch.linalg.vector_norm(avg)) / SPECS["qsgd"]["levels"]
+    elif name == "qsgd":  # within one point (norm / s) of the input, never of the wrong sign
+        bound = float(torch.linalg.vector_norm(avg)) / SPECS["qsgd"]["points"]
         assert float((mean - avg).abs().max()) <= bound * (1 + 1e-5)
         assert bool(((mean == 0) | (mean.sign() == avg.sign())).all())
     else:

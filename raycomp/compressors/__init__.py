@@ -49,16 +49,19 @@ REGISTRY: Registry[Compressor] = Registry("compressor", "compressor", [
 ], _check_class)
 #: the built-in compressors by name
 COMPRESSORS: dict[str, type[Compressor]] = REGISTRY.builtins
+#: parameters renamed in a release, refused under their old name with one line naming the new:
+#: (class, old name) -> new name
+RENAMED_PARAMETERS: dict[tuple[type[Compressor], str], str] = {(QSGD, "levels"): "points"}
 
 
 def register(name: str, compressor: type[Compressor] | str, *, replace: bool = False) -> None:
     """Make ``name`` build ``compressor`` (a :class:`Compressor` subclass or its import path
     ``"package.module:Class"``) in this process.
 
-    Registrations are per process: call this at module level in a module every process that
-    builds compressors imports (for Ray Train, the module of your training function), or
-    name the compressor by its import path in plans and configs, which needs no
-    registration anywhere. Registering the same target again is a no-op; another target
+    Registrations are per process: call this when a module is imported, in a module every
+    process that builds compressors imports (for Ray Train, the module of your training
+    function), or name the compressor by its import path in plans and configs, which needs
+    no registration anywhere. Registering the same target again is a no-op; another target
     under a taken name needs ``replace=True``; built-in names cannot be replaced.
     """
     REGISTRY.register(name, compressor, replace=replace)
@@ -112,6 +115,11 @@ def make_compressor(name: str, **params: Any) -> Compressor:
     cls = compressor_class(name)
     allowed = compressor_parameters(name)
     unknown = sorted(set(params) - set(allowed))
+    for old in unknown:
+        new = RENAMED_PARAMETERS.get((cls, old))
+        if new is not None:
+            raise ValueError(f"compressor {name!r}: parameter {old!r} is now {new!r}; write {new}: "
+                             f"{params[old]!r} (the same value, the same meaning)")
     if unknown:
         raise ValueError(
             f"compressor {name!r}: unknown parameter {unknown[0]!r}; "

@@ -181,7 +181,7 @@ class MinMaxInt8(Compressor):
 class MinMaxInt4(MinMaxInt8):
     """:class:`MinMaxInt8` at 4 bits: 15 steps between each chunk's minimum and maximum,
     two codes packed per byte. Unlike QSGD's stochastic 4-bit codes (Alistarh et al.,
-    NeurIPS 2017) it rounds to the nearest level, so it is biased and runs with error
+    NeurIPS 2017) it rounds to the nearest code, so it is biased and runs with error
     feedback (Karimireddy et al., ICML 2019), like Top-K and PowerSGD.
 
     A step is 1/15 of the chunk's range instead of 1/255: relative error about 0.13 on a

@@ -18,8 +18,8 @@ UINT16_CHUNK = 1 << 16
 
 class SparseLoCo(Compressor):
     """Per chunk of ``chunk_size`` elements, the ``ratio`` fraction of largest magnitude
-    (at least one), each value sent as a sign and one magnitude bit against its chunk's two
-    magnitude levels, with error feedback.
+    (at least one), each value sent as a sign and one bit choosing between its chunk's two
+    magnitudes, with error feedback.
 
     Sarfi, Thérien, Lidin & Belilovsky, "Communication Efficient LLM Pre-training with
     SparseLoCo", 2025 (arXiv:2508.15706): chunk-wise Top-K at 1-3% density of the
@@ -29,9 +29,9 @@ class SparseLoCo(Compressor):
     with ``compressor: sparseloco`` and its default outer SGD: lr 1.0, no momentum).
     Templar's Covenant-72B ran it at 1.56% of each chunk, this class's default ratio.
 
-    The 2-bit quantizer (the paper's 2 bits; its levels here are our choice): in each chunk
-    the kept magnitudes are split at the midpoint of their smallest and largest; each half
-    is sent as its mean magnitude (one fp32 level each, the level that minimises the
+    The 2-bit quantizer (the paper's 2 bits; the values they code here are our choice): in
+    each chunk the kept magnitudes are split at the midpoint of their smallest and largest;
+    each half is sent as its mean magnitude (one fp32 each, the one that minimises the
     squared error of the half), each value as the code ``high | negative << 1``. Nearest
     assignment is deterministic, so the compressor is biased and runs with error feedback
     (:attr:`~raycomp.compressors.base.Compressor.error_feedback`), which carries the
@@ -41,7 +41,7 @@ class SparseLoCo(Compressor):
     Wire, for ``N`` elements in ``C = ceil(N / chunk_size)`` chunks keeping ``K`` values
     in all (``k = max(1, ceil(ratio * chunk))`` per chunk, the last chunk's by its own
     length): ``K`` positions inside their chunk (uint16 while ``chunk_size <= 65536``,
-    else int32) + ``ceil(K / 4)`` bytes of 2-bit codes + two fp32 levels per chunk. At the
+    else int32) + ``ceil(K / 4)`` bytes of 2-bit codes + two fp32 magnitudes per chunk. At the
     defaults (4096, 0.0156: 64 per chunk) that is 152 bytes per 16,384 of fp32, 108x less.
     The payloads are all-gathered (:attr:`Transport.ALLGATHER`), as Top-K's.
     """
@@ -94,10 +94,10 @@ class SparseLoCo(Compressor):
             parts.append(_select(x[whole * self.chunk_size:].view(1, tail), k_tail))
         positions = torch.cat([p.reshape(-1) for p, _, _ in parts])
         codes = torch.cat([c.reshape(-1) for _, c, _ in parts])
-        levels = torch.cat([lv for _, _, lv in parts])
+        magnitudes = torch.cat([m for _, _, m in parts])
         packed = torch.empty(packed_nbytes(codes.numel(), 2), dtype=torch.uint8, device=x.device)
         pack_codes_into(codes, 2, packed)
-        return Payload({"positions": positions.to(self._position_dtype()), "codes": packed, "levels": levels},
+        return Payload({"positions": positions.to(self._position_dtype()), "codes": packed, "magnitudes": magnitudes},
                        shape, dtype)
 
     def _decode(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +108,7 @@ class SparseLoCo(Compressor):
         whole, k, _, _ = self._layout(payload.numel)
         # each value's chunk: k per whole chunk, then the short chunk's
         chunk = torch.arange(kept, device=positions.device).div_(k, rounding_mode="floor").clamp_(max=whole)
-        magnitude = payload.tensors["levels"][chunk, codes & 1]
+        magnitude = payload.tensors["magnitudes"][chunk, codes & 1]
         values = torch.where(codes >= 2, -magnitude, magnitude)
         return values, chunk * self.chunk_size + positions
 
@@ -129,7 +129,7 @@ class SparseLoCo(Compressor):
 
 def _select(chunks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's ``k`` values of largest magnitude: their positions in the row, their 2-bit
-    codes (``high | negative << 1``, uint8) and the row's two levels (fp32, low then high)."""
+    codes (``high | negative << 1``, uint8) and the row's two magnitudes (fp32, low then high)."""
     positions = torch.topk(chunks.abs(), k, dim=1, sorted=False).indices
     values = chunks.gather(1, positions)
     magnitude = values.abs()
@@ -138,7 +138,7 @@ def _select(chunks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, t
     n_high = is_high.sum(dim=1, keepdim=True)
     sum_high = torch.where(is_high, magnitude, 0.0).sum(dim=1, keepdim=True)
     sum_low = torch.where(is_high, 0.0, magnitude).sum(dim=1, keepdim=True)
-    level_low = sum_low / (k - n_high)
-    level_high = torch.where(n_high > 0, sum_high / n_high.clamp(min=1), level_low)
+    mean_low = sum_low / (k - n_high)
+    mean_high = torch.where(n_high > 0, sum_high / n_high.clamp(min=1), mean_low)
     codes = is_high.to(torch.uint8) | (values < 0).to(torch.uint8) << 1
-    return positions, codes, torch.cat([level_low, level_high], dim=1)
+    return positions, codes, torch.cat([mean_low, mean_high], dim=1)

@@ -50,7 +50,7 @@ PARAMS: dict[str, dict[str, Any]] = {
     "dgc_topk": {"ratio": 0.01},
     "randomk": {"ratio": 0.1},
     "threshold": {"threshold": 1.0},
-    "qsgd": {"levels": 7, "bucket_size": 512},
+    "qsgd": {"points": 7, "bucket_size": 512},
     "terngrad": {},
     "sign": {},
     "int8": {"chunk_size": 2048},

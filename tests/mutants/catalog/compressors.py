@@ -89,8 +89,8 @@ MUTANTS = (
     ),
     mutant(
         "qsgd-always-rounds-down", "QSGD._compress",
-        "        level = (scaled + noise).floor_().clamp_(max=self.levels)",
-        "        level = (scaled + 0 * noise).floor_().clamp_(max=self.levels)",
+        "        point = (scaled + noise).floor_().clamp_(max=self.points)",
+        "        point = (scaled + 0 * noise).floor_().clamp_(max=self.points)",
         "tests/test_compressors.py",
         "QSGD drops the stochastic rounding: biased",
     ),
@@ -127,7 +127,7 @@ MUTANTS = (
         "        return kept * self._position_dtype().itemsize + packed_nbytes(kept, 2) + 8 * chunks\n",
         "        return kept * self._position_dtype().itemsize + packed_nbytes(kept, 2)\n",
         "tests/test_sparseloco.py",
-        "SparseLoCo's declared payload leaves out the two fp32 levels of each chunk",
+        "SparseLoCo's declared payload leaves out the two fp32 magnitudes of each chunk",
     ),
     mutant(
         "sparseloco-topk-of-the-tensor", "SparseLoCo._compress",
@@ -137,11 +137,11 @@ MUTANTS = (
         "Top-K over all whole chunks at once instead of per chunk: a loud chunk takes a quiet one's share",
     ),
     mutant(
-        "sparseloco-one-magnitude-level", "_select",
+        "sparseloco-one-magnitude", "_select",
         "    is_high = magnitude > (low + high) / 2\n",
         "    is_high = magnitude > high\n",
         "tests/test_sparseloco.py",
-        "the magnitude bit is never set: one level per chunk, 1 bit of information in 2",
+        "the magnitude bit is never set: one magnitude per chunk, 1 bit of information in 2",
     ),
 )
 
