@@ -3,7 +3,7 @@
 Tensors on the ``meta`` device have a shape, a dtype and a device but no data. A
 compressor run on meta tensors therefore shows (a) that every tensor it creates follows
 the input's device (a ``torch.zeros(n)`` without ``device=`` would come out on the CPU),
-and (b) that it makes no host sync: reading a meta tensor's value (``bool(t)``,
+and (b) that it never waits for the device: reading a meta tensor's value (``bool(t)``,
 ``t.item()``, ``if norm > eps``) raises. On a GPU each such read stalls the stream.
 """
 
@@ -26,10 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 META = torch.device("meta")
 
-# compressors whose compress and decompress must be free of host syncs; the others
+# compressors whose compress and decompress must never wait for the device; the others
 # (randomk: torch.unique, threshold and sampled dgc_topk: torch.nonzero) produce
-# data-dependent sizes, which needs one sync by construction
-SYNC_FREE = {
+# data-dependent sizes, which needs one device-to-host wait by construction
+WAIT_FREE = {
     "none": {},
     "fp16": {},
     "bf16": {},
@@ -62,15 +62,15 @@ def _payload_devices(p: Payload) -> set[torch.device]:
     return {t.device for t in tensors}
 
 
-@pytest.mark.parametrize("name", sorted(SYNC_FREE))
+@pytest.mark.parametrize("name", sorted(WAIT_FREE))
 @pytest.mark.parametrize("shape", [(64, 33), (8, 4, 3, 3), (1000,)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.usefixtures("meta_generators")
-def test_compressor_follows_the_input_device_without_host_syncs(
+def test_compressor_follows_the_input_device_without_waiting_for_it(
     name: str, shape: tuple[int, ...], dtype: torch.dtype
 ) -> None:
-    compressor = CompressorSpec.of(name, **SYNC_FREE[name]).build("layer", 0)
-    reference = CompressorSpec.of(name, **SYNC_FREE[name]).build("layer", 0)
+    compressor = CompressorSpec.of(name, **WAIT_FREE[name]).build("layer", 0)
+    reference = CompressorSpec.of(name, **WAIT_FREE[name]).build("layer", 0)
     if not compressor.accepts(torch.Size(shape)):
         pytest.skip("the reducer sends this shape dense")
     x = torch.empty(shape, dtype=dtype, device=META)
@@ -114,13 +114,13 @@ def test_powersgd_warm_start_follows_the_gradient_device() -> None:
     assert resumed.state_dict()["q"].device == META
 
 
-def test_powersgd_sync_free_path_matches_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_powersgd_branch_free_path_matches_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The accelerator path (draw every step, select dead columns on the device) gives the
     CPU path's result whenever no column is dead (up to rounding: the selected Q is laid
     out row-major, the warm one column-major), and still revives dead columns."""
     x = torch.randn(64, 33, generator=torch.Generator().manual_seed(1))
     cpu_path, device_path = PowerSGD(rank=3), PowerSGD(rank=3)
-    monkeypatch.setattr(device_path, "_sync_free", lambda device: True)
+    monkeypatch.setattr(device_path, "_branch_free", lambda device: True)
     for _ in range(3):
         a, b = cpu_path.compress(x), device_path.compress(x)
         for name in a.tensors:
@@ -146,7 +146,7 @@ def loopback_all_to_all(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("name", ["int8", "sign", "bf16", "qsgd"])
 @pytest.mark.usefixtures("meta_generators", "loopback_all_to_all")
-def test_sharded_reduce_scatter_follows_the_input_device_without_host_syncs(name: str) -> None:
+def test_sharded_reduce_scatter_follows_the_input_device_without_waiting_for_it(name: str) -> None:
     from raycomp._internal.fsdp.reduce_scatter import CompressedReduceScatter
 
     comm = CompressedReduceScatter(CompressorSpec.of(name), name="unit")
@@ -250,9 +250,9 @@ def test_the_gpu_tests_two_rank_runner_reports_what_each_rank_saw(tmp_path) -> N
     assert pair.failure(checks[0]) == ""
 
 
-def test_the_sharded_control_row_is_built_on_the_gradient_device_without_host_syncs() -> None:
+def test_the_sharded_control_row_is_built_on_the_gradient_device_without_waiting_for_it() -> None:
     """FSDP's last unit carries this row; built on the CPU it read the norm and copied the
-    row back, two host syncs a step on CUDA. On meta, any such read raises."""
+    row back, two device-to-host waits a step on CUDA. On meta, any such read raises."""
     from raycomp._internal.fsdp.state import control_row
 
     row = control_row([3.0, 1.0, 0.5], torch.zeros((), device=META))

@@ -83,10 +83,10 @@ class PowerSGD(Compressor):
             # a zero column would stay zero forever (M @ 0 = 0), e.g. after an all-zero
             # gradient: redraw such columns, keep the others warm
             dead = ~self._q.any(dim=0)
-            # Asking whether any column is dead is a host sync on an accelerator (one per
+            # Asking whether any column is dead is a device-to-host wait on an accelerator (one per
             # layer and step), so there fresh columns are drawn every step and selected on
             # the device. Every rank draws the same, so the factors stay identical.
-            if not self._sync_free(matrix.device) and not bool(dead.any()):
+            if not self._branch_free(matrix.device) and not bool(dead.any()):
                 return matrix @ self._q
             gen = self._draws.generator(matrix.device)
             fresh = torch.randn(cols, r, generator=gen, device=matrix.device)
@@ -94,8 +94,8 @@ class PowerSGD(Compressor):
         return matrix @ self._q
 
     @staticmethod
-    def _sync_free(device: torch.device) -> bool:
-        """Avoid data-dependent Python branches: everywhere but on the CPU they sync."""
+    def _branch_free(device: torch.device) -> bool:
+        """Avoid data-dependent Python branches: everywhere but on the CPU each waits for the device."""
         return device.type != "cpu"
 
     def orthogonalize(self, p: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ class PowerSGD(Compressor):
                 done = p[:, :i]
                 column.sub_(done @ (done.T @ column))
             norm = torch.linalg.vector_norm(column)
-            # decided on the device (`if norm > epsilon` would sync once per column on a GPU):
+            # decided on the device (`if norm > epsilon` would wait for the GPU once per column):
             # dividing by infinity zeroes a near-zero column
             column.div_(torch.where(norm > self.epsilon, norm, torch.inf))
             if i + 1 < p.shape[1]:

@@ -69,9 +69,9 @@ def unit_parameters(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter
 def control_row(values: Sequence[float], norm_sq: torch.Tensor) -> torch.Tensor:
     """This rank's row of the guard's control floats, ``[non-finite flag, *values, squared
     gradient norm]``, on the norm's device and built there: on CUDA the staged values go
-    over pinned and asynchronously, so the row rides with the last unit without a host
-    sync (the rows are read once, on arrival). Built on the CPU it cost two more syncs a
-    step on an H100 (reading the norm, copying the row back; docs/gpu.md)."""
+    over pinned and asynchronously, so the row rides with the last unit without a
+    device-to-host wait (the rows are read once, on arrival). Built on the CPU it cost two
+    more such waits a step on an H100 (reading the norm, copying the row back; docs/gpu.md)."""
     norm_sq = norm_sq.float().reshape(1)
     staged = collectives.to_device(torch.tensor(list(values), dtype=torch.float32), norm_sq.device)
     return torch.cat([(~torch.isfinite(norm_sq)).float(), staged, norm_sq])

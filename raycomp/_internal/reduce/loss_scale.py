@@ -10,7 +10,7 @@ away from the one without a scaler. Followed, powers of two make it the same run
 bit (``tests/test_loss_scale.py``).
 
 The scale is read as the scaler's own tensor (``GradScaler._scale``): its public
-``get_scale()`` copies it to the host, a sync per step on CUDA. Following it costs one
+``get_scale()`` copies it to the host, a device-to-host wait per step on CUDA. Following it costs one
 multiply over the memory per step (a fused multi-tensor kernel on CUDA).
 
 Statistics are divided by the scale too, so the controller sees gradient norms in the
@@ -35,7 +35,7 @@ def check_scaler(grad_scaler: Any) -> None:
 
 
 def current_scale(grad_scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
-    """The scale of the backward in progress, as the scaler's tensor (no host sync); None
+    """The scale of the backward in progress, as the scaler's tensor (no device-to-host wait); None
     without a scaler, with a disabled one, or before its first ``scale()``."""
     if grad_scaler is None or not grad_scaler.is_enabled():
         return None
@@ -66,7 +66,7 @@ class ScaleFollower:
     """The loss scale the error-feedback memory is in, and by how much it changed.
 
     Call :meth:`change` once per step, before the memory is used: it returns ``S'/S`` as a
-    0-d tensor (no host sync), or None when there is nothing to follow yet.
+    0-d tensor (no device-to-host wait), or None when there is nothing to follow yet.
     """
 
     def __init__(self, grad_scaler: torch.amp.GradScaler | None) -> None:

@@ -169,7 +169,7 @@ class DGCMemory:
             if self.loss_scale is not None:
                 limit = limit * self.loss_scale.to(g.device)
             norm = torch.linalg.vector_norm(g)
-            g = g * (limit / norm).clamp(max=1.0)  # no `if norm > limit`: a host sync
+            g = g * (limit / norm).clamp(max=1.0)  # no `if norm > limit`: a device-to-host wait
         u = self.velocity.get(name)
         u = g.clone() if u is None else u.to(g.device).mul_(self.momentum).add_(g)
         self.velocity[name] = u

@@ -1,7 +1,7 @@
 """What a step tells every rank beside its gradients: whether this rank's compressed
 gradients were finite, and a few control values staged by the caller.
 
-Non-finite gradients cost no host sync per layer: each reduction's :func:`all_finite` stays a
+Non-finite gradients cost no device-to-host wait per layer: each reduction's :func:`all_finite` stays a
 tensor, folded into one flag read once, when the step ends. Only compressed layers are
 checked: a dense layer's NaN/Inf reaches the mean itself, the same on every rank (the guard
 reads it from the mean's norm), while compression may drop it (a threshold test such as
@@ -28,7 +28,7 @@ __all__ = ["StepSignals", "all_finite"]
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Whether every element of ``tensors`` is finite, as a 0-d bool tensor (no host sync);
+    """Whether every element of ``tensors`` is finite, as a 0-d bool tensor (no device-to-host wait);
     None when there is no element. A min and a max per tensor decide it: both propagate NaN
     and reach an infinity of their sign. ``isfinite(t).all()`` builds a boolean tensor first,
     several times slower on a CPU, on the hook's thread next to backward. On CUDA, where each tensor's two kernel launches
@@ -65,13 +65,13 @@ class StepSignals:
 
     def watch(self, compressed: Sequence[torch.Tensor]) -> None:
         """Fold the finiteness of compressed layers' gradients into the step's flag (no
-        host sync: read once, by :meth:`nonfinite`)."""
+        device-to-host wait: read once, by :meth:`nonfinite`)."""
         finite = all_finite(compressed)
         if finite is not None:
             self.finite = finite if self.finite is None else self.finite & finite
 
     def nonfinite(self) -> bool:
-        """Whether a gradient watched this step held NaN/Inf (the step's one host sync for it)."""
+        """Whether a gradient watched this step held NaN/Inf (the step's one device-to-host wait for it)."""
         return self.finite is not None and not bool(self.finite)
 
     def stage(self, values: Sequence[float], skippable: bool = False) -> None:
@@ -92,12 +92,12 @@ class StepSignals:
 
     def take(self, device: torch.device) -> torch.Tensor | None:
         """The staged control row on ``device``, with this rank's non-finite flag filled in
-        (no sync); :attr:`rows` views it, summed over ranks once its reduction is done."""
+        (no device-to-host wait); :attr:`rows` views it, summed over ranks once its reduction is done."""
         if self.staged is None:
             return None
         row, self.staged = self.staged, None
         self.skippable = False
-        control = to_device(torch.tensor(row, dtype=torch.float32), device)  # no host sync on the hot path
+        control = to_device(torch.tensor(row, dtype=torch.float32), device)  # no device-to-host wait on the hot path
         n = control.numel() // self.group.size
         if self.finite is not None:
             control[self.group.rank * n] = (~self.finite).to(control.dtype)

@@ -59,7 +59,7 @@ def layer_stats(
              of_compensated if compensated is grad else norm(grad.float()),  # no residual: the same norm
              zero if sent is compensated else norm(compensated.float() - sent.float()),
              zero if residual is None else norm(residual)]
-    # one host read for the layer's norms, not one each (on CUDA each read is a sync)
+    # one host read for the layer's norms, not one each (on CUDA each read waits for the device)
     compensated_norm, grad_norm, error_norm, residual_norm = torch.stack(
         [n.float().to(zero.device) for n in norms]).tolist()
     error = error_norm / compensated_norm if compensated_norm > 0 else 0.0  # 0 when all was sent

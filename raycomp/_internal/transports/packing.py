@@ -69,7 +69,7 @@ def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor (control floats) on ``device`` without a host sync: on CUDA
+    """A small host tensor (control floats) on ``device`` without a device-to-host wait: on CUDA
     through pinned memory, asynchronously, ordered on the current stream."""
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
@@ -93,7 +93,7 @@ def gather_payloads(
             [t.numel() for p in payloads for t in p.tensors.values()], dtype=torch.int64,
             device=next(iter(payloads[0].tensors.values())).device,  # NCCL has no CPU tensors
         )
-        peer_counts = torch.stack(group.all_gather(counts)).tolist()  # one host sync
+        peer_counts = torch.stack(group.all_gather(counts)).tolist()  # one device-to-host wait
         overhead += (w - 1) * counts.numel() * counts.element_size()
         layouts = [_layout_with_counts(payloads, pc) for pc in peer_counts]
     else:
