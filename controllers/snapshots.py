@@ -1,8 +1,7 @@
 """The controller's state on disk: one JSON file per run, plus a small file of counters.
 
-Why one file per run: a single snapshot of every run is a few hundred KB of JSON per run
-(~100 ms for 8 runs here), written while the state lock is held, and it grows with the
-number of runs. Per-run files let the controller write only the runs that changed, one
+Why one file per run: a single snapshot of every run is written while the state lock is
+held, and it grows with the number of runs (its cost: ``docs/benchmarks/history.md``). Per-run files let the controller write only the runs that changed, one
 at a time, within a CPU budget (see ``Controller.flush_one``), so a snapshot never stalls
 report ingestion for long, however many runs there are.
 

@@ -343,6 +343,6 @@ class RunState:
 
 
 def _mean(values: list[float]) -> float:
-    # plain sum, not statistics.fmean: this runs ~30 times per merged report and fsum's
-    # extra precision is irrelevant for a handful of statistics
+    # plain sum, not statistics.fmean: this runs for every statistic of every merged report,
+    # and fsum's extra precision is irrelevant for a handful of statistics
     return sum(values) / len(values)

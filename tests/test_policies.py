@@ -221,7 +221,7 @@ def feed_timing(run: RunState, step: int, comm: float, compute: float) -> None:
 
 
 def test_bandwidth_dense_when_cheap_strong_when_comm_dominates() -> None:
-    policy = make_policy("bandwidth", options("bandwidth"), guard=False)
+    policy = make_policy("bandwidth", options("bandwidth"), gate=False)
     run = new_run({"a": BIG, "tiny": SMALL}, interval_steps=10)
     feed_timing(run, 10, comm=0.001, compute=0.1)
     assert policy.decide(run) is None  # one timing: no estimate yet
@@ -307,7 +307,7 @@ def test_make_policy_unknown_name() -> None:
     with pytest.raises(ValueError, match=r"^compression.policy: unknown name 'x'; allowed: static, schedule, "
                                          r"critical, error_budget, bandwidth, adaptive, or an import path"):
         make_policy("x", {})
-    assert not isinstance(make_policy("static", options("static"), guard=False), FallbackGate)
+    assert not isinstance(make_policy("static", options("static"), gate=False), FallbackGate)
 
 
 # --- snapshots -------------------------------------------------------------------------------

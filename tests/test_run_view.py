@@ -90,7 +90,7 @@ def configured(caplog):
 # --- 1: the switch line ------------------------------------------------------------------------
 def _decided(version: int, spec: CompressorSpec, start: int) -> Plan:
     from raycomp.controllers.policies.decision import Decision
-    from raycomp.controllers.policies.reasons import ScheduleWhy
+    from raycomp.controllers.policies.schedule import ScheduleWhy
 
     return Decision.of(Plan(default=spec), ScheduleWhy(start)).plan.with_version(version)
 

@@ -41,11 +41,10 @@ from .adaptive import AdaptivePolicy
 from .bandwidth import BandwidthPolicy
 from .base import MIN_COMPRESS_NUMEL, Policy
 from .critical import CriticalPolicy
-from .decision import Decision, Why
+from .decision import Decision, Said, Why
 from .error_budget import ErrorBudgetPolicy
 from .fallback_gate import FallbackGate
 from .local import LocalChoice
-from .reasons import Said
 from .schedule import SchedulePolicy
 from .static import StaticPolicy
 
@@ -115,17 +114,17 @@ def validate_options(name: str, options: Any) -> Any:
         raise ValueError(one_line(error, prefix=f"{options_key(name)}.")) from None
 
 
-def make_policy(name: str, options: dict[str, Any], guard: bool = True) -> Policy:
+def make_policy(name: str, options: dict[str, Any], gate: bool = True) -> Policy:
     """The policy ``name`` with its options (the mapping a job config's section dumps to;
     ``min_compress_numel`` rides along, and ``local``, ``compression.local``, when its mode is
     not off: the policy is then wrapped in :class:`LocalChoice`), wrapped in
-    :class:`FallbackGate` unless ``guard=False``."""
+    :class:`FallbackGate` unless ``gate=False``."""
     own = {k: v for k, v in options.items() if k not in ("min_compress_numel", "local")}
     policy = policy_class(name)(validate_options(name, own),
                                 int(options.get("min_compress_numel", MIN_COMPRESS_NUMEL)))
     if options.get("local") is not None:  # compression.local rides along when not off
         policy = LocalChoice(policy, LocalSection.model_validate(options["local"]))
-    return FallbackGate(policy) if guard else policy
+    return FallbackGate(policy) if gate else policy
 
 
 __all__ = [

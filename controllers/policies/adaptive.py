@@ -32,11 +32,11 @@ from typing import Any
 from raycomp.config.policy_options import AdaptiveOptions
 
 from ..state import RunState
+from .adaptive_why import WarmupWhy
 from .base import Policy
 from .chooser import Chooser, ChooserState
 from .cost_model import CostModel, CostState
 from .decision import Decision
-from .reasons import WarmupWhy
 
 
 @dataclass

@@ -33,7 +33,6 @@ from raycomp.plan import CompressorSpec, Plan
 from ..state import RunState
 from .base import Policy, compressible_layers
 from .decision import Decision
-from .reasons import BandwidthWhy
 
 HISTORY = 32
 PATIENCE = 2  # consecutive differing choices before a switch
@@ -46,6 +45,15 @@ class Choice:
     step: int
     asked: float
     current: float
+
+
+@dataclass(frozen=True)
+class BandwidthWhy:
+    ratio: float  # the Top-K ratio in force (1.0: dense)
+    rule: str = "bandwidth.ratio"
+
+    def text(self) -> str:
+        return f"bandwidth: ratio {self.ratio:g}"
 
 
 @dataclass
@@ -126,4 +134,4 @@ class BandwidthPolicy(Policy):
                 "history": [[c.step, c.asked, c.current] for c in s.history]}
 
 
-__all__ = ["BandwidthPolicy"]
+__all__ = ["BandwidthPolicy", "BandwidthWhy"]

@@ -5,7 +5,7 @@
     policy.state                     a dataclass: everything the policy has learned
     policy.decide(run) -> Decision   run: the RunState the controller merged from every
                                      rank's reports (read only); the plan and a typed why
-                                     (decision.py; every why's prose: reasons.py)
+                                     (decision.py; each policy's why beside it)
     policy.state_dict()              the state through one generic serialiser (serial.py),
                                      with a schema version; load_state_dict() reads it back
 
@@ -27,8 +27,7 @@ from raycomp.plan import CompressorSpec, Plan
 
 from ..state import RunState
 from . import serial
-from .decision import Decision
-from .reasons import Said
+from .decision import Decision, Said
 
 MIN_COMPRESS_NUMEL = 1024  # the reducer's default
 

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from raycomp.plan import CompressorSpec, Plan
 
 from ..state import LayerHistory, RunState
+from .adaptive_why import AdaptiveWhy
 from .cost_model import CostModel, mean
-from .decision import Decision
+from .decision import Decision, Said
 from .ladders import Ladders, label
-from .reasons import AdaptiveWhy, Said
 
 if TYPE_CHECKING:
     from raycomp.config.policy_options import AdaptiveOptions
@@ -38,7 +38,7 @@ class ChoiceRecord:
 
 @dataclass
 class ChooserState:
-    """Floors per layer, and the shift (a level on every ladder) of the plan in force."""
+    """Floors per layer, and the shift (a rung position on every ladder) of the plan in force."""
 
     # regimes and floors
     last_detect: int | None = None  # the boundary of the latest regime detection
@@ -126,9 +126,9 @@ class Chooser:
         """Every candidate shift priced, and which are in the band."""
         # the all-dense shift: one past the shift that puts every layer on its lightest
         # compressed rung (with near-lossless rungs: bf16 everywhere is a candidate of its own)
-        levels = max(self.ladders.first_near_lossless(ladder) for ladder in ladders.values())  # the most lossy rungs
-        top = levels + self.rungs_near_lossless
-        candidates = [{n: self.ladders.rung(ladders[n], floors[n], s, levels, top) for n in ladders}
+        most_lossy = max(self.ladders.first_near_lossless(ladder) for ladder in ladders.values())  # rungs
+        top = most_lossy + self.rungs_near_lossless
+        candidates = [{n: self.ladders.rung(ladders[n], floors[n], s, most_lossy, top) for n in ladders}
                       for s in range(top + 1)]
         priced = [self.cost.predict(run, {n: ladders[n][r] for n, r in rungs.items()}) for rungs in candidates]
         predicted = [seconds for seconds, _ in priced]

@@ -27,16 +27,14 @@ The derivation and its measured grounds: ``docs/cost-model.md``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-import torch
-
-from raycomp._internal.reduce.two_level import cut
 from raycomp.compressors import Compressor, Transport, compressor_class, make_compressor
 from raycomp.plan import DENSE, CompressorSpec
 
-from ..state import LayerHistory, RunState
+from ..state import RunState
+from .layer_sizes import element_bytes, nearest_size, piece, piece_on_nodes
+from .rounds import family_rounds
 
 SMOOTHING = 0.5  # EMA weight of the newest measurement
 DENSE_SHARE = 0.95  # an interval whose wire bytes are >= this share of dense bytes is dense
@@ -65,7 +63,7 @@ class CostModel:
     Args:
         round_seconds: what an extra round of a family costs until it is measured
             (optimistic, so that every family gets tried once).
-        bandwidth: bytes per second per rank to plan for (None: measured on dense steps).
+        bandwidth: bytes per second per rank to price plans with (None: measured on dense steps).
         sharded: the run reduce-scatters (FSDP): each element is sent (W-1)/W times instead
             of an all-reduce's 2(W-1)/W, in one all-to-all a unit whatever it carries.
             Sharded per node (``RunState.per_node`` > 1, :mod:`raycomp._internal.fsdp.two_level`),
@@ -237,7 +235,7 @@ class CostModel:
         allreduce = self._dense_share(run, w)
         in_pieces = run.per_node > 1 and not self.sharded and any(x.compressor != DENSE.name
                                                                    for x in run.layers.values())
-        share = _piece_on_nodes(run) / allreduce if in_pieces else 1.0
+        share = piece_on_nodes(run) / allreduce if in_pieces else 1.0
         return {name: self.state.element.get(name) or self.state.model_element
                 or element_bytes(h, w, allreduce, share=share) for name, h in run.layers.items()}
 
@@ -282,7 +280,7 @@ class CostModel:
         """Times a dense step's bytes count each element, per rank: :meth:`_allreduce`'s,
         or, sharded per node, a ring of the K nodes over the rank's 1/L shard."""
         if self.sharded and run.per_node > 1:
-            return _piece_on_nodes(run)
+            return piece_on_nodes(run)
         return self._allreduce(world_size)
 
     def _in_force(self, run: RunState) -> dict[str, CompressorSpec]:
@@ -339,68 +337,4 @@ def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def family_rounds(names: set[str], world_size: int) -> dict[str, int]:
-    """Collective rounds beyond the dense all-reduce (which the measured bandwidth includes),
-    per collective family of the compressors ``names``, as each declares them
-    (:class:`raycomp.compressors.Cost`): a family's rounds count once, whatever number of
-    layers it carries. Compressors without a declared cost, or unknown here, add none."""
-    rounds: dict[str, int] = {}
-    for name in names:
-        found = _family(name, world_size == 2)
-        if found is not None and found[1]:
-            rounds[found[0]] = found[1]
-    return dict(sorted(rounds.items()))
-
-
-def _family(name: str, two_ranks: bool) -> tuple[str, int] | None:
-    try:
-        cost = compressor_class(name).cost
-    except ValueError:
-        return None  # a name this process cannot resolve: priced as no extra round
-    if cost is None:
-        return None
-    rounds = cost.rounds_at_two if two_ranks and cost.rounds_at_two is not None else cost.rounds
-    return cost.family or name, rounds
-
-
-def matrix(h: LayerHistory) -> tuple[int, int]:
-    """PowerSGD's matrix view (first dim x rest); a square guess without a shape."""
-    if h.shape is None:
-        side = max(1, math.isqrt(h.numel))
-        return side, max(1, h.numel // side)
-    if len(h.shape) < 2:
-        return 1, h.numel  # a vector: factors are never smaller
-    return h.shape[0], h.numel // max(1, h.shape[0])
-
-
-def piece(h: LayerHistory, parts: int) -> tuple[int, tuple[int, ...]]:
-    """(elements, shape) of the largest of ``parts`` pieces of a layer, as
-    :func:`raycomp._internal.reduce.two_level.cut` cuts it (whole rows where it can, else flat)."""
-    if parts == 1:
-        return h.numel, h.shape if h.shape is not None else matrix(h)
-    _, size, shape = cut(torch.Size(h.shape if h.shape is not None else (h.numel,)), parts)[0]
-    return size, tuple(shape)
-
-
-def _piece_on_nodes(run: RunState) -> float:
-    """Times a rank's bytes count each element when it sends its 1/L piece of every layer
-    on a ring of the K nodes: a two-level step's pieces, a model sharded per node's shards."""
-    k = run.nodes
-    return 2 * (k - 1) / k / run.per_node
-
-
-def element_bytes(h: LayerHistory, world_size: int, allreduce: float, share: float = 1.0) -> float:
-    """Bytes per gradient element from the measured dense bytes (the sum over the ranks of
-    one step; ``share``: the part of the layer they counted), rounded to 2, 4 or 8; 4
-    (fp32) before any measurement."""
-    if h.dense_bytes <= 0 or not h.numel or allreduce <= 0:
-        return 4.0
-    return nearest_size(h.dense_bytes / (world_size * allreduce * h.numel * share))
-
-
-def nearest_size(measured: float) -> float:
-    """The element size (2, 4 or 8 bytes) nearest a measured bytes per element."""
-    return min((2.0, 4.0, 8.0), key=lambda size: abs(size - measured))
-
-
-__all__ = ["CostModel", "element_bytes", "family_rounds", "matrix", "piece"]
+__all__ = ["CostModel", "CostState", "ema", "family_rounds", "mean"]

@@ -28,9 +28,18 @@ from raycomp.plan import Plan
 from ..state import RunState
 from .base import Policy, compressible_layers, spec
 from .decision import Decision
-from .reasons import CriticalWhy
 
 LOW, HIGH = "low", "high"
+
+
+@dataclass(frozen=True)
+class CriticalWhy:
+    critical: int  # layers in a critical regime (light compression)
+    layers: int
+    rule: str = "critical.regimes"
+
+    def text(self) -> str:
+        return f"critical: {self.critical}/{self.layers} layers critical"
 
 
 @dataclass
@@ -94,4 +103,4 @@ class CriticalPolicy(Policy):
 
 
 
-__all__ = ["CriticalPolicy"]
+__all__ = ["CriticalPolicy", "CriticalWhy"]

@@ -2,9 +2,11 @@
 
 A *why* is a frozen dataclass of named facts (what was measured, each candidate's predicted
 step, what was chosen) with a ``rule`` (which rule decided) and ``text()``, the prose that
-becomes the plan's ``reason`` (the rule and facts ride in the plan's ``why``); every why and
-its prose live in :mod:`raycomp.controllers.policies.reasons`. The controller logs the rule with the prose, counts
-plan switches by rule for Prometheus and keeps the facts in the run's events (the summary)::
+becomes the plan's ``reason`` (the rule and facts ride in the plan's ``why``). Each policy's
+whys live beside it (``CriticalWhy`` in ``critical.py``, ``AdaptiveWhy`` in ``adaptive_why.py``,
+...); :class:`Said` here is the why of a decision one sentence explains. The controller logs
+the rule with the prose, counts plan switches by rule for Prometheus and keeps the facts in
+the run's events (the summary)::
 
     Decision.of(Plan.per_layer(chosen), AdaptiveWhy(...))   # the plan's reason: why.text()
 """
@@ -24,6 +26,17 @@ class Why(Protocol):
     rule: str
 
     def text(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Said:
+    """A decision one sentence explains in full (a fixed plan, a dense one until measured)."""
+
+    rule: str
+    words: str
+
+    def text(self) -> str:
+        return self.words
 
 
 @dataclass(frozen=True)
@@ -66,4 +79,4 @@ def _plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["Decision", "Why", "checked"]
+__all__ = ["Decision", "Said", "Why", "checked"]

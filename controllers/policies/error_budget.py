@@ -34,9 +34,18 @@ from raycomp.plan import CompressorSpec, Plan
 from ..state import RunState
 from .base import Policy, compressible_layers
 from .decision import Decision
-from .reasons import BudgetWhy
 
 BINS = 400
+
+
+@dataclass(frozen=True)
+class BudgetWhy:
+    solved: int  # layers with a measured error profile at the latest solve
+    layers: int
+    rule: str = "error_budget.solve"
+
+    def text(self) -> str:
+        return f"error_budget: {self.solved}/{self.layers} layers solved"
 
 
 @dataclass
@@ -130,8 +139,8 @@ class ErrorBudgetPolicy(Policy):
         if due or self.state.measured == 0:
             self._solve(run)
         layers = compressible_layers(run, self.min_numel)
-        plan = {n: CompressorSpec.of("topk", ratio=self.state.chosen.get(n, self.reference)) for n in layers}
-        return Decision.of(Plan.per_layer(plan), BudgetWhy(self.state.measured, len(layers)))
+        chosen = {n: CompressorSpec.of("topk", ratio=self.state.chosen.get(n, self.reference)) for n in layers}
+        return Decision.of(Plan.per_layer(chosen), BudgetWhy(self.state.measured, len(layers)))
 
     def _solve(self, run: RunState) -> None:
         layers = compressible_layers(run, self.min_numel)
@@ -171,4 +180,4 @@ class ErrorBudgetPolicy(Policy):
 
 
 
-__all__ = ["ErrorBudgetPolicy", "choose_ratios", "error_bins"]
+__all__ = ["BudgetWhy", "ErrorBudgetPolicy", "choose_ratios", "error_bins"]

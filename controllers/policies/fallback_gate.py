@@ -27,8 +27,7 @@ from raycomp.plan import Plan
 
 from ..state import RunState
 from .base import Policy
-from .decision import Decision, checked
-from .reasons import Said
+from .decision import Decision, Said, checked
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 from raycomp.plan import DENSE, CompressorSpec
 
 from ..state import LayerHistory
-from .cost_model import matrix
+from .layer_sizes import matrix
 
 LOWRANK, ALLGATHER = "powersgd", "topk"  # the lossy rungs' compressors
 
@@ -46,16 +46,16 @@ class Ladders:
         Without near-lossless rungs, dense."""
         return len(ladder) - (2 if self.near_lossless else 1)
 
-    def rung(self, ladder: list[CompressorSpec], floor: int, shift: int, levels: int, top: int) -> int:
-        """The rung of a layer at ``shift``: the shift is a level, the same on every ladder
-        for the near-lossless rungs, and the floor a minimum (a layer above the level stays
-        on its floor). ``levels``: the most lossy rungs a ladder has; ``top``: the all-dense
-        shift."""
+    def rung(self, ladder: list[CompressorSpec], floor: int, shift: int, most_lossy: int, top: int) -> int:
+        """The rung of a layer at ``shift``: the shift is a rung position, the same on every
+        ladder for the near-lossless rungs, and the floor a minimum (a layer above that
+        position stays on its floor). ``most_lossy``: the most lossy rungs a ladder has;
+        ``top``: the all-dense shift."""
         if shift >= top:
             return len(ladder) - 1
         lossy = self.first_near_lossless(ladder)  # this ladder's lossy rungs
-        level = shift if shift < lossy else lossy + max(0, shift - levels)
-        return min(max(floor, level), self.cap(ladder))
+        position = shift if shift < lossy else lossy + max(0, shift - most_lossy)
+        return min(max(floor, position), self.cap(ladder))
 
     def _spec(self, family: str, value: float = 0.0) -> CompressorSpec:
         key = (family, value)

@@ -34,9 +34,9 @@ from raycomp.plan import CompressorSpec, LocalMode, Plan
 from ..state import RunState
 from .base import Policy, compressible_layers
 from .cost_model import CostModel
-from .decision import Decision, checked
+from .decision import Decision, Said, checked
 from .local_state import LocalRecord, LocalState, Measured, Sample
-from .reasons import LocalFixedWhy, LocalWhy, Said
+from .local_why import LocalFixedWhy, LocalWhy
 
 __all__ = ["PATIENCE", "LocalChoice", "replica_share"]
 
@@ -249,19 +249,19 @@ class LocalChoice(Policy):
         losses = [loss for _, loss in list(run.losses)[-2:]]
         if not losses or not self.state.chosen:
             return
-        level = sum(losses) / len(losses)
-        if self.state.best_loss is None or level < self.state.best_loss:
-            self.state.best_loss, self.state.behind = level, 0
+        mean_loss = sum(losses) / len(losses)
+        if self.state.best_loss is None or mean_loss < self.state.best_loss:
+            self.state.best_loss, self.state.behind = mean_loss, 0
             return
         limit = self.state.best_loss + self.local.loss_tolerance * abs(self.state.best_loss)
-        self.state.behind = self.state.behind + 1 if level > limit else 0
+        self.state.behind = self.state.behind + 1 if mean_loss > limit else 0
         if self.state.behind < PATIENCE:
             return
         self.state.ceiling = max(1, self.state.chosen // 2)
         halved = self.state.ceiling if self.state.ceiling >= 2 else 0
         self.state.history.append(LocalRecord(
             run.step, self.state.chosen, halved,
-            f"step back: loss {level:.4g} above {limit:.4g} (lowest since local steps {self.state.best_loss:.4g} + "
+            f"step back: loss {mean_loss:.4g} above {limit:.4g} (lowest since local steps {self.state.best_loss:.4g} + "
             f"{self.local.loss_tolerance:.0%}) at {PATIENCE} boundaries; largest H now {self.state.ceiling}"))
         self.state.chosen, self.state.wanted, self.state.strikes = halved, None, 0
         self.state.best_loss, self.state.behind = None, 0  # the next H starts its own record

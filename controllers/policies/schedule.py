@@ -6,13 +6,23 @@ Lin et al., "Deep Gradient Compression", ICLR 2018, Sec. 3.3 (warm-up training: 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from raycomp.config.policy_options import ScheduleOptions
 from raycomp.plan import Plan
 
 from ..state import RunState
 from .base import Policy, spec
 from .decision import Decision
-from .reasons import ScheduleWhy
+
+
+@dataclass(frozen=True)
+class ScheduleWhy:
+    start_step: int  # the stage in force from this step
+    rule: str = "schedule.stage"
+
+    def text(self) -> str:
+        return f"schedule stage from step {self.start_step}"
 
 
 class SchedulePolicy(Policy):
@@ -34,4 +44,4 @@ class SchedulePolicy(Policy):
         return Decision.of(Plan(default=spec(current.compressor)), ScheduleWhy(current.start_step))
 
 
-__all__ = ["SchedulePolicy"]
+__all__ = ["SchedulePolicy", "ScheduleWhy"]

@@ -7,8 +7,7 @@ from raycomp.plan import Plan
 
 from ..state import RunState
 from .base import Policy, spec
-from .decision import Decision
-from .reasons import Said
+from .decision import Decision, Said
 
 
 class StaticPolicy(Policy):

@@ -165,7 +165,7 @@ MUTANTS = (
     ),
     mutant(
         "two-level-statistics-read-as-whole-layers", "CostModel._elements",
-        "        share = _piece_on_nodes(run) / allreduce if in_pieces else 1.0\n",
+        "        share = piece_on_nodes(run) / allreduce if in_pieces else 1.0\n",
         "        share = 1.0\n",
         "tests/test_cost_model_ranks.py",
         "before a dense interval, a two-level step's piece statistics price dense at 1/L",

@@ -61,7 +61,7 @@ MUTANTS = (
     ),
     mutant(
         "local-loss-never-steps-back", "LocalChoice._follow_loss",
-        "        self.state.behind = self.state.behind + 1 if level > limit else 0\n",
+        "        self.state.behind = self.state.behind + 1 if mean_loss > limit else 0\n",
         "        self.state.behind = 0\n",
         "tests/test_local_policy.py -k loss_that_falls_behind",
         "a loss that drifts up under local steps never halves H: auto keeps an H the run cannot afford",
