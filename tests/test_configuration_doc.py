@@ -14,7 +14,13 @@ from pydantic import BaseModel
 
 from jobs.config import load_config, validate
 from raycomp import cli
-from raycomp.config import CheckpointSection, CompressionSection, ControllerSection, reference
+from raycomp.config import (
+    CheckpointSection,
+    CompressionSection,
+    ControllerSection,
+    reference,
+    section_docs,
+)
 from raycomp.config.base import CompressorConfig, Strict
 from raycomp.config.policy_options import POLICY_OPTIONS
 from tests.support.repo import REPO
@@ -86,7 +92,7 @@ def test_a_field_without_a_comment_is_found_and_comments_are_read_from_the_decla
         #: overrides nothing of a, adds c
         c: str = "x"
 
-    assert reference.field_comments(Child) == {"a": "the first of two lines", "c": "overrides nothing of a, adds c"}
+    assert section_docs.field_comments(Child) == {"a": "the first of two lines", "c": "overrides nothing of a, adds c"}
     [section] = reference.sections((("demo", Child),))
     assert [(f.name, f.doc, f.default) for f in section.fields] == [
         ("a", "the first of two lines", 1), ("b", "", 2), ("c", "overrides nothing of a, adds c", "x")]

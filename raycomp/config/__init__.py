@@ -15,6 +15,12 @@ from raycomp.config.base import (
     compressor,
     one_line,
 )
+from raycomp.config.checkpoint import CheckpointSection
+from raycomp.config.compression import CompressionSection
+from raycomp.config.controller import ControllerSection, host_literal
+from raycomp.config.guard import GuardSection
+from raycomp.config.local import LOCAL_MIN_GAIN, LocalSection
+from raycomp.config.lr_scaling import LrScalingSection
 from raycomp.config.policy_options import (
     AdaptiveOptions,
     BandwidthOptions,
@@ -24,16 +30,6 @@ from raycomp.config.policy_options import (
     ScheduleOptions,
     ScheduleStage,
     StaticOptions,
-)
-from raycomp.config.sections import (
-    LOCAL_MIN_GAIN,
-    CheckpointSection,
-    CompressionSection,
-    ControllerSection,
-    GuardSection,
-    LocalSection,
-    LrScalingSection,
-    host_literal,
 )
 
 __all__ = [

@@ -36,8 +36,6 @@ class Strict(BaseModel):
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
 
-_Strict = Strict  # the name the config's own sections use
-
 
 class CompressorConfig(Strict):
     """A compressor by registry name with its parameters, e.g. ``{name: topk, ratio: 0.01}``."""

@@ -205,7 +205,7 @@ class AdaptiveOptions(PolicyOptions):
     slack: Annotated[float, Field(ge=0, le=10)] = 0.1
     #: seconds an extra collective round costs until the run has measured it, per family
     round_seconds: Annotated[float, Field(ge=0, le=10)] = 0.001
-    #: link bandwidth in bytes per second per rank to plan for instead of measuring it
+    #: link bandwidth in bytes per second per rank to price plans with instead of measuring it
     bandwidth: Annotated[float, Field(gt=0)] | None = None
     #: bytes of all-gathered payload one rank decodes per second, to price an all-gather's
     #: decode of W payloads on its own (null: part of the measured round overhead)
