@@ -20,6 +20,7 @@ from raycomp.compressors import Compressor, Transport, make_compressor
 from raycomp.config.policy_options import POLICY_OPTIONS
 from raycomp.controllers.policies import (
     POLICIES,
+    REGISTRY,
     Decision,
     Policy,
     Said,
@@ -31,6 +32,7 @@ from raycomp.controllers.policies.base import compressible_layers
 from raycomp.controllers.state import RunState
 from raycomp.messages import GradStats
 from raycomp.plan import CompressorSpec, Plan
+from raycomp.train import TrainOptions
 from tests.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,12 +186,34 @@ def largest():
 def test_registered_policy_in_a_job_config_becomes_its_import_path(largest):
     job = job_config.validate({"compression": {"policy": "largest", "custom_options": {"count": 2}}})
     assert job.compression.policy == "tests.test_registry:LargestLayers"  # what the controller imports
-    assert job.compression.policy_options() == {"count": 2, "compressor": "scaled_half"}
+    assert job.compression.policy_options() == {"count": 2}  # as given: the controller validates them
     # workers validate the dumped config again: the path passes there without the registration
     unregister_policy("largest")
     again = job_config.validate(job.model_dump(mode="json"))
     assert again.compression.policy == "tests.test_registry:LargestLayers"
     register_policy("largest", LargestLayers)
+
+
+def test_the_registry_reaches_validation_only_when_the_validator_hands_it_over(largest):
+    # registering (and importing the controller's policies) changes nothing in raycomp.config:
+    # a section validated without the registry knows built-in names and import paths only
+    data = {"policy": "largest", "custom_options": {"count": 0}}
+    with pytest.raises(config.ConfigError, match=r"^compression\.policy: must be one of 'static', .*'adaptive' or an "
+                                                 r"import path 'package\.module:Class' \(a name registered with "
+                                                 r"raycomp\.controllers\.policies\.register_policy needs the registry: "
+                                                 r"validate with context=raycomp\.config\.policy_context\(REGISTRY\)\), "
+                                                 r"got 'largest'$"):
+        config.CompressionSection(**data)
+    path = {**data, "policy": "tests.test_registry:LargestLayers"}
+    assert config.CompressionSection(**path).custom_options == {"count": 0}  # the controller checks them
+    context = config.policy_context(REGISTRY)
+    with pytest.raises(ValueError, match=r"custom_options\.count: Input should be greater than or equal to 1"):
+        config.CompressionSection.model_validate(path, context=context)
+    section = config.CompressionSection.model_validate({**data, "custom_options": {"count": 3}}, context=context)
+    assert section.policy == "tests.test_registry:LargestLayers"
+    # the Ray Train API's options hand it over when a section is given as a dict
+    options = TrainOptions(compression={**data, "custom_options": {"count": 3}})
+    assert options.compression.policy == "tests.test_registry:LargestLayers"
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -297,7 +321,7 @@ def test_a_new_policy_with_typed_options_is_one_file_and_its_registration(ramp):
     job = job_config.validate({"compression": {"policy": "ramp", "custom_options": {"start_ratio": 0.2, "every_steps": 10}}})
     assert job.compression.policy == "tests.support.ramp_policy:RampPolicy"  # what the controller imports
     options = job.compression.policy_options()
-    assert options == {"start_ratio": 0.2, "min_ratio": 0.01, "every_steps": 10}
+    assert options == {"start_ratio": 0.2, "every_steps": 10}  # as given: the controller validates them
     for bad, message in [({"every_steps": 0}, r"custom_options\.every_steps: Input should be greater than or equal "
                                               r"to 1 \(got 0\)"),
                          ({"start_ratio": 0.2, "min_ratio": 0.5}, r"custom_options\.min_ratio: must be <= "

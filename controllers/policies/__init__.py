@@ -4,8 +4,9 @@ A policy is named by a built-in name (:data:`POLICIES`), a name given to
 :func:`register_policy` in this process, or an import path ``"package.module:Class"``,
 imported on first use by the process that runs it (the controller actor): the robust way
 across processes. A name registered in the driver is turned into its class's import path
-when the job config is validated, so the controller imports it too (the class must live in
-an importable module, not ``__main__``).
+when a job config is validated with :data:`REGISTRY` (``context=raycomp.config.policy_context(REGISTRY)``,
+as ``jobs.config.validate`` and ``raycomp.train.TrainOptions`` pass it), so the controller
+imports it too (the class must live in an importable module, not ``__main__``).
 
 A policy's typed options are its ``options_model`` (a pydantic model, best a
 :class:`PolicyOptions`): a built-in policy's come from ``compression.<name>``, any other's
@@ -24,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from raycomp._internal.registry import Registry
-from raycomp.config import LocalSection, policy_sections
+from raycomp.config import LocalSection
 from raycomp.config.base import one_line
 from raycomp.config.policy_options import (
     AdaptiveOptions,
@@ -73,7 +74,6 @@ REGISTRY: Registry[Policy] = Registry("policy", "compression.policy", [
 ], _check_class)
 #: the built-in policies by name
 POLICIES: dict[str, type[Policy]] = REGISTRY.builtins
-policy_sections.use_registry(REGISTRY)  # the job config looks registered policies up here
 
 
 def register_policy(name: str, policy: type[Policy] | str, *, replace: bool = False) -> None:

@@ -11,7 +11,8 @@ import yaml
 from pydantic import ValidationError
 
 from jobs.config.job_sections import JobConfig
-from raycomp.config import ConfigError, one_line
+from raycomp.config import ConfigError, one_line, policy_context
+from raycomp.controllers.policies import REGISTRY
 
 __all__ = ["apply_overrides", "load_config", "parse_override", "read_yaml_mapping", "validate"]
 
@@ -69,6 +70,6 @@ def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, 
 def validate(data: dict[str, Any], schema: type[JobConfig] = JobConfig) -> JobConfig:
     """``data`` as a ``schema``; :class:`~raycomp.config.ConfigError` (one line) if it is not one."""
     try:
-        return schema.model_validate(data)
+        return schema.model_validate(data, context=policy_context(REGISTRY))
     except ValidationError as error:
         raise ConfigError(one_line(error)) from None

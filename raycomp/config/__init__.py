@@ -31,10 +31,12 @@ from raycomp.config.policy_options import (
     ScheduleStage,
     StaticOptions,
 )
+from raycomp.config.policy_sections import policy_context
 
 __all__ = [
     "AdaptiveOptions", "BandwidthOptions", "CriticalOptions", "ErrorBudgetOptions", "PolicyOptions",
     "ScheduleOptions", "ScheduleStage", "StaticOptions",
     "CheckpointSection", "CompressionSection", "CompressorConfig", "ConfigError", "ControllerSection",
     "GuardSection", "LOCAL_MIN_GAIN", "LocalSection", "LrScalingSection", "compressor", "host_literal", "one_line",
+    "policy_context",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from raycomp.config import policy_sections
 from raycomp.config.base import Strict
@@ -83,11 +83,14 @@ class CompressionSection(Strict):
     def _policy_sections(cls, data: Any) -> Any:
         return policy_sections.split_sections(data, set(cls.model_fields)) if isinstance(data, dict) else data
 
-    _policy_name = field_validator("policy")(lambda cls, name: policy_sections.check_policy_name(name))
+    @field_validator("policy")
+    @classmethod
+    def _policy_name(cls, name: str, info: ValidationInfo) -> str:
+        return policy_sections.check_policy_name(name, policy_sections.registry_of(info))
 
     @model_validator(mode="after")
-    def _custom_options(self) -> CompressionSection:
-        policy_sections.check_custom_options(self.policy, self.custom_options)
+    def _custom_options(self, info: ValidationInfo) -> CompressionSection:
+        policy_sections.check_custom_options(self.policy, self.custom_options, policy_sections.registry_of(info))
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from raycomp.config import (
     ConfigError,
     ControllerSection,
     one_line,
+    policy_context,
 )
 
 __all__ = ["TrainOptions", "resolve_options"]
@@ -121,8 +122,10 @@ def _section(name: str, section: type, value: Any) -> Any:
     if isinstance(value, section):
         return value
     if isinstance(value, Mapping):
+        from raycomp.controllers.policies import REGISTRY  # the policies registered in this process
+
         try:
-            return section.model_validate(dict(value))
+            return section.model_validate(dict(value), context=policy_context(REGISTRY))
         except ValidationError as error:
             raise ConfigError(one_line(error, prefix=f"{name}.")) from None
     raise ConfigError(f"{name}: must be a {section.__name__} or a dict of its keys, got {type(value).__name__}")
