@@ -5,10 +5,10 @@ processes). Any exception on any rank fails the caller with that rank's tracebac
 rank that does not finish within ``timeout`` fails it too (no silent hang).
 
 The processes are forked from a forkserver that has imported once what each rank would
-otherwise import on its own: torch (~2.5 s of CPU per process), what DDP's constructor
-imports the first time it runs (``torch._dynamo`` and with it sympy: ~2.7 s, which made a
-four-rank DDP test spend 5 s of its 6 building a tiny model) and Ray Train's API
-(``raycomp.train`` imports it for its callback: ~2.7 s). Each rank gets the caller's
+otherwise import on its own, seconds of CPU each: torch, what DDP's constructor imports
+the first time it runs (``torch._dynamo`` and with it sympy, which otherwise made a small
+DDP test spend most of its time building a tiny model) and Ray Train's API
+(``raycomp.train`` imports it for its callback). Each rank gets the caller's
 environment as it is at the call. A run with ``env_per_rank`` starts fresh
 interpreters instead (``spawn``), for settings that must be in place before the
 interpreter or torch starts (``PYTHONHASHSEED``, torch's flight recorder).

@@ -232,7 +232,7 @@ CASE_IDS = list(_cases("/tmp/x"))
 def slipped_inputs(request, tmp_path_factory):
     """Run every selected case: each is the real ``python -m`` command's ``main`` in a process
     of its own, forked from one interpreter that imported the commands once
-    (tests/forked_cli.py; 21 fresh interpreters importing torch took 33 s here)."""
+    (tests/forked_cli.py: a fresh interpreter per case would import torch once each)."""
     import json
     import socket
 

@@ -38,16 +38,10 @@ COMPRESSORS = {
     "sparseloco": {"ratio": 0.1, "chunk_size": 256},
 }
 TWO_ROUNDS = {"sign_two_rounds": "sign"}  # case -> compressor, forced onto the two-round scheme
-# Measured here (seeded, deterministic): relative gap ||sum true - sum reduced|| / ||sum true||
-# at T/2 and T = 120 steps.     with EF          without EF
-#   topk, dgc_topk          0.052 -> 0.027     0.58 -> 0.57
-#   threshold               0.027 -> 0.014     0.55 -> 0.54
-#   randomk                 0.229 -> 0.118     0.90 -> 0.90
-#   sign (one all-gather)   0.042 -> 0.028     0.39 -> 0.38
-#   sign (+ server EF)      0.075 -> 0.055     0.40 -> 0.38
-#   sparseloco (10%/256)    0.053 -> 0.026     0.58 -> 0.57
-# Bounds sit just outside those numbers: (gap at T with EF, its shrink factor T/2 -> T,
-# least gap at T without EF).
+# The relative gap ||sum true - sum reduced|| / ||sum true|| at T/2 and T = 120 steps
+# (seeded, deterministic). Bounds sit just outside the measured gaps
+# (docs/benchmarks/history.md): (gap at T with EF, its shrink factor T/2 -> T, least gap at
+# T without EF).
 BOUNDS = {
     "topk": (0.03, 0.6, 0.55),
     "dgc_topk": (0.03, 0.6, 0.55),

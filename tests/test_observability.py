@@ -106,9 +106,9 @@ def test_every_dashboard_query_returns_data_from_a_real_run(ray_cluster, prometh
     config, run_id, output = prepare([
         "--config", DIGITS, "--output", str(tmp_path / "run"), "--run-id", run_id,
         # each evaluation 2 s longer: Prometheus (1 s scrapes) sees the fallback counter at 0
-        # before the step-30 fault and at 1 after it. Without the pause the whole run trained
-        # in 1.6 s here and the counter could be first scraped at 1, which the fallback
-        # annotation's changes(...[1m]) shows as no change (2026-11-24, a fast hour)
+        # before the step-30 fault and at 1 after it. Without the pause a fast run can train
+        # before the first scrape, the counter first scraped at 1, which the fallback
+        # annotation's changes(...[1m]) shows as no change
         "workload.epochs=3", "faults.nan_at_step=30", "compression.guard.stable_steps=10",
         "faults.slow_eval_seconds=2",
         f"controller.name={name}", "controller.metrics_port=0",

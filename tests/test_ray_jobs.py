@@ -179,7 +179,7 @@ def test_training_job_succeeds_and_writes_its_summary(head_node, tmp_path):
                    f"python -m jobs.train --config jobs/configs/digits.yaml --output {output} "
                    "--run-id jobs-test workload.epochs=1 workload.steps_per_epoch=12",
         # the repo as working_dir; the pip part of jobs/runtime_env.yaml (a virtualenv per node,
-        # about a minute here) is the long check below
+        # slow to build) is the long check below
         runtime_env={"working_dir": str(REPO), "excludes": _runtime_env()["excludes"], "env_vars": JOB_ENV},
     )
     status = _wait(client, job_id)

@@ -70,7 +70,7 @@ def backward_runs():
     return {key: [ranks[key] for ranks in per_rank] for key in specs}
 
 
-# measured: bf16 <= 0.003, int8 <= 0.015 (min-max chunks: the error is relative to each chunk's range)
+# bounds a few times the seeded errors (min-max chunks: the error is relative to each chunk's range)
 @pytest.mark.parametrize("key, bound", [("none", 1e-6), ("bf16", 1e-2), ("int8", 3e-2)])
 def test_sharded_gradients_are_the_mean_of_every_ranks_gradient(backward_runs, key, bound):
     plain = backward_runs["plain"][0]["errors"]
@@ -187,8 +187,7 @@ def test_error_feedback_sends_what_the_compressor_dropped_in_later_steps(comm_ru
     with_ef = [r["with_ef"] for r in comm_runs]
     without = [r["without_ef"] for r in comm_runs]
     # sign keeps only the direction: without error feedback its bias never goes away; with
-    # it, the average of what arrived converges to the true mean (measured: 0.11 after 60
-    # steps, 0.05-0.065 after 240; without, above 0.4)
+    # it, the average of what arrived converges to the true mean
     assert min(without) > 0.4, without
     assert max(with_ef) < 0.1, with_ef
 

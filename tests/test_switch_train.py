@@ -6,8 +6,8 @@ all-gather) at W = 4 as 2 nodes x 2 workers, W = 3 as 3 x 1, and W = 8 as 2 x 4 
 ends with bit-identical replicas on every rank, and every rank applied the same plan at every
 step. The other transports, local steps and a killed worker's resume: tests/test_switch_modes.py.
 
-Long checks (scripts/long-checks.sh): each starts K Ray nodes and a Ray Train fit on 2 cores
-(71 s, 73 s, 100 s and 138 s).
+Long checks (scripts/long-checks.sh): each starts K Ray nodes and a Ray Train fit; their
+times are in docs/testing.md.
 """
 
 from __future__ import annotations
