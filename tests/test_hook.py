@@ -75,13 +75,13 @@ def test_dense_plan_equals_plain_ddp_bit_for_bit(world_size):
 
 
 # --- a dense step with nothing held or profiled reduces each bucket as it lies -------------------
-def _flat_against_general(rank: int, world_size: int, dtype: torch.dtype = torch.float32):
-    flat_model, general_model, measured_model = (DDP(_model(dtype), **DDP_KW) for _ in range(3))
-    flat = CompressionState(flat_model, Plan(), min_compress_numel=0)
+def _plain_against_general(rank: int, world_size: int, dtype: torch.dtype = torch.float32):
+    plain_model, general_model, measured_model = (DDP(_model(dtype), **DDP_KW) for _ in range(3))
+    plain = CompressionState(plain_model, Plan(), min_compress_numel=0)
     # measures every step, with a Top-K error profile, which only the general path takes
     general = CompressionState(general_model, Plan(), min_compress_numel=0, stats_every=1, profile_ratios=(0.1,))
     measured = CompressionState(measured_model, Plan(), min_compress_numel=0, stats_every=1)  # no profile
-    trio = ((flat_model, flat), (general_model, general), (measured_model, measured))
+    trio = ((plain_model, plain), (general_model, general), (measured_model, measured))
     for model, state in trio:
         model.register_comm_hook(state, compression_hook)
     plans = {3: Plan.uniform("int8"), 4: Plan()}  # compressed once: its residual is sent by the next step
@@ -99,7 +99,7 @@ def _flat_against_general(rank: int, world_size: int, dtype: torch.dtype = torch
             if step in plans:
                 for _, state in trio:
                     state.set_plan(plans[step])
-            out.append([_flat_or_general_step(model, state, rank, step, dtype, sent) for model, state in trio])
+            out.append([_plain_or_general_step(model, state, rank, step, dtype, sent) for model, state in trio])
     finally:
         dist.all_reduce = original
     for _, state in trio:
@@ -107,7 +107,7 @@ def _flat_against_general(rank: int, world_size: int, dtype: torch.dtype = torch
     return out
 
 
-def _flat_or_general_step(model, state, rank, step, dtype, sent) -> dict:
+def _plain_or_general_step(model, state, rank, step, dtype, sent) -> dict:
     import threading
 
     state.stage_control([float(rank + 1), float(step)])
@@ -115,7 +115,7 @@ def _flat_or_general_step(model, state, rank, step, dtype, sent) -> dict:
     receivers = {t.ident for t in threading.enumerate() if t.name.startswith("raycomp-receive")}
     sent.clear()
     _backward(model, rank, step, dtype)
-    return {"flat": state._plain, "steps": state.step, "grads": _grads(model), "sent": sorted(sent, key=str),
+    return {"plain": state._plain, "steps": state.step, "grads": _grads(model), "sent": sorted(sent, key=str),
             "rows": state.control_rows.clone(), "wire": dict(state.ledger.wire_bytes),
             "dense": dict(state.ledger.dense_bytes), "memory": sorted(state.memory.residuals),
             "stats": [{**s.to_dict(), "topk_errors": {}} for s in state.stats],
@@ -126,26 +126,26 @@ def _flat_or_general_step(model, state, rank, step, dtype, sent) -> dict:
 # bf16: the control values (fp32) cannot ride in the bucket's all-reduce; they take their own
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_dense_step_with_nothing_held_reduces_each_bucket_as_it_lies_with_the_general_paths_result(dtype):
-    for out in run_distributed(_flat_against_general, 2, dtype):
+    for out in run_distributed(_plain_against_general, 2, dtype):
         # steps 0-2 dense; 3 int8 (a residual is kept); 4 dense, sending it; 5 dense again
-        assert [flat["flat"] for flat, _, _ in out] == [True, True, True, False, False, True]
-        assert not any(general["flat"] for _, general, _ in out)  # a Top-K profile reads the gradients
-        assert not out[0][0]["receiver_started"] and out[0][1]["receiver_started"]  # no thread for a flat step
-        for step, (flat, general, measured) in enumerate(out):
-            # statistics without a profile: measured on the flat path, as the general path measures them
-            assert measured["flat"] == flat["flat"] and torch.equal(measured["rows"], general["rows"]), step
+        assert [plain["plain"] for plain, _, _ in out] == [True, True, True, False, False, True]
+        assert not any(general["plain"] for _, general, _ in out)  # a Top-K profile reads the gradients
+        assert not out[0][0]["receiver_started"] and out[0][1]["receiver_started"]  # no thread for a plain step
+        for step, (plain, general, measured) in enumerate(out):
+            # statistics without a profile: measured on the plain path, as the general path measures them
+            assert measured["plain"] == plain["plain"] and torch.equal(measured["rows"], general["rows"]), step
             assert measured["stats"] == general["stats"] and len(general["stats"]) == 6, step
             assert measured["wire"] == general["wire"], step
             for a, b in zip(measured["grads"], general["grads"], strict=True):
                 assert torch.equal(a, b), step
-            assert flat["steps"] == general["steps"] == step + 1  # the last bucket ended the step
-            for a, b in zip(flat["grads"], general["grads"], strict=True):
+            assert plain["steps"] == general["steps"] == step + 1  # the last bucket ended the step
+            for a, b in zip(plain["grads"], general["grads"], strict=True):
                 assert a.dtype == dtype and torch.equal(a, b), step
-            assert torch.equal(flat["rows"], general["rows"]), step  # the control values rode along
-            assert flat["rows"][:, 1].tolist() == [1.0, 2.0] and flat["rows"][:, 2].tolist() == [step, step]
-            assert flat["wire"] == general["wire"] and flat["dense"] == general["dense"], step
-            assert flat["sent"] == general["sent"], step  # the same collectives, dtypes and sizes
-            assert flat["memory"] == general["memory"], step
+            assert torch.equal(plain["rows"], general["rows"]), step  # the control values rode along
+            assert plain["rows"][:, 1].tolist() == [1.0, 2.0] and plain["rows"][:, 2].tolist() == [step, step]
+            assert plain["wire"] == general["wire"] and plain["dense"] == general["dense"], step
+            assert plain["sent"] == general["sent"], step  # the same collectives, dtypes and sizes
+            assert plain["memory"] == general["memory"], step
         assert out[3][0]["memory"] and not out[4][0]["memory"]
 
 
@@ -671,18 +671,18 @@ def test_the_step_flag_covers_compressed_layers_and_the_mean_carries_dense_ones(
 
 
 def test_flat_view_finds_tensors_that_lie_back_to_back_and_nothing_else():
-    from raycomp._internal.transports import flat_view
+    from raycomp._internal.transports import buffer_view
 
     buffer = torch.arange(20, dtype=torch.float32)
     a, b, c = buffer[2:8].view(2, 3), buffer[8:12], buffer[12:20].view(4, 2)
-    view = flat_view([a, b, c])
+    view = buffer_view([a, b, c])
     assert view is not None and view.data_ptr() == a.data_ptr() and torch.equal(view, buffer[2:20])
-    assert flat_view([a, c]) is None  # a gap
-    assert flat_view([b, a]) is None  # out of order
-    assert flat_view([a, b.clone()]) is None  # another storage
-    assert flat_view([buffer[:6].view(3, 2).t()]) is None  # not contiguous
-    assert flat_view([buffer[:4], buffer.view(torch.int32)[4:8]]) is None  # another dtype
-    assert flat_view([]) is None
+    assert buffer_view([a, c]) is None  # a gap
+    assert buffer_view([b, a]) is None  # out of order
+    assert buffer_view([a, b.clone()]) is None  # another storage
+    assert buffer_view([buffer[:6].view(3, 2).t()]) is None  # not contiguous
+    assert buffer_view([buffer[:4], buffer.view(torch.int32)[4:8]]) is None  # another dtype
+    assert buffer_view([]) is None
 
 
 
@@ -901,7 +901,7 @@ def test_comm_time_counts_what_the_step_waited_for_not_what_hid_behind_backward(
             assert torch.equal(a, b)
 
 
-def _flat_step_ends_after_every_bucket(rank: int, world_size: int) -> tuple[list[list[bool]], float, bool]:
+def _plain_step_ends_after_every_bucket(rank: int, world_size: int) -> tuple[list[list[bool]], float, bool]:
     # the output layer (16.8M weights) is the first bucket backward hands over, the two
     # others (36,936 weights) the last: gloo reduces them on two threads, and the small last
     # one is in well before the first
@@ -924,26 +924,26 @@ def _flat_step_ends_after_every_bucket(rank: int, world_size: int) -> tuple[list
         return returned[-1]
 
     ddp.register_comm_hook(state, hook)
-    flat = True
+    plain = True
     for step in range(3):  # DDP holds every gradient in one bucket at the first step
         returned.clear()
         ddp.zero_grad()
         ddp(torch.randn(2, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
-        flat = flat and state.plain_in_hook()
+        plain = plain and state.plain_in_hook()
     state.close()
-    return seen[1:], state.comm_seconds, flat
+    return seen[1:], state.comm_seconds, plain
 
 
-def test_a_flat_dense_step_ends_once_every_bucket_is_in():
+def test_a_plain_step_ends_once_every_bucket_is_in():
     # the step's end (its statistics, its plan, its counted wait) waits for every bucket,
     # not only the last one handed over, which gloo can finish first
-    for seen, comm, flat in run_distributed(_flat_step_ends_after_every_bucket, 2):
-        assert flat  # the dense plan's flat path, not the threads
+    for seen, comm, plain in run_distributed(_plain_step_ends_after_every_bucket, 2):
+        assert plain  # the dense plan's plain step, not the threads
         assert [len(s) for s in seen] == [1, 1] and all(all(s) for s in seen), seen
         assert comm > 0
 
 
-def _flat_ledger_of_a_state_on_the_inner_module(rank: int, world_size: int) -> list[dict[str, float]]:
+def _plain_ledger_of_a_state_on_the_inner_module(rank: int, world_size: int) -> list[dict[str, float]]:
     ledgers = []
     for on_inner in (False, True):
         ddp = DDP(_model(), **DDP_KW)
@@ -958,10 +958,10 @@ def _flat_ledger_of_a_state_on_the_inner_module(rank: int, world_size: int) -> l
     return ledgers
 
 
-def test_a_flat_step_counts_every_layer_whether_the_state_holds_the_ddp_or_the_module_inside():
-    # CompressionState takes the DDP or the module it wraps; a flat step counts the bytes of
+def test_a_plain_step_counts_every_layer_whether_the_state_holds_the_ddp_or_the_module_inside():
+    # CompressionState takes the DDP or the module it wraps; a plain step counts the bytes of
     # every layer once, either way
-    for on_ddp, on_inner in run_distributed(_flat_ledger_of_a_state_on_the_inner_module, 2):
+    for on_ddp, on_inner in run_distributed(_plain_ledger_of_a_state_on_the_inner_module, 2):
         assert on_ddp == on_inner and len(on_ddp) == 6 and all(v > 0 for v in on_ddp.values()), (on_ddp, on_inner)
 
 

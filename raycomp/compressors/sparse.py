@@ -1,4 +1,4 @@
-"""The sparse payload shared by all sparsifiers: values and their flat indices."""
+"""The sparse payload shared by all sparsifiers: values and their indices in the flattened tensor."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def sparse_k(numel: int, ratio: float) -> int:
 
 
 def index_dtype(numel: int) -> torch.dtype:
-    # int32 halves the index bytes; flat indices of 2**31 elements and more need int64
+    # int32 halves the index bytes; indices of 2**31 elements and more need int64
     return torch.int32 if numel <= 2**31 - 1 else torch.int64
 
 

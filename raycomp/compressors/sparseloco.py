@@ -101,7 +101,7 @@ class SparseLoCo(Compressor):
                        shape, dtype)
 
     def _decode(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sent values (fp32) and their flat indices in the tensor."""
+        """The sent values (fp32) and their indices in the flattened tensor."""
         positions = payload.tensors["positions"].long()
         kept = positions.numel()
         codes = unpack_bits(payload.tensors["codes"], 2, kept).long()

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from raycomp._internal.ddp.state import CompressionState
-from raycomp._internal.transports import Pending, flat_view
+from raycomp._internal.transports import Pending, buffer_view
 
 __all__ = ["CompressionState", "compression_hook"]
 
@@ -66,7 +66,7 @@ def compression_hook(
         return state.start(names, grads, closes_step=last, overwrite=True)  # the result replaces them
 
     def receive(means: list[torch.Tensor]) -> torch.Tensor:
-        out = flat_view(means) if means else buffer  # dense: already one buffer, often the bucket's
+        out = buffer_view(means) if means else buffer  # dense: already one buffer, often the bucket's
         if out is None:
             out = torch.cat([m.reshape(-1) for m in means])
         if out.numel() != buffer.numel():

@@ -2,11 +2,11 @@
 
 A step whose plan sends every layer dense, with nothing held in error feedback, no Top-K
 error profile to measure and no unused layers to settle (:meth:`PlainStep.ready`), has
-nothing to route, encode or remember: its gradients are all-reduced as flat buffers
-(:meth:`PlainStep.start_flat`: the same division, sum and control values as a dense layer
-of :class:`~raycomp._internal.reduce.reducer.CompressedReducer`'s compressed path), as torch's all-reduce
-hook does. It goes one
-of two ways, decided the same on every rank (:mod:`raycomp._internal.ddp.step_route` says which when):
+nothing to route, encode or remember: its gradients are all-reduced as whole buffers
+(:meth:`PlainStep.start_buffer`: the same division, sum and control values as a dense layer
+of :class:`~raycomp._internal.reduce.reducer.CompressedReducer`'s compressed path), as
+torch's all-reduce hook does. It goes one of two ways, decided the same on every rank
+(:mod:`raycomp._internal.ddp.step_route` says which when):
 
 * **in DDP** (:meth:`PlainStep.begin_in_ddp`, :meth:`PlainStep.end_in_ddp`): DDP's own
   reduction carries the gradients; the step adds the control values' all-reduce, counts
@@ -77,9 +77,9 @@ class PlainStep:
         return (not (reducer.collecting_stats and reducer.profile_ratios) and not reducer.defer_unused
                 and not reducer.holding_back and idle is not None and idle())
 
-    def start_flat(self, parts: Sequence[torch.Tensor], *, closes_step: bool = False) -> torch.futures.Future:
+    def start_buffer(self, parts: Sequence[torch.Tensor], *, closes_step: bool = False) -> torch.futures.Future:
         """The reducer's :meth:`~raycomp._internal.reduce.reducer.CompressedReducer.start` for a plain step,
-        on the 1-D ``parts`` back to back, one flat buffer (a DDP bucket's, or a whole step's
+        on the 1-D ``parts`` back to back, one buffer (a DDP bucket's, or a whole step's
         gradients of one dtype): the same division, all-reduce and control values
         (:func:`~raycomp._internal.transports.mean_in_place`), without routing, error feedback or
         per-layer results. The layers' bytes are counted once a step (:meth:`count`). A
@@ -190,7 +190,7 @@ class PlainStep:
             for p in bucket.parameters():  # another model than the state's fails at the first step
                 self._name_of(p)
         self._buckets_checked |= last
-        future = self.start_flat([buffer], closes_step=last)
+        future = self.start_buffer([buffer], closes_step=last)
         self._bucket_futures.append(future)
         if not last:
             return future

@@ -7,7 +7,7 @@ The training loop (:class:`raycomp._internal.train.loop.TrainLoop`) uses either 
 ``gradient_norm`` after it, ``stats`` at control boundaries, ``state_dict`` in checkpoints.
 
 A plan names *units* (a unit's module path; ``(root)`` for the root module), not
-parameters: FSDP reduce-scatters one flat gradient per unit, and that is what a
+parameters: FSDP reduce-scatters one 1-D gradient per unit, and that is what a
 :class:`~raycomp._internal.fsdp.reduce_scatter.CompressedReduceScatter` compresses. Only compressors with a fixed
 row size fit (:func:`~raycomp._internal.fsdp.reduce_scatter.check_sharded_spec`); the adaptive policy is told so
 at registration (``sharded=True``: int4, int8, bf16 or dense per unit, priced as a reduce-scatter).

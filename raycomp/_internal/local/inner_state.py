@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycomp._internal.local.flat import broadcast_in_place, first_rank, mean_in_place
+from raycomp._internal.local.replica_mean import broadcast_in_place, first_rank, mean_in_place
 
 __all__ = ["equalize_inner_state"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raycomp._internal.local.flat import first_rank, mean_in_place
+from raycomp._internal.local.replica_mean import first_rank, mean_in_place
 from raycomp._internal.local.schedule import FragmentSchedule, split_fragments
 from raycomp._internal.reduce.reducer import CompressedReducer
 from raycomp._internal.reduce.signals import all_finite
@@ -256,8 +256,8 @@ class LocalSteps:
         floats = [b for b in self.model.buffers() if b.is_floating_point() and b.numel()]
         if not floats:
             return
-        flat = mean_in_place(floats, self.group)
-        sent = self.reducer.group.allreduce_bytes(flat.numel() * flat.element_size())
+        buffer = mean_in_place(floats, self.group)
+        sent = self.reducer.group.allreduce_bytes(buffer.numel() * buffer.element_size())
         self.reducer.ledger.add("buffers", sent, sent)  # dense: what was sent is what dense costs
 
     def _broadcast_start(self) -> None:

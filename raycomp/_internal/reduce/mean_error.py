@@ -36,9 +36,9 @@ SAMPLES = 128
 def sample(compensated: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """(2, n <= SAMPLES): an evenly strided sample of ``compensated`` (this rank's input to
     the compressor) and of ``mean`` (what every rank applies) at the same places."""
-    flat = compensated.detach().reshape(-1)
-    stride = max(1, flat.numel() // SAMPLES)
-    return torch.stack([flat[::stride][:SAMPLES].float(), mean.detach().reshape(-1)[::stride][:SAMPLES].float()])
+    vector = compensated.detach().reshape(-1)
+    stride = max(1, vector.numel() // SAMPLES)
+    return torch.stack([vector[::stride][:SAMPLES].float(), mean.detach().reshape(-1)[::stride][:SAMPLES].float()])
 
 
 def layer_errors(samples: Mapping[str, torch.Tensor], layers: Sequence[str], position: int,

@@ -83,10 +83,10 @@ def topk_error_profile(x: torch.Tensor, ratios: tuple[float, ...]) -> dict[str, 
     elements (deterministic, identical for the same tensor), which estimates the energy
     fraction in the tail well for the ratios policies use (>= 1e-3 of the sample).
     """
-    flat = x.detach().reshape(-1).float()
-    if flat.numel() > PROFILE_SAMPLES:
-        flat = flat[:: flat.numel() // PROFILE_SAMPLES][:PROFILE_SAMPLES]
-    energy = flat.square().sort(descending=True).values.cumsum(0)
+    sample = x.detach().reshape(-1).float()
+    if sample.numel() > PROFILE_SAMPLES:
+        sample = sample[:: sample.numel() // PROFILE_SAMPLES][:PROFILE_SAMPLES]
+    energy = sample.square().sort(descending=True).values.cumsum(0)
     total = float(energy[-1]) if energy.numel() else 0.0
     out = {}
     for ratio in ratios:

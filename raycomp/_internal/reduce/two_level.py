@@ -57,7 +57,7 @@ class ShardLayout:
     """Where each layer's ``parts`` pieces lie in the node's exchange buffer.
 
     A layer with at least ``parts`` rows is cut between rows (a piece is a matrix of whole
-    rows, so low-rank compressors still see matrices); a smaller one is cut flat. Pieces are
+    rows, so low-rank compressors still see matrices); a smaller one is cut as a vector. Pieces are
     contiguous in the layer. Segment ``i`` of the buffer (``width`` elements, zero-padded)
     holds piece ``i`` of every layer, back to back, and goes to position ``i``.
     """
@@ -68,7 +68,7 @@ class ShardLayout:
         #: per position: (layer index, offset in the segment, piece shape) of each non-empty piece
         self.pieces: list[list[tuple[int, int, torch.Size]]] = [[] for _ in range(parts)]
         cursor = [0] * parts
-        spans: list[tuple[int, int, int, int]] = []  # (start in the flat layers, size, position, offset)
+        spans: list[tuple[int, int, int, int]] = []  # (start in the layers back to back, size, position, offset)
         start = 0
         for layer, shape in enumerate(self.shapes):
             for position, (offset, size, piece) in enumerate(cut(shape, parts)):
@@ -87,16 +87,16 @@ class ShardLayout:
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The exchange buffer, ``parts x width``, flattened."""
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) != 1 else tensors[0].reshape(-1)
-        out = flat.new_zeros(self.parts * self.width)
-        return out.index_copy_(0, self.positions.to(out.device), flat)
+        joined = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) != 1 else tensors[0].reshape(-1)
+        out = joined.new_zeros(self.parts * self.width)
+        return out.index_copy_(0, self.positions.to(out.device), joined)
 
     def unpack(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """The layers from a gathered buffer (views of one new flat tensor, back to back)."""
-        flat = buffer.index_select(0, self.positions.to(buffer.device))
+        """The layers from a gathered buffer (views of one new 1-D tensor, back to back)."""
+        joined = buffer.index_select(0, self.positions.to(buffer.device))
         out, offset = [], 0
         for shape in self.shapes:
-            out.append(flat[offset:offset + shape.numel()].view(shape))
+            out.append(joined[offset:offset + shape.numel()].view(shape))
             offset += shape.numel()
         return out
 
@@ -108,7 +108,7 @@ class ShardLayout:
 
 def cut(shape: torch.Size, parts: int) -> list[tuple[int, int, torch.Size]]:
     """(offset, size, shape) of each of ``parts`` contiguous pieces of a layer: whole rows
-    where it has at least ``parts`` rows, else flat; the first pieces one larger."""
+    where it has at least ``parts`` rows, else as a vector; the first pieces one larger."""
     by_rows = len(shape) > 0 and shape[0] >= parts
     rows, row = (shape[0], shape.numel() // max(shape[0], 1)) if by_rows else (shape.numel(), 1)
     out, offset = [], 0

@@ -30,7 +30,7 @@ from raycomp._internal.transports.base import OVERHEAD, Batch, Communicator, Del
 from raycomp._internal.transports.dense import DenseAllreduce, dense_allreduce, mean_in_place
 from raycomp._internal.transports.dispatch import communicate
 from raycomp._internal.transports.lowrank import LowRankAllreduce, lowrank_allreduce
-from raycomp._internal.transports.packing import flat_view, to_device
+from raycomp._internal.transports.packing import buffer_view, to_device
 from raycomp._internal.transports.scalable import ScalableAllreduce, gathered_mean
 from raycomp._internal.transports.sparse import SparseAllgather, sparse_allgather
 from raycomp._internal.transports.summable import SummableAllreduce, summable_allreduce
@@ -63,10 +63,10 @@ __all__ = [
     "ScalableAllreduce",
     "SparseAllgather",
     "SummableAllreduce",
+    "buffer_view",
     "communicate",
     "communicators",
     "dense_allreduce",
-    "flat_view",
     "gathered_mean",
     "lowrank_allreduce",
     "mean_in_place",

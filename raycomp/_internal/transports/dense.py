@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from raycomp._internal.transports.base import Batch, Communicator, Delivered, Reduced
-from raycomp._internal.transports.packing import by_dtype, flat_view, split
+from raycomp._internal.transports.packing import buffer_view, by_dtype, split
 from raycomp._internal.transports.work import Group, Pending
 from raycomp.compressors import Transport
 
@@ -30,16 +30,16 @@ def dense_allreduce(
     compressed ones: the bucket then holds every mean, and the hook hands it back whole).
     """
     works: list[dist.Work] = []
-    flats: list[tuple[list[int], torch.Tensor]] = []
+    joined: list[tuple[list[int], torch.Tensor]] = []
     carried: tuple[torch.Tensor, torch.Tensor] | None = None  # (control, the buffer it rides in)
     for members in by_dtype(tensors):
-        flat = flat_view([tensors[i] for i in members]) if in_place else None
-        parts = [flat] if flat is not None else [tensors[i].reshape(-1) for i in members]
-        sent, started, rode = _divide_and_send(parts, group, control, in_place=flat is not None)
+        lying = buffer_view([tensors[i] for i in members]) if in_place else None
+        parts = [lying] if lying is not None else [tensors[i].reshape(-1) for i in members]
+        sent, started, rode = _divide_and_send(parts, group, control, in_place=lying is not None)
         works += started
         if rode:
             carried, control = (control, sent), None  # type: ignore[assignment]
-        flats.append((members, sent))
+        joined.append((members, sent))
     if control is not None:  # no tensor of its dtype: a collective of its own
         works += group.start_all_reduce(control)
 
@@ -47,8 +47,8 @@ def dense_allreduce(
         if carried is not None:
             carried[0].copy_(carried[1][-carried[0].numel():])
         out: list[Reduced | None] = [None] * len(tensors)
-        for members, flat in flats:
-            for i, mean in zip(members, split(flat, [tensors[i] for i in members]), strict=True):
+        for members, buffer in joined:
+            for i, mean in zip(members, split(buffer, [tensors[i] for i in members]), strict=True):
                 t = tensors[i]
                 if in_place and mean.data_ptr() != t.data_ptr():
                     mean = t.copy_(mean)  # reduced in a copy (not back to back): back where it lies

@@ -1,5 +1,6 @@
-"""Flat buffers shared by the transports: grouping by dtype, splitting, chunking, and every
-rank's packed payloads through one all-gather.
+"""Tensors in one buffer, as the transports send them: grouping by dtype, splitting,
+chunking, a view of tensors lying back to back, and every rank's packed payloads through one
+all-gather.
 
 The order of every collective built here depends only on the order, shapes and dtypes of
 the tensors given, so it is the same on every rank.
@@ -15,7 +16,7 @@ from raycomp._internal.transports.work import Group, Pending
 from raycomp._internal.wire.payload import Payload, pack, unpack_like
 from raycomp.compressors import Compressor
 
-__all__ = ["by_dtype", "chunk_sizes", "chunks", "flat_view", "gather_payloads", "split", "to_device"]
+__all__ = ["buffer_view", "by_dtype", "chunk_sizes", "chunks", "gather_payloads", "split", "to_device"]
 
 
 def by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -32,11 +33,11 @@ def by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like ``like``, back to back."""
+def split(buffer: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``buffer`` shaped like ``like``, back to back."""
     out, offset = [], 0
     for t in like:
-        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        out.append(buffer[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
     return out
 
@@ -47,12 +48,12 @@ def chunk_sizes(numel: int, parts: int) -> list[int]:
     return [base + (1 if j < extra else 0) for j in range(parts)]
 
 
-def chunks(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
+def chunks(buffer: torch.Tensor, parts: int) -> list[torch.Tensor]:
     """``parts`` contiguous near-equal pieces (sizes differ by at most one)."""
-    return list(flat.split(chunk_sizes(flat.numel(), parts)))
+    return list(buffer.split(chunk_sizes(buffer.numel(), parts)))
 
 
-def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def buffer_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The 1-D view of the storage that holds ``tensors`` back to back, in order and
     contiguous (a DDP bucket's gradients, or their means split from one buffer); None if
     they do not lie so."""

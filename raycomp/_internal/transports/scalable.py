@@ -98,9 +98,9 @@ class ScalableAllreduce(Communicator):
         chunked = [chunks(t.reshape(-1), w) for t in tensors]
         # payloads[i][j]: layer i, chunk j, compressed here
         per_chunk = [c for c in compressors for _ in range(w)]  # layer i's compressor, w times
-        flat = compress_each(per_chunk, [ch for layer in chunked for ch in layer])
-        payloads = [flat[i * w:(i + 1) * w] for i in range(len(tensors))]
-        decoded = decompress_each(per_chunk, flat)
+        encoded = compress_each(per_chunk, [ch for layer in chunked for ch in layer])
+        payloads = [encoded[i * w:(i + 1) * w] for i in range(len(tensors))]
+        decoded = decompress_each(per_chunk, encoded)
         sent = [torch.cat([d.reshape(-1) for d in decoded[i * w:(i + 1) * w]]).reshape(t.shape)
                 for i, t in enumerate(tensors)]
         to_rank = [pack([row[j] for row in payloads]) for j in range(w)]

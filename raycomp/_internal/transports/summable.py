@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from raycomp._internal.transports.base import Batch, Communicator, Delivered, Reduced
-from raycomp._internal.transports.packing import by_dtype, flat_view, split
+from raycomp._internal.transports.packing import buffer_view, by_dtype, split
 from raycomp._internal.transports.work import Group, Pending
 from raycomp.compressors import Compressor, Transport
 from raycomp.compressors.casts import Cast
@@ -37,16 +37,16 @@ def summable_allreduce(
             for t, p, c in zip(tensors, payloads, compressors, strict=True)]
     wire_tensors = [t for p in payloads for t in p.tensors.values()]
     works: list[dist.Work] = []
-    flats: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+    joined: list[tuple[list[torch.Tensor], torch.Tensor]] = []
     for indices in by_dtype(wire_tensors):
         members = [wire_tensors[i] for i in indices]
-        flat = torch.cat([t.reshape(-1) for t in members])
-        works += group.start_all_reduce(flat)
-        flats.append((members, flat))
+        buffer = torch.cat([t.reshape(-1) for t in members])
+        works += group.start_all_reduce(buffer)
+        joined.append((members, buffer))
 
     def finish() -> list[Reduced]:
-        for members, flat in flats:
-            for t, total in zip(members, split(flat, members), strict=True):
+        for members, buffer in joined:
+            for t, total in zip(members, split(buffer, members), strict=True):
                 t.copy_(total)  # payload tensors now hold the sums
         return [
             Reduced(c.decompress(p), s, group.allreduce_bytes(p.nbytes))
@@ -81,30 +81,30 @@ def _cast_allreduce(tensors: Sequence[torch.Tensor], cast: Cast, group: Group, k
     step); one operation each way where the inputs lie back to back. The same values and
     bytes as the general path."""
     w = group.size
-    region = flat_view(tensors)
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=cast.wire_dtype, device=tensors[0].device)
-    places = split(flat, tensors)  # each layer's place in the wire buffer
+    region = buffer_view(tensors)
+    wire = torch.empty(sum(t.numel() for t in tensors), dtype=cast.wire_dtype, device=tensors[0].device)
+    places = split(wire, tensors)  # each layer's place in the wire buffer
     if region is not None:
-        torch.div(region, w, out=flat)
+        torch.div(region, w, out=wire)
     else:
         for t, place in zip(tensors, places, strict=True):
             torch.div(t, w, out=place)
     sent = [place.to(t.dtype) * w for t, place in zip(tensors, places, strict=True)] \
         if keep_sent else list(tensors)
-    works = group.start_all_reduce(flat)
+    works = group.start_all_reduce(wire)
 
     def finish() -> list[Reduced]:
         means: Sequence[torch.Tensor]
         if in_place:  # the inputs (also what ``sent`` hands back) now hold the means
             if region is not None:
-                region.copy_(flat)
+                region.copy_(wire)
             else:
                 for t, total in zip(tensors, places, strict=True):
                     t.copy_(total)
             means = tensors
         else:
-            means = split(flat.to(tensors[0].dtype), tensors)
-        return [Reduced(mean, s, group.allreduce_bytes(t.numel() * flat.element_size()))
+            means = split(wire.to(tensors[0].dtype), tensors)
+        return [Reduced(mean, s, group.allreduce_bytes(t.numel() * wire.element_size()))
                 for t, mean, s in zip(tensors, means, sent, strict=True)]
 
     return Pending(works, finish)

@@ -4,7 +4,7 @@ A :class:`Payload` holds only the tensors that are actually transmitted, plus th
 metadata every rank can reconstruct locally (shape, dtype) and therefore never
 sends. ``payload.nbytes`` is the exact number of bytes of the transmitted tensors.
 
-Payloads of fixed structure are packed into a flat ``uint8`` buffer to travel in a
+Payloads of fixed structure are packed into one ``uint8`` buffer to travel in a
 single collective (all-to-all, all-gather) together with payloads of other layers;
 :func:`pack` / :func:`unpack_like` do that without copying more than once.
 """
@@ -65,7 +65,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(payloads: Sequence[Payload], device: torch.device | str | None = None) -> torch.Tensor:
-    """Concatenate the wire tensors of ``payloads`` into one flat uint8 buffer.
+    """Concatenate the wire tensors of ``payloads`` into one uint8 buffer.
 
     The buffer lives on the payloads' device. When they hold no bytes at all it is empty,
     on ``device`` if given, else on the device of their first (empty) tensor, else the CPU:

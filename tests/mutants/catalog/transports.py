@@ -13,9 +13,9 @@ MUTANTS = (
     ),
     mutant(
         "dense-mean-divided-twice", "dense_allreduce.finish",
-        "            for i, mean in zip(members, split(flat, [tensors[i] for i in members]), strict=True):\n",
-        "            flat.div_(group.size)\n"
-        "            for i, mean in zip(members, split(flat, [tensors[i] for i in members]), strict=True):\n",
+        "            for i, mean in zip(members, split(buffer, [tensors[i] for i in members]), strict=True):\n",
+        "            buffer.div_(group.size)\n"
+        "            for i, mean in zip(members, split(buffer, [tensors[i] for i in members]), strict=True):\n",
         "tests/test_collectives.py",
         "dense all-reduce divides by the world size before and after summing",
     ),
@@ -42,8 +42,8 @@ MUTANTS = (
     ),
     mutant(
         "cast-sum-not-divided", "_cast_allreduce",
-        "        torch.div(region, w, out=flat)\n",
-        "        flat.copy_(region)\n",
+        "        torch.div(region, w, out=wire)\n",
+        "        wire.copy_(region)\n",
         "tests/test_hook.py::test_lossless_settings_of_every_transport_give_ddps_mean",
         "a bucket's bf16/fp16 layers (back to back) all-reduce the sum, not the mean",
     ),
@@ -91,8 +91,8 @@ MUTANTS = (
     ),
     mutant(
         "dense-bucket-always-copied", "dense_allreduce",
-        "        flat = flat_view([tensors[i] for i in members]) if in_place else None\n",
-        "        flat = None\n",
+        "        lying = buffer_view([tensors[i] for i in members]) if in_place else None\n",
+        "        lying = None\n",
         "tests/test_hook.py",
         "a dense DDP bucket is flattened into a new buffer every step instead of reduced where it lies",
     ),

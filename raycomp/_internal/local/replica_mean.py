@@ -1,5 +1,6 @@
-"""Tensors of a rank made equal over the ranks through one flat buffer: the replicas' buffers
-at a sync, and the inner optimizer's state when local steps end."""
+"""Tensors made equal over the replicas, laid back to back in one buffer that makes one
+collective: their mean (the replicas' buffers at a sync) or rank 0's (the inner optimizer's
+state when local steps end)."""
 
 from __future__ import annotations
 
@@ -21,30 +22,30 @@ def mean_in_place(tensors: Sequence[torch.Tensor], group: Any, dtype: torch.dtyp
                   device: torch.device | str | None = None) -> torch.Tensor:
     """Each of ``tensors`` becomes its mean over the ranks of ``group``, reduced in ``dtype``
     (on ``device``, else where the tensors lie) in one all-reduce. A collective; returns the
-    flat buffer that travelled."""
-    flat = _flat(tensors, dtype, device)
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    _scatter(flat, tensors)
-    return flat
+    buffer that travelled."""
+    buffer = _joined(tensors, dtype, device)
+    dist.all_reduce(buffer, group=group)
+    buffer /= dist.get_world_size(group)
+    _scatter(buffer, tensors)
+    return buffer
 
 
 def broadcast_in_place(tensors: Sequence[torch.Tensor], group: Any, dtype: torch.dtype = torch.float64,
                        device: torch.device | str | None = None) -> None:
     """Each of ``tensors`` becomes rank 0's, through one broadcast in ``dtype``. A collective."""
-    flat = _flat(tensors, dtype, device)
-    dist.broadcast(flat, src=first_rank(group), group=group)
-    _scatter(flat, tensors)
+    buffer = _joined(tensors, dtype, device)
+    dist.broadcast(buffer, src=first_rank(group), group=group)
+    _scatter(buffer, tensors)
 
 
-def _flat(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+def _joined(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).to(dtype) if device is None else t.detach().reshape(-1).to(device, dtype)
                       for t in tensors])
 
 
-def _scatter(flat: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
+def _scatter(buffer: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
     offset = 0
     with torch.no_grad():
         for t in into:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
+            t.copy_(buffer[offset:offset + t.numel()].view_as(t).to(t.dtype))
             offset += t.numel()
