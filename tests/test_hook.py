@@ -670,7 +670,7 @@ def test_the_step_flag_covers_compressed_layers_and_the_mean_carries_dense_ones(
             assert not bool(torch.isfinite(means["w"]).all())
 
 
-def test_flat_view_finds_tensors_that_lie_back_to_back_and_nothing_else():
+def test_buffer_view_finds_tensors_that_lie_back_to_back_and_nothing_else():
     from raycomp._internal.transports import buffer_view
 
     buffer = torch.arange(20, dtype=torch.float32)
