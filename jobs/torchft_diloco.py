@@ -29,7 +29,7 @@ import torch.distributed as dist
 from jobs.baseline_guard import BaselineGuardState
 from jobs.config import BenchmarkSection
 from raycomp._internal.train.ddp_strategy import compression_state
-from raycomp.train.gradient_strategy import StrategySetup
+from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
 __all__ = ["DilocoReplica", "TorchftDilocoStrategy", "torchft_diloco"]
 
@@ -103,7 +103,7 @@ class _DilocoState(BaselineGuardState):
         super().close()
 
 
-class TorchftDilocoStrategy:
+class TorchftDilocoStrategy(GradientStrategy):
     """The bare model; DiLoCo works from the inner optimizer's hooks, so neither backward
     nor the loop's after-step call has anything to do."""
 

@@ -75,19 +75,11 @@ class GradientState(Protocol):
 class GradientStrategy(Protocol):
     """One rank's gradient communication, as the loop uses it.
 
-    A sync that keeps communication on the wire past a step (local steps' ``delay``) also
-    has ``drain() -> list[list[float]] | None``: before a checkpoint and at the end it
-    finishes that communication and returns the rows of a sync that finished since the last
-    :meth:`after_optimizer_step`, as that returns them (else None). Without it, the loop
-    takes nothing to be on the wire between steps. One whose ranks' weights may differ
-    between steps (local steps) also has ``merge() -> int``: at the end of a run, after
-    ``drain``, it makes them equal and returns the outer steps that took; without it, the
-    ranks' weights are taken to be equal after every step. One whose compressed steps, or
-    whose local steps' replicas, work in two levels also has ``per_node -> int``, the ranks
-    of a node: the controller prices plans and counts replicas by it; without it, 1; and
-    ``time_node_link() -> float | None``, the seconds per byte of an all-reduce inside the
-    node, timed by every rank at once before the run registers (the controller prices the
-    node's own hops by it).
+    The last four members (:attr:`per_node`, :meth:`time_node_link`, :meth:`drain`,
+    :meth:`merge`) matter to some strategies only; a class that subclasses this protocol
+    inherits their defaults (flat, nothing on the wire between steps, the ranks' weights
+    equal after every step) and overrides what applies to it. A class that does not
+    subclass it defines every member.
     """
 
     #: the model to train: wrapped (DDP), sharded (FSDP2) or as it was
@@ -118,6 +110,32 @@ class GradientStrategy(Protocol):
     def agreement(self) -> tuple[float, ...]:
         """Numbers every rank must hold equal at a control boundary, beside the plan and the
         guard (local steps: the schedule's position); () if none."""
+
+    # --- with defaults, for a subclass: what only some strategies need ---------------------
+    @property
+    def per_node(self) -> int:
+        """The ranks of a node where compressed steps, or local steps' replicas, work in two
+        levels: the controller prices plans and counts replicas by it. 1: flat."""
+        return 1
+
+    def time_node_link(self) -> float | None:
+        """Seconds per byte of an all-reduce inside the node, timed by every rank at once
+        before the run registers (a collective; the controller prices the node's own hops by
+        it), where :attr:`per_node` is above 1. None: not timed."""
+        return None
+
+    def drain(self) -> list[list[float]] | None:
+        """Before a checkpoint and at the end: finish communication still on the wire past a
+        step (local steps' ``delay``) and return the rows of a sync that finished since the
+        last :meth:`after_optimizer_step`, as that returns them; None: none finished
+        (nothing stays on the wire between steps)."""
+        return None
+
+    def merge(self) -> int:
+        """At the end of a run, after :meth:`drain`: make the ranks' weights equal where they
+        may differ between steps (local steps) and return the outer steps that took; 0:
+        they are equal after every step."""
+        return 0
 
 
 @dataclass(frozen=True)

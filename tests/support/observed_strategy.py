@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from raycomp._internal.train.ddp_strategy import DdpStrategy, ddp_hook_strategy
-from raycomp.train.gradient_strategy import StrategySetup
+from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
 
-class ObservedStrategy:
+class ObservedStrategy(GradientStrategy):
     """:class:`~raycomp._internal.train.ddp_strategy.DdpStrategy`'s protocol, delegated; ``calls`` holds
     ``(reductions so far, applied)`` per ``after_optimizer_step``."""
 

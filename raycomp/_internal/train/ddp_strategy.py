@@ -14,12 +14,12 @@ from raycomp._internal.ddp.hook import CompressionState, compression_hook
 from raycomp._internal.ddp.step_route import StepRoute
 from raycomp._internal.topology import discover
 from raycomp.plan import Plan
-from raycomp.train.gradient_strategy import StrategySetup
+from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
 __all__ = ["DdpStrategy", "compression_state", "ddp_hook_strategy", "ddp_strategy", "parameter_shapes", "wrap_ddp"]
 
 
-class DdpStrategy:
+class DdpStrategy(GradientStrategy):
     """A :class:`~raycomp.train.gradient_strategy.GradientStrategy` over a DDP model (or, with one
     worker, the bare model) and its :class:`~raycomp._internal.ddp.hook.CompressionState`.
 

@@ -49,7 +49,7 @@ from raycomp._internal.wire.control_rows import SyncRow
 from raycomp._internal.wire.ledger import WireLedger
 from raycomp.config import LocalSection
 from raycomp.plan import LocalMode, Plan
-from raycomp.train.gradient_strategy import StrategySetup
+from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
 __all__ = ["LocalState", "LocalStepsStrategy", "local_hook_strategy", "local_strategy", "outer_sgd"]
 
@@ -166,7 +166,7 @@ class LocalState:
         self.hook.close()
 
 
-class LocalStepsStrategy:
+class LocalStepsStrategy(GradientStrategy):
     """A :class:`~raycomp.train.gradient_strategy.GradientStrategy` that follows the plan's mode:
     per step (DDP and raycomp's hook) or local steps."""
 

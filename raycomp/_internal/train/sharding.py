@@ -16,7 +16,7 @@ from torch import nn
 
 from raycomp._internal.topology import Levels, discover, node_groups
 from raycomp.plan import Plan
-from raycomp.train.gradient_strategy import StrategySetup
+from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
 __all__ = ["FsdpStrategy", "default_units", "fsdp_strategy", "shard_model", "sharded_state", "sharding_levels"]
 
@@ -85,7 +85,7 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
     return model
 
 
-class FsdpStrategy:
+class FsdpStrategy(GradientStrategy):
     """A :class:`~raycomp.train.gradient_strategy.GradientStrategy` over a ``fully_shard`` model and
     its :class:`~raycomp._internal.fsdp.state.ShardedState`: plans name units, not parameters."""
 
