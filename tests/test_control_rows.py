@@ -4,11 +4,14 @@ process (no reduction carries them: its fallback exchange builds the rows)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from raycomp._internal.guard import Guard
+from raycomp._internal.train.plan_handoff import PlanHandoff
+from raycomp._internal.train.reporter import Outages
 from raycomp._internal.train.step_judge import StepJudge
 from raycomp._internal.wire.control_rows import GuardRow, SyncRow
 from raycomp.plan import Plan
@@ -50,12 +53,18 @@ class _OneRank:
         return self.norm
 
 
+def _handoff(state, guard: Guard) -> PlanHandoff:
+    """One rank's plan hand-off without a controller, dense values left out at boundaries."""
+    control = SimpleNamespace(interval_steps=10, first_interval_steps=10, dense_control="at_boundaries")
+    return PlanHandoff(0, 1, None, None, "run", Outages(), state=state, guard=guard, plan_log=None,
+                       options=SimpleNamespace(controller=control))
+
+
 def test_the_guard_reads_the_offer_and_leaves_a_skipped_step_s_loss_unjudged():
     state = _OneRank()
     guard = StepJudge(Guard(), state, rank=0, world_size=1)
     assert state.staged == [[0.0, 0.0, -1.0, 0.0]]  # nothing to judge yet
-    guard.offer = 7
-    guard.stage(math.nan, applied=False)  # a skipped step: its NaN loss rides without its flag
+    guard.stage(math.nan, applied=False, offer=7)  # a skipped step: its NaN loss rides without its flag
     assert not guard.decide(1, []).skip_update and guard.announced == 7
     guard.stage(math.nan, applied=True)
     assert guard.decide(2, []).skip_update
@@ -72,8 +81,7 @@ def test_at_boundaries_a_dense_step_may_go_without_the_values_until_the_guard_fa
     state = _OneRank()
     judge = StepJudge(Guard(), state, rank=0, world_size=1, every_step=False)
     assert state.skippable == [False]  # the first step's values: not yet judged skippable
-    judge.offer = 5
-    judge.stage(2.0, applied=True)
+    judge.stage(2.0, applied=True, offer=5)
     assert state.skippable[-1] and state.staged[-1] == [2.0, 1.0, -1.0, 5.0]
     state.control_skipped = True  # DDP's own step went without them: nothing read, nothing announced
     assert not judge.decide(1, []).skip_update and judge.announced == 0
@@ -89,19 +97,24 @@ def test_at_boundaries_a_dense_step_may_go_without_the_values_until_the_guard_fa
 def test_at_boundaries_a_loss_left_out_waits_for_the_agreement_and_is_judged_there():
     state = _OneRank()
     judge = StepJudge(Guard(loss_window=4), state, rank=0, world_size=1, every_step=False)
+    handoff = _handoff(state, judge.guard)
     state.control_skipped = True
     for step, loss in enumerate((2.0, 2.1, 1.9, 2.0, 2.2, 2.05), start=1):
         judge.stage(loss, applied=True)
         judge.decide(step, [])
+        handoff.hear(judge.announced, judge.left_out)
     judge.stage(7.0, applied=False)  # a skipped step's loss is never judged, late or not
     judge.decide(7, [])
+    assert judge.left_out is None
+    handoff.hear(judge.announced, judge.left_out)
     # the last window's worth waits, oldest first, for the next agreement; none was judged
-    assert list(judge.late) == [1.9, 2.0, 2.2, 2.05] and not judge.guard.losses
-    saved = judge.state_dict()
+    assert list(handoff.late) == [1.9, 2.0, 2.2, 2.05] and not judge.guard.losses
+    saved = handoff.state_dict()
     assert saved["late"] == [1.9, 2.0, 2.2, 2.05]
-    restored = StepJudge(Guard(loss_window=4), _OneRank(), rank=0, world_size=1, every_step=False)
+    restored = _handoff(_OneRank(), Guard(loss_window=4))
     restored.load_state_dict(saved)
-    assert restored.take_late() == [1.9, 2.0, 2.2, 2.05] and restored.take_late() == []
+    # the agreement carries them once (one rank: their means are theirs)
+    assert restored.agree(8, 0, (), 0.0).late == [1.9, 2.0, 2.2, 2.05] and restored.agree(9, 0, (), 0.0).late == []
     # the agreement hands back the ranks' means: they fill the guard's window; under the
     # dense plan they ran with nothing falls back, however they rise (plain DDP's training)
     state.plan = Plan()

@@ -69,13 +69,13 @@ def _twice(config: dict) -> dict:
             after.append(_snapshot(model))
         if name == "raycomp":
             loop = raycomp.train.current()
-            runs["events"] = list(loop.guard.guard.events)
+            runs["events"] = list(loop.judge.guard.events)
             runs["skipped"] = loop.skipped_steps
             # every rank read its preemption notice at every agreement, the same number of times
             asked = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
             torch.distributed.all_gather(asked, torch.tensor([loop.preemption.asked]))
             runs["asked"] = [int(a) for a in asked]
-            runs["boundaries"] = sum(loop._is_boundary(s - loop.agree_after) for s in range(1, STEPS + 1))
+            runs["boundaries"] = sum(loop.handoff.agrees_at(s) for s in range(1, STEPS + 1))
             raycomp.train.finish()
         runs[name] = (after, applied)
     (ddp, _), (ours, applied) = runs["ddp"], runs["raycomp"]

@@ -53,7 +53,7 @@ class Probe(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loop = self.strategy.loop
-        self.norms.extend(loop.guard.guard.grad_norms)
+        self.norms.extend(loop.judge.guard.grad_norms)
         self.norms.extend(s.grad_norm for s in loop.state.stats if math.isfinite(s.grad_norm))
 
 

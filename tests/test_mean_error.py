@@ -99,7 +99,7 @@ def _train(config: dict, threshold: float) -> dict:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         raycomp.train.step(loss, samples=len(y))
-    events = [e.to_dict() for e in loop.guard.guard.events]
+    events = [e.to_dict() for e in loop.judge.guard.events]
     raycomp.train.finish()
     return {"events": events, "compressed": compressed}
 
@@ -123,7 +123,7 @@ def trained(in_turn):
 
 
 def test_a_mean_error_over_the_threshold_falls_back_at_the_agreement_after_its_statistics_step(trained):
-    from raycomp._internal.train.loop import ANSWER_STEPS
+    from raycomp._internal.train.plan_handoff import ANSWER_STEPS
 
     events, compressed = trained["strict"]["events"], trained["strict"]["compressed"]
     assert events and events[0]["kind"] == "fallback" and events[0]["reason"] == "compression_error"

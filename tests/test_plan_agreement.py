@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from raycomp._internal.train.plan_agreement import PlanAgreement, PlanMismatchError
-from raycomp._internal.train.reporter import Outages
 from raycomp.plan import Plan
 from tests.distributed import run_distributed
 
@@ -19,7 +18,7 @@ OFFER = Plan.uniform("int4", version=4, reason="the controller's newer plan")
 
 def boundary(rank: int, world_size: int, case: str, odd: int = 1) -> dict:
     """One boundary; in ``case`` "plan" or "guard" rank ``odd`` holds another plan or guard."""
-    plans = PlanAgreement(rank, world_size, None, None, "run", Outages())
+    plans = PlanAgreement(rank, world_size, None)
     installed, guard = INSTALLED, (0.0, 0.0, 0.0)
     if rank == odd and case == "plan":
         installed = Plan.uniform("int4", version=3, reason="installed")  # same version, other content
@@ -75,7 +74,7 @@ def test_past_two_ranks_every_rank_gets_the_offer_and_the_last_rank_out_of_step_
 def late_losses(rank: int, world_size: int) -> list:
     """Two agreements carrying each rank's late losses (rank r's are r + 1, 2r + 2, ...),
     then one with a loss more on the last rank, counted in its guard state."""
-    plans = PlanAgreement(rank, world_size, None, None, "run", Outages(), late_slots=4)
+    plans = PlanAgreement(rank, world_size, None, late_slots=4)
     own = [(rank + 1.0) * (i + 1) for i in range(3)]
     got = [plans.agree(INSTALLED, (0.0, 3.0), None, 40, own).late,
            plans.agree(INSTALLED, (0.0, 0.0), None, 50, []).late]
@@ -102,7 +101,7 @@ def test_an_agreement_carries_each_ranks_late_losses_and_hands_every_rank_their_
 
 def preemption_notices(rank: int, world_size: int) -> list[float]:
     """Agreements where only the last rank holds a notice (of 2 nodes), then none does."""
-    plans = PlanAgreement(rank, world_size, None, None, "run", Outages(), late_slots=0)
+    plans = PlanAgreement(rank, world_size, None, late_slots=0)
     mine = 2.0 if rank == world_size - 1 else 0.0
     return [plans.agree(INSTALLED, (0.0, 0.0), None, 40, notice=mine).notice,
             plans.agree(INSTALLED, (0.0, 0.0), None, 50).notice]

@@ -39,7 +39,7 @@ def _train(config: dict, dense_control: str = "every_step") -> dict:
     window = []  # the losses in the guard's window before each step
     for _ in loop.epochs(1, 3 * K):
         for _ in range(3 * K):
-            window.append(len(loop.guard.guard.losses))
+            window.append(len(loop.judge.guard.losses))
             x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
@@ -71,7 +71,7 @@ def test_a_plan_decided_at_a_boundary_is_in_force_within_a_few_steps_on_every_ra
 
 
 def test_at_boundaries_the_ranks_agree_two_steps_after_the_boundary_and_the_plan_starts_there(in_turn):
-    from raycomp._internal.train.loop import ANSWER_STEPS
+    from raycomp._internal.train.plan_handoff import ANSWER_STEPS
     from raycomp.config import ControllerSection
 
     totals = in_turn["at_boundaries"]["value"]

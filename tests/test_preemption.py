@@ -52,7 +52,7 @@ def drill(tmp_path_factory) -> Path:
 
 
 def test_a_drained_node_s_notice_is_checkpointed_once_by_every_rank_at_one_agreement(drill):
-    from raycomp._internal.train.loop import ANSWER_STEPS
+    from raycomp._internal.train.plan_handoff import ANSWER_STEPS
 
     driver = json.loads((drill / "driver.json").read_text())
     drains = [e for e in driver["events"] if e["event"] == "drain"]

@@ -23,6 +23,8 @@ from torch import nn
 from raycomp import CompressionState
 from raycomp._internal.train import checkpoint, resize, resume
 from raycomp._internal.train.preemption import PreemptionWatch
+from raycomp._internal.train.reporter import Outages
+from raycomp._internal.train.run_state import Progress, RankParts
 from raycomp.compressors.base import mix_seed
 from raycomp.plan import CompressorSpec, Plan
 from tests.distributed import run_distributed
@@ -231,18 +233,14 @@ class _Recorder:
         return {"memory": {}}
 
 
-def _fake_loop(rank: int, world: int) -> types.SimpleNamespace:
+def _fake_parts(rank: int, world: int) -> RankParts:
     model = nn.Linear(3, 2)
-    guard = _Recorder()
-    guard.overflows = 0
-    return types.SimpleNamespace(
-        rank=rank, world_size=world, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        scheduler=None, sharded=False, options=types.SimpleNamespace(seed=SEED),
-        strategy=types.SimpleNamespace(layers=lambda: SHAPES), state=_Recorder(), guard=guard,
-        controller_plan=None, plan_switches=0, outages=types.SimpleNamespace(count=0), skipped_steps=0,
-        lr_ramp=types.SimpleNamespace(started_at=None), outer_steps=0, local_skips=0, grad_scaler=None,
-        preemption=PreemptionWatch(None),
-        global_step=0, restored_from=None)
+    judge = _Recorder()
+    judge.overflows = 0
+    strategy = types.SimpleNamespace(layers=lambda: SHAPES, model=model, state=_Recorder(), sharded=False,
+                                     per_step=True)
+    return RankParts(rank, world, SEED, strategy, torch.optim.SGD(model.parameters(), lr=0.1), None, None, judge,
+                     _Recorder(), Progress(), Outages(), types.SimpleNamespace(started_at=None), PreemptionWatch(None))
 
 
 def _write_checkpoint(directory: Path, olds: list[dict]) -> None:
@@ -264,14 +262,14 @@ def test_restore_takes_its_own_file_at_the_same_size_and_merges_at_another(tmp_p
     rng = torch.get_rng_state()
     try:
         for rank in range(world):
-            loop = _fake_loop(rank, world)
-            resume.restore(loop)
-            assert loop.global_step == loop.restored_from == 12
+            parts = _fake_parts(rank, world)
+            resume.restore(parts)
+            assert parts.progress.global_step == parts.progress.restored_from == 12
             expected = olds[rank] if world == 4 else resize.merge_own(olds, rank, world, SEED, SHAPES)
-            _assert_same(loop.state.loaded, expected["compression"])
-            _assert_same(loop.guard.loaded, expected["guard"])
-            assert loop.outages.count == expected["counters"]["outages"]
-            assert loop.local_skips == expected["counters"]["local_skips"]
+            _assert_same(parts.strategy.state.loaded, expected["compression"])
+            _assert_same(parts.judge.loaded, expected["guard"])
+            assert parts.outages.count == expected["counters"]["outages"]
+            assert parts.progress.local_skips == expected["counters"]["local_skips"]
             assert torch.equal(torch.get_rng_state(), olds[rank]["rng"])  # ranks 0..2 existed before
     finally:
         torch.set_rng_state(rng)
@@ -411,12 +409,13 @@ def test_under_local_steps_a_resize_restarts_every_replica_from_the_global_weigh
     rng = torch.get_rng_state()
     try:
         for world, replica_restarted in ((4, False), (2, True)):
-            loop = _fake_loop(1, world)
+            parts = _fake_parts(1, world)
             own_weights = torch.full((4, 5), -1.0)
-            loop.state.steps = types.SimpleNamespace(params=[own_weights], global_params=[torch.full((4, 5), 0.25)])
+            parts.strategy.state.steps = types.SimpleNamespace(params=[own_weights],
+                                                               global_params=[torch.full((4, 5), 0.25)])
             # the fake replica's keys are not the model's, nor its optimizer's
-            loop.model.load_state_dict = loop.optimizer.load_state_dict = lambda state: None
-            resume.restore(loop)
+            parts.strategy.model.load_state_dict = parts.optimizer.load_state_dict = lambda state: None
+            resume.restore(parts)
             # the same size: this rank's own replica came back (its file's); another: the global weights
             assert torch.equal(own_weights, torch.full((4, 5), 0.25)) == replica_restarted
     finally:
@@ -434,9 +433,9 @@ def test_the_framework_integrations_merge_a_checkpoint_of_another_size_too(tmp_p
     rng = torch.get_rng_state()
     try:
         for rank in range(3):
-            loop = _fake_loop(rank, 3)
-            state_files.resume_with(state_files.load_state(tmp_path, rank, 3), 12)(loop)
-            assert loop.global_step == loop.restored_from == 12
-            _assert_same(loop.state.loaded, resize.merge_own(olds, rank, 3, SEED, SHAPES)["compression"])
+            parts = _fake_parts(rank, 3)
+            state_files.resume_with(state_files.load_state(tmp_path, rank, 3), 12)(parts)
+            assert parts.progress.global_step == parts.progress.restored_from == 12
+            _assert_same(parts.strategy.state.loaded, resize.merge_own(olds, rank, 3, SEED, SHAPES)["compression"])
     finally:
         torch.set_rng_state(rng)

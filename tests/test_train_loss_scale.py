@@ -51,7 +51,7 @@ def _train_with_a_scaler(config: dict) -> dict:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 50.0)
             raycomp.train.step(loss, samples=len(y))
-            norms.extend(loop.guard.guard.grad_norms)  # what the guard judged
+            norms.extend(loop.judge.guard.grad_norms)  # what the guard judged
             # what the controller is sent (an overflowed step's statistics are not finite: never sent)
             norms.extend(s.grad_norm for s in loop.state.stats if math.isfinite(s.grad_norm))
         raycomp.train.report({}, checkpoint=True)

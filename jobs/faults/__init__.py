@@ -92,10 +92,10 @@ class FaultInjector:
         if f.force_plan_mismatch_at_step is not None and self.rank == loop.world_size - 1:
             original_sync = loop.agree_on_plan
 
-            def agree_on_plan(offer: Any) -> Any:
+            def agree_on_plan() -> Any:
                 if loop.global_step >= f.force_plan_mismatch_at_step:
                     loop.state.set_plan(loop.state.plan.with_version(loop.state.plan.version + 1000))
-                return original_sync(offer)
+                return original_sync()
 
             loop.agree_on_plan = agree_on_plan
         if f.crash_while_checkpointing_epoch is not None and self.rank == 0:

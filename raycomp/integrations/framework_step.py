@@ -92,7 +92,7 @@ class FrameworkStep:
         ratio so far on this rank (dense / wire bytes; 1.0 before any byte is sent or with
         one worker, as ``ray.train.report`` has it), the version of the plan in force, 1.0
         while the guard's dense fallback is on, and the fallbacks so far."""
-        guard = self.loop.guard.guard
+        guard = self.loop.judge.guard
         ratio = self.loop.state.ledger.compression_ratio
         return dict(zip(LOGGED, (float(ratio or 1.0), int(self.loop.state.plan.version), float(guard.active),
                                  sum(e.kind == "fallback" for e in guard.events)), strict=True))

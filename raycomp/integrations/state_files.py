@@ -25,6 +25,7 @@ import torch
 
 from raycomp._internal.train import checkpoint
 from raycomp._internal.train.resume import load_merged, load_own, own_state
+from raycomp._internal.train.run_state import RankParts
 from raycomp.train import TrainLoop
 
 __all__ = ["OLD_RANKS", "load_state", "resume_with", "save_state"]
@@ -41,7 +42,7 @@ def save_state(loop: TrainLoop, directory: Path) -> None:
     A sync of local steps still on the wire finishes first (:meth:`TrainLoop.drain`)."""
     loop.drain()
     directory.mkdir(parents=True, exist_ok=True)
-    checkpoint.save_own(directory, loop.rank, own_state(loop))
+    checkpoint.save_own(directory, loop.rank, own_state(loop.parts()))
     if loop.rank == 0:
         meta = {"global_step": loop.global_step, "world_size": loop.world_size}
         checkpoint.atomic_write(directory / checkpoint.META, lambda p: p.write_text(json.dumps(meta)))
@@ -68,16 +69,16 @@ def load_state(directory: Path, rank: int, world_size: int) -> dict[str, Any] | 
     return torch.load(own, weights_only=False)
 
 
-def resume_with(own: dict[str, Any] | None, global_step: int) -> Callable[[TrainLoop], None]:
+def resume_with(own: dict[str, Any] | None, global_step: int) -> Callable[[RankParts], None]:
     """A ``TrainLoop(resume=...)`` that continues at the framework's ``global_step`` (its
     optimizer steps, which are raycomp's steps) with ``own`` (:func:`load_state`) if any."""
 
-    def resume(loop: TrainLoop) -> None:
+    def resume(parts: RankParts) -> None:
         if own is not None and OLD_RANKS in own:
-            load_merged(loop, own[OLD_RANKS], global_step)
+            load_merged(parts, own[OLD_RANKS], global_step)
         elif own is not None:
-            load_own(loop, own)
-        loop.global_step = loop.restored_from = global_step
+            load_own(parts, own)
+        parts.progress.global_step = parts.progress.restored_from = global_step
         log.info("resumed from step %d", global_step)
 
     return resume

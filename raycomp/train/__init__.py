@@ -44,6 +44,7 @@ from raycomp._internal.train.finish_watch import watch
 from raycomp._internal.train.loop import TrainLoop
 from raycomp._internal.train.plan_agreement import PlanMismatchError
 from raycomp._internal.train.resume import forget_finished_run
+from raycomp._internal.train.run_state import RankParts
 from raycomp._internal.train.scaler_check import refuse_scaler
 from raycomp._internal.train.step_arguments import SchedulerInterval, check_scheduler
 from raycomp._internal.train.wrapped_model import refuse_wrapped
@@ -112,7 +113,7 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
 def start_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                grad_scaler: torch.amp.GradScaler | None = None, options: TrainOptions | None = None,
                gradient_strategy: GradientStrategyFactory = raycomp_strategy, owns_optimizer: bool = True,
-               resume: Callable[[TrainLoop], None] | None = None,
+               resume: Callable[[RankParts], None] | None = None,
                scheduler_interval: SchedulerInterval | None = None) -> TrainLoop:
     """The :class:`TrainLoop` behind :func:`prepare_model`, for code that drives the step
     itself (:mod:`raycomp.integrations`: Lightning, the Hugging Face Trainer): it calls
@@ -234,8 +235,8 @@ def _write_summary(loop: TrainLoop, totals: dict[str, Any]) -> None:
 
     controller: dict[str, Any] = {}
     try:
-        if loop.plans.controller is not None:
-            controller = ray.get(loop.plans.controller.finish_run.remote(loop.run_id, "succeeded"), timeout=30)
+        if loop.handoff.controller is not None:
+            controller = ray.get(loop.handoff.controller.finish_run.remote(loop.run_id, "succeeded"), timeout=30)
         write_summary(worker_summary(totals, loop.run_id, loop.world_size, loop.options.compression.policy,
                                      controller, loop.outputs.location), loop.output_dir)
     except Exception as error:  # noqa: BLE001 - the totals are returned either way

@@ -13,4 +13,4 @@ def fake_loop(ratio: float | None = 4.0, version: int = 3, active: bool = False,
     events = [SimpleNamespace(kind=k) for k in kinds]
     return SimpleNamespace(state=SimpleNamespace(ledger=SimpleNamespace(compression_ratio=ratio),
                                                  plan=SimpleNamespace(version=version)),
-                           guard=SimpleNamespace(guard=SimpleNamespace(active=active, events=events)))
+                           judge=SimpleNamespace(guard=SimpleNamespace(active=active, events=events)))

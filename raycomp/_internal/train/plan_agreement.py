@@ -1,10 +1,8 @@
-"""Every rank on the same plan: rank 0 asks the controller (never blocking) and checks for
-the answer every step; its version rides to every rank inside the next step's gradient
-collective, and a broadcast then hands the plan to every rank, in force from the step after
-(:meth:`raycomp._internal.train.loop.TrainLoop.after_optimizer_step`). At each control boundary, or
-a few steps after it (:attr:`~raycomp._internal.train.loop.TrainLoop.agree_after`), one all-gather
-proves the ranks agree, hands out an answer not announced yet and carries what dense steps
-left out of their own collectives (their losses, for the guard)."""
+"""The collectives that keep every rank on the same plan: a broadcast of rank 0's plan, and
+at each agreement one all-gather that proves the ranks hold the same plan and guard state,
+hands out rank 0's offer and carries what dense steps left out of their own collectives
+(their losses, for the guard). When to call them, and what they hand over:
+:class:`raycomp._internal.train.plan_handoff.PlanHandoff`."""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from raycomp._internal.train.reporter import Outages
 from raycomp.plan import Plan
 
 __all__ = ["Agreed", "PlanAgreement", "PlanMismatchError"]
@@ -36,84 +33,17 @@ class PlanMismatchError(RuntimeError):
 
 class PlanAgreement:
     """Args:
-        controller: the controller actor handle (None: train on the initial plan).
         group: the process group of control messages (gloo; None: the default group).
         late_slots: how many values of each rank an agreement carries beside its check
             (:meth:`agree`'s ``late``; the guard's loss window), the same on every rank.
     """
 
-    def __init__(self, rank: int, world_size: int, group: Any, controller: Any, run_id: str,
-                 outages: Outages, late_slots: int = 0) -> None:
+    def __init__(self, rank: int, world_size: int, group: Any, late_slots: int = 0) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.late_slots = late_slots
-        self.controller, self.run_id, self.outages = controller, run_id, outages
-        self._poll: tuple[Any, Any] | None = None  # the long poll in flight: (ObjectRef, its future)
-        self.ready: Plan | None = None  # rank 0: a newer plan than installed, not yet handed out
-
-    def register(self, layers: dict[str, list[int]], options: Any, eval_kind: str, per_node: int = 1,
-                 node_link: float | None = None) -> Plan:
-        """Rank 0 registers the run (idempotent: a restarted run keeps its controller state);
-        every rank gets the controller's current plan. ``per_node``: the ranks of a node of a
-        two-level run, 1 when flat; ``node_link``: seconds per byte of an all-reduce inside
-        rank 0's node (:mod:`raycomp._internal.node_link`), None when not timed."""
-        import ray
-
-        plan = None
-        if self.rank == 0 and self.controller is not None:
-            c = options.compression
-            try:
-                plan = Plan.from_dict(ray.get(self.controller.register_run.remote(
-                    self.run_id, self.world_size, layers, c.policy, c.policy_options(), c.warmup_steps,
-                    options.controller.interval_steps, c.min_compress_numel, eval_kind, per_node,
-                    node_link), timeout=60))
-            except Exception as error:  # noqa: BLE001 - the controller is optional
-                self.outages.add(error, 0)
-        fallback = Plan(reason="warm-up: dense" if self.controller is not None else "no controller: dense")
-        return self.broadcast(plan or fallback) or fallback
-
-    def check(self, known_version: int) -> None:
-        """Rank 0, every step: take the long poll's answer if it is in (never waiting for
-        it; :attr:`ready` then holds a plan newer than ``known_version``), and keep one poll
-        in flight."""
-        if self.controller is None or self.rank != 0:
-            return
-        if self._poll is not None:
-            if not self._poll[1].done():
-                return  # still in flight: never wait for it
-            try:
-                answer = self._poll[1].result()
-                plan = None if answer is None else Plan.from_dict(answer)
-                if plan is not None and plan.version > max(known_version, self.ready_version):
-                    self.ready = plan
-            except Exception as error:  # noqa: BLE001
-                self.outages.add(error, known_version)
-            self._poll = None
-        try:
-            # a long poll: answers as soon as a plan newer than the newest known exists. Its
-            # future is set by Ray's own thread when the answer arrives, so the check above
-            # reads a flag: ``ray.wait(timeout=0)`` cost 0.5 ms a step on a 50-ms CNN step
-            ref = self.controller.plan.remote(self.run_id, max(known_version, self.ready_version), 30.0)
-            self._poll = (ref, ref.future())
-        except Exception as error:  # noqa: BLE001
-            self.outages.add(error, known_version)
-
-    @property
-    def ready_version(self) -> int:
-        """Rank 0: the version of the plan it holds and has not handed out (0: none)."""
-        return 0 if self.ready is None else self.ready.version
-
-    def take(self) -> Plan | None:
-        """Rank 0: the ready plan, handed out once."""
-        plan, self.ready = self.ready, None
-        return plan
-
-    def poll(self, known_version: int) -> Plan | None:
-        """Rank 0 at a boundary: the ready plan, if any (after a :meth:`check`)."""
-        self.check(known_version)
-        return self.take()
 
     def broadcast(self, plan: Plan | None) -> Plan | None:
-        """Rank 0's ``plan`` (or None) on every rank (at registration)."""
+        """Rank 0's ``plan`` (or None) on every rank."""
         if self.world_size == 1:
             return plan
         data = plan.to_json().encode() if self.rank == 0 and plan is not None else b""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,9 +23,15 @@ from raycomp._internal.observe.run_report import why_text
 from raycomp._internal.train.step_log import show_progress, truncate
 from raycomp.plan import Plan
 
-__all__ = ["PlanLog"]
+__all__ = ["PlanLog", "compressible_layers"]
 
 log = logging.getLogger("raycomp.train")
+
+
+def compressible_layers(layers: dict[str, list[int]], min_compress_numel: int) -> list[str]:
+    """The layers a plan can compress (smaller ones travel dense whatever it says): what a
+    plan's summary counts, e.g. "topk(ratio=0.01) on 12/14 layers"."""
+    return [name for name, shape in layers.items() if math.prod(shape) >= min_compress_numel]
 
 
 class PlanLog:

@@ -10,15 +10,13 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from raycomp._internal.train.run_state import RankParts, StepClock
 from raycomp._internal.wire.ledger import WireLedger
-
-if TYPE_CHECKING:
-    from raycomp._internal.train.loop import TrainLoop
 
 __all__ = ["any_rank", "check_report_checkpoint", "eval_value", "report_metrics", "report_to_ray", "run_totals"]
 
@@ -93,26 +91,27 @@ def eval_value(name: str, value: Any) -> float:
                          f"got {value!r}") from None
 
 
-def run_totals(loop: TrainLoop) -> dict[str, Any]:
-    """The run's totals over all ranks (a collective: every rank calls it)."""
-    sums = torch.tensor([loop.state.ledger.wire_total, loop.state.ledger.dense_total,
-                         float(loop.outages.count), loop.state.intra_bytes], dtype=torch.float64)
-    if loop.world_size > 1:
-        dist.all_reduce(sums, group=loop.control_group)
-    loop.log.flush()
+def run_totals(parts: RankParts, clock: StepClock, stats_dropped: int, group: Any) -> dict[str, Any]:
+    """The run's totals over all ranks (a collective on ``group``: every rank calls it);
+    ``stats_dropped``: this rank's statistics the controller never took."""
+    state, progress = parts.strategy.state, parts.progress
+    sums = torch.tensor([state.ledger.wire_total, state.ledger.dense_total,
+                         float(parts.outages.count), state.intra_bytes], dtype=torch.float64)
+    if parts.world_size > 1:
+        dist.all_reduce(sums, group=group)
     return {
         "wire_bytes_total": float(sums[0]), "dense_bytes_total": float(sums[1]),
         # two levels: wire_bytes_total is what crossed nodes, this what stayed inside them
         "intra_node_bytes_total": float(sums[3]),
-        "controller_outages": int(sums[2]), "steps": loop.global_step, "stats_dropped": loop.reporter.dropped,
-        "plan_switches": loop.plan_switches, "skipped_steps": loop.skipped_steps,
-        "local_skipped_steps": loop.local_skips, "outer_steps": loop.outer_steps,
-        "loss_scale_overflows": loop.guard.overflows,
-        "fallback_events": [e.to_dict() for e in loop.guard.guard.events],
-        "replayed_steps": loop.replayed_steps, "restored_from_step": loop.restored_from,
-        "final_plan": loop.state.plan.to_dict(), "control_seconds": loop.control_seconds,
-        "control_boundary_seconds": loop.boundary_seconds,
-        "control_overhead": loop.control_seconds / loop.step_seconds if loop.step_seconds else 0.0,
+        "controller_outages": int(sums[2]), "steps": progress.global_step, "stats_dropped": stats_dropped,
+        "plan_switches": parts.handoff.switches, "skipped_steps": progress.skipped_steps,
+        "local_skipped_steps": progress.local_skips, "outer_steps": progress.outer_steps,
+        "loss_scale_overflows": parts.judge.overflows,
+        "fallback_events": [e.to_dict() for e in parts.judge.guard.events],
+        "replayed_steps": progress.replayed_steps, "restored_from_step": progress.restored_from,
+        "final_plan": state.plan.to_dict(), "control_seconds": clock.control_seconds,
+        "control_boundary_seconds": clock.boundary_seconds,
+        "control_overhead": clock.control_seconds / clock.step_seconds if clock.step_seconds else 0.0,
         # what DDP was built with (compression.bucket_cap_mb); None without DDP (FSDP, 1 worker)
-        "ddp_bucket_cap_mb": loop.strategy.bucket_cap_mb,
+        "ddp_bucket_cap_mb": parts.strategy.bucket_cap_mb,
     }

@@ -16,32 +16,41 @@ dense — they never skip a step — so the delay costs at most one more compres
 Non-finite gradients and norm explosions, which skip the step, are judged in their own
 step. The alternative, a control all-gather per step, costs a collective round a step. Ranks that
 nevertheless decided differently are caught at the next control boundary
-(:meth:`raycomp._internal.train.plan_agreement.PlanAgreement.check_agreement` compares guard states).
+(:meth:`raycomp._internal.train.plan_agreement.PlanAgreement.agree` compares guard states).
 
 A dense step that DDP's own reduction carries has no collective of raycomp's to ride in.
 With ``every_step=False`` (``controller.dense_control: at_boundaries``, the default) its
 values are staged skippable while the guard is not in fallback, and such a step goes
 without them: its non-finite gradient is still caught on its step (the mean's norm), the
-loss it carried waits in :attr:`StepJudge.late` and is judged at the next agreement, whose
-all-gather carries it (:meth:`StepJudge.judge_late`), and rank 0's new plan is handed out
-by that agreement too. In fallback every step carries them: recovery is judged on losses
-as they come. With ``every_step=True`` the values take a tiny all-reduce of their own on
-such a step.
+loss it carried (:attr:`StepJudge.left_out`) waits in
+:attr:`raycomp._internal.train.plan_handoff.PlanHandoff.late` and is judged at the next
+agreement, whose all-gather carries it (:meth:`StepJudge.judge_late`), and rank 0's new plan
+is handed out by that agreement too. In fallback every step carries them: recovery is
+judged on losses as they come. With ``every_step=True`` the values take a tiny all-reduce of
+their own on such a step.
+
+At agreements (not per step) the guard also judges the applied mean's compression error
+(:meth:`StepJudge.judge_mean_error`: one all-gather, where the state measures it).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from raycomp._internal.guard import Guard, Verdict
+from raycomp._internal.guard import Guard, GuardEvent, Verdict
+from raycomp._internal.reduce.mean_error import layer_errors
 from raycomp._internal.wire.control_rows import GuardRow, SyncRow
 
 __all__ = ["StepJudge"]
+
+log = logging.getLogger("raycomp.train")
 
 
 class StepJudge:
@@ -60,25 +69,28 @@ class StepJudge:
         every_step: whether the values ride with every step (True), or may stay home on a
             dense step that would need a collective of their own for them, while the guard
             is not in fallback (False; see the module docstring). The same on every rank.
+        layers: the layers a plan can compress, whose applied mean's error
+            :meth:`judge_mean_error` judges.
     """
 
     def __init__(self, guard: Guard, state: Any, rank: int, world_size: int, group: Any = None,
-                 grad_scaler: Any = None, every_step: bool = True) -> None:
+                 grad_scaler: Any = None, every_step: bool = True, layers: Sequence[str] = ()) -> None:
         self.guard, self.state = guard, state
         self.every_step = every_step
         self.rank, self.world_size, self.group = rank, world_size, group
         self.grad_scaler = grad_scaler
         self.overflows = 0  # steps skipped for the loss scaler
+        self.layers = list(layers)
         #: what rides in the next step's collective: the previous step's loss, its worst
         #: compression error, and the plan version rank 0 offers (none of them yet)
         self.carry = GuardRow()
-        self.offer = 0  # rank 0: the version of a plan it holds and has not announced
-        self.announced = 0  # the version rank 0 announced in this step's rows
+        #: read out of this step's rows (:meth:`decide`): the version rank 0 announced, and
+        #: this rank's loss that rode in no collective (its values were left out), else None
+        self.announced = 0
+        self.left_out: float | None = None
         #: this rank's recent gradient norms during local steps (its own, not agreed on)
         self.inner_norms: deque[float] = deque(maxlen=guard.grad_norms.maxlen)
-        #: this rank's losses that rode in no collective (dense steps that left their values
-        #: out), oldest first: the next agreement carries them (only a window's worth counts)
-        self.late: deque[float] = deque(maxlen=guard.losses.maxlen)
+        self._errors_judged_at = -1  # the statistics step whose applied-mean error was judged last
         self.state.stage_control(self.carry.staged())
 
     def decide(self, step: int, parameters: list[torch.Tensor]) -> Verdict:
@@ -125,12 +137,6 @@ class StepJudge:
         loss = math.fsum(losses) / len(losses) if losses else None
         return self.guard.observe(step, nonfinite, loss, None, grad_norm=None)
 
-    def take_late(self) -> list[float]:
-        """This rank's losses waiting for the next agreement (:attr:`late`), handed over once."""
-        late = list(self.late)
-        self.late.clear()
-        return late
-
     def judge_late(self, step: int, loss: float) -> Verdict:
         """The mean over ranks of a loss that waited for an agreement (the same on every
         rank: it came out of one all-gather), judged as its step's loss would have been.
@@ -146,23 +152,49 @@ class StepJudge:
         judgement: no clean step counts); a fallback starts at the step after ``step``."""
         return self.guard.observe_error(step, error, where)
 
-    def stage(self, loss: float, applied: bool) -> None:
+    def judge_mean_error(self, step: int) -> Verdict | None:
+        """At an agreement: the applied mean's compression error on the latest statistics
+        step, if that step compressed per step and was not judged yet (the same on every
+        rank: one all-gather, :mod:`raycomp._internal.reduce.mean_error`), its worst layer's
+        judged at ``step`` (:meth:`judge_error`); None when there is none to judge."""
+        if not self.state.measures_mean_error:
+            return None
+        plan, stats_step = self.state.stats_plan, self.state.stats_step
+        if plan is None or stats_step <= self._errors_judged_at or plan.trains_as_ddp or plan.local_steps is not None:
+            return None
+        self._errors_judged_at = stats_step
+        errors = layer_errors(self.state.mean_samples, self.layers, self.state.position, self.group)
+        if not errors:
+            return None
+        layer = max(errors, key=errors.__getitem__)
+        return self.judge_error(step, errors[layer], f"{layer}, step {stats_step}")
+
+    def changed(self, verdict: Verdict | None) -> GuardEvent | None:
+        """The event of a verdict that changed the fallback state (logged), else None."""
+        if verdict is None or not verdict.changed:
+            return None
+        event = self.guard.events[-1]
+        held = f"; dense until {self.guard.stable_steps} clean steps in a row" if event.kind == "fallback" else ""
+        log.warning("guard %s at step %d: %s (%s)%s", event.kind, event.step, event.reason, event.detail, held)
+        return event
+
+    def stage(self, loss: float, applied: bool, offer: int = 0) -> None:
         """What rides in the next step's collective: this step's loss (unless the step was
         skipped: a discarded step's loss is not judged), worst compression error, and
-        :attr:`offer` (so that every rank learns of rank 0's new plan one step later, with
-        no collective of its own: :attr:`announced`)."""
+        ``offer``, the version of a plan rank 0 holds and has not handed out (so that every
+        rank learns of it one step later, with no collective of its own: :attr:`announced`)."""
         # each rank's own error, where the state does not measure the applied mean's
         fresh = self.state.stats_step == self.state.step - 1 and not self.state.measures_mean_error
         worst = max((s.compression_error for s in self.state.stats), default=None) if fresh else None
-        self.carry = GuardRow(loss=loss if applied else None, plan_offer=self.offer,
+        self.carry = GuardRow(loss=loss if applied else None, plan_offer=offer,
                               worst_error=worst if worst is not None and math.isfinite(worst) else None)
         self.state.stage_control(self.carry.staged(), skippable=not (self.every_step or self.guard.active))
 
     def _rows(self) -> list[GuardRow]:
         rows = self.state.control_rows
+        self.left_out = None
         if rows is None and self.state.control_skipped:  # left out on purpose: judged late
-            if self.carry.loss is not None:
-                self.late.append(self.carry.loss)
+            self.left_out = self.carry.loss
             return [GuardRow() for _ in range(self.world_size)]
         if rows is None:  # nothing carried this step: one small all-reduce instead
             rows = torch.zeros(self.world_size, GuardRow.WIDTH, dtype=torch.float32)
@@ -173,8 +205,7 @@ class StepJudge:
         return [GuardRow.from_row(r) for r in rows.tolist()]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"guard": self.guard.state_dict(), "carry": self.carry.staged(), "inner_norms": list(self.inner_norms),
-                "late": list(self.late)}
+        return {"guard": self.guard.state_dict(), "carry": self.carry.staged(), "inner_norms": list(self.inner_norms)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state["guard"])
@@ -182,6 +213,4 @@ class StepJudge:
         self.carry = GuardRow.from_staged([*state["carry"], 0.0][:GuardRow.WIDTH - 1])
         self.inner_norms.clear()
         self.inner_norms.extend(state["inner_norms"])
-        self.late.clear()
-        self.late.extend(state.get("late", ()))  # a checkpoint from before late losses: none
         self.state.stage_control(self.carry.staged())

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepLog", "show_progress", "truncate"]
+from raycomp.plan import Plan
+
+__all__ = ["StepLog", "is_dense", "show_progress", "truncate"]
 
 log = logging.getLogger("raycomp.train")
 
@@ -32,6 +34,7 @@ class StepLog:
         self._samples = 0
         #: what the plan in force does, in a few words (the loop sets it at each switch)
         self.plan_summary = ""
+        self.evaluated_at: int | None = None  # the step of the latest evaluation (every rank)
         if progress_every and rank == 0:
             show_progress()
 
@@ -45,6 +48,18 @@ class StepLog:
             dropped = truncate(self.path, resume_step)
         self._file = self.path.open("a")
         return dropped
+
+    def write_step(self, step: int, epoch: int, state: Any, loss: float, lr: float, applied: bool, fallback: bool,
+                   seconds: float, samples: int) -> None:
+        """Step ``step``'s line: what ``state`` (the rank's gradient state) trained it on and
+        sent, its loss, learning rate, whether it applied, the guard's fallback, its time."""
+        plan = state.plan
+        self.write({
+            "step": step, "epoch": epoch, "time": time.time(), "plan_version": plan.version,
+            "plan_digest": plan.digest(), "dense": is_dense(plan), "loss": loss, "lr": lr,
+            "applied": applied, "fallback": fallback, "seconds": seconds,
+            "wire_bytes": state.ledger.wire_total, "dense_bytes": state.ledger.dense_total,
+        }, samples)
 
     def write(self, record: dict[str, Any], samples: int) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -63,6 +78,7 @@ class StepLog:
 
     def write_eval(self, metrics: dict[str, Any], step: int, epoch: int) -> None:
         """Rank 0: one line per evaluation, for accuracy-over-time measurements."""
+        self.evaluated_at = step
         if self.rank != 0:
             return
         with (self.output_dir / "evals.jsonl").open("a") as evals:
@@ -83,6 +99,11 @@ class StepLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def is_dense(plan: Plan) -> bool:
+    """Whether ``plan`` sends every layer dense (a step's ``dense``)."""
+    return plan.dense or (plan.default.is_dense and all(s.is_dense for _, s in plan.layers))
 
 
 def show_progress() -> None:

@@ -322,7 +322,7 @@ MUTANTS = (
         "in two levels the pieces of different positions are averaged together as if they were one piece",
     ),
     mutant(
-        "mean-error-never-judged", "TrainLoop._judge_mean_error",
+        "mean-error-never-judged", "StepJudge.judge_mean_error",
         "        if not self.state.measures_mean_error:\n",
         "        if True:\n",
         "tests/test_mean_error.py -k threshold",

@@ -40,7 +40,7 @@ MUTANTS = (
     ),
     mutant(
         "local-sync-not-judged-by-the-guard", "TrainLoop._sync_finished",
-        "            self._verdict(self.guard.judge_sync(step, rows))\n",
+        "            self._verdict(self.judge.judge_sync(step, rows))\n",
         "            pass\n",
         "tests/test_local_train.py -k guard_judges",
         "the losses that ride inside a sync are never judged: local steps never fall back",
@@ -54,7 +54,7 @@ MUTANTS = (
     ),
     mutant(
         "local-checkpoint-drops-the-replicas", "own_state",
-        "        \"replica\": None if loop.strategy.per_step else {\n",
+        "        \"replica\": None if parts.strategy.per_step else {\n",
         "        \"replica\": None if True else {\n",
         "tests/test_local_train.py -k killed",
         "a checkpoint during local steps keeps only rank 0's weights: a resumed rank 1 trains on rank 0's replica",
@@ -187,9 +187,9 @@ MUTANTS = (
         "a learning rate that rises again (a warm restart) keeps the large H for two more boundaries",
     ),
     mutant(
-        "local-lr-not-reported", "TrainLoop._report_counters",
-        "                \"lr\": lr if math.isfinite(lr) and lr >= 0 else None}\n",
-        "                \"lr\": None}\n",
+        "local-lr-not-reported", "TrainLoop._send_statistics",
+        "lr=lr if math.isfinite(lr) and lr >= 0 else None)",
+        "lr=None)",
         "tests/test_train_report.py -k records_the_evaluation",
         "workers never tell the controller their learning rate: the quadratic rule never applies",
     ),
@@ -209,7 +209,7 @@ MUTANTS = (
     ),
     mutant(
         "local-outer-steps-not-counted", "TrainLoop._sync_finished",
-        "            self.outer_steps += not any(SyncRow.from_row(row).nonfinite for row in rows)\n",
+        "            self.progress.outer_steps += not any(SyncRow.from_row(row).nonfinite for row in rows)\n",
         "            pass\n",
         "tests/test_local_train.py -k inner_steps_send_nothing",
         "raycomp_outer_steps_total stays at zero: the dashboard shows no sync of a run in local steps",
@@ -251,8 +251,8 @@ MUTANTS = (
     ),
     mutant(
         "local-checkpoint-does-not-drain", "TrainLoop.save_state",
-        "        self.drain()\n        save_state(self, directory)\n",
-        "        save_state(self, directory)\n",
+        "        self.drain()\n        save_state(self.parts(), directory)\n",
+        "        save_state(self.parts(), directory)\n",
         "tests/test_local_train.py -k drained",
         "a checkpoint finishes the sync on the wire unjudged: the run counts one outer step fewer",
     ),
@@ -265,8 +265,8 @@ MUTANTS = (
     ),
     mutant(
         "local-totals-miss-the-sync-on-the-wire", "TrainLoop.merge_replicas",
-        "        self.drain()\n        merge = getattr(",
-        "        merge = getattr(",
+        "        self.drain()\n        self.progress.outer_steps += self.strategy.merge()",
+        "        self.progress.outer_steps += self.strategy.merge()",
         "tests/test_local_train.py -k drained",
         "the run's totals leave out the last sync, still on the wire when training ends",
     ),

@@ -99,7 +99,7 @@ MUTANTS = (
     ),
     mutant(
         "scaler-not-restored", "load_own",
-        "                loop.grad_scaler.load_state_dict(own[\"grad_scaler\"])\n",
+        "                parts.grad_scaler.load_state_dict(own[\"grad_scaler\"])\n",
         "                    pass\n",
         "tests/test_train_loss_scale.py -k resumes",
         "a restarted worker starts a fresh scaler: it overflows again from the initial scale",
@@ -137,7 +137,7 @@ MUTANTS = (
         "a report with a zero or negative loss scale is accepted and exported",
     ),
     mutant(
-        "loss-scale-not-reported", "TrainLoop._report_counters",
+        "loss-scale-not-reported", "TrainLoop._send_statistics",
         "        scale = None if self.grad_scaler is None else self.grad_scaler.get_scale()\n",
         "        scale = None\n",
         "tests/test_observability.py -k real_run",

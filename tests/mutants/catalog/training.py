@@ -57,9 +57,8 @@ MUTANTS = (
     ),
     mutant(
         "checkpoint-drops-ef-residuals", "own_state",
-        '        "compression": loop.state.state_dict(), "guard": loop.guard.state_dict(),\n',
-        '        "compression": {**loop.state.state_dict(), "memory": {"residuals": {}}},\n'
-        '        "guard": loop.guard.state_dict(),\n',
+        '"compression": parts.strategy.state.state_dict(),',
+        '"compression": {**parts.strategy.state.state_dict(), "memory": {"residuals": {}}},',
         "tests/test_train_job.py -k step_checkpoints_resume_mid_epoch",
         "the Ray Train checkpoint (rank*.pt) drops the error-feedback residuals",
     ),
@@ -124,14 +123,14 @@ MUTANTS = (
     ),
     mutant(
         "evaluation-counted-as-step-time", "TrainLoop.record_eval",
-        "        self._restart_step_clock()  # the evaluation ran since the last step: not step time\n",
+        "        self.clock.restart()  # the evaluation ran since the last step: not step time\n",
         "",
         "tests/test_train_job.py -k stop_at_target",
         "an evaluation's time lands in the next step's: the cost model sees inflated compute",
     ),
     mutant(
         "report-counted-as-step-time", "TrainLoop.report",
-        "        self._restart_step_clock()  # the report (a barrier) and what came before it: not step time\n",
+        "        self.clock.restart()  # the report (a barrier) and what came before it: not step time\n",
         "",
         "tests/test_train_job.py -k stop_at_target",
         "an epoch-end report's time (its barrier, the epoch's evaluation) lands in the next step's",
@@ -210,15 +209,15 @@ MUTANTS = (
         "workload.precision=bf16/fp16 trains in fp32: the setting is accepted and ignored",
     ),
     mutant(
-        "plan-waits-for-the-next-boundary", "TrainLoop._finish_step",
-        "        if self.strategy.per_step and self.guard.announced > self.controller_plan.version:\n",
-        "        if False:\n",
+        "plan-waits-for-the-next-boundary", "PlanHandoff.hand_out",
+        "        if self.announced <= self.controller_plan.version:\n",
+        "        if True:\n",
         "tests/test_plan_latency.py",
         "a plan rank 0 announced is ignored until the next control boundary: decisions take effect K steps late",
     ),
     mutant(
         "report-records-no-evaluation", "TrainLoop.report",
-        "        if name is not None and name in metrics and self._evaluated_at != self.global_step:\n",
+        "        if name is not None and name in metrics and self.log.evaluated_at != self.global_step:\n",
         "        if False:\n",
         "tests/test_train_report.py -k records_the_evaluation",
         "report({'accuracy': ...}) writes no evals.jsonl line and the controller never sees the value",
@@ -231,15 +230,15 @@ MUTANTS = (
         "by default a run never checkpoints: its trained model and compression state are lost",
     ),
     mutant(
-        "loop-no-early-first-boundary", "TrainLoop._is_boundary",
+        "loop-no-early-first-boundary", "PlanHandoff.reports_at",
         "        return steps > 0 and (steps % self.interval == 0 or steps == self.first_boundary)\n",
         "        return steps > 0 and steps % self.interval == 0\n",
         "tests/test_fsdp_job.py -k slow_link",
         "the first boundary waits for K steps: the warm-up sends dense until the link has been timed by all of them",
     ),
     mutant(
-        "dense-run-agrees-at-the-boundary", "TrainLoop.__init__",
-        "        self.agree_after = 0 if every_step else min(ANSWER_STEPS, self.interval - 1)\n",
+        "dense-run-agrees-at-the-boundary", "PlanHandoff.__init__",
+        "        self.agree_after = 0 if control.dense_control == \"every_step\" else min(ANSWER_STEPS, self.interval - 1)\n",
         "        self.agree_after = 0\n",
         "tests/test_plan_latency.py -k at_boundaries",
         "on a dense run the ranks agree before the controller has answered the boundary's statistics: "
@@ -255,7 +254,7 @@ MUTANTS = (
     ),
     mutant(
         "late-loss-not-kept", "StepJudge._rows",
-        "            if self.carry.loss is not None:\n                self.late.append(self.carry.loss)\n",
+        "            self.left_out = self.carry.loss\n",
         "            pass\n",
         "tests/test_control_rows.py",
         "a dense step that left its values out loses its loss: the guard never judges it",
@@ -284,7 +283,7 @@ MUTANTS = (
     ),
     mutant(
         "preemption-notice-not-checkpointed", "TrainLoop._finish_step",
-        "        if self._notice_checkpoint or (every and self.global_step % every == 0 and not epoch_end):\n",
+        "        if notice or (every and self.global_step % every == 0 and not epoch_end):\n",
         "        if every and self.global_step % every == 0 and not epoch_end:\n",
         "tests/test_preemption.py",
         "a preemption notice is asked for and ignored: the restart replays the steps since the last checkpoint",
