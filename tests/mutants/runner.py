@@ -76,7 +76,8 @@ def repo_files(repo: Path) -> list[str]:
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
         cwd=repo, check=True, capture_output=True,
     ).stdout.decode()
-    return [f for f in out.split("\0") if f and (repo / f).is_file()]
+    # a file, or a link (raycomp/controllers, a link to a folder, which is_file() does not take)
+    return [f for f in out.split("\0") if f and ((repo / f).is_file() or (repo / f).is_symlink())]
 
 
 def copy_repo(repo: Path, files: list[str], dest: Path) -> None:
