@@ -9,7 +9,9 @@ The spec: ``output``, ``nodes``, ``workers``, ``name``, ``max_failures`` (the fi
 
 * ``name``: the run's directory under ``output`` and its run id;
 * ``kind``: ``"steps"`` (per step, the ``schedule`` policy over ``stages``: ``[start_step,
-  compressor name, params]``) or ``"local"`` (``compression.local`` fixed, ``sync_every``,
+  compressor name, params]``), ``"layers"`` (per step, one plan fixed for the run with a
+  compressor per layer, :mod:`tests.support.layer_plan_policy`: ``layers`` maps a parameter
+  name to ``[compressor name, params]``) or ``"local"`` (``compression.local`` fixed, ``sync_every``,
   pseudo-gradients in ``local_compressor``, ``delay`` 0 unless the run says: every sync
   lands in the step it starts, so every rank holds the synchronised weights right after it);
 * ``epochs``, ``steps_per_epoch``, ``warmup``; optional ``strategy`` (``"ddp"``, the
@@ -24,8 +26,10 @@ the kill comes after its first one). Each rank's data at a step is drawn from a 
 seeded by (rank, step), so a replayed step sees the same batch.
 
 Every rank writes ``<run>/digests/rank<r>.jsonl``: after every step, the SHA-256 of its
-parameters and optimizer state, the loop's outer steps and the plan's default compressor
-(a replayed step appends again: the last line of a step is what the run ended with), and
+parameters and optimizer state, the loop's outer steps, the plan's default compressor and,
+in a ``"layers"`` run, ``routes`` (each layer's compressor the reducer built, by name, and
+the transport it sends by) (a replayed step appends again: the last line of a step is what
+the run ended with), and
 ``<run>/rank<r>.json`` at the end: the final digests (parameters, optimizer state, the
 compression state: residuals, server residuals, PowerSGD's Q) and where it ran. raycomp.train
 writes each rank's step log (``<run>/steps/rank<r>.jsonl``).
@@ -43,6 +47,9 @@ from typing import Any
 import torch
 
 from tests.support.switch_train import _optimizer_tensors, digest, join_cluster
+
+#: the ``"layers"`` kind's policy, by import path (the controller actor imports it)
+LAYER_PLAN_POLICY = "tests.support.layer_plan_policy:LayerPlanPolicy"
 
 
 def _full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -81,6 +88,11 @@ def _options(run: dict[str, Any], controller: str, run_dir: Path) -> Any:
             static=StaticOptions(compressor=compressor("int8")),
             local=LocalSection(mode="fixed", sync_every=run["sync_every"], compressor=run["local_compressor"],
                                delay=run.get("delay", 0)), levels=run.get("levels", "flat"))
+    elif run["kind"] == "layers":
+        layers = {layer: {"name": name, **params} for layer, (name, params) in run["layers"].items()}
+        compression = CompressionSection(policy=LAYER_PLAN_POLICY, custom_options={"layers": layers},
+                                         warmup_steps=run["warmup"], min_compress_numel=0,
+                                         levels=run.get("levels", "flat"))
     else:
         stages = [ScheduleStage(start_step=start, compressor=compressor(name, **params))
                   for start, name, params in run["stages"]]
@@ -105,6 +117,18 @@ def _reducer(state: Any) -> Any:
     return state
 
 
+def _routes(state: Any, shapes: dict[str, torch.Size]) -> dict[str, list[str]]:
+    """Each layer's compressor as the flat reducer built it, by registry name, and the
+    transport it sends by under the plan in force (dense: too small, or a shape the
+    compressor does not take). Only for a flat per-step run on a plan fixed for the run
+    (``"layers"``): read after a step, every layer was routed under that plan, so asking
+    the transport builds nothing (a compressor built here would change the state the run
+    checkpoints)."""
+    reducer = _reducer(state)
+    return {name: [spec.name, reducer.transport_for(name, shapes[name]).value]
+            for name, (spec, _) in sorted(reducer.router.compressors.items())}
+
+
 def train_one(run: dict[str, Any], controller: str, run_dir: Path) -> dict[str, Any]:
     import ray
     import ray.train
@@ -116,6 +140,7 @@ def train_one(run: dict[str, Any], controller: str, run_dir: Path) -> dict[str, 
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     before = digest(list(model.parameters()))
+    shapes = {name: p.shape for name, p in model.named_parameters()}
     model = raycomp.train.prepare_model(model, optimizer, options=_options(run, controller, run_dir))
     loop = raycomp.train.current()
     restored_from = loop.global_step
@@ -140,7 +165,8 @@ def train_one(run: dict[str, Any], controller: str, run_dir: Path) -> dict[str, 
                 out.write(json.dumps({
                     "step": step, "params": digest(_full(list(model.parameters()))),
                     "optimizer": digest(_full(_optimizer_tensors(optimizer))), "outer_steps": loop.outer_steps,
-                    "plan": loop.state.plan.default.name}) + "\n")
+                    "plan": loop.state.plan.default.name,
+                    **({"routes": _routes(loop.state, shapes)} if run["kind"] == "layers" else {})}) + "\n")
                 out.flush()
             raycomp.train.report({})
     compression = digest(_tensors(loop.state.state_dict()))
