@@ -13,8 +13,8 @@ from raycomp._internal.ddp.buckets import ddp_kwargs
 from raycomp._internal.ddp.hook import CompressionState, compression_hook
 from raycomp._internal.ddp.step_route import StepRoute
 from raycomp._internal.topology import discover
+from raycomp._internal.train.gradient_strategy import GradientStrategy, StrategySetup
 from raycomp.plan import Plan
-from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
 __all__ = ["DdpStrategy", "compression_state", "ddp_hook_strategy", "ddp_strategy", "parameter_shapes", "wrap_ddp"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
+from raycomp._internal.train.gradient_strategy import GradientStrategy, StrategySetup
 
 __all__ = ["raycomp_strategy"]
 

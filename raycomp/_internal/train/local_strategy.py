@@ -45,11 +45,11 @@ from raycomp._internal.local import LocalSteps, equalize_inner_state, resolve_de
 from raycomp._internal.reduce.stats import LayerStats
 from raycomp._internal.reduce.two_level import TwoLevelReducer
 from raycomp._internal.train.ddp_strategy import compression_state, parameter_shapes, wrap_ddp
+from raycomp._internal.train.gradient_strategy import GradientStrategy, StrategySetup
 from raycomp._internal.wire.control_rows import SyncRow
 from raycomp._internal.wire.ledger import WireLedger
 from raycomp.config import LocalSection
 from raycomp.plan import LocalMode, Plan
-from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
 __all__ = ["LocalState", "LocalStepsStrategy", "local_hook_strategy", "local_strategy", "outer_sgd"]
 

@@ -27,7 +27,13 @@ from raycomp._internal.guard import Guard, Verdict
 from raycomp._internal.reduce.loss_scale import unscale_once
 from raycomp._internal.train import ray_report
 from raycomp._internal.train.default_strategy import raycomp_strategy
+from raycomp._internal.train.gradient_strategy import (
+    GradientState,
+    GradientStrategyFactory,
+    StrategySetup,
+)
 from raycomp._internal.train.lr_ramp import LrRamp
+from raycomp._internal.train.options import TrainOptions
 from raycomp._internal.train.outputs import run_outputs
 from raycomp._internal.train.plan_handoff import PlanHandoff
 from raycomp._internal.train.plan_log import PlanLog, compressible_layers
@@ -39,8 +45,6 @@ from raycomp._internal.train.step_arguments import SchedulerInterval, SchedulerS
 from raycomp._internal.train.step_judge import StepJudge
 from raycomp._internal.train.step_log import StepLog
 from raycomp._internal.wire.control_rows import SyncRow
-from raycomp.train.gradient_strategy import GradientState, GradientStrategyFactory, StrategySetup
-from raycomp.train.options import TrainOptions
 
 __all__ = ["TrainLoop"]
 

@@ -20,7 +20,7 @@ from raycomp._internal.train.reporter import Outages
 from raycomp._internal.train.step_judge import StepJudge
 
 if TYPE_CHECKING:  # the protocols' module is the public package's, which imports the loop
-    from raycomp.train.gradient_strategy import GradientState, GradientStrategy
+    from raycomp._internal.train.gradient_strategy import GradientState, GradientStrategy
 
 __all__ = ["InProgress", "Progress", "RankParts", "StepClock"]
 

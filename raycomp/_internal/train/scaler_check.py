@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from raycomp._internal.reduce.loss_scale import check_scaler
-from raycomp.train.options import TrainOptions
+from raycomp._internal.train.options import TrainOptions
 
 __all__ = ["refuse_scaler"]
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from raycomp._internal.topology import Levels, discover, node_groups
+from raycomp._internal.train.gradient_strategy import GradientStrategy, StrategySetup
 from raycomp.plan import Plan
-from raycomp.train.gradient_strategy import GradientStrategy, StrategySetup
 
 __all__ = ["FsdpStrategy", "default_units", "fsdp_strategy", "shard_model", "sharded_state", "sharding_levels"]
 
