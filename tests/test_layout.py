@@ -1,6 +1,7 @@
 """The repository's layout rules (issue 83): ``jobs/`` reaches into raycomp's internals only
 through the modules docs/architecture.md lists ("Internals jobs/ uses"), and no module is
-longer than :data:`MAX_LINES` lines."""
+longer than :data:`MAX_LINES` lines; ``raycomp.controllers`` resolves on the file system and the
+internals never import the public packages built on them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import ast
 import os
 import re
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 INTERNAL = "raycomp._internal"
@@ -106,8 +105,40 @@ def test_jobs_use_only_the_internals_the_architecture_doc_lists():
     assert not stale, f"docs/architecture.md ({SECTION!r}) lists modules jobs/ no longer uses: {stale}"
 
 
-@pytest.mark.xfail(strict=False, reason="issue 83: splits in progress")
 def test_no_module_is_longer_than_the_limit():
     long = {str(p.relative_to(REPO)): n for p in _modules(*SIZED)
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by what they hold): {long}"
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str, int]]:
+    """(line, module, level) of every ``import``/``from ... import`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, 0) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, node.module or "", node.level))
+    return found
+
+
+def test_controllers_is_one_package_in_the_checkout():
+    """``raycomp/controllers`` is a link to the top-level folder (no ``__path__`` rewrite), and
+    the folder imports its own modules relatively, so file-system tools resolve both."""
+    link = REPO / "raycomp" / "controllers"
+    assert link.is_symlink() and link.resolve() == REPO / "controllers", link
+    absolute = [f"{p.relative_to(REPO)}:{line}: {module}" for p in _modules("controllers")
+                for line, module, level in _imported_modules(p)
+                if level == 0 and (module == "raycomp.controllers" or module.startswith("raycomp.controllers."))]
+    assert not absolute, "controllers/ imports its own modules relatively (from .state import ...): " + "; ".join(absolute)
+
+
+def test_internals_never_import_the_public_packages_built_on_them():
+    """``raycomp/_internal`` imports no public package that is built on it (``raycomp.train``,
+    ``raycomp.integrations``): their ``__init__`` imports the internals, so such an import
+    runs a package half-way and fails when an internal module is imported first."""
+    public = ("raycomp.train", "raycomp.integrations")
+    found = [f"{p.relative_to(REPO)}:{line}: {module}" for p in _modules("raycomp/_internal")
+             for line, module, level in _imported_modules(p)
+             if level == 0 and any(module == m or module.startswith(m + ".") for m in public)]
+    assert not found, "import the definition from raycomp._internal instead: " + "; ".join(found)

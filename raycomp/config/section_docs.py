@@ -245,7 +245,7 @@ def sections(top: tuple[tuple[str, type[BaseModel]], ...] = TOP_SECTIONS) -> lis
 
 def train_options() -> SectionDoc:
     """:class:`raycomp.train.TrainOptions`' fields, read from its module's source."""
-    path = Path(__file__).resolve().parent.parent / "train" / "options.py"
+    path = Path(__file__).resolve().parent.parent / "_internal" / "train" / "options.py"
     tree = ast.parse(path.read_text(encoding="utf-8"))
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainOptions")
     doc = ast.get_docstring(node) or ""

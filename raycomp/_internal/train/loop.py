@@ -27,11 +27,8 @@ from raycomp._internal.guard import Guard, Verdict
 from raycomp._internal.reduce.loss_scale import unscale_once
 from raycomp._internal.train import ray_report
 from raycomp._internal.train.default_strategy import raycomp_strategy
-from raycomp._internal.train.gradient_strategy import (
-    GradientState,
-    GradientStrategyFactory,
-    StrategySetup,
-)
+from raycomp._internal.train.gradient_strategy import GradientState, StrategySetup
+from raycomp._internal.train.gradient_strategy import GradientStrategyFactory as Factory
 from raycomp._internal.train.lr_ramp import LrRamp
 from raycomp._internal.train.options import TrainOptions
 from raycomp._internal.train.outputs import run_outputs
@@ -68,7 +65,7 @@ class TrainLoop:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
                  options: TrainOptions, controller: Any = None, grad_scaler: torch.amp.GradScaler | None = None,
-                 gradient_strategy: GradientStrategyFactory = raycomp_strategy, owns_optimizer: bool = True,
+                 gradient_strategy: Factory = raycomp_strategy, owns_optimizer: bool = True,
                  resume: Callable[[RankParts], None] | None = None,
                  scheduler_interval: SchedulerInterval | None = None) -> None:
         import ray.train
