@@ -18,6 +18,7 @@ so evaluations are comparable across steps, ranks, runs and methods.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,11 +132,26 @@ def optimizer_for(config: WorkloadSection, model: nn.Module, total_steps: int):
     else:
         opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                               weight_decay=config.weight_decay)
+    warmup = min(config.lr_warmup_steps, max(0, total_steps - 1))
+    if warmup:
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup_then(config.lr_schedule, warmup, total_steps))
     if config.lr_schedule == "cosine":
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, total_steps))
     else:
         scheduler = None
     return opt, scheduler
+
+
+def warmup_then(schedule: str, warmup: int, total_steps: int):
+    """The LR factor at each step: (s + 1) / warmup for the first ``warmup`` steps, then 1
+    (``constant``) or a cosine from 1 to 0 over the remaining steps (``cosine``)."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+    return factor
 
 
 def model_of(config_name: str, seed: int = 0) -> nn.Module:

@@ -516,6 +516,9 @@ def test_the_command_line_refuses_an_evaluation_cadence_that_splits_a_local_step
     with pytest.raises(SystemExit, match=r"--target-step must be in 1..320"):
         cli.settings_from(parser.parse_args(["--target-step", "321"]))
     assert cli.settings_from(parser.parse_args(["--quick"]))["steps"] == 64
+    # the language-model workload's budget is its own: thousands of steps, evaluated every 80
+    lm = cli.settings_from(parser.parse_args(["--workload", "lm", "--methods", "dense,raycomp_local"]))
+    assert (lm["steps"], lm["eval_every"], lm["config"]) == (2000, 80, "jobs/configs/lm_kjv.yaml")
 
 
 def test_fsdp_methods_share_the_budget_and_differ_only_in_the_reduce_scatter():

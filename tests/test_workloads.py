@@ -374,3 +374,35 @@ def test_entrypoint_must_return_a_workload():
 
 def _not_a_workload(config, rank, world_size, seed):
     return {}
+
+
+def test_a_warm_up_rises_linearly_to_the_peak_then_the_cosine_decays_to_zero():
+    """``lr_warmup_steps``: lr/N at the first step, lr at step N-1, then the cosine over the
+    remaining steps, 0 after the last; without it the schedule is torch's own cosine."""
+    model = torch.nn.Linear(4, 2)
+    config = WorkloadSection(optimizer="adamw", lr=0.01, lr_schedule="cosine", lr_warmup_steps=10)
+    opt, scheduler = optimizer_for(config, model, total_steps=110)
+    lrs = []
+    for _ in range(110):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(0.001) and lrs[9] == pytest.approx(0.01)
+    assert all(a < b for a, b in zip(lrs[:9], lrs[1:10], strict=True))  # rising through the warm-up
+    assert all(a > b for a, b in zip(lrs[10:-1], lrs[11:], strict=True))  # then decaying
+    assert lrs[60] == pytest.approx(0.005) and opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    constant, after = optimizer_for(WorkloadSection(lr=0.1, lr_schedule="constant", lr_warmup_steps=4), model, 50)
+    assert after.get_last_lr() == [pytest.approx(0.025)]
+    plain = optimizer_for(WorkloadSection(optimizer="adamw", lr=0.01), model, 100)[1]
+    assert isinstance(plain, torch.optim.lr_scheduler.CosineAnnealingLR)
+
+
+def test_the_language_model_benchmark_config_is_the_transformer_at_width_128(kjv_cached):
+    """``lm_kjv.yaml``: the shipped transformer's shape at width 128 (its comment's size), 768
+    tokens per worker per step, 2,000 steps after a 100-step warm-up."""
+    lm = _config("lm_kjv")
+    built = build(lm, 0, 2, seed=0)
+    assert 780_000 < built.parameters < 860_000 and built.metric == "loss"
+    assert (lm.batch_size * lm.block, lm.steps_per_epoch * lm.epochs, lm.lr_warmup_steps) == (768, 2000, 100)
+    assert lm.optimizer == "adamw" and lm.lr_schedule == "cosine"
+

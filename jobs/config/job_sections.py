@@ -62,6 +62,9 @@ class WorkloadSection(Section):
     weight_decay: Annotated[float, Field(ge=0, lt=1)] = 0.0
     #: the learning rate over the run: constant, or cosine decay to 0
     lr_schedule: Literal["constant", "cosine"] = "cosine"
+    #: a linear warm-up from ``lr``/N to ``lr`` over the first N steps, the schedule's decay
+    #: over the steps after it (0: none), as language models are usually trained with AdamW
+    lr_warmup_steps: Annotated[int, Field(ge=0)] = 0
     #: sgd (with ``momentum``) or adamw
     optimizer: Literal["sgd", "adamw"] = "sgd"
     #: kjv: truncate the corpus to this many characters (None: all of it)

@@ -151,7 +151,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     """Everything a run depends on, from the command line (recorded in meta.json)."""
     mode = "quick" if args.quick else "full"
     spec = WORKLOADS[args.workload]
-    steps = args.steps or (spec["quick"]["steps"] if args.quick else DEFAULT_BUDGET)
+    steps = args.steps or (spec["quick"]["steps"] if args.quick else spec.get("steps", DEFAULT_BUDGET))
     eval_every = args.eval_every or (spec["quick"]["eval_every"] if args.quick else spec["eval_every"])
     if steps < 2 * eval_every or steps % eval_every:
         raise SystemExit(f"error: --steps {steps} must be a multiple of --eval-every {eval_every}, at least two "

@@ -139,6 +139,8 @@ DEFAULT_BUDGET = 320
 WORKLOADS: dict[str, dict[str, Any]] = {
     "gpt": {"config": "jobs/configs/gpt_kjv.yaml", "eval_every": 16, "quick": {"steps": 64, "eval_every": 16},
             "powersgd_rank": 4, "best_h": {"torch_postlocalsgd": 4, "torchft_diloco": 16, "raycomp_local": 4}},
+    "lm": {"config": "jobs/configs/lm_kjv.yaml", "steps": 2000, "eval_every": 80,
+           "quick": {"steps": 160, "eval_every": 16}, "powersgd_rank": 4},
     "cnn": {"config": "jobs/configs/cnn_fashion.yaml", "eval_every": 16, "quick": {"steps": 64, "eval_every": 16},
             "powersgd_rank": 4, "best_h": {"torch_postlocalsgd": 16, "torchft_diloco": 16, "raycomp_local": 8}},
     "lstm": {"config": "jobs/configs/lstm_kjv.yaml", "eval_every": 16, "quick": {"steps": 64, "eval_every": 16},
