@@ -785,3 +785,31 @@ def test_two_level_goals_judge_against_the_flat_run_of_the_same_method():
     plain = _results([_row("dense", 300.0), _row("raycomp_adaptive", 100.0)], workload="cnn")
     plain["workload"]["world_size"] = 4
     assert {"time_vs_flat", "nic_per_step_flat_vs_levels"}.isdisjoint(g["measure"] for g in judge.judge(plain))
+
+
+def test_a_composed_report_times_a_synchronous_curve_by_its_shaped_step():
+    """``jobs.bench.e2e.compose``: dense's shaped time to target is its unshaped steps to target
+    times its shaped median step, its bytes the steps times its bytes per step; a run made whole
+    on the shaped link keeps its own numbers, and must share the curves' target."""
+    from jobs.bench.e2e.compose import compose, render
+
+    target = {"value": 1.6, "step": 1520}
+    curve = {"name": "dense", "steps_to_target_seeds": [1440, 1520, None], "final_metric": 1.55,
+             "final_metric_seeds": [1.55, 1.56, 1.54]}
+    curves = {"workload": {"name": "lm"}, "target": target, "seeds": [0, 1, 2], "methods": [curve]}
+    shaped = {"link": {"rate": "100mbit"}, "no_comm_step_s": 0.1,
+              "methods": [{"name": "dense", "step_s": 0.4, "nic_bytes_per_step": 7e6}]}
+    adaptive = {"name": "raycomp_adaptive", "steps_to_target_seeds": [1600, 1680, 1700], "steps_to_target": 1680,
+                "step_s": 0.12, "time_to_target_s_seeds": [200.0, 210.0, 230.0], "time_to_target_s": 210.0,
+                "nic_bytes_to_stop_seeds": [5e7, 6e7, 7e7], "final_metric": 1.58, "final_metric_seeds": [1.58] * 3}
+    results = compose(curves, shaped, [{"target": target, "methods": [adaptive]}])
+    dense, ours = results["methods"]
+    # a seed that missed counts as infinitely slow: the median of (1440, 1520, miss) is 1520
+    assert dense["steps_to_target"] == 1520 and dense["time_to_target_s"] == pytest.approx(1520 * 0.4)
+    assert dense["nic_bytes_to_target"] == pytest.approx(1520 * 7e6) and dense["time_to_target_s_seeds"][2] is None
+    assert results["compute_bound_time_to_target_s"] == pytest.approx(152.0)
+    assert ours["speedup_vs_dense"] == pytest.approx(608 / 210) and ours["bytes_vs_dense"] == pytest.approx(1520 * 7e6 / 6e7)
+    assert ours["over_compute_bound"] == pytest.approx(210 / 152)
+    assert "raycomp_adaptive" in render(results) and "| dense | composed |" in render(results)
+    with pytest.raises(ValueError, match="is not the curves'"):
+        compose(curves, shaped, [{"target": {"value": 1.7}, "methods": [adaptive]}])
